@@ -1,0 +1,252 @@
+"""The ``shardwise`` command line: train, launch, env (plus plan, verify, ckpt, bench).
+
+Every user mistake surfaces as a ShardwiseError and is printed as one paragraph with exit code 2;
+a traceback means a bug in shardwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+from shardwise.errors import ConfigError, ShardwiseError
+
+
+# ------------------------------------------------------------------------------ train
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE_OR_TOML",
+                   help="built-in recipe name (default: gpt-shakespeare) or a TOML file")
+    p.add_argument("--strategy", default=None,
+                   help="parallel strategy (default: ddp on several ranks, single on one)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks per node (default: one per GPU, or 2 CPU processes without GPUs)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=100 (repeatable)")
+
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a recipe or TOML config on one or many ranks",
+                       description="Train a built-in recipe or a TOML config. Without arguments: "
+                       "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.")
+    _add_run_options(p)
+    p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node runs)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node runs)")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="rendezvous address shared by all nodes (multi-node runs)")
+    p.set_defaults(func=cmd_train)
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[object, int, Path]:
+    """Load and check everything a run needs before any process starts: (config, nproc, out)."""
+    from shardwise.config import load_config
+    from shardwise.parallel.registry import get_strategy
+    from shardwise.runtime.device import default_nproc
+    from shardwise.runtime.rundir import default_run_dir
+
+    overrides = list(args.overrides)
+    if args.strategy:
+        overrides.append(f"parallel.strategy={args.strategy}")
+    cfg = load_config(args.recipe, overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
+    nnodes = getattr(args, "nnodes", 1)
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
+    nproc = args.nproc or cfg.parallel.nproc or default_nproc()
+    world = nproc * nnodes
+    strategy = get_strategy(cfg.parallel.strategy, world)
+    strategy.check(world, cfg.parallel)
+    cfg.parallel.strategy, cfg.parallel.nproc = strategy.name, nproc
+    out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, strategy.name))
+    cfg.out_dir = str(out)
+    return cfg, nproc, out
+
+
+def _preflight_data(cfg: object) -> None:
+    # Build the datasets once here so a missing or malformed data file is reported before any
+    # rank starts (a clear message instead of N copies of a worker traceback).
+    from shardwise.workloads import build_workload
+
+    build_workload(cfg.model, cfg.data)  # type: ignore[attr-defined]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardwise.config import to_toml
+    from shardwise.launch import LaunchSpec, run_torchrun
+    from shardwise.runtime.trainer import train
+
+    cfg, nproc, out = resolve_run(args)
+    _preflight_data(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(cfg))
+    if nproc == 1 and args.nnodes == 1:
+        train(cfg, out)
+        return 0
+    spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=out.name)
+    rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
+                             "--out", str(out)])
+    return _report_ranks(rc, out)
+
+
+def _report_ranks(rc: int, out: Path) -> int:
+    """Turn a failed torchrun into one clear paragraph naming the failing rank(s)."""
+    if rc == 0:
+        return 0
+    failures = sorted(out.glob("failure-rank*.json"))
+    if failures:
+        first = json.loads(failures[0].read_text())
+        print(f"error: rank {first['rank']} failed: {first['error']}", file=sys.stderr)
+        return 2
+    print(f"error: training failed (torchrun exit code {rc}); see the rank output above. "
+          f"The run directory is {out}.", file=sys.stderr)
+    return 1
+
+
+# ------------------------------------------------------------------------------ launch
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="run your own script on N ranks through torchrun",
+        description="Run a user script written against shardwise.Session on N ranks via "
+        "torch.distributed.run. Extra torchrun options go before the script as --opt=value.",
+    )
+    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default as for train)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("script", help="the Python script to run on every rank")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=cmd_launch)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from shardwise.launch import LaunchSpec, torchrun_args
+    from shardwise.runtime.device import default_nproc
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script {args.script!r} does not exist.")
+    spec = LaunchSpec(nproc=args.nproc or default_nproc(), nnodes=args.nnodes,
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                      max_restarts=args.max_restarts)
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec),
+           *args.torchrun_extra, str(script), *args.script_args]
+    return subprocess.call(cmd, env=env)
+
+
+# ------------------------------------------------------------------------------ env
+def _add_env_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="show torch, backends, devices and what train would choose")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_env)
+
+
+def env_report() -> dict[str, object]:
+    """Facts about this machine that decide how shardwise runs here."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.runtime.device import accelerator_count, backend_for, cpu_count, default_nproc
+
+    n_gpu = accelerator_count()
+    default_device = "cuda" if n_gpu else "cpu"
+    nproc = default_nproc()
+    return {
+        "shardwise": __import__("shardwise").__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(n_gpu)],
+        "backends": {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+                     "mpi": dist.is_mpi_available()},
+        "cpu_count": cpu_count(),
+        "default_train": {"nproc": nproc, "device": default_device,
+                          "backend": backend_for(torch.device(default_device)),
+                          "strategy": "ddp" if nproc > 1 else "single"},
+    }
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    report = env_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    backends = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report["backends"].items())
+    d = report["default_train"]
+    print(f"shardwise   {report['shardwise']}  (python {report['python']})")
+    print(f"torch       {report['torch']}  (cuda available: {report['cuda_available']}, "
+          f"cuda {report['cuda_version']})")
+    print(f"backends    {backends}")
+    gpus = report["gpus"]
+    print(f"devices     {len(gpus)} GPU(s){': ' + ', '.join(gpus) if gpus else ''}; "
+          f"{report['cpu_count']} CPU cores")
+    print(f"train uses  {d['nproc']} x {d['device']} ranks, backend {d['backend']}, "
+          f"strategy {d['strategy']} (override with --nproc / --strategy)")
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Take a PyTorch training job from one process to many: plan, train, verify, "
+        "resume, compare.",
+    )
+    parser.add_argument("--version", action="version",
+                        version=f"shardwise {__import__('shardwise').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train_parser(sub)
+    _add_launch_parser(sub)
+    _add_env_parser(sub)
+    for module in ("shardwise.plan.cli",):
+        _register_optional(module, sub)
+    return parser
+
+
+def _register_optional(module: str, sub: argparse._SubParsersAction) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        return
+    mod.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "launch":
+        args.torchrun_extra = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.func(args) or 0)
+    except ShardwiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

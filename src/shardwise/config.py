@@ -1,0 +1,295 @@
+"""Typed run configuration: TOML recipes, dotted ``--set`` overrides, one up-front validation.
+
+Each component takes only its own section (``ModelConfig``, ``DataConfig``, ``TrainConfig``,
+``ParallelConfig``, ``CheckpointConfig``), never the whole ``RunConfig``. Nothing else in shardwise
+reads raw dicts; unknown keys are errors that suggest the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError, did_you_mean, unknown_choice
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass
+class ModelConfig:
+    # gpt: the built-in character GPT; cnn: the small CIFAR CNN; hf: a transformers model built
+    # from a local config.json; custom: ``factory = "module:function"`` returning an nn.Module.
+    kind: str = "gpt"
+    preset: str = "tiny"
+    # Overrides on top of the preset, e.g. {n_layer = 2}. For ``hf``/``custom`` they are passed to
+    # the builder as keyword arguments.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    factory: str = ""
+    hf_config: str = ""
+
+
+@dataclass
+class DataConfig:
+    # shakespeare: the bundled text (or ``path``); cifar10: the python-pickle batches in ``path``;
+    # custom: ``factory = "module:function"`` returning (train_dataset, val_dataset).
+    kind: str = "shakespeare"
+    path: str = ""
+    factory: str = ""
+    val_fraction: float = 0.1
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    micro_batch_size: int = 32  # per rank, per micro-batch
+    grad_accum_steps: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 200  # 0: evaluate only at the end
+    eval_batches: int = 20
+    log_every: int = 10
+    seed: int = 1337
+    sample_tokens: int = 300  # 0: no text sample at the end
+    progress: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "auto"  # auto: ddp when more than one rank, else single
+    nproc: int = 0  # 0: one per GPU, or 2 CPU processes when there is none
+    precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    ac_every: int = 2  # with "selective": checkpoint every k-th block
+    # Sharded strategies: "block" (one unit per transformer block), "model" (one unit), or an int
+    # N given as a string/number for one unit per N blocks.
+    wrap: str = "block"
+    hsdp_shard_size: int = 0  # 0: ranks per node
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0: 2 x stages
+    pp_stages_per_rank: int = 1
+    pp_first_stage_fewer: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0: only at the end and on interrupt
+    keep_last: int = 2
+    resume: str = ""  # "", "latest" or a path
+    at_end: bool = True
+
+
+@dataclass
+class WatchdogConfig:
+    timeout_s: float = 600.0  # a rank with no progress for this long is declared hung
+    collective_timeout_s: float = 1800.0
+
+
+@dataclass
+class RunConfig:
+    name: str = "gpt-shakespeare"
+    out_dir: str = ""  # default: runs/<name>-<strategy>-<timestamp>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def builtin_recipes() -> dict[str, str]:
+    """Map built-in recipe names to their TOML text."""
+    pkg = resources.files("shardwise") / "recipes"
+    return {p.name[: -len(".toml")]: p.read_text() for p in pkg.iterdir() if p.name.endswith(".toml")}
+
+
+def _parse_toml(text: str, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}. Fix the syntax and retry.") from None
+
+
+def load_raw(recipe_or_path: str | None) -> dict[str, Any]:
+    """Return the raw dict of a built-in recipe name or a TOML file path (default recipe if None)."""
+    recipes = builtin_recipes()
+    name = recipe_or_path or "gpt-shakespeare"
+    if name in recipes:
+        return _parse_toml(recipes[name], f"built-in recipe {name!r}")
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist.")
+        return _parse_toml(path.read_text(), f"config file {str(path)!r}")
+    raise unknown_choice("recipe", name, recipes)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Parse ``a.b=c`` into (``"a.b"``, value), reading the value as TOML when it parses as one."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key.path=value, got {item!r}.")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words are strings: --set parallel.strategy=fsdp
+    return key, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, value = parse_override(item)
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part!r} is a value, not a section.")
+        node[parts[-1]] = value
+    return raw
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp in (int, float, str):
+        if isinstance(value, tp) and not isinstance(value, bool):
+            return value
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, (list, tuple)) and len(value) == len(args):
+            return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - only the types above are used
+        return value
+    want = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"{key} must be {want}, got {value!r} ({type(value).__name__}).")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key {full!r}.{did_you_mean(key, fields)} "
+                f"Valid keys in [{prefix.rstrip('.') or 'top level'}]: {', '.join(fields)}."
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full!r} is a section; set its keys, e.g. {full}.<key>=value.")
+            kwargs[key] = _build(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def load_config(recipe_or_path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load, override and validate a run config; raises ConfigError naming any bad key or value."""
+    raw = apply_overrides(load_raw(recipe_or_path), list(overrides or []))
+    cfg = _build(RunConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    cfg = _build(RunConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """Serialise a config as TOML (the resolved ``config.toml`` of a run directory)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {fmt(x)}" for k, x in v.items()) + "}"
+        raise TypeError(type(v))
+
+    lines, sections = [], []
+    for key, value in to_dict(cfg).items():
+        if isinstance(value, dict) and key != "overrides":
+            sections.append((key, value))
+        else:
+            lines.append(f"{key} = {fmt(value)}")
+    for name, body in sections:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {fmt(v)}" for k, v in body.items())
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key} must be {bound}, got {value}.")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check values that do not need to know the world size (see ``validate_for_world``)."""
+    from shardwise.parallel.registry import canonical_strategy
+
+    t, p = cfg.train, cfg.parallel
+    _positive("train.steps", t.steps)
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("train.grad_accum_steps", t.grad_accum_steps)
+    _positive("train.lr", t.lr)
+    _positive("train.min_lr", t.min_lr, allow_zero=True)
+    _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
+    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.eval_batches", t.eval_batches)
+    _positive("train.log_every", t.log_every)
+    _positive("parallel.nproc", p.nproc, allow_zero=True)
+    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    _positive("watchdog.timeout_s", cfg.watchdog.timeout_s)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    if p.precision not in PRECISIONS:
+        raise unknown_choice("precision", p.precision, PRECISIONS)
+    if p.activation_checkpointing not in AC_MODES:
+        raise unknown_choice("activation_checkpointing mode", p.activation_checkpointing, AC_MODES)
+    _positive("parallel.ac_every", p.ac_every)
+    if p.wrap not in ("block", "model") and not str(p.wrap).isdigit():
+        raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
+    p.strategy = canonical_strategy(p.strategy)  # raises with the list of valid names

@@ -1,0 +1,1 @@
+"""Datasets of the reference workloads (Tiny Shakespeare ships inside the package)."""

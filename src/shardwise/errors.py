@@ -1,0 +1,38 @@
+"""User-facing errors: each one carries a message that says what was wrong and what is allowed.
+
+The CLI prints these as one paragraph and exits with code 2; anything else that escapes is a bug
+in shardwise and is shown with its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ShardwiseError(Exception):
+    """A mistake the user can fix (bad config, flag, path, checkpoint, world size)."""
+
+    exit_code = 2
+
+
+class ConfigError(ShardwiseError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+class CheckpointError(ShardwiseError):
+    """A checkpoint is missing, corrupted or incompatible with the run."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_choice(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
+    """Build the standard 'unknown X' error that lists every valid choice."""
+    valid = sorted(choices)
+    return ConfigError(
+        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {kind}s: {', '.join(valid)}."
+    )

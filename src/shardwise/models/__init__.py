@@ -1,0 +1,1 @@
+"""Reference models. Plain single-device code; parallelism is applied from outside."""

@@ -1,0 +1,178 @@
+"""A nanoGPT-style character GPT. Plain single-device code: it never knows it is distributed.
+
+Parallelism is applied from outside (see ``shardwise.parallel``). Two choices here exist so that
+outside code can do that without touching the model:
+
+* attention uses separate ``q_proj``/``k_proj``/``v_proj`` and reshapes with ``-1`` heads, so a
+  tensor-parallel plan can shard the projections column-wise and each rank simply sees fewer heads;
+* blocks live in an ``nn.ModuleDict`` keyed "0".."n-1" and every top-level part may be ``None``,
+  so a pipeline stage is this same class with the parts it does not own deleted, and parameter
+  names (checkpoint keys) stay the same on every stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 65
+    block_size: int = 256  # context length in tokens
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named sizes. "lab" is the seed lab's model (6 layers, 6 heads, 384 wide, context 256);
+# "tiny" is the default demo, sized so 2 CPU processes reach val loss < 2.0 in a few minutes.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "nano": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+    "tiny": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128),
+    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256),
+    "lab": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(bsz, seq, -1)
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: token ids (B, T) -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage without the embeddings receives hidden states instead of token ids.
+        if self.tok_emb is not None:
+            seq = idx.shape[1]
+            if seq > self.config.block_size:
+                raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.config.block_size}")
+            pos = torch.arange(seq, device=idx.device)
+            h = self.tok_emb(idx)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(pos)
+            h = self.drop(h)
+        else:
+            h = idx
+        for block in self.blocks.values():
+            h = block(h)
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Return ``idx`` extended by ``max_new_tokens`` sampled tokens (single-device model)."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.config.block_size:]
+            logits = self(ctx)[:, -1, :] / max(temperature, 1e-5)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx
+
+
+def gpt_param_count(cfg: GPTConfig) -> int:
+    """Exact number of parameters of ``GPT(cfg)`` (checked against the module in tests)."""
+    c, v, t, layers = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.n_layer
+    b = 1 if cfg.bias else 0
+    per_block = (
+        2 * (c + b * c)  # two LayerNorms
+        + 4 * (c * c + b * c)  # q, k, v, o projections
+        + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c)  # MLP up and down
+    )
+    return v * c + t * c + layers * per_block + (c + b * c) + c * v
+
+
+def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6 * N (matmul params) plus the attention term 12 * L * C * T.
+
+    Convention (PaLM appendix B / nanoGPT ``estimate_mfu``): forward + backward = 3 x forward,
+    a multiply-add is 2 FLOPs, embedding look-ups are free, and the attention score and value
+    products are counted in full (no halving for the causal mask).
+    """
+    t = seq_len or cfg.block_size
+    n_matmul = gpt_param_count(cfg) - cfg.vocab_size * cfg.n_embd - cfg.block_size * cfg.n_embd
+    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_embd * t

@@ -1,0 +1,66 @@
+"""What every strategy provides: a mesh layout, up-front checks, ``apply`` and step-time hooks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.config import ParallelConfig
+
+
+@dataclass
+class ParallelContext:
+    """What a strategy needs to apply itself on one rank."""
+
+    world_size: int
+    rank: int
+    device: torch.device
+    options: ParallelConfig
+    mesh: object | None = None  # torch DeviceMesh, built by the Session from ``mesh_layout``
+
+
+class Strategy:
+    """Base strategy: plain single-process training. Subclasses override what differs."""
+
+    name = "single"
+    description = "one process, no parallelism"
+
+    def check(self, world_size: int, options: ParallelConfig) -> None:
+        """Raise ConfigError when this strategy cannot run on ``world_size`` ranks with ``options``."""
+        from shardwise.errors import ConfigError
+
+        if world_size != 1:
+            raise ConfigError(
+                f"strategy 'single' runs one process, but {world_size} were launched. "
+                "Use --nproc 1, or a parallel strategy such as 'ddp'."
+            )
+
+    def mesh_layout(self, world_size: int, options: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Return (shape, dim names) of the device mesh; the Session builds it with init_device_mesh."""
+        return (world_size,), ("dp",)
+
+    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        """Return the model to train (wrapped or sharded in place)."""
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       ctx: ParallelContext) -> torch.optim.Optimizer:
+        """Return the optimizer to step (ZeRO-1 swaps in a sharded one)."""
+        return optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Context in which backward accumulates local gradients without communicating."""
+        yield
+
+    def dp_coords(self, ctx: ParallelContext) -> tuple[int, int]:
+        """Return (data-parallel rank, data-parallel size): which slice of each batch this rank reads."""
+        return ctx.rank, ctx.world_size
+
+    def uses_autocast(self) -> bool:
+        """Whether mixed precision comes from torch.autocast (True) or from the wrapper itself."""
+        return True

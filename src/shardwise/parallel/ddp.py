@@ -1,0 +1,36 @@
+"""Data parallel: every rank holds the whole model; gradients are all-reduced in buckets (DDP)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.config import ParallelConfig
+from shardwise.errors import ConfigError
+from shardwise.parallel.base import ParallelContext, Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+    description = "replicate the model, all-reduce gradients (DistributedDataParallel)"
+
+    def check(self, world_size: int, options: ParallelConfig) -> None:
+        if world_size < 1:
+            raise ConfigError("strategy 'ddp' needs at least one rank.")
+
+    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        if ctx.world_size == 1:
+            return model  # DDP on one rank only adds overhead; the math is identical.
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield

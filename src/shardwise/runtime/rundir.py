@@ -1,0 +1,63 @@
+"""The run directory contract: config.toml, metrics.jsonl (rank 0), summary.json, checkpoints/."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import RunConfig, to_toml
+
+
+def default_run_dir(name: str, strategy: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{name}-{strategy.replace('+', '_')}-{stamp}"
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf; write null so every line stays valid JSON for other tools.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    """Files of one run. Only the rank with ``enabled=True`` (rank 0) writes."""
+
+    def __init__(self, path: str | Path, enabled: bool = True) -> None:
+        self.path = Path(path) if path else default_run_dir("run", "local")
+        self.enabled = enabled
+        if enabled:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._metrics = None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def write_config(self, cfg: RunConfig) -> None:
+        if self.enabled:
+            self._atomic_write(self.path / "config.toml", to_toml(cfg))
+
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self._metrics is None:
+            self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._metrics.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._metrics.flush()
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self.enabled:
+            body = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)
+            self._atomic_write(self.path / "summary.json", body + "\n")
+
+    @staticmethod
+    def _atomic_write(path: Path, text: str) -> None:
+        # Write-then-rename: a crash never leaves a half-written file under the final name.
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)

@@ -1,0 +1,335 @@
+"""The per-rank Session: the one object a training script holds.
+
+It reads the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) or
+runs as a single process when there is none; picks device and backend; seeds every rank; applies
+the parallel strategy in ``prepare``; and offers ``backward``, gradient accumulation, rank-0
+printing/logging/progress, and metric all-reduces. The built-in trainer uses only this API.
+
+    session = Session(strategy="ddp")
+    model, optimizer = session.prepare(model, optimizer)
+    loader = session.dataloader(dataset, batch_size=32)
+    for x, y in loader:
+        with session.accumulate(model):
+            loss = loss_fn(model(x.to(session.device)), y.to(session.device))
+            session.backward(loss)
+        if session.sync_gradients:
+            session.step(optimizer, max_norm=1.0)
+    session.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import ParallelConfig
+from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.parallel.base import ParallelContext, Strategy
+from shardwise.parallel.registry import get_strategy
+from shardwise.runtime.data import ShardedLoader
+from shardwise.runtime.device import backend_for, select_device
+from shardwise.runtime.progress import ProgressBar
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "mean": dist.ReduceOp.SUM}
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer.") from None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (CPU and CUDA) and numpy, when present, with ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+class Session:
+    """One rank's view of a (possibly distributed) training job."""
+
+    def __init__(self, strategy: str = "auto", *, precision: str | None = None,
+                 grad_accum_steps: int = 1, seed: int = 1337,
+                 parallel: ParallelConfig | None = None,
+                 collective_timeout_s: float = 1800.0) -> None:
+        options = parallel or ParallelConfig()
+        if parallel is None or strategy != "auto":
+            options.strategy = strategy
+        if precision is not None:
+            options.precision = precision
+        if grad_accum_steps < 1:
+            raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
+        self.options = options
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.device = select_device(self.local_rank)
+        self.backend = backend_for(self.device)
+        self.strategy: Strategy = get_strategy(options.strategy, self.world_size)
+        self.strategy.check(self.world_size, options)
+        self.strategy_name = self.strategy.name
+        self.grad_accum_steps = grad_accum_steps
+        self._micro_step = 0
+        self._owns_group = False
+        self._closed = False
+        self._prepared = False
+        self._scaler: torch.amp.GradScaler | None = None
+        self.model: nn.Module | None = None
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                self.backend, timeout=datetime.timedelta(seconds=collective_timeout_s),
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+            self._owns_group = True
+        self.mesh = self._build_mesh()
+        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.mesh)
+        self.dp_rank, self.dp_size = self.strategy.dp_coords(self.ctx)
+        # Same seed on every rank: models initialise identically, so replicas start in sync.
+        self.seed = seed
+        seed_everything(seed)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints, logs and writes run files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def _build_mesh(self) -> Any:
+        if self.world_size == 1 and not dist.is_initialized():
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, names = self.strategy.mesh_layout(self.world_size, self.options)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None
+                ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Apply the strategy to ``model`` and return (model, optimizer) for the training loop.
+
+        ``optimizer`` may be an optimizer built on the plain model's parameters (its param groups
+        are re-pointed, by parameter name, at the parallelised parameters) or a callable that
+        takes the parallelised model's parameters and returns an optimizer.
+        """
+        if isinstance(model, nn.DataParallel):
+            raise ConfigError(
+                "the model is wrapped in torch.nn.DataParallel, which shardwise does not use: it "
+                "runs one process that scatters each batch over GPUs and is slower than DDP. Pass the "
+                "plain model (model.module) to session.prepare(); launch one process per GPU with "
+                "`shardwise launch --nproc N script.py` and choose --strategy ddp (or a sharded one)."
+            )
+        if self._prepared:
+            raise ShardwiseError("session.prepare() was already called; prepare one model per session.")
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
+            raise ShardwiseError(
+                "the optimizer already has state (a step was taken); create it fresh and call "
+                "session.prepare() before training so its state matches the parallelised parameters."
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        model = model.to(self.device)
+        prepared = self.strategy.apply(model, self.ctx)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._repoint_optimizer(optimizer, names, prepared)
+        elif callable(optimizer):
+            optimizer = optimizer(prepared.parameters())
+        if optimizer is not None:
+            optimizer = self.strategy.wrap_optimizer(optimizer, prepared, self.ctx)
+        if self.options.precision == "fp16-mixed":
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        self.model = prepared
+        self._prepared = True
+        return prepared, optimizer
+
+    @staticmethod
+    def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                           prepared: nn.Module) -> None:
+        """Swap the optimizer's parameters for the parallelised ones with the same names."""
+        new_params = {}
+        for n, p in prepared.named_parameters():
+            new_params[n.replace("module.", "", 1) if n.startswith("module.") else n] = p
+        for group in optimizer.param_groups:
+            swapped = []
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is None or name not in new_params:
+                    raise ShardwiseError(
+                        "the optimizer holds a parameter that is not in the model passed to prepare(); "
+                        "build the optimizer from model.parameters() of that same model."
+                    )
+                swapped.append(new_params[name])
+            group["params"] = swapped
+
+    # ------------------------------------------------------------------ step-time API
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the current micro-batch is the last of its accumulation window."""
+        return self._micro_step % self.grad_accum_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module | None = None) -> Iterator[None]:
+        """Wrap one micro-batch's forward+backward; gradient sync happens on the last one only."""
+        self._micro_step += 1
+        model = model or self.model
+        if self.sync_gradients or model is None:
+            yield
+        else:
+            with self.strategy.no_sync(model):
+                yield
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed-precision context for the forward pass (a no-op where the strategy casts itself)."""
+        prec = self.options.precision
+        if prec in ("bf16-mixed", "fp16-mixed") and self.strategy.uses_autocast():
+            dtype = torch.bfloat16 if prec == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss``, the mean loss of one micro-batch.
+
+        Dividing by ``grad_accum_steps`` makes the accumulated gradient the mean over all
+        micro-batches; DDP/FSDP then average over data-parallel ranks. With equal-sized
+        micro-batches that is exactly sum(loss over the global batch) / global token count, i.e.
+        the gradient of one big batch: grad = (1/(R*A)) * sum_r sum_a grad(mean_loss[r, a]).
+        """
+        scaled = loss / self.grad_accum_steps
+        if self._scaler is not None:
+            scaled = self._scaler.scale(scaled)
+        scaled.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip gradients to ``max_norm`` (0: only measure) and return the total norm."""
+        assert self.model is not None, "call session.prepare() first"
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # a DTensor norm under sharding: materialise it
+            norm = norm.full_tensor()
+        return norm
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> float:
+        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm."""
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+        norm = float(self.clip_grad_norm(max_norm))
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # ------------------------------------------------------------------ data
+    def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
+                   seed: int | None = None, num_workers: int = 0) -> ShardedLoader:
+        """Return a loader over this rank's disjoint slice; its epoch advances by itself."""
+        return ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
+                             seed=self.seed if seed is None else seed, num_workers=num_workers,
+                             pin_memory=self.device.type == "cuda")
+
+    # ------------------------------------------------------------------ collectives for metrics
+    def all_reduce(self, value: float | torch.Tensor, op: str = "mean") -> Any:
+        """Reduce a metric over all ranks (mean/sum/max/min); returns the same type it was given."""
+        if op not in _REDUCE_OPS:
+            raise ConfigError(f"unknown reduce op {op!r}; valid: {', '.join(_REDUCE_OPS)}.")
+        is_tensor = isinstance(value, torch.Tensor)
+        t = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if self.is_distributed:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=_REDUCE_OPS[op])
+            if op == "mean":
+                t = t / self.world_size
+        return t if is_tensor else float(t)
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return rank ``src``'s ``obj`` on every rank."""
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    # ------------------------------------------------------------------ rank-0 helpers
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def log(self, message: str) -> None:
+        """A timestamped log line on rank 0 (stderr), so stdout stays for results."""
+        if self.is_main:
+            stamp = datetime.datetime.now().strftime("%H:%M:%S")
+            print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+
+    def progress(self, total: int, desc: str = "", enabled: bool = True,
+                 initial: int = 0) -> ProgressBar:
+        """A progress bar drawn by rank 0 only (a silent one on the other ranks)."""
+        return ProgressBar(total, desc=desc, enabled=enabled and self.is_main, initial=initial)
+
+    def main_first(self) -> contextlib.AbstractContextManager:
+        """Run the block on rank 0 first, then on the others (e.g. download or preprocess once)."""
+        @contextlib.contextmanager
+        def _cm() -> Iterator[None]:
+            if not self.is_main:
+                self.barrier()
+            yield
+            if self.is_main:
+                self.barrier()
+        return _cm()
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Tear down the process group this session created (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """Return the plain module inside DDP (or the model itself for in-place strategies)."""
+        model = model or self.model
+        assert model is not None
+        return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def iter_device(batch: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Move each tensor of a batch to ``device`` (non-blocking from pinned memory on CUDA)."""
+    return [t.to(device, non_blocking=True) for t in batch]

@@ -1,0 +1,132 @@
+"""The shared harness for distributed tests: real gloo processes, short timeouts, no hangs.
+
+``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` fresh processes (spawn),
+initialises a gloo process group in each with a short collective timeout, calls
+``fn(rank, world_size, **kwargs)`` and returns the list of per-rank return values. On the first
+failure every other rank is killed and the failing rank's traceback is raised; when the job runs
+past ``timeout_s`` every rank's Python stack is dumped (faulthandler) into the error before the
+processes are killed. Nothing is left running after it returns or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed, or the job hung; the message holds the traceback or every rank's stack."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_dir: str,
+           collective_timeout_s: float, results: Any, env: dict[str, str], kwargs: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env})
+    stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - lives until exit
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            value = fn(rank, world_size, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        try:
+            results.put((rank, "ok", pickle.dumps(value)))
+        except Exception:  # an unpicklable return value is reported, not swallowed
+            results.put((rank, "error", "return value is not picklable:\n" + traceback.format_exc()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: float = 120.0,
+                    collective_timeout_s: float = 30.0, env: dict[str, str] | None = None,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` must be importable by the child (a module-level function). Raises DistributedTestError
+    naming the first failing rank, or, after ``timeout_s``, with every rank's stack.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="shardwise-stacks-")
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, stack_dir, collective_timeout_s,
+                                              results, dict(env or {}), kwargs), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, Any] = {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+                if dead:
+                    time.sleep(0.5)  # give its queued traceback a moment to arrive
+                    try:
+                        rank, status, payload = results.get_nowait()
+                    except queue.Empty:
+                        raise DistributedTestError(
+                            f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                            "before reporting (killed, or crashed in native code)") from None
+                elif time.monotonic() > deadline:
+                    raise DistributedTestError(_hang_report(procs, stack_dir, timeout_s)) from None
+                else:
+                    continue
+            if status == "error":
+                raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+            values[rank] = pickle.loads(payload)
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [values[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+
+
+def _hang_report(procs: list[Any], stack_dir: str, timeout_s: float) -> str:
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    parts = [f"distributed test hung: no result after {timeout_s:.0f}s; stacks of every rank:"]
+    for r in range(len(procs)):
+        text = (Path(stack_dir) / f"rank{r}.txt").read_text() or "(no stack: process already exited)"
+        parts.append(f"--- rank {r} ---\n{text}")
+    return "\n".join(parts)
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)

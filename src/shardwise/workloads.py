@@ -1,0 +1,160 @@
+"""A workload = a model builder, train/val datasets, a loss, and how to report it.
+
+Built from the ``[model]`` and ``[data]`` config sections. The ``custom`` kinds take
+``"module:function"`` factories, so a user's own model and data go through the same recipe/TOML
+mechanism (and ``shardwise verify``) as the built-in ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from shardwise.config import DataConfig, ModelConfig
+from shardwise.errors import ConfigError, unknown_choice
+
+MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
+DATA_KINDS = ("shakespeare", "cifar10", "custom")
+
+
+def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for (B, T, V) language-model logits or (B, C) class logits."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+@dataclass
+class Workload:
+    name: str
+    build_model: Callable[[], nn.Module]
+    train_set: Dataset
+    val_set: Dataset
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
+    tokens_per_sample: int = 1  # sequence length for language models, 1 for images
+    flops_per_token: float | None = None
+    # Family name used by tensor/pipeline plans ("gpt", "llama", ...); "" if unknown.
+    family: str = ""
+    sample_text: Callable[[nn.Module, torch.device, int, int], str] | None = None
+
+
+def import_factory(spec: str, key: str) -> Callable[..., Any]:
+    """Import ``module:function``; ConfigError says what failed."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} must look like 'package.module:function', got {spec!r}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} ({e}). Is it on PYTHONPATH?") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: module {module_name!r} has no callable {attr!r}.")
+    return fn
+
+
+def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
+    from shardwise.models.gpt import GPT_PRESETS
+
+    if mc.preset not in GPT_PRESETS:
+        raise unknown_choice("GPT preset", mc.preset, GPT_PRESETS)
+    base = GPT_PRESETS[mc.preset]
+    valid = {f.name for f in dataclasses.fields(base)}
+    for key in mc.overrides:
+        if key not in valid:
+            from shardwise.errors import did_you_mean
+
+            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, valid)} "
+                              f"Valid: {', '.join(sorted(valid))}.")
+    return dataclasses.replace(base, vocab_size=vocab_size, **mc.overrides)
+
+
+def block_size_of(mc: ModelConfig) -> int:
+    """Sequence length the data must be cut to, for language-model workloads."""
+    if mc.kind == "gpt":
+        return _gpt_config(mc, 65).block_size
+    return int(mc.overrides.get("block_size", mc.overrides.get("seq_len", 128)))
+
+
+def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
+    """Build the workload named by the model and data config sections."""
+    if mc.kind not in MODEL_KINDS:
+        raise unknown_choice("model kind", mc.kind, MODEL_KINDS)
+    if dc.kind not in DATA_KINDS:
+        raise unknown_choice("data kind", dc.kind, DATA_KINDS)
+
+    tokens_per_sample, vocab_size, tokenizer = 1, None, None
+    if dc.kind == "shakespeare":
+        from shardwise.data.shakespeare import load_shakespeare
+
+        seq = block_size_of(mc)
+        train, val, tokenizer = load_shakespeare(dc.path, seq, dc.val_fraction)
+        tokens_per_sample, vocab_size = seq, tokenizer.vocab_size
+    elif dc.kind == "cifar10":
+        from shardwise.data.cifar import load_cifar10
+
+        if not dc.path:
+            raise ConfigError("data.kind = 'cifar10' needs data.path: the folder holding the "
+                              "CIFAR-10 python batches (data_batch_1..5, test_batch).")
+        train, val = load_cifar10(dc.path)
+    else:
+        if not dc.factory:
+            raise ConfigError("data.kind = 'custom' needs data.factory = 'module:function' returning "
+                              "(train_dataset, val_dataset).")
+        out = import_factory(dc.factory, "data.factory")()
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ConfigError(f"data.factory {dc.factory!r} must return (train_dataset, val_dataset).")
+        train, val = out
+
+    family, flops, sample = "", None, None
+    if mc.kind == "gpt":
+        from shardwise.models.gpt import GPT, gpt_flops_per_token
+
+        gcfg = _gpt_config(mc, vocab_size or 65)
+        build = lambda: GPT(gcfg)  # noqa: E731
+        family, flops = "gpt", gpt_flops_per_token(gcfg)
+        if tokenizer is not None:
+            sample = _text_sampler(tokenizer)
+    elif mc.kind == "cnn":
+        from shardwise.models.cnn import build_cnn
+
+        build = lambda: build_cnn(**mc.overrides)  # noqa: E731
+        family = "cnn"
+    elif mc.kind == "hf":
+        from shardwise.models.hf import build_hf_model, hf_family
+
+        if not mc.hf_config:
+            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path.")
+        kwargs = dict(mc.overrides)
+        if vocab_size is not None:
+            kwargs.setdefault("vocab_size", vocab_size)
+        build = lambda: build_hf_model(mc.hf_config, **kwargs)  # noqa: E731
+        family = hf_family(mc.hf_config)
+    else:
+        if not mc.factory:
+            raise ConfigError("model.kind = 'custom' needs model.factory = 'module:function' returning "
+                              "an nn.Module.")
+        factory = import_factory(mc.factory, "model.factory")
+        build = lambda: factory(**mc.overrides)  # noqa: E731
+    return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
+                    tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
+                    sample_text=sample)
+
+
+def _text_sampler(tokenizer: Any) -> Callable[[nn.Module, torch.device, int, int], str]:
+    def sample(model: nn.Module, device: torch.device, n_tokens: int, seed: int) -> str:
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        start = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)
+        was_training = model.training
+        model.eval()
+        out = model.generate(start, n_tokens, generator=g)
+        model.train(was_training)
+        return tokenizer.decode(out[0].tolist())
+    return sample

@@ -1,0 +1,80 @@
+"""Functions that run inside spawned ranks (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import ParallelConfig
+from shardwise.models.gpt import GPT, GPT_PRESETS
+from shardwise.runtime.session import Session
+
+
+def boom(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one exploded")
+    dist.barrier()  # rank 0 waits here; the harness must kill it rather than hang
+
+
+def sleepy(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def echo(rank: int, world_size: int, value: int) -> tuple[int, int]:
+    t = torch.tensor([rank + value])
+    dist.all_reduce(t)
+    return rank, int(t)
+
+
+def global_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Fixed token batches (steps, global_batch, seq + 1) shared by reference and strategy runs."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, global_batch, seq + 1), generator=g)
+
+
+def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int = 5,
+                 global_batch: int = 8, accum: int = 1, preset: str = "nano",
+                 count_allreduce: bool = False, precision: str = "fp32") -> dict:
+    """Train the GPT preset on fixed batches; this rank reads its slice of each global batch."""
+    cfg = GPT_PRESETS[preset]
+    session = Session(parallel=ParallelConfig(strategy=strategy, precision=precision),
+                      grad_accum_steps=accum, seed=0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, opt = session.prepare(model, opt)
+    calls = []
+    if count_allreduce:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def counting_hook(state, bucket):
+            calls.append(1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+    data = global_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
+    per_rank = global_batch // session.dp_size
+    micro = per_rank // accum
+    losses, allreduce_per_step = [], []
+    for step in range(steps):
+        mine = data[step, session.dp_rank * per_rank:(session.dp_rank + 1) * per_rank]
+        total = 0.0
+        before = len(calls)
+        for a in range(accum):
+            chunk = mine[a * micro:(a + 1) * micro]
+            x, y = chunk[:, :-1], chunk[:, 1:]
+            with session.accumulate(model):
+                with session.autocast():
+                    logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                session.backward(loss)
+            total += float(loss.detach()) / accum
+        session.step(opt)
+        allreduce_per_step.append(len(calls) - before)
+        losses.append(session.all_reduce(total, op="mean"))
+    params = {n: p.detach().clone() for n, p in session.unwrap(model).state_dict().items()}
+    session.close()
+    return {"losses": losses, "params": params, "allreduce_per_step": allreduce_per_step}
