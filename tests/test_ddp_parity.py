@@ -6,8 +6,8 @@ normalised update keeps at that scale over 5 steps.
 """
 
 import torch
-
 from dist_helpers import train_losses
+
 from shardwise.testing import run_distributed
 
 LOSS_ATOL = 1e-5

@@ -1,8 +1,8 @@
 import time
 
 import pytest
-
 from dist_helpers import boom, echo, sleepy
+
 from shardwise.testing import DistributedTestError, run_distributed
 
 

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_launch_parser(sub)
     _add_env_parser(sub)
-    for module in ("shardwise.plan.cli",):
+    # Commands that live in their own modules; each exposes register(subparsers).
+    for module in ("shardwise.plan.cli", "shardwise.verify", "shardwise.ckpt_cli", "shardwise.bench"):
         _register_optional(module, sub)
     return parser
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,20 @@ class Strategy:
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Context in which backward accumulates local gradients without communicating."""
         yield
+
+    def forward_backward(self, session: Any, model: nn.Module, inputs: torch.Tensor,
+                         targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward (inside ``session.accumulate``)."""
+        with session.autocast():
+            loss = loss_fn(model(inputs), targets)
+        session.backward(loss)
+        return loss.detach()
+
+    def eval_loss(self, session: Any, model: nn.Module, inputs: torch.Tensor,
+                  targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Mean loss of one batch without gradients."""
+        with session.autocast():
+            return loss_fn(model(inputs), targets).detach()
 
     def dp_coords(self, ctx: ParallelContext) -> tuple[int, int]:
         """Return (data-parallel rank, data-parallel size): which slice of each batch this rank reads."""

@@ -222,6 +222,24 @@ class Session:
             scaled = self._scaler.scale(scaled)
         scaled.backward()
 
+    def forward_backward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Run forward, loss and backward for one micro-batch; return the detached mean loss.
+
+        Equivalent to ``session.backward(loss_fn(model(inputs), targets))`` under autocast and
+        ``accumulate``; strategies that cannot split forward from backward (pipeline parallel
+        runs both inside its schedule) implement it themselves, so loops written on this call
+        work under every strategy.
+        """
+        with self.accumulate(model):
+            return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
+
+    @torch.no_grad()
+    def eval_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one batch without gradients (this rank's part; reduce it yourself)."""
+        return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (0: only measure) and return the total norm."""
         assert self.model is not None, "call session.prepare() first"

@@ -61,8 +61,7 @@ def evaluate(session: Session, model: nn.Module, workload: Workload, loader: Any
     for i, (x, y) in enumerate(loader):
         if i >= max_batches:
             break
-        with session.autocast():
-            loss = workload.loss_fn(model(x.to(session.device)), y.to(session.device))
+        loss = session.eval_loss(model, x.to(session.device), y.to(session.device), workload.loss_fn)
         total += loss.double()
         count += 1
     model.train(was_training)
@@ -100,11 +99,8 @@ class Trainer:
         for _ in range(t.grad_accum_steps):
             x, y = next(batches)
             x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
-            with s.accumulate(self.model):
-                with s.autocast():
-                    loss = self.workload.loss_fn(self.model(x), y)
-                s.backward(loss)
-            loss_sum += loss.detach().float()
+            loss = s.forward_backward(self.model, x, y, self.workload.loss_fn)
+            loss_sum += loss.float()
         grad_norm = s.step(self.optimizer, max_norm=t.grad_clip)
         self.state.step += 1
         return float(loss_sum) / t.grad_accum_steps, grad_norm

@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         from shardwise.config import load_config
-        from shardwise.runtime.rundir import default_run_dir
         from shardwise.runtime.trainer import train
 
         overrides = list(args.overrides)
