@@ -78,3 +78,17 @@ def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int =
     params = {n: p.detach().clone() for n, p in session.unwrap(model).state_dict().items()}
     session.close()
     return {"losses": losses, "params": params, "allreduce_per_step": allreduce_per_step}
+
+
+def reduce_metrics(rank: int, world_size: int) -> dict:
+    session = Session(seed=0)
+    value = float(rank + 1)
+    out = {op: session.all_reduce(value, op=op) for op in ("mean", "sum", "max", "min")}
+    out["tensor"] = session.all_reduce(torch.tensor([value, 2 * value]), op="sum").tolist()
+    out["broadcast"] = session.broadcast_object({"from": rank}, src=1)
+    out["is_main"] = session.is_main
+    out["strategy"] = session.strategy_name
+    # Every rank initialised the same weights from the shared seed.
+    out["init"] = GPT(GPT_PRESETS["nano"]).lm_head.weight.sum().item()
+    session.close()
+    return out
