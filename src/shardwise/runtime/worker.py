@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.strategy:
             overrides.append(f"parallel.strategy={args.strategy}")
         cfg = load_config(args.recipe, overrides)
-        out = args.out or cfg.out_dir
-        if not out:
-            raise ShardwiseError("the worker needs --out DIR (every rank must agree on the run directory).")
+        # Every rank must agree on the run directory: without --out, name it after torchrun's
+        # rendezvous id, which all ranks of one job share.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        out = args.out or cfg.out_dir or f"runs/{cfg.name}-{cfg.parallel.strategy.replace('+', '_')}-{run_id}"
+        args.out = out
         train(cfg, out)
         return 0
     except ShardwiseError as e:

@@ -1,0 +1,183 @@
+"""The ``shardwise plan`` sub-command: arguments in, a table (or JSON) and a recommendation out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.plan import presets, spec
+from shardwise.plan.advice import GIB, RUNTIME_RESERVE_GIB, Cluster, Plan, Workload, make_plan
+from shardwise.plan.cost import flops_per_token
+from shardwise.plan.memory import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` sub-command to the main CLI's sub-parsers."""
+    p = subparsers.add_parser(
+        "plan", help="will it fit, and how should I split it? (pure arithmetic, no GPUs needed)",
+        description="Predict per-GPU memory and step time for every parallel strategy and recommend one.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (give exactly one)")
+    m.add_argument("--model", "--preset", dest="model", metavar="NAME",
+                   help=f"built-in model: {', '.join(presets.MODEL_PRESETS)}")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama/Mistral/Qwen2/GPT-2)")
+    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
+                   help="a function returning an nn.Module; called on the meta device")
+    m.add_argument("--params", type=float, metavar="N", help="a bare parameter count (e.g. 7e9)")
+    m.add_argument("--layers", type=int, help="with --params: number of blocks")
+    m.add_argument("--hidden", type=int, help="with --params: hidden size")
+    m.add_argument("--heads", type=int, help="with --params: attention heads")
+    m.add_argument("--vocab", type=int, help="with --params: vocabulary size")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpu", default="h100-sxm", help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--intra-link", help=f"intra-node link preset: {', '.join(presets.LINKS)}")
+    c.add_argument("--inter-link", help="inter-node link preset (same names)")
+    c.add_argument("--intra-gbs", type=float, help="override intra-node GB/s per GPU per direction")
+    c.add_argument("--inter-gbs", type=float, help="override inter-node GB/s per GPU per direction")
+    c.add_argument("--host-ram-gib", type=float, help="host RAM per node, for fsdp-offload")
+    w = p.add_argument_group("workload")
+    w.add_argument("--seq", type=int, help="sequence length (default: the model's context, at most 8192)")
+    w.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
+    w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
+    w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
+    w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
+    w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
+    w.add_argument("--checkpoint", default="none", help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)}")
+    w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
+    w.add_argument("--tp", type=int, help="only consider this tensor-parallel degree")
+    w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
+    w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
+    w.add_argument("--recipe", help="recipe for the printed commands (default: chosen from the model)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _spec_from_args(args: argparse.Namespace) -> tuple[spec.ModelSpec, str, tuple[str, ...]]:
+    """The ModelSpec, a recipe and --set overrides for the printed commands."""
+    given = [k for k in ("model", "hf_config", "model_factory", "params") if getattr(args, k) is not None]
+    if len(given) != 1:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given) or "none"
+        raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory or --params); "
+                          f"got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
+    if args.model is not None:
+        s = presets.model_preset(args.model)
+        if s.name.startswith("gpt-"):
+            return s, "gpt-shakespeare", (f"model.preset={s.name.removeprefix('gpt-')}",)
+        return s, "RECIPE.toml", ()
+    if args.hf_config is not None:
+        sets = ("model.kind=hf", f"model.hf_config={args.hf_config}")
+        return spec.from_hf_config(args.hf_config), "RECIPE.toml", sets
+    if args.model_factory is not None:
+        return spec.from_factory(args.model_factory), "RECIPE.toml", (
+            "model.kind=custom", f"model.factory={args.model_factory}")
+    return spec.from_param_count(int(args.params), n_layers=args.layers, hidden=args.hidden, n_heads=args.heads,
+                                 vocab=args.vocab), "RECIPE.toml", ()
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
+    model, recipe, sets = _spec_from_args(args)
+    cluster = Cluster(
+        gpu=presets.gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+        intra=presets.link(args.intra_link) if args.intra_link else None,
+        inter=presets.link(args.inter_link) if args.inter_link else None,
+        intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
+    seq = args.seq or min(model.max_seq or 2048, 8192)
+    work = Workload(seq=seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+                    grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
+                    checkpoint=args.checkpoint, attention=args.attention, safety_margin=args.margin,
+                    recipe=args.recipe or recipe, extra_sets=sets)
+    if args.attention not in ("sdpa", "math"):
+        raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
+    return make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    s, c, w = plan.spec, plan.cluster, plan.workload
+    return {
+        "model": {"name": s.name, "params": s.n_params, "layers": s.n_layers, "hidden": s.hidden,
+                  "heads": s.n_heads, "kv_heads": s.n_kv_heads, "ffn_hidden": s.ffn_hidden, "vocab": s.vocab,
+                  "flops_per_token": flops_per_token(s, w.seq)},
+        "cluster": {"gpu": c.gpu.name, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
+                    "memory_gib": c.gpu.memory_gib, "usable_gib": c.usable_gib},
+        "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "precision": w.precision,
+                     "optimizer": w.optimizer, "checkpoint": w.checkpoint, "safety_margin": w.safety_margin},
+        "calibration": vars(plan.calibration) if hasattr(plan.calibration, "__dict__") else {},
+        "candidates": [cand.to_dict() for cand in plan.candidates],
+        "recommended": plan.recommended.name if plan.recommended else None,
+        "rejected": plan.rejected, "commands": plan.commands, "warnings": plan.warnings,
+    }
+
+
+def format_table(plan: Plan) -> str:
+    """The human-readable plan: header, one row per candidate, recommendation, commands."""
+    s, c, w = plan.spec, plan.cluster, plan.workload
+    lines = [
+        f"model {s.name}: {s.n_params / 1e9:.3f}B params"
+        + (f", {s.n_layers} layers, hidden {s.hidden}, {s.n_heads} heads ({s.kv_heads} kv), vocab {s.vocab}"
+           if s.has_structure else ""),
+        f"cluster: {c.nodes} x {c.gpus_per_node} x {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, "
+        f"{c.usable_gib * (1 - w.safety_margin):.1f} GiB budget after {RUNTIME_RESERVE_GIB:.0f} GiB reserve and "
+        f"{w.safety_margin:.0%} margin)",
+        f"workload: seq {w.seq}, micro-batch {w.micro_batch}, {w.precision}, {w.optimizer}, "
+        f"checkpointing {w.checkpoint}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token",
+        "",
+    ]
+    head = ["strategy", "accum", "params", "grads", "optim", "master", "activ", "transient", "total", "fits",
+            "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
+    rows = [head]
+    for cand in plan.candidates:
+        m, t = cand.memory, cand.time
+        rows.append([cand.name, str(cand.grad_accum)]
+                    + [f"{b / GIB:.2f}" for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
+                                                  m.transient, m.total)]
+                    + ["yes" if cand.fits else "NO", f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
+                       f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
+                       f"{t.mfu:.1%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(x.ljust(wd) if j == 0 else x.rjust(wd) for j, (x, wd) in enumerate(zip(r, widths))))
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    lines.append("(GiB per GPU; transient = all-gather/reduce-scatter/DDP buckets, recompute, pipeline "
+                 "in-flight, logits+loss; step time = compute + exposed comm + bubble)")
+    lines.append("")
+    if plan.recommended:
+        r = plan.recommended
+        lines.append(f"recommended: {r.name} - {r.memory.total / GIB:.1f} GiB of {r.budget_bytes / GIB:.1f} GiB "
+                     f"budget, {r.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+    lines += [f"  not {x}" for x in plan.rejected]
+    if plan.commands:
+        lines += ["", "run it:", *(f"  {cmd}" for cmd in plan.commands)]
+    lines += [f"warning: {x}" for x in plan.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan (table or JSON); 0 on success. ConfigError propagates to the main CLI (exit 2)."""
+    plan = build_plan(args)
+    print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_table(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m shardwise.plan.cli ...``."""
+    parser = argparse.ArgumentParser(prog="shardwise plan")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ShardwiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

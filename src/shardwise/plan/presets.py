@@ -1,0 +1,144 @@
+"""Built-in models, the GPU catalog and interconnect presets.
+
+Figures are vendor datasheet numbers (dense, i.e. without 2:4 sparsity). Memory is what the
+device reports to the framework, in GiB. Link bandwidths are per GPU and per direction, in GB/s
+(1e9 bytes/s), because that is what a ring collective is limited by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardwise.errors import unknown_choice
+from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from_llama_like
+
+
+def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
+    def build() -> ModelSpec:
+        from shardwise.models.gpt import GPT_PRESETS
+
+        return from_gpt_config(GPT_PRESETS[size], name=f"gpt-{size}")
+
+    return build
+
+
+# Hyper-parameters from each model's published config.json (Hugging Face hub copies).
+MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
+    "gpt2": lambda: from_gpt2_like("gpt2", n_layers=12, hidden=768, n_heads=12),  # 124M
+    "gpt2-medium": lambda: from_gpt2_like("gpt2-medium", n_layers=24, hidden=1024, n_heads=16),  # 355M
+    "gpt2-large": lambda: from_gpt2_like("gpt2-large", n_layers=36, hidden=1280, n_heads=20),  # 774M
+    "gpt2-xl": lambda: from_gpt2_like("gpt2-xl", n_layers=48, hidden=1600, n_heads=25),  # 1.56B
+    "llama-2-7b": lambda: from_llama_like("llama-2-7b", n_layers=32, hidden=4096, n_heads=32, ffn_hidden=11008,
+                                          vocab=32000, max_seq=4096),
+    "llama-2-13b": lambda: from_llama_like("llama-2-13b", n_layers=40, hidden=5120, n_heads=40, ffn_hidden=13824,
+                                           vocab=32000, max_seq=4096),
+    "llama-2-70b": lambda: from_llama_like("llama-2-70b", n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8,
+                                           ffn_hidden=28672, vocab=32000, max_seq=4096),
+    "llama-3-8b": lambda: from_llama_like("llama-3-8b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+                                          ffn_hidden=14336, vocab=128256, max_seq=8192),
+    "llama-3-70b": lambda: from_llama_like("llama-3-70b", n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8,
+                                           ffn_hidden=28672, vocab=128256, max_seq=8192),
+    "llama-3-405b": lambda: from_llama_like("llama-3-405b", n_layers=126, hidden=16384, n_heads=128, n_kv_heads=8,
+                                            ffn_hidden=53248, vocab=128256, max_seq=8192),
+    "mistral-7b": lambda: from_llama_like("mistral-7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+                                          ffn_hidden=14336, vocab=32000, max_seq=32768),
+    # shardwise's own Tiny Shakespeare GPTs (shardwise.models.gpt.GPT_PRESETS).
+    "gpt-nano": _gpt_preset("nano"),
+    "gpt-tiny": _gpt_preset("tiny"),
+    "gpt-small": _gpt_preset("small"),
+    "gpt-lab": _gpt_preset("lab"),
+}
+
+MODEL_ALIASES: dict[str, str] = {
+    "gpt2-124m": "gpt2", "gpt2-350m": "gpt2-medium", "gpt2-355m": "gpt2-medium", "gpt2-774m": "gpt2-large",
+    "gpt2-1.5b": "gpt2-xl", "llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b",
+    "llama-3.1-405b": "llama-3-405b", "llama2-7b": "llama-2-7b", "llama3-8b": "llama-3-8b",
+    "nano": "gpt-nano", "tiny": "gpt-tiny", "small": "gpt-small", "lab": "gpt-lab",
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The built-in ModelSpec called ``name`` (case-insensitive, aliases accepted)."""
+    key = MODEL_ALIASES.get(name.lower(), name.lower())
+    if key not in MODEL_PRESETS:
+        raise unknown_choice("model preset", name, [*MODEL_PRESETS, *MODEL_ALIASES])
+    return MODEL_PRESETS[key]()
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator: memory, dense 16-bit tensor peak, memory bandwidth, default links."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float  # dense bf16/fp16 tensor-core peak with fp32 accumulation
+    mem_bw_tbs: float  # HBM/GDDR bandwidth, TB/s
+    intra_link: str  # default intra-node link preset
+    inter_link: str  # default inter-node link preset
+    host_ram_gib: float = 1024.0  # typical host RAM per node in servers carrying this GPU
+
+    @property
+    def tf32_tflops(self) -> float:
+        # fp32 training runs on TF32 tensor cores at half the 16-bit rate (NVIDIA and AMD alike).
+        return self.bf16_tflops / 2
+
+
+GPUS: dict[str, GPU] = {
+    "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048),
+    "h100-pcie": GPU("h100-pcie", 80, 756, 2.0, "pcie5", "ib-ndr", 1024),
+    "h200": GPU("h200", 141, 989, 4.8, "nvlink4", "ib-ndr", 2048),
+    "a100-40gb": GPU("a100-40gb", 40, 312, 1.555, "nvlink3", "ib-hdr", 1024),
+    "a100-80gb": GPU("a100-80gb", 80, 312, 2.039, "nvlink3", "ib-hdr", 2048),
+    "l40s": GPU("l40s", 48, 362, 0.864, "pcie4", "ethernet-100g", 512),
+    "rtx-4090": GPU("rtx-4090", 24, 165, 1.008, "pcie4", "ethernet-100g", 256),
+    "mi300x": GPU("mi300x", 192, 1307, 5.3, "infinity-fabric", "ib-ndr", 2048),
+}
+
+GPU_ALIASES: dict[str, str] = {
+    "h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb", "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb", "4090": "rtx-4090", "h200-sxm": "h200",
+}
+
+
+def gpu(name: str) -> GPU:
+    """The catalog GPU called ``name`` (case-insensitive, aliases accepted)."""
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise unknown_choice("GPU kind", name, [*GPUS, *GPU_ALIASES])
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect: bandwidth per direction in GB/s, per GPU or shared by the node's GPUs."""
+
+    name: str
+    gbs: float
+    per_node: bool = False  # True: one NIC shared by every GPU of the node
+
+    def per_gpu_gbs(self, gpus_per_node: int) -> float:
+        return self.gbs / gpus_per_node if self.per_node else self.gbs
+
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link("nvlink4", 450),  # H100/H200 SXM: 900 GB/s bidirectional
+    "nvlink3": Link("nvlink3", 300),  # A100 SXM: 600 GB/s bidirectional
+    "infinity-fabric": Link("infinity-fabric", 448),  # MI300X: 7 links x 64 GB/s
+    "pcie5": Link("pcie5", 64),
+    "pcie4": Link("pcie4", 32),
+    "ib-ndr": Link("ib-ndr", 50),  # one 400 Gb/s NIC per GPU (rail-optimised)
+    "ib-hdr": Link("ib-hdr", 25),  # one 200 Gb/s NIC per GPU
+    "roce-400g": Link("roce-400g", 50),
+    "efa-3200": Link("efa-3200", 400, per_node=True),  # AWS p5: 3200 Gb/s per node
+    "ethernet-100g": Link("ethernet-100g", 12.5, per_node=True),
+    "ethernet-25g": Link("ethernet-25g", 3.125, per_node=True),
+}
+
+
+def link(name: str) -> Link:
+    """The link preset called ``name``."""
+    key = name.lower()
+    if key not in LINKS:
+        raise unknown_choice("link preset", name, LINKS)
+    return LINKS[key]

@@ -1,0 +1,342 @@
+"""ModelSpec: the shape of a model, as much as the planner needs, from wherever the user has it.
+
+Every constructor returns the same dataclass. When the per-parameter shapes are known (presets,
+HF configs, GPTConfig, meta-device modules) the planner shards them exactly the way ZeRO-1 and
+FSDP2 do; with a bare parameter count it falls back to an even split and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+# Architecture families the activation model knows (see memory.activation_bytes):
+#   "gpt"   LayerNorm, GELU MLP, learned positions (our GPT and GPT-2);
+#   "llama" HF-style RMSNorm (upcasts to fp32), rotary embeddings, SwiGLU MLP, optional GQA
+#           (Llama, Mistral, Qwen2).
+ARCHS = ("gpt", "llama")
+
+ROOT_UNIT = -1  # unit index of parameters outside the repeated blocks (embeddings, final norm, head)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor: its name, shape and the FSDP unit (block index, or ROOT_UNIT) it belongs to."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner knows about a model. Structural fields are None when unknown."""
+
+    name: str
+    n_params: int
+    arch: str | None = None
+    n_layers: int | None = None
+    hidden: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int | None = None
+    max_seq: int | None = None
+    tied_embeddings: bool = False
+    learned_positions: bool = False
+    dropout: float = 0.0
+    # Exact per-parameter shapes in module registration order (ZeRO-1's greedy partition depends on
+    # the order of equal-sized tensors). Empty for a bare parameter count.
+    params: tuple[ParamInfo, ...] = field(default=(), repr=False)
+
+    @property
+    def has_structure(self) -> bool:
+        """True when layers, hidden, heads and vocab are all known (activations can be modelled)."""
+        return None not in (self.arch, self.n_layers, self.hidden, self.n_heads, self.vocab, self.ffn_hidden)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads or 1
+
+    @property
+    def dim_head(self) -> int:
+        if self.head_dim:
+            return self.head_dim
+        if self.hidden and self.n_heads:
+            return self.hidden // self.n_heads
+        return 0
+
+    def unit_params(self) -> dict[int, int]:
+        """Parameter count per FSDP unit (block index -> count; ROOT_UNIT -> everything else)."""
+        units: dict[int, int] = {}
+        for p in self.params:
+            units[p.unit] = units.get(p.unit, 0) + p.numel
+        return units
+
+    def largest_unit_params(self) -> int:
+        """Parameters of the biggest unit FSDP gathers at once (a block or the root's leftovers)."""
+        units = self.unit_params()
+        if units:
+            return max(units.values())
+        # Bare count: assume the blocks hold everything, evenly.
+        return math.ceil(self.n_params / (self.n_layers or 1))
+
+    def embedding_params(self) -> int:
+        """Parameters used as look-up tables (no matmul FLOPs): input embeddings unless tied, positions."""
+        if not self.has_structure:
+            return 0
+        assert self.vocab is not None and self.hidden is not None
+        emb = 0 if self.tied_embeddings else self.vocab * self.hidden
+        if self.learned_positions and self.max_seq:
+            emb += self.max_seq * self.hidden
+        return emb
+
+
+def _check_positive(name: str, what: str, **values: Any) -> None:
+    for key, value in values.items():
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"model {name!r}: {key} must be a positive integer, got {value!r} ({what}).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes generated from a config, in the same order the real modules register them.
+
+
+def llama_params(
+    *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_hidden: int, vocab: int,
+    tied: bool, qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+) -> tuple[ParamInfo, ...]:
+    """Parameters of ``transformers`` LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM."""
+    out = [ParamInfo("model.embed_tokens.weight", (vocab, hidden), ROOT_UNIT)]
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    for i in range(n_layers):
+        pre = f"model.layers.{i}."
+        shapes: list[tuple[str, tuple[int, ...]]] = [("self_attn.q_proj.weight", (q, hidden))]
+        if qkv_bias:
+            shapes.append(("self_attn.q_proj.bias", (q,)))
+        shapes.append(("self_attn.k_proj.weight", (kv, hidden)))
+        if qkv_bias:
+            shapes.append(("self_attn.k_proj.bias", (kv,)))
+        shapes.append(("self_attn.v_proj.weight", (kv, hidden)))
+        if qkv_bias:
+            shapes.append(("self_attn.v_proj.bias", (kv,)))
+        shapes.append(("self_attn.o_proj.weight", (hidden, q)))
+        if o_bias:
+            shapes.append(("self_attn.o_proj.bias", (hidden,)))
+        for proj, shape in (("gate_proj", (ffn_hidden, hidden)), ("up_proj", (ffn_hidden, hidden)),
+                            ("down_proj", (hidden, ffn_hidden))):
+            shapes.append((f"mlp.{proj}.weight", shape))
+            if mlp_bias:
+                shapes.append((f"mlp.{proj}.bias", (shape[0],)))
+        shapes += [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+        out += [ParamInfo(pre + n, s, i) for n, s in shapes]
+    out.append(ParamInfo("model.norm.weight", (hidden,), ROOT_UNIT))
+    if not tied:
+        out.append(ParamInfo("lm_head.weight", (vocab, hidden), ROOT_UNIT))
+    return tuple(out)
+
+
+def gpt2_params(*, n_layers: int, hidden: int, vocab: int, n_positions: int, ffn_hidden: int) -> tuple[ParamInfo, ...]:
+    """Parameters of ``transformers`` GPT2LMHeadModel (Conv1D weights are stored (in, out); head tied)."""
+    h, f = hidden, ffn_hidden
+    out = [ParamInfo("transformer.wte.weight", (vocab, h), ROOT_UNIT),
+           ParamInfo("transformer.wpe.weight", (n_positions, h), ROOT_UNIT)]
+    for i in range(n_layers):
+        pre = f"transformer.h.{i}."
+        shapes = [("ln_1.weight", (h,)), ("ln_1.bias", (h,)), ("attn.c_attn.weight", (h, 3 * h)),
+                  ("attn.c_attn.bias", (3 * h,)), ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)),
+                  ("ln_2.weight", (h,)), ("ln_2.bias", (h,)), ("mlp.c_fc.weight", (h, f)),
+                  ("mlp.c_fc.bias", (f,)), ("mlp.c_proj.weight", (f, h)), ("mlp.c_proj.bias", (h,))]
+        out += [ParamInfo(pre + n, s, i) for n, s in shapes]
+    out += [ParamInfo("transformer.ln_f.weight", (h,), ROOT_UNIT), ParamInfo("transformer.ln_f.bias", (h,), ROOT_UNIT)]
+    return tuple(out)
+
+
+def from_llama_like(
+    name: str, *, n_layers: int, hidden: int, n_heads: int, ffn_hidden: int, vocab: int,
+    n_kv_heads: int | None = None, head_dim: int | None = None, max_seq: int = 4096, tied: bool = False,
+    qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+) -> ModelSpec:
+    """A Llama/Mistral/Qwen2-family spec from its hyper-parameters."""
+    n_kv_heads = n_kv_heads or n_heads
+    _check_positive(name, "from the config", n_layers=n_layers, hidden=hidden, n_heads=n_heads,
+                    ffn_hidden=ffn_hidden, vocab=vocab, n_kv_heads=n_kv_heads)
+    head_dim = head_dim or hidden // n_heads
+    if n_heads % n_kv_heads:
+        raise ConfigError(f"model {name!r}: num_attention_heads={n_heads} is not a multiple of "
+                          f"num_key_value_heads={n_kv_heads}.")
+    params = llama_params(n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          head_dim=head_dim, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
+                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
+    return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="llama", n_layers=n_layers,
+                     hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     ffn_hidden=ffn_hidden, vocab=vocab, max_seq=max_seq, tied_embeddings=tied, params=params)
+
+
+def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab: int = 50257,
+                   n_positions: int = 1024, ffn_hidden: int | None = None) -> ModelSpec:
+    """A GPT-2-family spec (tied head, learned positions, biases everywhere)."""
+    ffn_hidden = ffn_hidden or 4 * hidden
+    _check_positive(name, "from the config", n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab)
+    params = gpt2_params(n_layers=n_layers, hidden=hidden, vocab=vocab, n_positions=n_positions,
+                         ffn_hidden=ffn_hidden)
+    return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=n_layers,
+                     hidden=hidden, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=ffn_hidden, vocab=vocab,
+                     max_seq=n_positions, tied_embeddings=True, learned_positions=True, params=params)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF config.json
+
+
+def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
+    """Spec from a parsed ``config.json`` of the Llama, Mistral, Qwen2 or GPT-2 families."""
+    model_type = str(cfg.get("model_type", "")).lower()
+    if model_type in ("llama", "mistral", "qwen2") or (not model_type and "hidden_size" in cfg):
+        try:
+            return from_llama_like(
+                name,
+                n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], n_heads=cfg["num_attention_heads"],
+                ffn_hidden=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                n_kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+                max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 has q/k/v biases and no o_proj bias; Llama exposes both switches.
+                qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+            )
+        except KeyError as e:
+            raise ConfigError(
+                f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
+    if model_type == "gpt2":
+        return from_gpt2_like(name, n_layers=cfg.get("n_layer", 12), hidden=cfg.get("n_embd", 768),
+                              n_heads=cfg.get("n_head", 12), vocab=cfg.get("vocab_size", 50257),
+                              n_positions=cfg.get("n_positions", 1024), ffn_hidden=cfg.get("n_inner"))
+    raise ConfigError(f"{name}: model_type {model_type or '(missing)'!r} is not supported by the planner; "
+                      "supported: llama, mistral, qwen2, gpt2. Use --model-factory module:function to count "
+                      "any nn.Module on the meta device, or --params N for a bare count.")
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Spec from a ``config.json`` path (or a directory holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"--hf-config: no file at {str(p)!r}; pass a config.json or the folder holding it.")
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--hf-config: cannot read {str(p)!r} as JSON ({e}).") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--hf-config: {str(p)!r} is not a JSON object.")
+    return from_hf_config_dict(cfg, name=p.parent.name or p.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.Module (meta device), GPTConfig, bare count
+
+
+def _block_container(module: Any) -> tuple[str, list[str]] | None:
+    """Find the ModuleList/ModuleDict of repeated blocks: the container holding the most parameters."""
+    from torch import nn
+
+    best: tuple[int, str, list[str]] | None = None
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList | nn.ModuleDict) and len(sub) > 1:
+            children = list(sub.named_children())
+            if len({type(c) for _, c in children}) != 1:
+                continue
+            size = sum(p.numel() for p in sub.parameters())
+            if best is None or size > best[0]:
+                best = (size, name, [k for k, _ in children])
+    return None if best is None else (best[1], best[2])
+
+
+def from_module(module: Any, name: str = "module") -> ModelSpec:
+    """Spec from an ``nn.Module`` (build it under ``torch.device('meta')``: no memory is touched).
+
+    Parameter counts and shapes are exact (shared/tied tensors counted once). Blocks are the
+    children of the largest homogeneous ModuleList/ModuleDict. Hidden size, heads and vocabulary
+    come from ``module.config`` when it looks like a GPTConfig or an HF config.
+    """
+    container = _block_container(module)
+    unit_of: dict[str, int] = {}
+    if container is not None:
+        prefix, keys = container
+        unit_of = {f"{prefix}.{k}." if prefix else f"{k}.": i for i, k in enumerate(keys)}
+    params: list[ParamInfo] = []
+    for pname, p in module.named_parameters():
+        unit = next((u for pre, u in unit_of.items() if pname.startswith(pre)), ROOT_UNIT)
+        params.append(ParamInfo(pname, tuple(p.shape), unit))
+    n_params = sum(p.numel for p in params)
+    cfg = getattr(module, "config", None)
+    structure: dict[str, Any] = {}
+    if cfg is not None and hasattr(cfg, "n_embd") and hasattr(cfg, "n_layer"):  # GPTConfig / GPT-2 style
+        structure = dict(arch="gpt", n_layers=cfg.n_layer, hidden=cfg.n_embd, n_heads=cfg.n_head,
+                         n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd, vocab=cfg.vocab_size,
+                         max_seq=getattr(cfg, "block_size", getattr(cfg, "n_positions", None)),
+                         dropout=float(getattr(cfg, "dropout", 0.0)), learned_positions=True,
+                         tied_embeddings=not any(p.name.startswith("lm_head") for p in params))
+    elif cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "intermediate_size"):
+        n_heads = cfg.num_attention_heads
+        structure = dict(arch="llama", n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, n_heads=n_heads,
+                         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+                         head_dim=getattr(cfg, "head_dim", None), ffn_hidden=cfg.intermediate_size,
+                         vocab=cfg.vocab_size, max_seq=getattr(cfg, "max_position_embeddings", None),
+                         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+    elif container is not None:
+        structure = dict(n_layers=len(container[1]))
+    return ModelSpec(name=name, n_params=n_params, params=tuple(params), **structure)
+
+
+def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
+    """Spec of shardwise's own ``GPT(cfg)``, counted exactly on the meta device."""
+    import torch
+
+    from shardwise.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return from_module(model, name=name)
+
+
+def from_factory(spec: str) -> ModelSpec:
+    """Spec from ``module:function`` returning an nn.Module; the call runs under the meta device."""
+    import torch
+
+    from shardwise.workloads import import_factory
+
+    fn: Callable[[], Any] = import_factory(spec, "--model-factory")
+    with torch.device("meta"):
+        model = fn()
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model-factory {spec!r} returned {type(model).__name__}, not an nn.Module.")
+    return from_module(model, name=spec)
+
+
+def from_param_count(n_params: int, *, n_layers: int | None = None, hidden: int | None = None,
+                     n_heads: int | None = None, vocab: int | None = None) -> ModelSpec:
+    """Spec from a bare count. Without layers/hidden/heads/vocab, activations cannot be modelled."""
+    if n_params <= 0:
+        raise ConfigError(f"--params must be a positive number of parameters, got {n_params}.")
+    _check_positive("--params", "given on the command line", n_layers=n_layers, hidden=hidden,
+                    n_heads=n_heads, vocab=vocab)
+    structure: dict[str, Any] = {}
+    if n_layers and hidden and n_heads and vocab:
+        structure = dict(arch="gpt", ffn_hidden=4 * hidden, n_kv_heads=n_heads)
+    spec = ModelSpec(name=f"{n_params / 1e9:.3g}B params" if n_params >= 1e8 else f"{n_params} params",
+                     n_params=n_params, n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab, **structure)
+    return replace(spec)
