@@ -122,10 +122,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         if tokenizer is not None:
             sample = _text_sampler(tokenizer)
     elif mc.kind == "cnn":
-        from shardwise.models.cnn import build_cnn
+        from shardwise.models.cnn import build_cnn, cnn_config, cnn_flops_per_sample
 
         build = lambda: build_cnn(**mc.overrides)  # noqa: E731
-        family = "cnn"
+        # One image is one "token" for throughput and FLOP figures.
+        family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
         from shardwise.models.hf import build_hf_model, hf_family
 

@@ -232,6 +232,12 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    if not p.exists():
+        from shardwise.models.hf import bundled_config_dir, bundled_configs
+
+        # A bundled name ("llama-tiny") means the same here as in model.hf_config.
+        if str(path).removesuffix(".json") in bundled_configs():
+            p = bundled_config_dir() / f"{str(path).removesuffix('.json')}.json"
     if not p.is_file():
         raise ConfigError(f"--hf-config: no file at {str(p)!r}; pass a config.json or the folder holding it.")
     try:

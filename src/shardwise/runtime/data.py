@@ -72,9 +72,12 @@ class ShardedLoader:
                  pin_memory: bool = False) -> None:
         n = len(dataset)  # type: ignore[arg-type]
         if n < num_replicas * batch_size:
-            raise ValueError(
-                f"dataset has {n} samples, fewer than one batch per rank "
-                f"({num_replicas} ranks x {batch_size}); use a smaller batch or more data"
+            from shardwise.errors import ConfigError
+
+            raise ConfigError(
+                f"the dataset has {n} samples, fewer than one batch per data-parallel rank "
+                f"({num_replicas} ranks x micro-batch {batch_size}); use a smaller "
+                "train.micro_batch_size, fewer ranks, or more data."
             )
         self.sampler = ShardedSampler(n, num_replicas, rank, batch_size, shuffle, seed)
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
