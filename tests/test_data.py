@@ -92,3 +92,8 @@ def test_shakespeare_bundled_and_missing(tmp_path):
     assert torch.equal(x[1:], y[:-1])
     with pytest.raises(ConfigError, match="does not exist"):
         load_shakespeare(str(tmp_path / "missing.txt"), 32, 0.1)
+
+
+def test_dataset_smaller_than_one_batch_per_rank_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"fewer than one batch per data-parallel rank \(2 ranks x micro-batch 4\)"):
+        ShardedLoader(Range(7), 4, num_replicas=2, rank=0)
