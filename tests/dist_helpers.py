@@ -36,6 +36,17 @@ def global_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: in
     return torch.randint(0, vocab, (steps, global_batch, seq + 1), generator=g)
 
 
+def count_allreduces(model: torch.nn.Module, calls: list[int]) -> None:
+    """Append to ``calls`` once per gradient bucket all-reduced by DDP (or zero1's DDP)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def counting_hook(state, bucket):
+        calls.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+
+
 def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int = 5,
                  global_batch: int = 8, accum: int = 1, preset: str = "nano",
                  count_allreduce: bool = False, precision: str = "fp32") -> dict:
@@ -46,15 +57,9 @@ def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int =
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = session.prepare(model, opt)
-    calls = []
+    calls: list[int] = []
     if count_allreduce:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        def counting_hook(state, bucket):
-            calls.append(1)
-            return default_hooks.allreduce_hook(state, bucket)
-
-        model.register_comm_hook(None, counting_hook)
+        count_allreduces(model, calls)
     data = global_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
     per_rank = global_batch // session.dp_size
     micro = per_rank // accum

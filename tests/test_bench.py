@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 from shardwise.bench import markdown_table, row_from_summary, write_outputs
+from shardwise.testing import run_command
 
 
 def test_rows_table_and_files(tmp_path):
@@ -14,6 +15,7 @@ def test_rows_table_and_files(tmp_path):
                                      "peak_bytes": 5 * 2**20}]}}
     rows = [row_from_summary("ddp", summary, "ok"), row_from_summary("fsdp", None, "failed (1)")]
     assert rows[0]["peak_mib_per_rank"] == 5.0 and rows[0]["model_state_mib_per_rank"] == 4.0
+    assert (rows[0]["param_mib_per_rank"], rows[0]["grad_mib_per_rank"], rows[0]["optim_mib_per_rank"]) == (1, 1, 2)
     table = markdown_table(rows)
     assert "| ddp | 2 | ok | 1,234.5 |" in table and "failed (1)" in table
     paths = write_outputs(rows, tmp_path)
@@ -22,10 +24,10 @@ def test_rows_table_and_files(tmp_path):
 
 
 def test_bench_runs_strategies_end_to_end(cli_env, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "shardwise", "bench", "--strategies", "single,ddp",
-                           "--nproc", "2", "--steps", "3", "--out", str(tmp_path),
-                           "--set", "model.preset=nano", "--set", "train.eval_batches=2"],
-                          env=cli_env, capture_output=True, text=True, timeout=300)
+    proc = run_command([sys.executable, "-m", "shardwise", "bench", "--strategies", "single,ddp",
+                        "--nproc", "2", "--steps", "3", "--out", str(tmp_path),
+                        "--set", "model.preset=nano", "--set", "train.eval_batches=2"],
+                       env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [r["strategy"] for r in rows] == ["single", "ddp"]

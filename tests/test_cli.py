@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT
 
 from shardwise.cli import main
+from shardwise.testing import run_command
 
 FAST = ["--set", "model.preset=nano", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
         "--set", "train.sample_tokens=20", "--set", "train.progress=false", "--set", "train.log_every=1"]
@@ -20,13 +21,19 @@ def run_main(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--strategy", "dpp"], "unknown strategy 'dpp'. Did you mean 'ddp'?"),
+    (["train", "--strategy", "ddpp"], "unknown strategy 'ddpp'. Did you mean 'ddp'?"),
     (["train", "gpt-shakspeare"], "unknown recipe 'gpt-shakspeare'"),
     (["train", "--nproc", "0"], "--nproc must be at least 1"),
     (["train", "--set", "train.setps=3"], "Did you mean 'steps'"),
     (["train", "--set", "data.path=/nonexistent/input.txt"], "data file '/nonexistent/input.txt' does not exist"),
     (["train", "--strategy", "single", "--nproc", "2"], "strategy 'single' runs one process"),
     (["launch", "--nproc", "2", "/nonexistent/script.py"], "does not exist"),
+    # Model-shape checks run on a meta copy of the model before any rank starts.
+    (["train", "--strategy", "tp", "--nproc", "4", "--set", "model.preset=nano"],
+     "parallel.tp=4 must divide the sizes it splits"),
+    (["train", "--strategy", "pp", "--nproc", "4", "--set", "model.preset=nano"], "stages"),
+    (["verify", "--strategy", "tp", "--nproc", "4", "--set", "model.preset=nano"],
+     "parallel.tp=4 must divide the sizes it splits"),
 ])
 def test_bad_input_is_one_clear_paragraph(capsys, argv, message):
     code, out, err = run_main(capsys, *argv)
@@ -74,9 +81,8 @@ def test_single_process_train_writes_run_dir(capsys, tmp_path):
 
 def test_ddp_train_on_two_processes(cli_env, tmp_path):
     out_dir = tmp_path / "ddp"
-    proc = subprocess.run([sys.executable, "-m", "shardwise", "train", "--nproc", "2", "--out", str(out_dir),
-                           *FAST, "--set", "train.steps=6"],
-                          env=cli_env, capture_output=True, text=True, timeout=240)
+    proc = run_command([sys.executable, "-m", "shardwise", "train", "--nproc", "2", "--out", str(out_dir),
+                        *FAST, "--set", "train.steps=6"], env=cli_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2 and summary["steps"] == 6
@@ -86,9 +92,9 @@ def test_ddp_train_on_two_processes(cli_env, tmp_path):
 
 def test_launch_runs_a_user_script_on_two_ranks(cli_env, tmp_path):
     result = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "shardwise", "launch", "--nproc", "2",
-                           str(ROOT / "examples" / "user_loop.py"), "--steps", "4", "--result", str(result)],
-                          env=cli_env, capture_output=True, text=True, timeout=240)
+    proc = run_command([sys.executable, "-m", "shardwise", "launch", "--nproc", "2",
+                        str(ROOT / "examples" / "user_loop.py"), "--steps", "4", "--result", str(result)],
+                       env=cli_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(result.read_text())
     assert data["world_size"] == 2 and data["strategy"] == "ddp"
@@ -96,16 +102,16 @@ def test_launch_runs_a_user_script_on_two_ranks(cli_env, tmp_path):
 
 def test_plain_torchrun_works_with_the_session(cli_env, tmp_path):
     result = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(ROOT / "examples" / "user_loop.py"), "--steps", "3", "--result", str(result)],
-                          env=cli_env, capture_output=True, text=True, timeout=240)
+    proc = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(ROOT / "examples" / "user_loop.py"), "--steps", "3", "--result", str(result)],
+                       env=cli_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text())["world_size"] == 2
 
 
 def test_user_script_runs_as_one_plain_process(cli_env, tmp_path):
     result = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "user_loop.py"), "--steps", "2",
-                           "--result", str(result)], env=cli_env, capture_output=True, text=True, timeout=120)
+    proc = run_command([sys.executable, str(ROOT / "examples" / "user_loop.py"), "--steps", "2",
+                        "--result", str(result)], env=cli_env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) ["strategy"] == "single"

@@ -34,8 +34,8 @@ def test_wrong_type_names_key_and_value():
 
 
 def test_unknown_strategy_lists_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'dpp'.*Did you mean 'ddp'.*Valid strategys?: .*single"):
-        load_config(None, ["parallel.strategy=dpp"])
+    with pytest.raises(ConfigError, match=r"unknown strategy 'ddpp'.*Did you mean 'ddp'.*Valid strategys?: .*single"):
+        load_config(None, ["parallel.strategy=ddpp"])
 
 
 def test_unknown_recipe_lists_builtins():

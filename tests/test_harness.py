@@ -20,7 +20,8 @@ def test_first_failure_kills_all_ranks_and_shows_traceback():
 
 def test_hang_dumps_every_rank_stack():
     with pytest.raises(DistributedTestError, match="hung") as info:
-        run_distributed(sleepy, 2, timeout_s=8, collective_timeout_s=60)
+        # Long enough for both ranks to start (spawn imports torch) on a loaded 2-core machine.
+        run_distributed(sleepy, 2, timeout_s=20, collective_timeout_s=60)
     text = str(info.value)
     assert "--- rank 0 ---" in text and "--- rank 1 ---" in text
     assert "sleepy" in text  # the stuck frame is named

@@ -18,7 +18,8 @@ from typing import Any
 from shardwise.errors import ConfigError
 
 COLUMNS = ("strategy", "world_size", "status", "tokens_per_s", "step_time_s", "peak_mib_per_rank",
-           "model_state_mib_per_rank", "final_train_loss", "final_val_loss", "wall_s")
+           "model_state_mib_per_rank", "param_mib_per_rank", "grad_mib_per_rank", "optim_mib_per_rank",
+           "final_train_loss", "final_val_loss", "wall_s")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +54,9 @@ def row_from_summary(strategy: str, summary: dict[str, Any] | None, status: str)
         states = [sum(r.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes")) for r in ranks]
         row["peak_mib_per_rank"] = _mib(max(peaks)) if peaks else None
         row["model_state_mib_per_rank"] = _mib(max(states))
+        # The largest rank for each kind (pipeline stages differ; sharded ranks differ by padding).
+        for kind in ("param", "grad", "optim"):
+            row[f"{kind}_mib_per_rank"] = _mib(max(r.get(f"{kind}_bytes", 0) for r in ranks))
     return row
 
 
@@ -128,12 +132,15 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "shardwise", "train", *([args.recipe] if args.recipe else []),
                "--strategy", name, "--nproc", str(nproc), "--out", str(run_dir),
                "--set", f"train.steps={args.steps}", "--set", "train.sample_tokens=0",
-               "--set", "train.progress=false"]
+               "--set", "train.progress=false",
+               # The final checkpoint is not part of what is compared; the user may turn it back on.
+               "--set", "checkpoint.at_end=false"]
         for item in args.overrides:
             cmd += ["--set", item]
         print(f"bench: {name} on {nproc} rank(s) ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd)
         summary_path = run_dir / "summary.json"
+        summary_path.unlink(missing_ok=True)  # a failed run must not report an earlier run's figures
+        proc = subprocess.run(cmd)
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
         status = "ok" if proc.returncode == 0 and summary else f"failed ({proc.returncode})"
         rows.append(row_from_summary(name, summary, status))

@@ -10,6 +10,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 from shardwise.errors import ConfigError, ShardwiseError
@@ -37,13 +38,23 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node runs)")
     p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
                    help="rendezvous address shared by all nodes (multi-node runs)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue from a checkpoint: alone, the latest one of the run in --out (whose "
+                   "config.toml is reused unless a recipe is given); or a checkpoint, checkpoints/ "
+                   "folder or run directory. Works across strategies and rank counts")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart all ranks up to K times when one fails or hangs; each restart "
+                   "resumes from the latest checkpoint (set checkpoint.every to lose little work)")
     p.set_defaults(func=cmd_train)
 
 
-def resolve_run(args: argparse.Namespace) -> tuple[object, int, Path]:
-    """Load and check everything a run needs before any process starts: (config, nproc, out)."""
+def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
+    """Load and check everything a run needs before any process starts.
+
+    Returns (config, workload, nproc, out).
+    """
     from shardwise.config import load_config
-    from shardwise.parallel.registry import get_strategy
+    from shardwise.preflight import check_run
     from shardwise.runtime.device import default_nproc
     from shardwise.runtime.rundir import default_run_dir
 
@@ -57,21 +68,56 @@ def resolve_run(args: argparse.Namespace) -> tuple[object, int, Path]:
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
     nproc = args.nproc or cfg.parallel.nproc or default_nproc()
-    world = nproc * nnodes
-    strategy = get_strategy(cfg.parallel.strategy, world)
-    strategy.check(world, cfg.parallel)
-    cfg.parallel.strategy, cfg.parallel.nproc = strategy.name, nproc
+    strategy, workload = check_run(cfg, nproc * nnodes)
+    cfg.parallel.nproc = nproc
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, strategy.name))
     cfg.out_dir = str(out)
-    return cfg, nproc, out
+    return cfg, workload, nproc, out
 
 
-def _preflight_data(cfg: object) -> None:
-    # Build the datasets once here so a missing or malformed data file is reported before any
-    # rank starts (a clear message instead of N copies of a worker traceback).
-    from shardwise.workloads import build_workload
+def _use_run_config_for_resume(args: argparse.Namespace) -> None:
+    # `train --out RUN --resume` continues RUN as it was configured (plus any --set changes).
+    if args.resume is not None and args.recipe is None and args.out:
+        saved = Path(args.out) / "config.toml"
+        if saved.is_file():
+            args.recipe = str(saved)
 
-    build_workload(cfg.model, cfg.data)  # type: ignore[attr-defined]
+
+def _preflight_resume(cfg: object, out: Path, workload: object, out_given: bool) -> None:
+    """Check the resume checkpoint before any rank starts (missing, damaged, other model shape)."""
+    import torch
+
+    from shardwise.errors import CheckpointError
+    from shardwise.runtime.checkpoint import preflight, tensor_shapes
+
+    ck = cfg.checkpoint  # type: ignore[attr-defined]
+    if ck.resume in ("", "auto"):
+        return
+    source = out / "checkpoints" if ck.resume == "latest" else Path(ck.resume)
+    # The model's tensor shapes, from a copy on the meta device (no memory, no init cost).
+    with torch.device("meta"):
+        shapes = tensor_shapes(workload.build_model().state_dict())  # type: ignore[attr-defined]
+    try:
+        path = preflight(source, shapes)
+    except CheckpointError as e:
+        if ck.resume == "latest" and not out_given:
+            raise CheckpointError(f"{e} --resume without a PATH continues the run given by --out; "
+                                  "pass --out RUN_DIR, or --resume PATH.") from None
+        raise
+    if ck.resume != "latest":
+        ck.resume = str(path.resolve())  # every rank and every restart loads this very checkpoint
+
+
+def _report_interrupt(out: Path, started: float) -> int | None:
+    summary = out / "summary.json"
+    if not summary.is_file() or summary.stat().st_mtime < started:
+        return None
+    data = json.loads(summary.read_text())
+    if not data.get("interrupted"):
+        return None
+    print(f"interrupted: checkpoint saved at step {data.get('steps')} ({data.get('checkpoint')}). "
+          f"Continue with: shardwise train --out {out} --resume", file=sys.stderr)
+    return 130
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -79,24 +125,45 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.launch import LaunchSpec, run_torchrun
     from shardwise.runtime.trainer import train
 
-    cfg, nproc, out = resolve_run(args)
-    _preflight_data(cfg)
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}.")
+    _use_run_config_for_resume(args)
+    if args.resume is not None:
+        args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
+    cfg, workload, nproc, out = resolve_run(args)
+    _preflight_resume(cfg, out, workload, out_given=bool(args.out))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))
-    if nproc == 1 and args.nnodes == 1:
+    for stale in [*out.glob("hang-rank*.json"), *out.glob("failure-rank*.json")]:
+        stale.unlink()  # reports of an earlier launch must not be blamed on this one
+    started = time.time() - 1.0
+    if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
         train(cfg, out)
-        return 0
+        return _report_interrupt(out, started) or 0
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, run_id=out.name)
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=out.name,
+                      max_restarts=args.max_restarts)
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if cfg.watchdog.debug_collectives else {}
+    if args.max_restarts:
+        # With the rendezvous TCPStore shared with the workers (torchrun's default), a restarted
+        # rank can read a peer's address left by the previous attempt and fail to connect
+        # (pytorch/pytorch#135712). A separate store per attempt avoids that.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
-                             "--out", str(out)])
-    return _report_ranks(rc, out)
+                             "--out", str(out)], env=env)
+    return _report_interrupt(out, started) or _report_ranks(rc, out)
 
 
 def _report_ranks(rc: int, out: Path) -> int:
     """Turn a failed torchrun into one clear paragraph naming the failing rank(s)."""
     if rc == 0:
         return 0
+    from shardwise.runtime.watchdog import HANG_EXIT_CODE, describe_hang
+
+    hang = describe_hang(out)
+    if hang:
+        print(f"error: {hang}", file=sys.stderr)
+        return HANG_EXIT_CODE
     failures = sorted(out.glob("failure-rank*.json"))
     if failures:
         first = json.loads(failures[0].read_text())

@@ -19,6 +19,7 @@ from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 AC_MODES = ("none", "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass
@@ -81,6 +82,11 @@ class ParallelConfig:
     pp_microbatches: int = 0  # 0: 2 x stages
     pp_stages_per_rank: int = 1
     pp_first_stage_fewer: int = 0
+    # Data-parallel degree of the model-parallel compositions (0: world / (tp x pp)). Mesh order
+    # is ("pp", "dp", "tp"): tp innermost, on consecutive ranks, i.e. the fastest link.
+    dp: int = 0
+    # Under tp: run norms/dropout on a sequence shard (activations tp x smaller between matmuls).
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -95,6 +101,25 @@ class CheckpointConfig:
 class WatchdogConfig:
     timeout_s: float = 600.0  # a rank with no progress for this long is declared hung
     collective_timeout_s: float = 1800.0
+    # Opt-in: TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's check that every rank calls the same
+    # collective with matching shapes (a mismatch raises instead of hanging; slower).
+    debug_collectives: bool = False
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for shardwise's own fault-tolerance tests; never set in real runs.
+
+    Each fault fires on the first elastic attempt only (``every_attempt`` repeats it), so a
+    restarted job can show that it recovers.
+    """
+
+    kill_rank: int = -1  # this rank SIGKILLs itself ...
+    kill_at_step: int = 0  # ... after this optimizer step ...
+    kill_in_checkpoint: bool = False  # ... or, instead, mid-save: shards written, not published
+    hang_rank: int = -1  # this rank stops participating (sleeps forever) ...
+    hang_at_step: int = 0  # ... after this optimizer step
+    every_attempt: bool = False
 
 
 @dataclass
@@ -107,6 +132,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -175,6 +201,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp in (int, float, str):
         if isinstance(value, tp) and not isinstance(value, bool):
             return value
+        if tp is str and isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # --set parallel.wrap=2 parses as an integer
     elif origin is tuple:
         args = typing.get_args(tp)
         if isinstance(value, (list, tuple)) and len(value) == len(args):
@@ -283,6 +311,9 @@ def validate(cfg: RunConfig) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     _positive("watchdog.timeout_s", cfg.watchdog.timeout_s)
+    _positive("watchdog.collective_timeout_s", cfg.watchdog.collective_timeout_s)
+    _positive("debug.kill_at_step", cfg.debug.kill_at_step, allow_zero=True)
+    _positive("debug.hang_at_step", cfg.debug.hang_at_step, allow_zero=True)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
     if p.precision not in PRECISIONS:
@@ -290,6 +321,22 @@ def validate(cfg: RunConfig) -> None:
     if p.activation_checkpointing not in AC_MODES:
         raise unknown_choice("activation_checkpointing mode", p.activation_checkpointing, AC_MODES)
     _positive("parallel.ac_every", p.ac_every)
-    if p.wrap not in ("block", "model") and not str(p.wrap).isdigit():
+    if p.wrap not in ("block", "model") and not (str(p.wrap).isdigit() and int(p.wrap) >= 1):
         raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
+    from shardwise.parallel.precision import check_precision
+
+    check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts
     p.strategy = canonical_strategy(p.strategy)  # raises with the list of valid names
+    _positive("parallel.tp", p.tp)
+    _positive("parallel.pp", p.pp)
+    _positive("parallel.dp", p.dp, allow_zero=True)
+    _positive("parallel.pp_microbatches", p.pp_microbatches, allow_zero=True)
+    _positive("parallel.pp_stages_per_rank", p.pp_stages_per_rank)
+    _positive("parallel.pp_first_stage_fewer", p.pp_first_stage_fewer, allow_zero=True)
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise unknown_choice("pipeline schedule", p.pp_schedule, PP_SCHEDULES)
+    if p.strategy == "auto" and (p.tp > 1 or p.pp > 1):
+        # Degrees alone select the composition; dp (inferred from the world size) shards with
+        # FSDP2 when TP is on (DDP over DTensor parameters is not supported), else replicates.
+        p.strategy = {(True, False): "fsdp+tp", (False, True): "ddp+pp",
+                      (True, True): "fsdp+tp+pp"}[(p.tp > 1, p.pp > 1)]

@@ -7,8 +7,10 @@ elastic restarts and multi-node. This module only builds its command line.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,4 +52,19 @@ def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | 
     # One thread per CPU rank unless the user chose otherwise; torchrun does the same but warns.
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.call(torchrun_command(spec, target), env=full_env)
+    proc = subprocess.Popen(torchrun_command(spec, target), env=full_env)
+    # While torchrun runs, this process must not die on a signal: subprocess.call would SIGKILL
+    # torchrun on KeyboardInterrupt, orphaning ranks that are saving their interrupt checkpoint.
+    # Ctrl-C already reaches torchrun and every rank (same process group), so SIGINT is only
+    # absorbed here; SIGTERM (sent to this process alone, e.g. by a scheduler) is forwarded.
+    def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM:
+            proc.send_signal(signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -10,6 +10,7 @@ processes are killed. Nothing is left running after it returns or raises.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -18,6 +19,7 @@ import pickle
 import queue
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -53,16 +55,46 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
             value = fn(rank, world_size, **kwargs)
+        except BaseException:
+            # Report before tearing down the group: destroying it resets the peers' connections,
+            # and their follow-on errors must not be mistaken for the cause.
+            results.put((rank, "error", traceback.format_exc(), time.monotonic()))
+            raise SystemExit(1) from None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
         try:
-            results.put((rank, "ok", pickle.dumps(value)))
+            results.put((rank, "ok", pickle.dumps(value), time.monotonic()))
         except Exception:  # an unpicklable return value is reported, not swallowed
-            results.put((rank, "error", "return value is not picklable:\n" + traceback.format_exc()))
+            results.put((rank, "error", "return value is not picklable:\n" + traceback.format_exc(),
+                         time.monotonic()))
+    except SystemExit:
+        raise
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), time.monotonic()))
         raise SystemExit(1) from None
+
+
+def _first_failure(results: Any, rank: int, payload: str, at: float) -> tuple[int, str]:
+    """Among the errors arriving within a moment of the first one, the one that happened first.
+
+    When one rank fails, its peers fail too (connection reset, timeout) and may report first;
+    the earliest failure (CLOCK_MONOTONIC is shared by processes on one host) is the cause.
+    """
+    failures = [(at, rank, payload)]
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        try:
+            r, status, p, t = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            failures.append((t, r, p))
+    _, rank, payload = min(failures)
+    others = sorted(r for _, r, _ in failures if r != rank)
+    if others:
+        payload += f"\n(rank(s) {', '.join(map(str, others))} failed after it, as a consequence)"
+    return rank, payload
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: float = 120.0,
@@ -87,13 +119,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
     try:
         while len(values) < world_size:
             try:
-                rank, status, payload = results.get(timeout=0.2)
+                rank, status, payload, at = results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
                 if dead:
                     time.sleep(0.5)  # give its queued traceback a moment to arrive
                     try:
-                        rank, status, payload = results.get_nowait()
+                        rank, status, payload, at = results.get_nowait()
                     except queue.Empty:
                         raise DistributedTestError(
                             f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
@@ -103,6 +135,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
                 else:
                     continue
             if status == "error":
+                rank, payload = _first_failure(results, rank, payload, at)
                 raise DistributedTestError(f"rank {rank} failed:\n{payload}")
             values[rank] = pickle.loads(payload)
         for p in procs:
@@ -112,14 +145,47 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
         _kill_all(procs)
 
 
+def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (e.g. ``shardwise train --nproc 2``) and return it finished, output captured.
+
+    Unlike ``subprocess.run(timeout=...)``, a timeout kills the whole process tree: the command
+    runs in its own session, so torchrun and every rank die with it and no grandchild keeps the
+    output pipes open (which would block the caller forever). Raises DistributedTestError with the
+    output's tail on timeout.
+    """
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise DistributedTestError(f"command timed out after {timeout:.0f}s: {' '.join(cmd)}\n"
+                                   f"--- stdout (tail) ---\n{out[-3000:]}\n--- stderr (tail) ---\n"
+                                   f"{err[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _hang_report(procs: list[Any], stack_dir: str, timeout_s: float) -> str:
-    for p in procs:
-        if p.is_alive():
+    stack_files = [Path(stack_dir) / f"rank{r}.txt" for r in range(len(procs))]
+    for p, f in zip(procs, stack_files):
+        # A rank without its stack file is still starting (spawn imports torch first) and has no
+        # SIGUSR1 handler yet: the signal would only kill it, so it is left alone.
+        if p.is_alive() and f.exists():
             os.kill(p.pid, signal.SIGUSR1)
     time.sleep(1.0)
     parts = [f"distributed test hung: no result after {timeout_s:.0f}s; stacks of every rank:"]
-    for r in range(len(procs)):
-        text = (Path(stack_dir) / f"rank{r}.txt").read_text() or "(no stack: process already exited)"
+    for r, f in enumerate(stack_files):
+        if not f.exists():
+            text = "(no stack: the process had not started running the test yet)"
+        else:
+            text = f.read_text() or "(no stack: process already exited)"
         parts.append(f"--- rank {r} ---\n{text}")
     return "\n".join(parts)
 

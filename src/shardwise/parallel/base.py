@@ -79,3 +79,44 @@ class Strategy:
     def uses_autocast(self) -> bool:
         """Whether mixed precision comes from torch.autocast (True) or from the wrapper itself."""
         return True
+
+    def needs_process_group(self) -> bool:
+        """Whether this strategy needs a process group and mesh even on a single rank."""
+        return False
+
+    def process_group_backend(self, device: torch.device) -> str:
+        """Return the torch.distributed backend string for ranks on ``device``."""
+        from shardwise.runtime.device import backend_for
+
+        return backend_for(device)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """Return the fp16 loss scaler (sharded strategies all-reduce its found-inf flag)."""
+        return torch.amp.GradScaler(device.type)
+
+    def applies_activation_checkpointing(self) -> bool:
+        """True when ``apply`` places activation checkpointing itself (e.g. between TP and FSDP);
+        otherwise the Session wraps the blocks before calling ``apply``."""
+        return False
+
+    def check_model(self, model: nn.Module, world_size: int, options: ParallelConfig) -> None:
+        """Raise ConfigError when ``model``'s shape does not fit the strategy (a meta model works).
+
+        Called from ``apply`` (the same error on every rank) and usable before launch.
+        """
+
+    # True where each rank keeps only part of the parameters (pipeline stages): the optimizer
+    # passed to Session.prepare drops the parameters this rank does not hold.
+    partitions_parameters = False
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
+        """Clip gradients to ``max_norm`` (0: only measure) and return the global pre-clip norm."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # a DTensor norm under sharding: materialise it
+            norm = norm.full_tensor()
+        return norm
+
+    def generation_unsupported(self) -> str | None:
+        """Why ``model.generate`` cannot run under this strategy, or None when it can."""
+        return None

@@ -9,13 +9,19 @@ from shardwise.parallel.base import Strategy
 def _registry() -> dict[str, type[Strategy]]:
     # Imported lazily so `shardwise plan` and config validation never import the heavy modules.
     from shardwise.parallel.ddp import DDPStrategy
+    from shardwise.parallel.fsdp import FSDPOffloadStrategy, FSDPStrategy, HSDPStrategy, ZeRO2Strategy
     from shardwise.parallel.single import SingleStrategy
+    from shardwise.parallel.zero1 import ZeRO1Strategy
 
-    strategies: list[type[Strategy]] = [SingleStrategy, DDPStrategy]
+    strategies: list[type[Strategy]] = [SingleStrategy, DDPStrategy, ZeRO1Strategy, ZeRO2Strategy,
+                                        FSDPStrategy, HSDPStrategy, FSDPOffloadStrategy]
+    from shardwise.parallel.composed import STRATEGIES as MODEL_PARALLEL
+
+    strategies += MODEL_PARALLEL
     return {s.name: s for s in strategies}
 
 
-ALIASES: dict[str, str] = {"zero3": "fsdp", "none": "single"}
+ALIASES: dict[str, str] = {"zero3": "fsdp", "none": "single", "3d": "fsdp+tp+pp", "tp+pp": "fsdp+tp+pp"}
 
 
 def strategy_names() -> list[str]:

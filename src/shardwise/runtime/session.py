@@ -34,9 +34,12 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.parallel.base import ParallelContext, Strategy
+from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
+from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
-from shardwise.runtime.device import backend_for, select_device
+from shardwise.runtime.device import select_device
+from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -82,9 +85,10 @@ class Session:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
-        self.backend = backend_for(self.device)
         self.strategy: Strategy = get_strategy(options.strategy, self.world_size)
         self.strategy.check(self.world_size, options)
+        check_precision(options.precision, self.device.type)
+        self.backend = self.strategy.process_group_backend(self.device)
         self.strategy_name = self.strategy.name
         self.grad_accum_steps = grad_accum_steps
         self._micro_step = 0
@@ -93,13 +97,21 @@ class Session:
         self._prepared = False
         self._scaler: torch.amp.GradScaler | None = None
         self.model: nn.Module | None = None
+        self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
+        # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
+        self.last_grad_bytes = 0
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world_size > 1 and not dist.is_initialized():
+        if (self.world_size > 1 or self.strategy.needs_process_group()) and not dist.is_initialized():
+            group_args: dict[str, Any] = {}
+            if self.world_size == 1 and "MASTER_ADDR" not in os.environ:
+                # One rank started without torchrun (e.g. fsdp-offload on one GPU): an in-memory
+                # store replaces the rendezvous.
+                group_args = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
             dist.init_process_group(
                 self.backend, timeout=datetime.timedelta(seconds=collective_timeout_s),
-                device_id=self.device if self.device.type == "cuda" else None,
+                device_id=self.device if self.device.type == "cuda" else None, **group_args,
             )
             self._owns_group = True
         self.mesh = self._build_mesh()
@@ -152,30 +164,41 @@ class Session:
             )
         names = {id(p): n for n, p in model.named_parameters()}
         model = model.to(self.device)
+        if storage_dtype(self.options.precision) is not None:
+            # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
+            # converts in place, so an optimizer built on these parameters still points at them.
+            model = model.to(storage_dtype(self.options.precision))
+        if not self.strategy.applies_activation_checkpointing():
+            # From outside and before any wrapper (torchtitan order: AC, then DDP/FSDP).
+            model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
+                                                   self.options.ac_every)
         prepared = self.strategy.apply(model, self.ctx)
         if isinstance(optimizer, torch.optim.Optimizer):
-            self._repoint_optimizer(optimizer, names, prepared)
+            self._repoint_optimizer(optimizer, names, prepared,
+                                    allow_missing=self.strategy.partitions_parameters)
         elif callable(optimizer):
             optimizer = optimizer(prepared.parameters())
         if optimizer is not None:
             optimizer = self.strategy.wrap_optimizer(optimizer, prepared, self.ctx)
         if self.options.precision == "fp16-mixed":
-            self._scaler = torch.amp.GradScaler(self.device.type)
+            self._scaler = self.strategy.grad_scaler(self.device)
         self.model = prepared
         self._prepared = True
         return prepared, optimizer
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
-                           prepared: nn.Module) -> None:
+                           prepared: nn.Module, allow_missing: bool = False) -> None:
         """Swap the optimizer's parameters for the parallelised ones with the same names."""
         new_params = {}
         for n, p in prepared.named_parameters():
-            new_params[n.replace("module.", "", 1) if n.startswith("module.") else n] = p
+            new_params[clean_name(n)] = p  # without DDP's "module." and checkpoint-wrapper prefixes
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
                 name = names.get(id(p))
+                if allow_missing and name is not None and name not in new_params:
+                    continue  # another pipeline stage holds (and optimizes) this parameter
                 if name is None or name not in new_params:
                     raise ShardwiseError(
                         "the optimizer holds a parameter that is not in the model passed to prepare(); "
@@ -238,16 +261,15 @@ class Session:
     def eval_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Mean loss of one batch without gradients (this rank's part; reduce it yourself)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(phase="eval")
         return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (0: only measure) and return the total norm."""
         assert self.model is not None, "call session.prepare() first"
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):  # a DTensor norm under sharding: materialise it
-            norm = norm.full_tensor()
-        return norm
+        # The strategy knows which ranks hold the other parts of the norm (TP shards, PP stages).
+        return self.strategy.clip_grad_norm(self.model, max_norm, self.ctx)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> float:
         """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm."""
@@ -259,7 +281,11 @@ class Session:
             self._scaler.update()
         else:
             optimizer.step()
+        if self.model is not None:
+            self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
+        if self._watchdog is not None:
+            self._watchdog.beat(phase="train")
         return norm
 
     # ------------------------------------------------------------------ data
@@ -326,14 +352,95 @@ class Session:
                 self.barrier()
         return _cm()
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             state: dict[str, Any] | None = None, loader: ShardedLoader | None = None,
+             keep_last: int = 0, on_written: Callable[[Any], None] | None = None) -> Any:
+        """Write a sharded checkpoint of ``step`` under the checkpoints root ``path``; return its dir.
+
+        Collective (call on every rank). Saves model, optimizer, the loader's position, every
+        rank's RNG streams, the loss scaler and ``state`` (JSON data), and publishes atomically:
+        ``path/latest`` names it only once it is complete. See ``runtime.checkpoint``.
+        """
+        from shardwise.runtime.checkpoint import save_checkpoint
+
+        model = model or self.model
+        assert model is not None, "call session.prepare() first, or pass the model"
+        if self._watchdog is not None:
+            self._watchdog.beat(phase="checkpoint save")
+        out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
+                              world_size=self.world_size, state=state, loader=loader,
+                              scaler=self._scaler, keep_last=keep_last, on_written=on_written)
+        if self._watchdog is not None:
+            self._watchdog.beat(phase="train")
+        return out
+
+    def load(self, path: str | os.PathLike, model: nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None, *, loader: ShardedLoader | None = None,
+             restore_rng: bool = True) -> Any:
+        """Restore a checkpoint (a step dir, a checkpoints root or a run dir); return a LoadedCheckpoint.
+
+        Collective. Works across strategies and world sizes (DCP reshards); verifies checksums
+        and model shapes first and raises CheckpointError on every rank when they do not match.
+        """
+        from shardwise.runtime.checkpoint import load_checkpoint
+
+        model = model or self.model
+        assert model is not None, "call session.prepare() first, or pass the model"
+        return load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
+                               scaler=self._scaler, restore_rng=restore_rng)
+
+    # ------------------------------------------------------------------ hang detection
+    def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0) -> Any:
+        """Start this rank's hang watchdog (see runtime.watchdog) and return it.
+
+        ``step()``, ``eval_loss()`` and ``save()`` count as progress; call ``heartbeat()`` in
+        other long phases of your own loop.
+        """
+        from shardwise.runtime.watchdog import Watchdog
+
+        if self._watchdog is None:
+            self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt).start()
+        return self._watchdog
+
+    def heartbeat(self, step: int | None = None, phase: str | None = None) -> None:
+        """Tell the watchdog this rank is making progress (no-op without ``watch()``)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(step, phase)
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Tear down the process group this session created (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._owns_group and dist.is_initialized():
+            self._release_reducers()
             dist.destroy_process_group()
+
+    def _release_reducers(self) -> None:
+        # DDP's C++ Reducer holds the process group. If it is the last holder, the group's
+        # destructor (which joins gloo's worker threads) runs when the user's DDP object is freed,
+        # with the GIL held; a worker still releasing a finished all-reduce's tensors needs the GIL,
+        # and the process deadlocks at exit (pytorch/pytorch#56297). Dropping the Reducer while the
+        # group is still registered leaves destroy_process_group, which releases the GIL, as the
+        # last holder. The DDP wrapper cannot synchronise gradients after close() in any case.
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, DistributedDataParallel):
+                # The C++ Logger holds the Reducer too.
+                for attr in ("reducer", "logger"):
+                    module.__dict__.pop(attr, None)
+        import gc
+
+        gc.collect()  # reference cycles through the wrapper may still hold a Reducer
 
     def __enter__(self) -> Session:
         return self

@@ -6,8 +6,12 @@ AdamW with warmup + cosine decay, gradient clipping, gradient accumulation, peri
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +21,9 @@ import torch
 from torch import nn
 
 from shardwise.config import RunConfig, TrainConfig
+from shardwise.runtime import ledger
+from shardwise.runtime.checkpoint import latest_checkpoint, truncate_metrics
+from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
 from shardwise.workloads import Workload, build_workload
@@ -72,8 +79,13 @@ class Trainer:
     """Runs one training job on this rank; ``run()`` returns the summary dict."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path | None = None,
-                 session: Session | None = None) -> None:
+                 session: Session | None = None, attempt: int = 0) -> None:
         self.cfg = cfg
+        # Elastic attempt (torchrun's restart count): a restarted attempt resumes by itself.
+        self.attempt = attempt
+        self.resumed_from: str | None = None
+        self._stop_signal: int | None = None
+        self._saved_step = -1
         t = cfg.train
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
@@ -114,9 +126,30 @@ class Trainer:
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
               f"global_batch={t.micro_batch_size * t.grad_accum_steps * s.dp_size} "
               f"steps={t.steps} out={self.run_dir.path}")
+        watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
+        watchdog.beat(st.step, "resume")
+        old_handlers = self._install_signal_handlers()
+        try:
+            rng = self.resume()
+            return self._loop(tokens_per_step, rng)
+        finally:
+            watchdog.stop()
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+
+    def _loop(self, tokens_per_step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
+        s, t, st, ck = self.session, self.cfg.train, self.state, self.cfg.checkpoint
         bar = s.progress(t.steps, desc="train", enabled=t.progress, initial=st.step)
         batches = self.train_loader.forever()
+        if rng is not None:
+            # DataLoader draws its base seed from the global RNG when an epoch's iterator is
+            # created. Mid-epoch, the uninterrupted run drew it before the save, so create the
+            # iterator first (prefetching one batch) and only then continue the saved streams.
+            if self.train_loader.batch_in_epoch > 0:
+                batches = itertools.chain([next(batches)], batches)
+            restore_rng_state(rng)
         wall0 = time.perf_counter()
+        interrupted = False
         while st.step < t.steps:
             t0 = time.perf_counter()
             local_loss, grad_norm = self.train_step(batches)
@@ -138,15 +171,131 @@ class Trainer:
                 if not last:
                     s.log(f"step {st.step}: val_loss {st.last_val_loss:.4f}")
             bar.update(1, loss=st.last_train_loss, val=st.last_val_loss)
+            s.heartbeat(st.step, "train")
+            if self._stop_requested():
+                s.log(f"interrupted by signal {self._stop_signal or 'on another rank'}: saving a "
+                      f"checkpoint at step {st.step} and stopping")
+                self.save_checkpoint()
+                interrupted = True
+                break
+            if ck.every and st.step % ck.every == 0:
+                self.save_checkpoint()
+            self._inject_faults()
         bar.close()
+        if not interrupted and ck.at_end and self._saved_step != st.step:
+            self.save_checkpoint()
+        s.heartbeat(st.step, "finish")
         wall_s = time.perf_counter() - wall0
         summary = self.summary(wall_s)
+        summary.update(interrupted=interrupted, resumed_from=self.resumed_from,
+                       checkpoint=str(latest_checkpoint(self.run_dir.checkpoints) or "") or None)
+        # Per-rank bytes in parameters/gradients/optimizer state and peak (a collective).
+        summary["memory"] = ledger.collect(s, self.model, self.optimizer)
+        s.log("memory per rank (MiB)\n" + ledger.format_table(summary["memory"]))
         self.run_dir.write_summary(summary)
         s.print(f"final train loss {summary['final_train_loss']:.4f} | "
                 f"final val loss {summary['final_val_loss']:.4f} | "
                 f"{summary['tokens_per_s']:.0f} tokens/s | {wall_s:.1f}s")
-        self.sample()
+        if not interrupted:
+            self.sample()
         return summary
+
+    # -------------------------------------------------------------- checkpoints and faults
+    def _resume_source(self) -> str | None:
+        """Where this attempt resumes from (None: a fresh start)."""
+        resume, own = self.cfg.checkpoint.resume, self.run_dir.checkpoints
+        if self.attempt > 0 or resume == "auto":
+            # Elastic restart: continue from this run's newest checkpoint; before the first one
+            # was written, from the user's resume source, or else from scratch.
+            if latest_checkpoint(own) is not None:
+                return str(own)
+            return resume if resume not in ("", "auto", "latest") else None
+        if resume == "latest":
+            return str(own)  # load raises a clear error when there is none
+        return resume or None
+
+    def resume(self) -> dict[str, Any] | None:
+        """Load the resume checkpoint, if any; return this rank's saved RNG streams (or None)."""
+        source = self._resume_source()
+        if source is None:
+            if self.attempt > 0:
+                self.session.log(f"elastic restart {self.attempt}: no checkpoint yet, starting over")
+            return None
+        s = self.session
+        t0 = time.perf_counter()
+        loaded = s.load(source, self.model, self.optimizer, loader=self.train_loader,
+                        restore_rng=False)
+        load_s = time.perf_counter() - t0
+        self.state.step = self._saved_step = loaded.step
+        self.state.last_train_loss = loaded.state.get("last_train_loss", float("nan"))
+        self.state.last_val_loss = loaded.state.get("last_val_loss", float("nan"))
+        self.resumed_from = str(loaded.path)
+        if s.is_main:
+            truncate_metrics(self.run_dir.path / "metrics.jsonl", loaded.step)
+        t = self.cfg.train
+        global_batch = t.micro_batch_size * t.grad_accum_steps * s.dp_size
+        saved_batch = loaded.state.get("global_batch", global_batch)
+        if saved_batch != global_batch:
+            loaded.notes.append(f"the global batch is {global_batch}, the saved run used "
+                                f"{saved_batch}: the data order continues, but training is no longer "
+                                "equivalent to the saved run (keep ranks x micro-batch x accumulation)")
+        for note in loaded.notes:
+            s.log(note)
+        s.log(f"resumed from {loaded.path} at step {loaded.step} (saved by "
+              f"{loaded.manifest['strategy']} on {loaded.manifest['world_size']} ranks; "
+              f"loaded in {load_s:.2f}s)")
+        return loaded.rng
+
+    def save_checkpoint(self) -> Path:
+        """Save a checkpoint of the current step into <run>/checkpoints; return its directory."""
+        s, st, t = self.session, self.state, self.cfg.train
+        state = {"last_train_loss": st.last_train_loss, "last_val_loss": st.last_val_loss,
+                 # lr is a pure function of the step (lr_at); recorded for people reading it.
+                 "next_lr": lr_at(st.step, t),
+                 "global_batch": t.micro_batch_size * t.grad_accum_steps * s.dp_size,
+                 "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
+                           "overrides": self.cfg.model.overrides}}
+        t0 = time.perf_counter()
+        path = s.save(self.run_dir.checkpoints, self.model, self.optimizer, step=st.step,
+                      state=state, loader=self.train_loader, keep_last=self.cfg.checkpoint.keep_last,
+                      on_written=self._fault_in_checkpoint)
+        self._saved_step = st.step
+        s.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+        return path
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        # SIGTERM (schedulers, torchrun) and SIGINT (Ctrl-C) finish the current step, save and
+        # stop. Handlers can only be set from the main thread.
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: Any) -> None:
+            self._stop_signal = signum
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop_requested(self) -> bool:
+        # All ranks must agree, or one would save (a collective) while the others train on.
+        flag = 1.0 if self._stop_signal is not None else 0.0
+        return self.session.all_reduce(flag, op="max") > 0 if self.session.is_distributed else flag > 0
+
+    def _fault_active(self, rank: int, step: int) -> bool:
+        d = self.cfg.debug
+        return (rank == self.session.rank and step == self.state.step and step > 0
+                and (self.attempt == 0 or d.every_attempt))
+
+    def _inject_faults(self) -> None:
+        d = self.cfg.debug
+        if not d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fault_active(d.hang_rank, d.hang_at_step):
+            while True:  # stop participating; the watchdog must notice
+                time.sleep(3600)
+
+    def _fault_in_checkpoint(self, partial: Path) -> None:
+        d = self.cfg.debug
+        if d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         s, st = self.session, self.state
@@ -164,15 +313,19 @@ class Trainer:
         n = self.cfg.train.sample_tokens
         if not n or self.workload.sample_text is None:
             return None
+        reason = self.session.strategy.generation_unsupported()
+        if reason:
+            self.session.log(f"skipping the text sample under {self.session.strategy_name}: {reason}.")
+            return None
         text = self.workload.sample_text(self.session.unwrap(self.model), self.session.device, n,
                                          self.cfg.train.seed)
         self.session.print("--- sample ---\n" + text.strip() + "\n--------------")
         return text
 
 
-def train(cfg: RunConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+def train(cfg: RunConfig, out_dir: str | Path | None = None, attempt: int = 0) -> dict[str, Any]:
     """Train ``cfg`` on this rank (inside torchrun, or as one process) and return the summary."""
-    trainer = Trainer(cfg, out_dir)
+    trainer = Trainer(cfg, out_dir, attempt=attempt)
     try:
         return trainer.run()
     finally:

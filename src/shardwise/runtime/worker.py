@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         out = args.out or cfg.out_dir or f"runs/{cfg.name}-{cfg.parallel.strategy.replace('+', '_')}-{run_id}"
         args.out = out
-        train(cfg, out)
+        # torchrun's restart count: a restarted attempt resumes from the run's latest checkpoint.
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        train(cfg, out, attempt=attempt)
         return 0
     except ShardwiseError as e:
         _report_failure(args.out, rank, str(e))

@@ -1,0 +1,241 @@
+"""Pipeline parallel: split the model's layers into stages and run them with a PyTorch schedule.
+
+Stages come from the built-in GPT, which is built for this: its blocks live in an ``nn.ModuleDict``
+keyed "0".."n-1" and ``tok_emb``/``pos_emb``/``ln_f``/``lm_head`` may be ``None``. Each rank keeps
+one GPT with everything it does not own deleted (its *union* model: parameter names are the
+single-device ones, so checkpoints line up across layouts), and each local stage is a light view
+of that union holding only the stage's own parts. Schedules, microbatching and the point-to-point
+activation traffic are ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B).
+
+Loss scaling (why the result equals one big batch): the schedule calls backward itself, once per
+microbatch, and ``scale_grads=False`` keeps it from rescaling afterwards (it would also rescale the
+gradients kept from earlier accumulation steps). We hand it ``loss_mb / (m * A)`` for ``m``
+microbatches and ``A = grad_accum_steps``; the sum of the ``m * A`` backward passes is then
+``(1 / (m A)) * sum_a sum_mb grad(mean loss of the microbatch)``, the gradient of the mean loss
+over the rank's whole batch; DDP/FSDP average it over data-parallel replicas as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from shardwise.config import PP_SCHEDULES
+from shardwise.errors import ConfigError
+
+
+def microbatch_count(options: Any) -> int:
+    """Return the number of microbatches per step: ``pp_microbatches``, or 2 x pipeline degree."""
+    return options.pp_microbatches or 2 * max(1, options.pp)
+
+
+def check_schedule(pp: int, options: Any) -> None:
+    """Raise ConfigError when the schedule options cannot run on ``pp`` pipeline ranks."""
+    sched, v, m = options.pp_schedule, options.pp_stages_per_rank, options.pp_microbatches or 2 * pp
+    if sched not in PP_SCHEDULES:
+        from shardwise.errors import unknown_choice
+
+        raise unknown_choice("pipeline schedule", sched, PP_SCHEDULES)
+    if v < 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank must be >= 1, got {v}.")
+    if sched == "interleaved-1f1b" and v < 2:
+        raise ConfigError(
+            "parallel.pp_schedule='interleaved-1f1b' needs parallel.pp_stages_per_rank >= 2 (it "
+            "interleaves several stages per rank to shrink the bubble); set it to 2, or use '1f1b'."
+        )
+    if sched != "interleaved-1f1b" and v != 1:
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule='interleaved-1f1b'; "
+            f"'{sched}' runs one stage per rank."
+        )
+    if m < pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches={m} must be >= the pipeline degree {pp}: with fewer "
+            "microbatches than stages some stage always idles, the bubble (p-1)/(m+p-1) exceeds "
+            "half the step, and the 1F1B schedules cannot even fill the pipeline. Use at least "
+            f"{pp} (2 x {pp} or more keeps the bubble small)."
+        )
+    if sched == "interleaved-1f1b" and m % pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches={m} must be a multiple of the pipeline degree {pp} for "
+            "'interleaved-1f1b' (microbatches go round the ranks in full rounds)."
+        )
+    if options.precision == "fp16-mixed":
+        raise ConfigError(
+            "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
+            "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'."
+        )
+
+
+def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
+    """Return the block indices of each stage: balanced, first and last ``fewer`` blocks lighter.
+
+    The first stage also runs the embeddings and the last one the head and the loss, so
+    ``fewer = k`` counts each of them as k blocks of work: ``n_layer + 2k`` virtual blocks are
+    split evenly (the remainder goes to the middle stages) and k come off each end.
+    """
+    if n_stages == 1:
+        return [range(n_layer)]
+    extra = fewer if n_stages > 1 else 0
+    total = n_layer + 2 * extra
+    base, rem = divmod(total, n_stages)
+    # The remainder goes to the stages nearest the middle, which carry no embedding or head.
+    order = sorted(range(n_stages), key=lambda s: abs(s - (n_stages - 1) / 2))
+    sizes = [base + (1 if s in order[:rem] else 0) for s in range(n_stages)]
+    sizes[0] -= extra
+    sizes[-1] -= extra
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"cannot split {n_layer} layers into {n_stages} pipeline stages with "
+            f"parallel.pp_first_stage_fewer={fewer}: a stage would get {min(sizes)} layers. Use fewer "
+            "stages (pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
+        )
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def check_pp_model(model: nn.Module, n_stages: int, fewer: int) -> None:
+    """Raise ConfigError unless ``model`` can be cut into ``n_stages`` pipeline stages."""
+    from shardwise.models.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise ConfigError(
+            f"pipeline parallel splits the built-in GPT into stages; {type(model).__name__} has no "
+            "stage split. Use tensor parallel or a data-parallel/sharded strategy for this model."
+        )
+    n_layer = len(model.blocks)
+    if n_stages > n_layer:
+        raise ConfigError(
+            f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
+            f"model's {n_layer} layers: each stage needs at least one layer."
+        )
+    stage_layer_ranges(n_layer, n_stages, fewer)
+
+
+def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Return the stage indices of ``pp_rank``: loop order, rank r owns r, r + pp, r + 2 pp, ..."""
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
+    """Delete from ``model`` (in place) every part no local stage owns; return it (the union)."""
+    n_stages = len(ranges)
+    owned = {str(i) for s in stage_ids for i in ranges[s]}
+    for key in list(model.blocks.keys()):
+        if key not in owned:
+            del model.blocks[key]
+    if 0 not in stage_ids:
+        model.tok_emb = None
+        model.pos_emb = None
+    if n_stages - 1 not in stage_ids:
+        model.ln_f = None
+        model.lm_head = None
+    return model
+
+
+def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
+    """Return a GPT holding only stage ``stage``'s parts, sharing its modules with ``union``.
+
+    A fresh module (not a copy) so that wrappers (DDP, FSDP) and hooks put on a stage never
+    leak onto the union; attribute order matches GPT so the stage's FQNs are the union's.
+    """
+    last = stage == len(ranges) - 1
+    view = type(union).__new__(type(union))
+    nn.Module.__init__(view)
+    view.config = union.config
+    view.tok_emb = union.tok_emb if stage == 0 else None
+    view.pos_emb = union.pos_emb if stage == 0 else None
+    view.drop = union.drop
+    view.blocks = nn.ModuleDict({str(i): union.blocks[str(i)] for i in ranges[stage]})
+    view.ln_f = union.ln_f if last else None
+    view.lm_head = union.lm_head if last else None
+    return view
+
+
+def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under autocast (the schedule, not our code, calls it)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    module.forward = wrapped
+
+
+class Pipeline:
+    """One rank's share of a pipeline: its stages, the schedule, and loss bookkeeping."""
+
+    def __init__(self, stage_modules: list[nn.Module], stage_ids: list[int], n_stages: int,
+                 pp_group: Any, device: torch.device, schedule: str, n_microbatches: int) -> None:
+        self.pp_group = pp_group
+        self.pp_size = dist.get_world_size(pp_group)
+        self.n_microbatches = n_microbatches
+        self.has_first = 0 in stage_ids
+        self.has_last = n_stages - 1 in stage_ids
+        self.stages = [PipelineStage(m, s, n_stages, device, group=pp_group)
+                       for m, s in zip(stage_modules, stage_ids)]
+        self._loss_fn: Callable | None = None
+        self._scale = 1.0
+        kwargs = {"n_microbatches": n_microbatches, "loss_fn": self._scaled_loss, "scale_grads": False}
+        if schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **kwargs)
+        else:
+            cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(self.stages[0], **kwargs)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target) * self._scale
+
+    def _check_batch(self, inputs: torch.Tensor) -> None:
+        if inputs.shape[0] % self.n_microbatches:
+            raise ConfigError(
+                f"the per-rank batch of {inputs.shape[0]} samples does not split into "
+                f"parallel.pp_microbatches={self.n_microbatches} equal microbatches; make "
+                "train.micro_batch_size a multiple of it."
+            )
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
+            grad_accum_steps: int, train: bool) -> torch.Tensor:
+        """Run the schedule on one batch (forward+backward, or forward only); return the mean loss.
+
+        Every rank of the pipeline returns the same value, broadcast from the last stage.
+        """
+        self._check_batch(inputs)
+        self._loss_fn = loss_fn
+        # See the module docstring: the m * A backward passes sum to one big batch's gradient.
+        self._scale = 1.0 / (self.n_microbatches * grad_accum_steps)
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        losses: list | None = [] if self.has_last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=losses)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
+        from shardwise.parallel.tp import local_value
+
+        if self.has_last:
+            # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
+            # calls on placeholder tensors while it infers shapes on the first step), unscaled.
+            loss = torch.stack([local_value(t.detach()).float() for t in losses]).mean() / self._scale
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.pp_size - 1)
+        return loss
+

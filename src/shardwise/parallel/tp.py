@@ -1,0 +1,180 @@
+"""Tensor parallel (+ optional sequence parallel): split each layer's matrices across the ``tp`` ranks.
+
+Applied from outside with ``parallelize_module`` and the per-family plans in ``tp_plans.py``; the
+model code stays single-device. This module also holds what every model-parallel strategy needs
+at step time: the shape checks, the vocabulary-parallel loss context and a gradient norm that is
+correct when parameters are DTensors and/or split across pipeline stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from shardwise.errors import ConfigError
+from shardwise.parallel.tp_plans import PLANS, TPPlan
+
+# Hugging Face ``model_type`` values whose layers follow the Llama layout (q/k/v/o_proj,
+# gate/up/down_proj, RMSNorm input_layernorm/post_attention_layernorm).
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def model_family(model: nn.Module) -> str:
+    """Return the plan family of ``model`` ("gpt", "llama") or "" when no plan exists for it."""
+    from shardwise.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return "gpt"
+    hf = getattr(model, "hf", None)
+    model_type = getattr(getattr(hf, "config", None), "model_type", "")
+    return "llama" if model_type in LLAMA_LIKE else ""
+
+
+def tp_shape_sizes(model: nn.Module) -> dict[str, int]:
+    """Return the sizes tensor parallel must divide (heads, KV heads, hidden, MLP width)."""
+    family = model_family(model)
+    if family == "gpt":
+        c = model.config  # type: ignore[union-attr]
+        return {"n_head": c.n_head, "n_embd": c.n_embd, "mlp hidden (4 x n_embd)": 4 * c.n_embd}
+    if family == "llama":
+        c = model.hf.config  # type: ignore[union-attr]
+        return {"num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
+    return {}
+
+
+def check_tp_model(model: nn.Module, tp: int) -> None:
+    """Raise ConfigError unless ``model`` has a TP plan and ``tp`` divides every sharded size."""
+    if tp == 1:
+        return
+    if not model_family(model):
+        raise ConfigError(
+            f"tensor parallel has no plan for {type(model).__name__}: plans exist for the built-in "
+            f"GPT and Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel "
+            "or sharded strategy (ddp, fsdp) or pipeline parallel for this model."
+        )
+    bad = {k: v for k, v in tp_shape_sizes(model).items() if v % tp}
+    if bad:
+        sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ConfigError(
+            f"parallel.tp={tp} must divide the sizes it splits, but {sizes} is not divisible by {tp}: "
+            "each rank must hold whole attention heads and an equal slice of each matrix. "
+            "Choose a tp degree that divides them."
+        )
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    node: Any = model
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
+    """Return ``model`` with its family's TP plan applied in place on the 1-D ``tp_mesh``.
+
+    Parts set to ``None`` (a pipeline stage that does not own the embeddings or the head) are
+    skipped, so the same call works on every pipeline stage.
+    """
+    plan: TPPlan = PLANS[model_family(model)](sequence_parallel)
+    top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    blocks = _get(model, plan.blocks_path)
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
+        parallelize_module(block, tp_mesh, plan.block)
+    # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
+    # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
+    # the column-parallel backward's all-reduce), so they need no communication of their own.
+    return model
+
+
+def tp_loss_context(tp_degree: int) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` under TP (logits stay vocab-sharded), else a no-op.
+
+    Both the loss and its backward must run inside it; cross-entropy is the only loss it supports.
+    """
+    return loss_parallel() if tp_degree > 1 else contextlib.nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """Return a plain tensor (the full value of a DTensor, e.g. a loss computed under TP)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grad_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    # One foreach kernel cannot mix plain tensors with DTensors, nor DTensors of different meshes
+    # or layouts: group the parameters that have gradients by (mesh, placements).
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.Tensor:
+    """Return the global L2 norm of the gradients of ``params`` across TP, FSDP and PP ranks.
+
+    Each DTensor group's norm is reduced over its mesh by ``full_tensor``; plain gradients are
+    complete (replicated) on this rank. Pipeline stages hold disjoint parameters, so the squared
+    norms are summed over ``pp_group`` last.
+    """
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    # On a 2-D (dp, tp) mesh DTensor reduces the partial norm with one all-reduce per mesh dim and
+    # logs a warning about it each step; the result is exact, and it is one scalar, so stay quiet.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for group in _grad_groups(params):
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+            squares = squares + local_value(norm).float().to(device) ** 2
+    finally:
+        redistribute_log.setLevel(level)
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)
+    return squares.sqrt()
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm."""
+    norm = total_grad_norm(params, pp_group)
+    if max_norm > 0:
+        for group in _grad_groups(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
+
+
+def split_mixed_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Return ``optimizer`` with each param group split into DTensor and plain-tensor groups.
+
+    Under TP the planned layers hold DTensors while untouched ones (norms without SP) hold plain
+    tensors; the optimizers' foreach/fused kernels (the CUDA default) refuse a list mixing both.
+    The split groups keep every hyperparameter, so the update is unchanged.
+    """
+    new_groups = []
+    for group in optimizer.param_groups:
+        kinds: dict[Any, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            # DTensors of one mesh may mix placements in one kernel (torchtitan's FSDP+TP groups do).
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        for params in kinds.values():
+            new_groups.append({**group, "params": params})
+        if not kinds:
+            new_groups.append(group)
+    optimizer.param_groups = new_groups
+    return optimizer

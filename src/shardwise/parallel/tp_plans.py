@@ -1,0 +1,114 @@
+"""Tensor-parallel plans, one per model family, written as data (torchtitan ``apply_tp`` style).
+
+A plan maps a module path (relative to the model, or to one transformer block) to a
+``ParallelStyle``. Read a block plan top to bottom and you have the whole sharding of a layer:
+
+* attention: Q/K/V column-wise (each rank computes ``heads / tp`` heads end to end), output row-wise
+  (one all-reduce, or a reduce-scatter under sequence parallel);
+* MLP: up-projection column-wise, down-projection row-wise (the same single collective);
+* embeddings row-wise over the vocabulary (each rank looks up the ids it owns, then one reduction);
+* the output head column-wise over the vocabulary with ``use_local_output=False``, so the logits
+  stay a vocab-sharded DTensor and ``loss_parallel()`` computes the cross-entropy without ever
+  gathering the full ``(tokens, vocab)`` logits;
+* with sequence parallel the norms (and dropout) run on a sequence shard ``Shard(1)``: activations
+  between the matmuls are ``tp`` times smaller, and each all-reduce becomes a reduce-scatter plus
+  an all-gather (same bytes on the wire).
+
+Models use ``view(..., -1, head_dim)``, so a rank that holds fewer heads needs no code change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+@dataclass
+class TPPlan:
+    """The TP plan of one model: top-level styles, per-block styles, and where the blocks live."""
+
+    top: dict[str, ParallelStyle]
+    block: dict[str, ParallelStyle]
+    blocks_path: str  # dotted path of the container holding the transformer blocks
+
+
+def gpt_plan(sequence_parallel: bool) -> TPPlan:
+    """Return the TP plan for the built-in GPT (``shardwise.models.gpt``)."""
+    # Between blocks the residual stream is a sequence shard under SP, replicated otherwise.
+    resid = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, ParallelStyle] = {
+        # Vocabulary-sharded lookup; the partial rows are reduced (or reduce-scattered along the
+        # sequence under SP) into the residual stream.
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
+        # Positions are looked up as a (T, C) tensor, so its sequence dim is 0: under SP each rank
+        # gets exactly the positions of its own sequence shard and the broadcasted add lines up.
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
+                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=resid),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=resid),
+    }
+    if sequence_parallel:
+        top["ln_f"] = SequenceParallel()
+        block.update({
+            "ln_1": SequenceParallel(),
+            "ln_2": SequenceParallel(),
+            # The norms hand over a sequence shard; attention and MLP need the whole sequence.
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return TPPlan(top=top, block=block, blocks_path="blocks")
+
+
+def llama_plan(sequence_parallel: bool) -> TPPlan:
+    """Return the TP plan for Llama-family Hugging Face models wrapped as ``HFCausalLM`` (``.hf``)."""
+    resid = Shard(1) if sequence_parallel else Replicate()
+    # Under SP the residual stream stays a DTensor (use_local_output=False): HF code reads the
+    # sequence length from ``hidden_states.shape`` (rotary positions, causal mask, reshapes), and a
+    # DTensor reports the global shape where a local shard would report T / tp.
+    local = not sequence_parallel
+    top: dict[str, ParallelStyle] = {
+        "hf.model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+                                                 use_local_output=local),
+        "hf.lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1),
+                                      use_local_output=False),
+    }
+    block: dict[str, ParallelStyle] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),  # GQA: needs tp | n_kv_heads (checked up front)
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
+    }
+    if sequence_parallel:
+        top["hf.model.norm"] = SequenceParallel()
+        block.update({
+            "input_layernorm": SequenceParallel(),
+            "post_attention_layernorm": SequenceParallel(),
+            # HF attention takes hidden_states plus keyword arguments (position embeddings, mask):
+            # only the hidden states are re-laid-out; the rotary cos/sin are already replicated.
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return TPPlan(top=top, block=block, blocks_path="hf.model.layers")
+
+
+PLANS = {"gpt": gpt_plan, "llama": llama_plan}

@@ -1,0 +1,204 @@
+"""Hang detection: a rank that makes no progress for ``timeout_s`` ends the job, leaving its stack.
+
+Each rank runs a ``Watchdog``. The training loop calls ``beat(step, phase)`` whenever it makes
+progress (every optimizer step, every eval batch, around checkpoints); that only stores two
+values. A daemon thread checks the time since the last beat and, every poll, writes
+``<run>/heartbeat/rank{r}.json`` (pid, host, step, phase, seconds since progress) for people and
+tools watching the run. When the time since progress exceeds ``timeout_s`` the thread:
+
+1. writes this rank's Python stack (every thread) to ``<run>/stacks/rank{r}.txt``;
+2. writes ``<run>/hang-rank{r}.json``: the step, the phase and the innermost frame of the main
+   thread, i.e. where this rank is stuck (``shardwise train`` prints these);
+3. sends SIGUSR1 to the other ranks on this host (pids from their heartbeat files), whose
+   faulthandler then dumps their stacks into their own ``stacks/rank{r}.txt`` even when they are
+   blocked inside a collective;
+4. exits the process with ``HANG_EXIT_CODE``. torchrun then stops the other ranks, so the job
+   ends non-zero instead of hanging (with ``--max-restarts`` it is restarted from the latest
+   checkpoint, and ends non-zero once the restarts are used up).
+
+A thread cannot run while another holds the GIL forever (a stuck C extension), so
+``faulthandler.dump_traceback_later`` is kept armed ``grace_s`` past the deadline as a backstop: it
+dumps every thread's stack and exits without needing the GIL.
+
+Hangs inside collectives are usually one rank not reaching a collective the others are in (a
+skipped call, a data-dependent branch, an exception swallowed on one rank). Opt in to PyTorch's own
+collective checks with ``watchdog.debug_collectives = true`` (TORCH_DISTRIBUTED_DEBUG=DETAIL): a
+mismatched collective then raises with both ranks' call descriptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HANG_EXIT_CODE = 3
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Watchdog:
+    """One rank's hang detector; ``start()`` arms it, ``beat()`` records progress, ``stop()`` disarms."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, timeout_s: float,
+                 attempt: int = 0, poll_s: float | None = None, grace_s: float | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.timeout_s = float(timeout_s)
+        self.attempt = attempt
+        self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.timeout_s / 20))
+        self.grace_s = grace_s if grace_s is not None else max(5.0, 0.25 * self.timeout_s)
+        self.step: int | None = None
+        self.phase = "starting"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stack_file: Any = None
+        self._main_ident = threading.main_thread().ident
+        self.heartbeat_path = self.run_dir / "heartbeat" / f"rank{rank}.json"
+        self.stack_path = self.run_dir / "stacks" / f"rank{rank}.txt"
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> Watchdog:
+        """Arm the watchdog (idempotent) and return it."""
+        if self._thread is not None:
+            return self
+        self.heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
+        self.stack_path.parent.mkdir(parents=True, exist_ok=True)
+        # Appended to, so the stacks of an earlier elastic attempt are kept.
+        self._stack_file = open(self.stack_path, "a", encoding="utf-8")  # noqa: SIM115 - lives until stop()
+        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        self._last = time.monotonic()
+        self._arm_backstop()
+        self._thread = threading.Thread(target=self._run, name=f"shardwise-watchdog-rank{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self, step: int | None = None, phase: str | None = None) -> None:
+        """Record progress (cheap: two assignments; the thread does all I/O)."""
+        self._last = time.monotonic()
+        if step is not None:
+            self.step = step
+        if phase is not None:
+            self.phase = phase
+
+    def stop(self) -> None:
+        """Disarm: no more checks, no backstop, SIGUSR1 back to its default."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._thread = None
+        faulthandler.cancel_dump_traceback_later()
+        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            faulthandler.unregister(signal.SIGUSR1)
+        if self._stack_file is not None:
+            self._stack_file.close()
+            self._stack_file = None
+
+    # ------------------------------------------------------------------ thread
+    def _arm_backstop(self) -> None:
+        remaining = self.timeout_s + self.grace_s - (time.monotonic() - self._last)
+        faulthandler.dump_traceback_later(max(remaining, 0.1), repeat=False, file=self._stack_file,
+                                          exit=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            stale_s = time.monotonic() - self._last
+            self._write_heartbeat(stale_s)
+            if stale_s > self.timeout_s:
+                self._fire(stale_s)
+                return
+            self._arm_backstop()
+
+    def _write_heartbeat(self, stale_s: float) -> None:
+        # A full or vanished disk must not kill training; the deadline still applies.
+        with contextlib.suppress(OSError):
+            _write_json(self.heartbeat_path, {
+                "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "attempt": self.attempt, "step": self.step, "phase": self.phase,
+                "seconds_since_progress": round(stale_s, 3), "time": time.time(),
+            })
+
+    def _fire(self, stale_s: float) -> None:
+        where = self._main_thread_frame()
+        f = self._stack_file
+        f.write(f"\n=== rank {self.rank} (pid {os.getpid()}, attempt {self.attempt}): no progress for "
+                f"{stale_s:.1f}s (timeout {self.timeout_s:g}s) at step {self.step}, phase "
+                f"{self.phase!r}; {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.flush()
+        _write_json(self.run_dir / f"hang-rank{self.rank}.json", {
+            "rank": self.rank, "pid": os.getpid(), "attempt": self.attempt, "step": self.step,
+            "phase": self.phase, "seconds_since_progress": round(stale_s, 1),
+            "timeout_s": self.timeout_s, "where": where, "stack_file": str(self.stack_path),
+        })
+        self._signal_peers()
+        time.sleep(1.0)  # let the peers' faulthandlers finish writing before the job is torn down
+        print(f"shardwise watchdog: rank {self.rank} made no progress for {stale_s:.0f}s "
+              f"(step {self.step}, {self.phase}, at {where}); stacks in {self.stack_path.parent}",
+              file=sys.stderr, flush=True)
+        os._exit(HANG_EXIT_CODE)
+
+    def _main_thread_frame(self) -> str:
+        frame = sys._current_frames().get(self._main_ident)  # noqa: SLF001 - the documented way
+        if frame is None:
+            return "unknown"
+        last = traceback.extract_stack(frame)[-1]
+        return f"{last.filename}:{last.lineno} in {last.name}"
+
+    def _signal_peers(self) -> None:
+        if not hasattr(signal, "SIGUSR1"):
+            return
+        host = socket.gethostname()
+        for beat in self.heartbeat_path.parent.glob("rank*.json"):
+            try:
+                info = json.loads(beat.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            if info.get("rank") != self.rank and info.get("host") == host \
+                    and info.get("attempt") == self.attempt:
+                with contextlib.suppress(OSError, ValueError):  # already gone
+                    os.kill(int(info["pid"]), signal.SIGUSR1)
+
+
+def hang_reports(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The hang reports ranks wrote in ``run_dir`` (empty when no watchdog fired)."""
+    out = []
+    for p in sorted(Path(run_dir).glob("hang-rank*.json")):
+        try:
+            out.append(json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def describe_hang(run_dir: str | os.PathLike) -> str | None:
+    """One paragraph naming the stuck ranks, their step/phase and where; None when no hang."""
+    reports = hang_reports(run_dir)
+    if not reports:
+        return None
+    latest = max(r.get("attempt", 0) for r in reports)
+    reports = [r for r in reports if r.get("attempt", 0) == latest]
+    parts = [f"rank {r['rank']} at step {r['step']} ({r['phase']}) in {r['where']}" for r in reports]
+    timeout = reports[0]["timeout_s"]
+    return (f"training hung: no progress for more than {timeout:g}s (watchdog.timeout_s) on "
+            f"{'; '.join(parts)}. Every rank's Python stack is in {Path(run_dir) / 'stacks'}. "
+            "A rank waiting inside a collective is usually waiting for another rank that never "
+            "reached it; set watchdog.debug_collectives=true to have PyTorch check collectives.")

@@ -1,0 +1,291 @@
+"""``shardwise verify``: prove that a strategy trains the same model as one process.
+
+Both runs start from the same weights (same seed) and consume the same global batches: the
+strategy's data-parallel ranks read interleaved slices of ``ShardedSampler``'s global order, and
+global micro-batch k of size ``B * dp`` is exactly the contiguous block k of that order, which is
+what one process reading batches of ``B * dp`` from the same order gets. So the reference is the
+built-in trainer with strategy ``single`` and ``micro_batch_size = B * dp`` (same accumulation,
+same learning-rate schedule, same clipping), and any difference comes from the strategy alone.
+
+    shardwise verify my_model.toml --strategy fsdp --nproc 4 --steps 10
+
+Prints one row per optimizer step (reference loss, strategy loss, |difference|), then the largest
+final parameter difference, and exits 0 only when both are within the precision's tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import ConfigError, ShardwiseError
+
+# precision -> (loss atol, loss rtol, parameter atol): a step passes when
+# |strategy - reference| <= atol + rtol * |reference| (torch.allclose's rule), the final weights
+# when max |difference| <= parameter atol.
+# fp32: only summation order differs (gradient reduction, sharded norms): typically 1e-7..1e-6 on
+# losses of order 1-5, up to ~3e-5 relative at a loss spike, where training itself amplifies
+# differences (longer runs at high learning rates drift further). Parameters get more room: AdamW divides
+# by sqrt(v), so a weight whose true gradient is ~0 (attention key biases: softmax is
+# shift-invariant) moves by O(lr) per step on pure rounding noise, in either run, in any direction.
+# Mixed and bf16 modes round activations (and bf16-true the weights) to 8 mantissa bits; FSDP2's
+# MixedPrecisionPolicy and torch.autocast also cast different ops, so their tolerances are loose.
+TOLERANCES: dict[str, tuple[float, float, float]] = {
+    "fp32": (1e-5, 1e-4, 5e-3),
+    "bf16-mixed": (1e-2, 1e-2, 5e-2),
+    "fp16-mixed": (5e-3, 5e-3, 5e-2),
+    "bf16-true": (2e-2, 2e-2, 1e-1),
+}
+
+
+@dataclass
+class VerifyReport:
+    """The comparison of one strategy run against the single-process reference."""
+
+    strategy: str
+    world_size: int
+    precision: str
+    reference_losses: list[float]
+    strategy_losses: list[float]
+    max_param_diff: float
+    worst_param: str
+    loss_atol: float
+    loss_rtol: float
+    param_tol: float
+    missing_params: list[str] = field(default_factory=list)
+
+    @property
+    def loss_diffs(self) -> list[float]:
+        return [abs(a - b) for a, b in zip(self.reference_losses, self.strategy_losses)]
+
+    def loss_tol(self, reference: float) -> float:
+        """The allowed |loss difference| at a step whose reference loss is ``reference``."""
+        return self.loss_atol + self.loss_rtol * abs(reference)
+
+    @property
+    def passed(self) -> bool:
+        """True when every step's loss and the final parameters are within tolerance."""
+        losses_ok = all(d <= self.loss_tol(r) for r, d in zip(self.reference_losses, self.loss_diffs))
+        return (not self.missing_params and losses_ok and len(self.reference_losses) == len(self.strategy_losses)
+                and self.max_param_diff <= self.param_tol)
+
+    def table(self) -> str:
+        """The per-step table and the verdict, as printed by ``shardwise verify``."""
+        lines = [f"verify: {self.strategy} on {self.world_size} rank(s) vs single process, "
+                 f"precision {self.precision}",
+                 f"{'step':>4}  {'reference':>12}  {'strategy':>12}  {'|diff|':>10}"]
+        for i, (a, b, d) in enumerate(zip(self.reference_losses, self.strategy_losses, self.loss_diffs)):
+            flag = "" if d <= self.loss_tol(a) else "  <-- over tolerance"
+            lines.append(f"{i + 1:>4}  {a:>12.6f}  {b:>12.6f}  {d:>10.3e}{flag}")
+        lines.append(f"max |loss diff| {max(self.loss_diffs, default=0.0):.3e} "
+                     f"(tolerance {self.loss_atol:g} + {self.loss_rtol:g} x |reference|)")
+        lines.append(f"max |param diff| {self.max_param_diff:.3e} in {self.worst_param or '-'} "
+                     f"(tolerance {self.param_tol:g})")
+        if self.missing_params:
+            lines.append(f"parameters missing from the strategy run: {', '.join(self.missing_params[:5])}")
+        lines.append("PASS" if self.passed else "FAIL")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "world_size": self.world_size, "precision": self.precision,
+                "reference_losses": self.reference_losses, "strategy_losses": self.strategy_losses,
+                "loss_diffs": self.loss_diffs, "max_param_diff": self.max_param_diff,
+                "worst_param": self.worst_param, "loss_atol": self.loss_atol,
+                "loss_rtol": self.loss_rtol, "param_tol": self.param_tol, "passed": self.passed}
+
+
+# ------------------------------------------------------------------------------ per-rank work
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Return this rank's full (unsharded) parameters on the CPU under single-device names.
+
+    A collective under sharding (every rank must call it). Uses DCP's ``get_model_state_dict``,
+    which gathers FSDP2/TP DTensors and strips DDP and checkpoint-wrapper prefixes.
+    """
+    from shardwise.parallel.checkpointing import clean_name
+
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = model.state_dict()
+    out = {}
+    for name, value in state.items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[clean_name(name)] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | None:
+    """Train ``steps`` optimizer steps of ``cfg`` on this rank; rank 0 returns losses and parameters.
+
+    Runs the built-in trainer's own step, so what is verified is what ``shardwise train`` does.
+    Parameters of every rank are merged on rank 0 (pipeline stages each hold a part).
+    """
+    from shardwise.runtime.session import Session
+    from shardwise.runtime.trainer import Trainer
+
+    t = cfg.train
+    session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
+                      collective_timeout_s=cfg.watchdog.collective_timeout_s)
+    try:
+        trainer = Trainer(cfg, out_dir, session)
+        batches = trainer.train_loader.forever()
+        losses = []
+        for _ in range(steps):
+            loss, _ = trainer.train_step(batches)
+            losses.append(float(session.all_reduce(loss, op="mean")))
+        params = full_state_dict(trainer.model)
+        if session.is_distributed:
+            parts: list[Any] = [None] * session.world_size
+            dist.all_gather_object(parts, params)
+            params = {k: v for part in parts for k, v in part.items()}
+        result = {"losses": losses, "params": params, "dp_size": session.dp_size,
+                  "world_size": session.world_size, "strategy": session.strategy_name}
+        return result if session.is_main else None
+    finally:
+        session.close()
+
+
+def reference_config(cfg: Any, dp_size: int) -> Any:
+    """The single-process twin of ``cfg``: one rank reading the strategy's whole global batch."""
+    ref = copy.deepcopy(cfg)
+    ref.train.micro_batch_size = cfg.train.micro_batch_size * dp_size
+    p = ref.parallel
+    p.strategy, p.nproc, p.tp, p.pp = "single", 1, 1, 1
+    p.activation_checkpointing = "none"  # recomputation changes memory, never the numbers
+    ref.checkpoint.resume = ""
+    return ref
+
+
+def compare(reference: dict[str, Any], candidate: dict[str, Any], precision: str, *,
+            loss_tol: float | None = None, param_tol: float | None = None) -> VerifyReport:
+    """Return the report comparing a strategy result with the reference (both from ``run_steps``)."""
+    loss_atol, loss_rtol, default_param_tol = TOLERANCES[precision]
+    worst, worst_name = 0.0, ""
+    missing = sorted(set(reference["params"]) - set(candidate["params"]))
+    for name, ref in reference["params"].items():
+        got = candidate["params"].get(name)
+        if got is None:
+            continue
+        diff = (ref.double() - got.double()).abs().max().item() if ref.numel() else 0.0
+        if diff > worst or not worst_name:
+            worst, worst_name = diff, name
+    return VerifyReport(
+        strategy=candidate.get("strategy", "?"), world_size=candidate.get("world_size", 0),
+        precision=precision, reference_losses=list(reference["losses"]),
+        strategy_losses=list(candidate["losses"]), max_param_diff=worst, worst_param=worst_name,
+        loss_atol=loss_atol if loss_tol is None else loss_tol,
+        loss_rtol=loss_rtol if loss_tol is None else 0.0,
+        param_tol=default_param_tol if param_tol is None else param_tol, missing_params=missing,
+    )
+
+
+# ------------------------------------------------------------------------------ driver
+def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float | None = None,
+           param_tol: float | None = None) -> VerifyReport:
+    """Run ``cfg``'s strategy on ``nproc`` ranks (torchrun) and the single-process reference.
+
+    ``cfg`` is a validated RunConfig whose ``parallel.strategy`` names the strategy; the run
+    directories go under ``out``. Raises ShardwiseError when either run fails.
+    """
+    from shardwise.config import to_toml
+    from shardwise.launch import LaunchSpec, run_torchrun
+
+    out = Path(out)
+    strategy_dir = out / "strategy"
+    strategy_dir.mkdir(parents=True, exist_ok=True)
+    cfg.checkpoint.resume = ""
+    cfg.parallel.nproc = nproc
+    config_path = strategy_dir / "config.toml"
+    config_path.write_text(to_toml(cfg))
+    result_path = strategy_dir / "verify-result.pt"
+    result_path.unlink(missing_ok=True)
+    rc = run_torchrun(LaunchSpec(nproc=nproc, run_id=f"verify-{os.getpid()}"),
+                      ["-m", "shardwise.verify", "--worker", str(config_path), "--out",
+                       str(strategy_dir), "--steps", str(steps)])
+    if rc != 0 or not result_path.exists():
+        failures = sorted(strategy_dir.glob("failure-rank*.json"))
+        detail = json.loads(failures[0].read_text())["error"] if failures else f"torchrun exit code {rc}"
+        raise ShardwiseError(f"the {cfg.parallel.strategy} run failed: {detail}")
+    candidate = torch.load(result_path, weights_only=True)
+    reference = run_steps(reference_config(cfg, candidate["dp_size"]), steps, out / "reference")
+    assert reference is not None  # one process is rank 0
+    report = compare(reference, candidate, cfg.parallel.precision, loss_tol=loss_tol, param_tol=param_tol)
+    (out / "verify.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="check a strategy against the single-process reference (losses, weights)",
+        description="Train the same recipe/TOML for a few steps under STRATEGY on N ranks and as "
+        "one process, on the same global batches from the same initial weights; print per-step "
+        "losses and the final parameter difference; exit 0 only if within tolerance "
+        "(loss: atol + rtol x |reference|; params: max absolute difference. fp32: 1e-5 + 1e-4, "
+        "5e-3; bf16-mixed: 1e-2 + 1e-2, 5e-2; fp16-mixed: 5e-3 + 5e-3, 5e-2; bf16-true: "
+        "2e-2 + 2e-2, 1e-1).",
+    )
+    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE_OR_TOML")
+    p.add_argument("--strategy", required=True, help="the strategy to verify, e.g. fsdp, zero2, hsdp")
+    p.add_argument("--nproc", type=int, default=2, help="ranks for the strategy run (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default=None, help="folder for both runs (default runs/verify-<strategy>)")
+    p.add_argument("--loss-tol", type=float, default=None,
+                   help="override the loss tolerance with one absolute bound")
+    p.add_argument("--param-tol", type=float, default=None, help="override the parameter tolerance")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from shardwise.config import load_config
+    from shardwise.preflight import check_run
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
+    # Bad combinations, data or model shapes are refused here, once, before any process starts.
+    strategy, _ = check_run(cfg, args.nproc)
+    out = Path(args.out or f"runs/verify-{strategy.name.replace('+', '_')}")
+    report = verify(cfg, args.nproc, args.steps, out, loss_tol=args.loss_tol, param_tol=args.param_tol)
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Per-rank entry under torchrun: run the steps, rank 0 saves the result for the driver."""
+    p = argparse.ArgumentParser(prog="shardwise.verify --worker")
+    p.add_argument("--worker", required=True, metavar="CONFIG_TOML")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from shardwise.config import load_config
+
+        result = run_steps(load_config(args.worker), args.steps, args.out)
+        if result is not None:
+            torch.save(result, Path(args.out) / "verify-result.pt")
+        return 0
+    except ShardwiseError as e:
+        (Path(args.out) / f"failure-rank{rank}.json").write_text(json.dumps({"rank": rank, "error": str(e)}))
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
