@@ -73,6 +73,8 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
         x = data[0, :per_replica]
         model.eval()
         result["eval_loss"] = float(session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss))
+        # Evaluation must not leave FSDP units holding unsharded parameters.
+        result["param_bytes_after_eval"] = ledger.param_bytes(model)
     session.close()
     return result
 

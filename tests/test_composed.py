@@ -28,7 +28,8 @@ def test_ddp_pp_on_four_ranks_matches_single_process():
 def test_fsdp_tp_on_four_ranks_matches_and_its_checkpoint_resumes_under_fsdp_on_two(tmp_path):
     ref = mp_train(0, 1, "single", steps=7)
     first = run_distributed(mp_train, 4, timeout_s=240, strategy="fsdp+tp", tp=2, accum=2,
-                            sequence_parallel=True, ckpt_dir=str(tmp_path))
+                            sequence_parallel=True, ckpt_dir=str(tmp_path), evaluate=True)
+    assert all(r["param_bytes_after_eval"] == r["param_bytes"] for r in first)
     short_ref = {"losses": ref["losses"][:5], "params": ref["params5"]}
     assert_parity(short_ref, first)
     # tp innermost: ranks 0,1 are one TP group (dp replica 0), ranks 2,3 the other.

@@ -28,6 +28,7 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext, Strategy
+from shardwise.parallel.fsdp import reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
     autocast_forward,
@@ -245,9 +246,13 @@ class ModelParallelStrategy(Strategy):
         tp = self.degrees["tp"]
         with tp_loss_context(tp):
             if self.pipeline is not None:
-                return self.pipeline.run(inputs, targets, loss_fn, 1, train=False)
-            with session.autocast():
-                return local_value(loss_fn(model(inputs), targets).detach())
+                loss = self.pipeline.run(inputs, targets, loss_fn, 1, train=False)
+            else:
+                with session.autocast():
+                    loss = local_value(loss_fn(model(inputs), targets).detach())
+        if self.dp_kind == "fsdp":
+            reshard_all(model)  # as under plain fsdp: evaluation must not leave units unsharded
+        return loss
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
         pp_group = ctx.mesh["pp"].get_group() if self.degrees["pp"] > 1 else None  # type: ignore[index]

@@ -132,6 +132,21 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = Non
     return model
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Free the unsharded parameters every FSDP unit of ``model`` still holds.
+
+    A forward without backward (evaluation) leaves every unit that does not reshard after forward
+    (all of them under zero2; the root and last block under fsdp) holding whole parameters until
+    the next training step; resharding right away keeps evaluation from raising memory between
+    steps.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     description = "ZeRO-3: shard parameters, gradients and optimizer state (FSDP2 fully_shard)"
@@ -172,14 +187,7 @@ class FSDPStrategy(Strategy):
     def eval_loss(self, session: Any, model: nn.Module, inputs: torch.Tensor,
                   targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         loss = super().eval_loss(session, model, inputs, targets, loss_fn)
-        # A forward without backward leaves every unit that does not reshard after forward (all
-        # of them under zero2; the root and last block under fsdp) holding whole parameters until
-        # the next training step. Reshard now so evaluation never raises memory between steps.
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard_all(model)
         return loss
 
     def uses_autocast(self) -> bool:
