@@ -2,9 +2,11 @@
 
 Tolerance (float32, 5 AdamW steps at lr=1e-3): losses within 1e-5, parameters within 1e-5 absolute
 (measured ~7e-7 and ~4e-6). A checkpoint written under fsdp+tp (4 ranks) resumes under fsdp on 2.
-fsdp+tp+pp needs 8 ranks (about 85 s on 2 CPU cores), so it is exercised by
-``scripts``-level runs, not here; it shares every code path tested below.
+fsdp+tp+pp (8 ranks, 2 x 2 x 2) and fsdp+pp (4 ranks) go through ``shardwise verify``, i.e. the
+user-facing check: its fp32 tolerance is 1e-5 + 1e-4 |loss| and 5e-3 on parameters.
 """
+
+import sys
 
 import pytest
 from mp_helpers import ckpt_phase, mp_train
@@ -13,7 +15,7 @@ from test_tp import assert_parity
 from shardwise.config import ParallelConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.parallel.composed import MESH_DIMS, DDPPPStrategy, FSDPTPStrategy, resolve_degrees
-from shardwise.testing import run_distributed
+from shardwise.testing import run_command, run_distributed
 
 
 def test_ddp_pp_on_four_ranks_matches_single_process():
@@ -67,3 +69,18 @@ def test_degrees_alone_pick_the_composition():
     assert load_config(None, ["parallel.strategy=3d"]).parallel.strategy == "fsdp+tp+pp"
     with pytest.raises(ConfigError, match="unknown pipeline schedule"):
         load_config(None, ["parallel.pp_schedule=zb"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, nproc, degrees", [
+    ("fsdp+tp+pp", 8, ["parallel.tp=2", "parallel.pp=2"]),
+    ("fsdp+pp", 4, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+])
+def test_verify_passes_for_the_other_compositions(strategy, nproc, degrees, tmp_path, cli_env):
+    argv = [sys.executable, "-m", "shardwise", "verify", "--strategy", strategy, "--nproc", str(nproc),
+            "--steps", "5", "--out", str(tmp_path), "--set", "model.preset=nano"]
+    for d in degrees:
+        argv += ["--set", d]
+    proc = run_command(argv, env=cli_env, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"verify: {strategy} on {nproc} rank(s)" in proc.stdout and "PASS" in proc.stdout
