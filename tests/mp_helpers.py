@@ -68,7 +68,8 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
         save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name,
                         world_size=world_size)
     result = {"losses": losses, "norms": norms, "params": full_params(model), "params5": params5,
-              "param_bytes": ledger.param_bytes(model), "dp_rank": session.dp_rank}
+              "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
+              "dp_rank": session.dp_rank}
     if evaluate:
         x = data[0, :per_replica]
         model.eval()

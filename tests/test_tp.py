@@ -62,6 +62,9 @@ def test_tp_matches_single_process_and_splits_parameters():
     cfg = GPT_PRESETS["nano"]
     # Ledger bytes (local shards): matrices halve, vocab 65 splits 33/32, norms are replicated.
     assert [r["param_bytes"] for r in ranks] == [expected_tp_bytes(2, cfg)] * 2
+    # Gradients are stored sharded like their parameters, the embeddings' included (whole-table
+    # Replicate gradients would add 6,144 bytes here). Rank 1's 32 vocab rows need no padding.
+    assert [r["grad_bytes"] for r in ranks] == [expected_tp_bytes(2, cfg), expected_tp_bytes(2, cfg) - 256]
     full = sum(p.numel() * 4 for p in GPT(cfg).parameters())
     assert expected_tp_bytes(2, cfg) < 0.55 * full
     assert ranks[0]["eval_loss"] == ranks[1]["eval_loss"]
@@ -72,6 +75,7 @@ def test_tp_with_sequence_parallel_and_activation_checkpointing():
     ranks = run_distributed(mp_train, 2, strategy="tp", sequence_parallel=True, accum=2,
                             activation_checkpointing="full")
     assert_parity(ref, ranks)
+    assert all(r["grad_bytes"] <= r["param_bytes"] for r in ranks)
 
 
 def test_tp_llama_hf_model_with_sequence_parallel():

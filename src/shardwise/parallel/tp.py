@@ -96,7 +96,28 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.
+    for p in model.parameters():
+        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+            p.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
+
+
+def _shard_grad_like_param(param: torch.Tensor) -> None:
+    """Give ``param.grad`` the parameter's own sharding, keeping only the local shard in memory.
+
+    DTensor's embedding backward returns the gradient of a row-sharded (vocab-parallel) table as
+    ``Replicate``: every rank would hold the whole table's gradient until the optimizer step (one
+    full embedding per rank for a 128k vocabulary). Taking this rank's rows is a local slice, no
+    communication; it is copied so the whole-table buffer is freed. Later micro-batches' gradients
+    add into the sharded one (DTensor slices the replicated addend). Under FSDP2 this hook is
+    inert: ``fully_shard`` replaces the parameters, and FSDP reduce-scatters gradients itself.
+    """
+    grad = param.grad
+    if not isinstance(grad, DTensor) or grad.placements == param.placements:
+        return
+    shard = grad.redistribute(param.device_mesh, param.placements).to_local()
+    param.grad = DTensor.from_local(shard.clone(), param.device_mesh, param.placements,
+                                    shape=param.shape, stride=param.stride())
 
 
 def tp_loss_context(tp_degree: int) -> contextlib.AbstractContextManager:
