@@ -66,8 +66,3 @@ def clean_name(name: str) -> str:
     name = name.replace(CHECKPOINT_PREFIX, "")
     return name[len("module."):] if name.startswith("module.") else name
 
-
-def apply_ac(model: nn.Module, options: object) -> nn.Module:
-    """Return ``model`` checkpointed as ``options`` (a ParallelConfig) asks; for compositions."""
-    return apply_activation_checkpointing(model, options.activation_checkpointing,  # type: ignore[attr-defined]
-                                          options.ac_every)  # type: ignore[attr-defined]

@@ -28,7 +28,8 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext, Strategy
-from shardwise.parallel.fsdp import reshard_all
+from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
     autocast_forward,
@@ -100,19 +101,6 @@ def resolve_degrees(world_size: int, options: ParallelConfig, active: tuple[str,
     return degrees
 
 
-def _fully_shard(module: nn.Module, dp_mesh: Any, options: ParallelConfig) -> nn.Module:
-    """Shard ``module`` with FSDP2 over ``dp_mesh``: one unit per transformer block plus the root."""
-    from shardwise.parallel.fsdp import apply_fsdp
-
-    return apply_fsdp(module, dp_mesh, options)
-
-
-def _apply_ac(model: nn.Module, options: ParallelConfig) -> None:
-    from shardwise.parallel.checkpointing import apply_activation_checkpointing
-
-    apply_activation_checkpointing(model, options.activation_checkpointing, options.ac_every)
-
-
 class ModelParallelStrategy(Strategy):
     """Base of every TP/PP composition; subclasses name their dims and data-parallel flavour."""
 
@@ -182,7 +170,7 @@ class ModelParallelStrategy(Strategy):
             model = prune_to_stages(model, stage_ids, ranges)
         if tp > 1:
             apply_tp(model, mesh["tp"], opts.sequence_parallel)
-        _apply_ac(model, opts)
+        apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         wrapped = [self._wrap_dp(part, ctx) for part in parts]
         if pp == 1:
@@ -200,7 +188,8 @@ class ModelParallelStrategy(Strategy):
         dp_mesh = ctx.mesh["dp"]  # type: ignore[index]
         if self.dp_kind == "fsdp":
             # Applied even when dp == 1, so mixed precision comes from the same policy everywhere.
-            return _fully_shard(module, dp_mesh, ctx.options)
+            # One FSDP unit per transformer block plus the root, as under plain fsdp.
+            return apply_fsdp(module, dp_mesh, ctx.options)
         if self.dp_kind == "ddp" and self.degrees["dp"] > 1:
             from torch.nn.parallel import DistributedDataParallel
 
