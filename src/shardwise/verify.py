@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -113,17 +114,25 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     from shardwise.parallel.checkpointing import clean_name
 
-    if dist.is_initialized():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # Gathering a 2-D-sharded (FSDP x TP) parameter makes DTensor warn, once per rank, that it
+    # needs two all-gathers; for a one-off comparison that is expected, not worth N log lines.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        if dist.is_initialized():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    else:
-        state = model.state_dict()
-    out = {}
-    for name, value in state.items():
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        out[clean_name(name)] = value.detach().to("cpu", copy=True)
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        else:
+            state = model.state_dict()
+        out = {}
+        for name, value in state.items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            out[clean_name(name)] = value.detach().to("cpu", copy=True)
+    finally:
+        redistribute_log.setLevel(level)
     return out
 
 
