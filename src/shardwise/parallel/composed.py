@@ -167,7 +167,7 @@ class ModelParallelStrategy(Strategy):
             n_stages = pp * opts.pp_stages_per_rank
             ranges = stage_layer_ranges(len(model.blocks), n_stages, opts.pp_first_stage_fewer)
             stage_ids = local_stage_ids(mesh["pp"].get_local_rank(), pp, opts.pp_stages_per_rank)
-            model = prune_to_stages(model, stage_ids, ranges)
+            model = prune_to_stages(model, stage_ids, ranges).to(ctx.device)
         if tp > 1:
             apply_tp(model, mesh["tp"], opts.sequence_parallel)
         apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)

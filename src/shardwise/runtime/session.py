@@ -163,7 +163,10 @@ class Session:
                 "session.prepare() before training so its state matches the parallelised parameters."
             )
         names = {id(p): n for n, p in model.named_parameters()}
-        model = model.to(self.device)
+        if not self.strategy.partitions_parameters:
+            # Pipeline stages move only their own layers, after the strategy drops the rest, so a
+            # model larger than one device's memory never has to fit on it whole.
+            model = model.to(self.device)
         if storage_dtype(self.options.precision) is not None:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
