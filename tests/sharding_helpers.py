@@ -128,3 +128,10 @@ def build_blobs() -> tuple:
     y = (x[:, :5].argmax(dim=1) + (x[:, 5] > 0).long()) % 5
     ds = torch.utils.data.TensorDataset(x, y)
     return torch.utils.data.Subset(ds, range(448)), torch.utils.data.Subset(ds, range(448, 512))
+
+
+def build_mlp_not_on_meta(**kwargs) -> torch.nn.Module:
+    """A model.factory that, like one filling weights from numpy, cannot run on the meta device."""
+    if torch.empty(0).device.type == "meta":
+        raise RuntimeError("this factory needs real tensors")
+    return ResidualMLP(**kwargs)

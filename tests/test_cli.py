@@ -115,3 +115,16 @@ def test_user_script_runs_as_one_plain_process(cli_env, tmp_path):
                         "--result", str(result)], env=cli_env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) ["strategy"] == "single"
+
+
+def test_resume_check_with_a_factory_that_cannot_build_on_meta(capsys, tmp_path):
+    # The launcher's shape checks use a meta copy of the model; a factory that cannot build one
+    # skips them (the ranks check at load) instead of crashing the resume check.
+    from test_verify import CUSTOM_TOML
+
+    recipe = tmp_path / "job.toml"
+    recipe.write_text(CUSTOM_TOML.replace("build_mlp", "build_mlp_not_on_meta"))
+    code, _, err = run_main(capsys, "train", str(recipe), "--nproc", "1",
+                            "--resume", str(tmp_path / "no-such-checkpoint"))
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert "no-such-checkpoint" in err

@@ -51,7 +51,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
 def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
     """Load and check everything a run needs before any process starts.
 
-    Returns (config, workload, nproc, out).
+    Returns (config, meta model or None, nproc, out).
     """
     from shardwise.config import load_config
     from shardwise.preflight import check_run
@@ -68,11 +68,11 @@ def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
     nproc = args.nproc or cfg.parallel.nproc or default_nproc()
-    strategy, workload = check_run(cfg, nproc * nnodes)
+    strategy, _, model = check_run(cfg, nproc * nnodes)
     cfg.parallel.nproc = nproc
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, strategy.name))
     cfg.out_dir = str(out)
-    return cfg, workload, nproc, out
+    return cfg, model, nproc, out
 
 
 def _use_run_config_for_resume(args: argparse.Namespace) -> None:
@@ -83,10 +83,8 @@ def _use_run_config_for_resume(args: argparse.Namespace) -> None:
             args.recipe = str(saved)
 
 
-def _preflight_resume(cfg: object, out: Path, workload: object, out_given: bool) -> None:
+def _preflight_resume(cfg: object, out: Path, meta_model: object, out_given: bool) -> None:
     """Check the resume checkpoint before any rank starts (missing, damaged, other model shape)."""
-    import torch
-
     from shardwise.errors import CheckpointError
     from shardwise.runtime.checkpoint import preflight, tensor_shapes
 
@@ -94,9 +92,8 @@ def _preflight_resume(cfg: object, out: Path, workload: object, out_given: bool)
     if ck.resume in ("", "auto"):
         return
     source = out / "checkpoints" if ck.resume == "latest" else Path(ck.resume)
-    # The model's tensor shapes, from a copy on the meta device (no memory, no init cost).
-    with torch.device("meta"):
-        shapes = tensor_shapes(workload.build_model().state_dict())  # type: ignore[attr-defined]
+    # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
+    shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
     try:
         path = preflight(source, shapes)
     except CheckpointError as e:
@@ -130,8 +127,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
-    cfg, workload, nproc, out = resolve_run(args)
-    _preflight_resume(cfg, out, workload, out_given=bool(args.out))
+    cfg, meta_model, nproc, out = resolve_run(args)
+    _preflight_resume(cfg, out, meta_model, out_given=bool(args.out))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))
     for stale in [*out.glob("hang-rank*.json"), *out.glob("failure-rank*.json")]:

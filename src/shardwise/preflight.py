@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from shardwise.errors import ShardwiseError
 
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from shardwise.workloads import Workload
 
 
-def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload]:
-    """Validate ``cfg`` for ``world_size`` ranks; return the strategy and the built workload.
+def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.Module | None]:
+    """Validate ``cfg`` for ``world_size`` ranks; return the strategy, the built workload and a
+    meta-device copy of the model (None when the model's factory cannot build on meta).
 
     Sets ``cfg.parallel.strategy`` to the canonical strategy name. Raises ConfigError (or
     another ShardwiseError) with a message naming what is wrong.
@@ -33,20 +35,20 @@ def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload]:
     cfg.parallel.strategy = strategy.name
     # Building the datasets reports a missing or malformed data file here, once.
     workload = build_workload(cfg.model, cfg.data)
-    check_model_shape(strategy, workload, world_size, cfg)
-    return strategy, workload
+    model = meta_model(workload)
+    if model is not None:
+        # Heads divisible by tp, no more stages than layers...; without a meta model the same
+        # check still runs on every rank inside ``Strategy.apply``.
+        strategy.check_model(model, world_size, cfg.parallel)
+    return strategy, workload, model
 
 
-def check_model_shape(strategy: Strategy, workload: Workload, world_size: int, cfg: RunConfig) -> None:
-    """Run the strategy's shape check (heads divisible by tp, layers by stages...) on a meta model."""
+def meta_model(workload: Workload) -> nn.Module | None:
+    """The workload's model on the meta device (allocates nothing), or None if it cannot be built there."""
     try:
-        # The meta device allocates nothing, so even a 70B model is checked in milliseconds.
         with torch.device("meta"):
-            model = workload.build_model()
+            return workload.build_model()
     except ShardwiseError:
         raise
     except Exception:  # noqa: BLE001 - a user factory that cannot build on meta
-        # Some factories cannot run on the meta device (they fill weights from numpy, say); the
-        # same check still runs on every rank inside ``Strategy.apply``.
-        return
-    strategy.check_model(model, world_size, cfg.parallel)
+        return None  # e.g. it fills weights from numpy

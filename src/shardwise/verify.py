@@ -268,7 +268,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
     cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
-    strategy, _ = check_run(cfg, args.nproc)
+    strategy, _, _ = check_run(cfg, args.nproc)
     out = Path(args.out or f"runs/verify-{strategy.name.replace('+', '_')}")
     report = verify(cfg, args.nproc, args.steps, out, loss_tol=args.loss_tol, param_tol=args.param_tol)
     print(report.table())

@@ -117,14 +117,19 @@ class Trainer:
         self.state.step += 1
         return float(loss_sum) / t.grad_accum_steps, grad_norm
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all data-parallel replicas."""
+        t = self.cfg.train
+        return t.micro_batch_size * t.grad_accum_steps * self.session.dp_size
+
     # -------------------------------------------------------------- the loop
     def run(self) -> dict[str, Any]:
         s, t, st = self.session, self.cfg.train, self.state
         self.run_dir.write_config(self.cfg)
-        tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * s.dp_size
-                           * self.workload.tokens_per_sample)
+        tokens_per_step = self.global_batch * self.workload.tokens_per_sample
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
-              f"global_batch={t.micro_batch_size * t.grad_accum_steps * s.dp_size} "
+              f"global_batch={self.global_batch} "
               f"steps={t.steps} out={self.run_dir.path}")
         watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
         watchdog.beat(st.step, "resume")
@@ -232,8 +237,7 @@ class Trainer:
         self.resumed_from = str(loaded.path)
         if s.is_main:
             truncate_metrics(self.run_dir.path / "metrics.jsonl", loaded.step)
-        t = self.cfg.train
-        global_batch = t.micro_batch_size * t.grad_accum_steps * s.dp_size
+        global_batch = self.global_batch
         saved_batch = loaded.state.get("global_batch", global_batch)
         if saved_batch != global_batch:
             loaded.notes.append(f"the global batch is {global_batch}, the saved run used "
@@ -252,7 +256,7 @@ class Trainer:
         state = {"last_train_loss": st.last_train_loss, "last_val_loss": st.last_val_loss,
                  # lr is a pure function of the step (lr_at); recorded for people reading it.
                  "next_lr": lr_at(st.step, t),
-                 "global_batch": t.micro_batch_size * t.grad_accum_steps * s.dp_size,
+                 "global_batch": self.global_batch,
                  "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
                            "overrides": self.cfg.model.overrides}}
         t0 = time.perf_counter()
