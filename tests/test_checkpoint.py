@@ -45,7 +45,7 @@ def _rewrite_manifest(path, **changes) -> None:
     """Tamper with a manifest the way an attacker would: change it and fix its self-checksum."""
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     manifest.update(changes)
-    manifest["checksum"] = ckpt._body_checksum(manifest)
+    manifest["checksum"] = ckpt.body_checksum(manifest)
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -193,7 +193,7 @@ def test_metadata_pickle_cannot_run_code(saved, tmp_path):
     meta.write_bytes(pickle.dumps(_Evil()))
     # An attacker who also rewrites the manifest's checksums still cannot get code run.
     files = json.loads((saved / ckpt.MANIFEST).read_text())["files"]
-    files[".metadata"] = {"bytes": meta.stat().st_size, "sha256": ckpt._sha256(meta)}
+    files[".metadata"] = {"bytes": meta.stat().st_size, "sha256": ckpt.sha256_file(meta)}
     _rewrite_manifest(saved, files=files)
     with pytest.raises(CheckpointError, match="refusing to load DCP metadata"):
         _load(saved)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from shardwise.config import RunConfig, to_toml
+from shardwise.fsutil import atomic_write_text
 
 
 def default_run_dir(name: str, strategy: str) -> Path:
@@ -40,7 +40,7 @@ class RunDir:
 
     def write_config(self, cfg: RunConfig) -> None:
         if self.enabled:
-            self._atomic_write(self.path / "config.toml", to_toml(cfg))
+            atomic_write_text(self.path / "config.toml", to_toml(cfg), durable=True)
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -53,11 +53,4 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
             body = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)
-            self._atomic_write(self.path / "summary.json", body + "\n")
-
-    @staticmethod
-    def _atomic_write(path: Path, text: str) -> None:
-        # Write-then-rename: a crash never leaves a half-written file under the final name.
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+            atomic_write_text(self.path / "summary.json", body + "\n", durable=True)

@@ -41,13 +41,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from shardwise.fsutil import atomic_write_json
+
 HANG_EXIT_CODE = 3
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class Watchdog:
@@ -129,7 +125,7 @@ class Watchdog:
     def _write_heartbeat(self, stale_s: float) -> None:
         # A full or vanished disk must not kill training; the deadline still applies.
         with contextlib.suppress(OSError):
-            _write_json(self.heartbeat_path, {
+            atomic_write_json(self.heartbeat_path, {
                 "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "attempt": self.attempt, "step": self.step, "phase": self.phase,
                 "seconds_since_progress": round(stale_s, 3), "time": time.time(),
@@ -144,7 +140,7 @@ class Watchdog:
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.flush()
-        _write_json(self.run_dir / f"hang-rank{self.rank}.json", {
+        atomic_write_json(self.run_dir / f"hang-rank{self.rank}.json", {
             "rank": self.rank, "pid": os.getpid(), "attempt": self.attempt, "step": self.step,
             "phase": self.phase, "seconds_since_progress": round(stale_s, 1),
             "timeout_s": self.timeout_s, "where": where, "stack_file": str(self.stack_path),

@@ -1,0 +1,48 @@
+"""Crash-safe file writes shared by run directories, checkpoints and the watchdog.
+
+Write-then-rename: a reader (or a resumed run) sees either the old file or the new one under the
+final name, never a half-written one. ``durable=True`` also fsyncs the file and its directory,
+for files whose loss after a power cut would lose work (checkpoint manifests, ``latest``);
+frequent status files (heartbeats) skip the fsync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename in it) to disk; a no-op where that is unsupported."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = False) -> None:
+    """Replace ``path`` with ``text`` atomically (a temporary file beside it, then a rename)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, durable: bool = False, **dumps: Any) -> None:
+    """``atomic_write_text`` of ``json.dumps(data, **dumps)``."""
+    atomic_write_text(path, json.dumps(data, **dumps), durable=durable)

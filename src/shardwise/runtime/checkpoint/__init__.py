@@ -1,0 +1,72 @@
+"""Sharded checkpoints on PyTorch DCP: atomic publish, checksummed manifest, resharding, export.
+
+Layout of a checkpoints root (``<run>/checkpoints``)::
+
+    step-00000200/            one complete checkpoint
+        __0_0.distcp ...      DCP shards, each written by the rank that owns the data
+        .metadata             DCP's index (a pickle: see "Security" below)
+        rng-rank0.json ...    each rank's RNG streams and loss-scaler state (plain JSON)
+        manifest.json         written last: step, strategy, world size, model fingerprint, data
+                              position, user state, and the size + SHA-256 of every other file
+    latest                    the name of the newest complete checkpoint, written after publish
+    .partial-step-00000400/   a checkpoint being written; never read, removed on the next save
+
+Every rank writes into ``.partial-step-N``; once every shard is on disk, rank 0 writes the
+manifest and renames the directory to ``step-N`` (a rename is atomic on POSIX file systems), then
+replaces ``latest``. A kill at any point therefore leaves ``latest`` naming the previous complete
+checkpoint, and a partial directory is never mistaken for one.
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+``set_state_dict``, whose keys are the plain model's parameter names whatever the wrapping (DDP,
+FSDP2, DTensor TP), and DCP reshards on load: a checkpoint saved by any strategy on any number of
+ranks loads into any other.
+
+Security: nothing read from a checkpoint can run code. Tensors are read by DCP with
+``torch.load(weights_only=True)``; DCP's non-tensor entries (optimizer hyper-parameters) are
+normally read with ``weights_only=False``, so ``SafeLoadPlanner`` reads them with
+``weights_only=True``; DCP's ``.metadata`` is a plain pickle, so ``SafeFileSystemReader`` checks its
+SHA-256 against the manifest and then unpickles it with an allow-list of DCP's own metadata classes
+(any other global is refused). RNG states, scaler state and the manifest are JSON.
+
+Modules, one job each: ``manifest`` (names, the manifest, checksums, the model fingerprint),
+``safe_read`` (DCP metadata and entries read without running code), ``locate`` (finding complete
+checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state dicts), ``save``,
+``load``, ``export`` (inspect, consolidate, write weights) and ``preflight`` (checks before launch).
+"""
+
+from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoint, read_full_model_state
+from shardwise.runtime.checkpoint.load import LoadedCheckpoint, load_checkpoint
+from shardwise.runtime.checkpoint.locate import (
+    complete_checkpoints,
+    latest_checkpoint,
+    resolve_checkpoint,
+    rotate,
+)
+from shardwise.runtime.checkpoint.manifest import (
+    DCP_METADATA,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    PARTIAL_PREFIX,
+    body_checksum,
+    fingerprint,
+    read_manifest,
+    sha256_file,
+    shape_mismatch,
+    step_dir_name,
+    tensor_shapes,
+    verify_files,
+)
+from shardwise.runtime.checkpoint.preflight import preflight, truncate_metrics
+from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from shardwise.runtime.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_PREFIX", "LoadedCheckpoint",
+    "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "complete_checkpoints", "export_weights",
+    "fingerprint", "inspect_checkpoint", "latest_checkpoint", "load_checkpoint", "preflight",
+    "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "rotate",
+    "save_checkpoint", "sha256_file", "shape_mismatch", "step_dir_name", "tensor_shapes", "truncate_metrics",
+    "verify_files",
+]

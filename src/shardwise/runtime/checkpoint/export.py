@@ -1,0 +1,83 @@
+"""Reading a checkpoint in one process, without the ranks that wrote it: inspect and export."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardwise.errors import CheckpointError
+from shardwise.runtime.checkpoint.locate import resolve_checkpoint
+from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
+from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from shardwise.runtime.checkpoint.state import single_process_ok
+
+
+def inspect_checkpoint(source: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    """Summary of a checkpoint (no process group): step, strategy, world size, tensors, sizes."""
+    path = resolve_checkpoint(source)
+    manifest = read_manifest(path)
+    if verify:
+        problems = verify_files(path, manifest)
+        if problems:
+            raise corruption_error(path, problems)
+    meta = read_dcp_metadata(path, manifest)
+    groups: dict[str, dict[str, int]] = {}
+    for key, item in meta.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            g = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "elements": 0, "bytes": 0})
+            numel = item.size.numel()
+            g["tensors"] += 1
+            g["elements"] += numel
+            g["bytes"] += numel * torch.empty((), dtype=item.properties.dtype).element_size()
+    return {
+        "path": str(path), "step": manifest["step"], "strategy": manifest["strategy"],
+        "world_size": manifest["world_size"], "fingerprint": manifest["fingerprint"],
+        "created": manifest["created"], "torch": manifest["torch"], "data": manifest["data"],
+        "state": manifest["state"], "groups": groups,
+        "files": len(manifest["files"]),
+        "total_bytes": sum(f["bytes"] for f in manifest["files"].values()),
+        "model_tensors": manifest["model_tensors"], "verified": verify,
+    }
+
+
+def read_full_model_state(source: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Consolidated full model weights of a checkpoint, read in this process without a process group."""
+    path = resolve_checkpoint(source)
+    manifest = read_manifest(path)
+    problems = verify_files(path, manifest)
+    if problems:
+        raise corruption_error(path, problems)
+    meta = read_dcp_metadata(path, manifest)
+    model: dict[str, torch.Tensor] = {}
+    for key, item in meta.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            model[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+    reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"])
+    payload = {"model": model}
+    with single_process_ok():
+        dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return payload["model"], manifest
+
+
+def export_weights(source: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Write a checkpoint's full model weights to a safetensors file; return what was written."""
+    from safetensors.torch import save_file
+
+    weights, manifest = read_full_model_state(source)
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise CheckpointError(f"--out {out} must end in .safetensors (the only export format).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tensors = {k: v.contiguous() for k, v in weights.items()}
+    save_file(tensors, str(tmp), metadata={"step": str(manifest["step"]),
+                                           "fingerprint": manifest["fingerprint"],
+                                           "source": "shardwise"})
+    os.replace(tmp, out)
+    return {"out": str(out), "tensors": len(tensors), "bytes": out.stat().st_size,
+            "step": manifest["step"]}

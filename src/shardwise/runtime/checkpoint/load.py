@@ -1,0 +1,149 @@
+"""Loading: verify everything (split across ranks), then let DCP reshard into this layout."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from shardwise.errors import CheckpointError
+from shardwise.runtime.checkpoint.locate import resolve_checkpoint
+from shardwise.runtime.checkpoint.manifest import (
+    DCP_METADATA,
+    corruption_error,
+    incompatible_error,
+    read_manifest,
+    shape_mismatch,
+    tensor_shapes,
+    verify_files,
+)
+from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from shardwise.runtime.checkpoint.state import set_state_dicts, single_process_ok, state_dicts
+from shardwise.runtime.collective import barrier, distributed, first_error, gather, raise_on_every_rank
+from shardwise.runtime.collective import rank as global_rank
+from shardwise.runtime.rng import restore_rng_state
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored: where from, the step, the caller's state and RNG."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+    manifest: dict[str, Any]
+    # This rank's saved RNG streams; None when the world size changed (streams cannot be mapped).
+    rng: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    *, world_size: int, loader: Any = None, scaler: Any = None,
+                    restore_rng: bool = True) -> LoadedCheckpoint:
+    """Restore model, optimizer, data position, scaler (and RNG) from ``source`` on every rank.
+
+    Collective. Verifies the manifest and every file's checksum (split across ranks) and the model
+    shapes before DCP reads anything; raises CheckpointError, on every rank alike, when a check fails.
+    """
+    rank = global_rank()
+    # Rank 0 resolves 'latest' once, so all ranks read the same checkpoint even if a save lands now.
+    path_or_err: tuple[str | None, str | None]
+    try:
+        path_or_err = (str(resolve_checkpoint(source)), None) if rank == 0 else (None, None)
+    except CheckpointError as e:
+        path_or_err = (None, str(e))
+    path_or_err = gather(path_or_err)[0]
+    first_error([path_or_err[1]], CheckpointError)
+    path = Path(path_or_err[0])
+
+    try:
+        manifest: dict[str, Any] | None = read_manifest(path)
+        error = None
+    except CheckpointError as e:
+        manifest, error = None, str(e)
+    raise_on_every_rank(error, CheckpointError)
+    assert manifest is not None
+
+    # Checksums: each rank verifies a disjoint share of the files; then every rank checks and
+    # safely unpickles the .metadata itself (as SafeFileSystemReader does again inside DCP).
+    world = dist.get_world_size() if distributed() else 1
+    names = sorted(manifest["files"])[rank::world]
+    problems = verify_files(path, manifest, names)
+    all_problems = [p for ps in gather(problems) for p in ps]
+    if all_problems:
+        raise corruption_error(path, all_problems)
+    try:
+        read_dcp_metadata(path, manifest)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    raise_on_every_rank(error, CheckpointError)
+
+    model_state, optim_state = state_dicts(model, optimizer)
+    mine = tensor_shapes(model_state)
+    saved = manifest["model_tensors"]
+    local_diffs = shape_mismatch({k: v for k, v in saved.items() if k in mine}, mine)
+    union: dict[str, list] = {}
+    for shapes in gather(mine):
+        union.update(shapes)
+    diffs = local_diffs or shape_mismatch(saved, union)
+    raise_on_every_rank(str(incompatible_error(path, diffs)) if diffs else None, CheckpointError)
+    if optimizer is not None and not manifest.get("has_optimizer", True):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it without an "
+                              "optimizer, or resume from a training checkpoint.")
+
+    payload: dict[str, Any] = {"model": model_state}
+    if optim_state is not None:
+        payload["optim"] = optim_state
+    reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"])
+    try:
+        with single_process_ok():
+            dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(),
+                     no_dist=not distributed())
+    except CheckpointError:
+        raise
+    except (Exception, dcp.api.CheckpointException) as e:
+        # DCP gathers every rank's failure into one CheckpointException (a BaseException).
+        raise CheckpointError(f"could not read checkpoint {path}: {_dcp_failures(e)}") from None
+    set_state_dicts(model, optimizer if optim_state is not None else None, payload)
+
+    loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),
+                              manifest=manifest)
+    if loader is not None and manifest.get("data") is not None:
+        try:
+            loader.load_state_dict(manifest["data"])
+        except ValueError as e:
+            raise CheckpointError(f"cannot continue the data order of {path}: {e}.") from None
+    rank_file = path / f"rng-rank{rank}.json"
+    if manifest["world_size"] == world_size and rank_file.is_file():
+        extra = json.loads(rank_file.read_text(encoding="utf-8"))
+        loaded.rng = extra["rng"]
+        if scaler is not None and extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
+        if restore_rng:
+            restore_rng_state(loaded.rng)
+    else:
+        loaded.notes.append(f"saved on {manifest['world_size']} ranks, loaded on {world_size}: "
+                            "model, optimizer and data position are continued; per-rank RNG streams "
+                            "(dropout) start afresh")
+        if scaler is not None:
+            rank0 = path / "rng-rank0.json"
+            extra0 = json.loads(rank0.read_text(encoding="utf-8")) if rank0.is_file() else {}
+            if extra0.get("scaler"):
+                scaler.load_state_dict(extra0["scaler"])
+    barrier()
+    return loaded
+
+
+def _dcp_failures(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures.items())

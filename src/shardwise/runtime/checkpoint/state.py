@@ -1,0 +1,79 @@
+"""Model and optimizer state dicts keyed by parameter name, whatever the wrapping or sharding.
+
+Both go through ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
+``set_state_dict``), whose keys are the plain model's parameter names under DDP, FSDP2 and DTensor
+TP alike, so DCP can reshard a checkpoint onto any other strategy and rank count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds, keyed by parameter name.
+
+    ZeroRedundancyOptimizer (zero1) keeps each rank's share of the state in an inner optimizer
+    over the parameters the rank owns; its own state_dict() needs a consolidation onto one rank
+    first. Saving the inner optimizer instead gives each rank's share under the parameters'
+    names, which DCP merges across ranks and reads back under any other partition or strategy.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+# Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<fqn>.lr"),
+# instead of by param-group index: groups differ between strategies (a pipeline stage or a ZeRO-1
+# shard holds only some parameters), names do not. torchtitan saves the same way.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """(model state, optimizer state or None), name-keyed, as this rank holds them."""
+    if optimizer is None:
+        return get_model_state_dict(model, options=_OPTIONS), None
+    return get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+
+
+def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     payload: dict[str, Any]) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, payload["model"], options=_OPTIONS)
+        return
+    local = _local_optimizer(optimizer)
+    # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
+    # such an empty group (it reads the group's first parameter name), and the group has no state
+    # to load anyway: load into the non-empty groups only, then put the empty ones back in place.
+    groups = local.param_groups
+    local.param_groups = [g for g in groups if g["params"]]
+    try:
+        set_state_dict(model, local, model_state_dict=payload["model"],
+                       optim_state_dict=payload["optim"], options=_OPTIONS)
+    finally:
+        loaded = iter(local.param_groups)
+        local.param_groups = [next(loaded) if g["params"] else g for g in groups]
+
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Any:
+    """Silence DCP's warning that it "assumes" one process when there is no process group.
+
+    Here that is intended (one rank, or ``ckpt export``), so the warning would only be noise.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
