@@ -1,11 +1,10 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-# Spawned ranks import test modules by name: make this folder importable for them.
-sys.path.insert(0, str(Path(__file__).parent))
+# ``tests`` is a package: pytest puts the repo root on sys.path, spawned ranks inherit it, and
+# helpers import as ``tests.helpers.*``.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli_env():
     """Environment for running the `shardwise` CLI as a subprocess."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent),
-                                         env.get("PYTHONPATH", "")])
+    # src first (this checkout, not an installed copy); the repo root for ``tests.helpers.*``
+    # factories named in TOML files.
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env

@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from ckpt_helpers import fast_overrides, small_text
 from safetensors.torch import load_file
 
 from shardwise.cli import main
@@ -20,6 +19,7 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import checkpoint as ckpt
 from shardwise.runtime.session import Session
 from shardwise.testing import DistributedTestError, run_distributed
+from tests.helpers.ckpt import fast_overrides, small_text
 
 
 def _trained(steps: int = 2, seed: int = 0):
@@ -111,7 +111,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     overrides = [*fast_overrides(data, steps=8, every=3), "debug.kill_rank=1", "debug.kill_at_step=6",
                  "debug.kill_in_checkpoint=true"]
-    from ckpt_helpers import train_rank
+    from tests.helpers.ckpt import train_rank
 
     with pytest.raises(DistributedTestError):  # rank 1 is killed mid-save; rank 0 then fails
         run_distributed(train_rank, 2, timeout_s=120, overrides=overrides, out=str(out))

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 from shardwise.cli import main
 from shardwise.testing import run_command
+from tests.conftest import ROOT
 
 FAST = ["--set", "model.preset=nano", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
         "--set", "train.sample_tokens=20", "--set", "train.progress=false", "--set", "train.log_every=1"]
@@ -120,7 +120,7 @@ def test_user_script_runs_as_one_plain_process(cli_env, tmp_path):
 def test_resume_check_with_a_factory_that_cannot_build_on_meta(capsys, tmp_path):
     # The launcher's shape checks use a meta copy of the model; a factory that cannot build one
     # skips them (the ranks check at load) instead of crashing the resume check.
-    from test_verify import CUSTOM_TOML
+    from tests.test_verify import CUSTOM_TOML
 
     recipe = tmp_path / "job.toml"
     recipe.write_text(CUSTOM_TOML.replace("build_mlp", "build_mlp_not_on_meta"))

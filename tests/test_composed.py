@@ -9,13 +9,13 @@ user-facing check: its fp32 tolerance is 1e-5 + 1e-4 |loss| and 5e-3 on paramete
 import sys
 
 import pytest
-from mp_helpers import ckpt_phase, mp_train
-from test_tp import assert_parity
 
 from shardwise.config import ParallelConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.parallel.composed import MESH_DIMS, DDPPPStrategy, FSDPTPStrategy, resolve_degrees
 from shardwise.testing import run_command, run_distributed
+from tests.helpers.mp import ckpt_phase, mp_train
+from tests.test_tp import assert_parity
 
 
 def test_ddp_pp_on_four_ranks_matches_single_process():

@@ -6,9 +6,9 @@ normalised update keeps at that scale over 5 steps.
 """
 
 import torch
-from dist_helpers import train_losses
 
 from shardwise.testing import run_distributed
+from tests.helpers.dist import train_losses
 
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5

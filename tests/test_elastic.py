@@ -7,7 +7,8 @@ import sys
 
 import pytest
 import torch
-from ckpt_helpers import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
+
+from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 pytestmark = pytest.mark.slow
 

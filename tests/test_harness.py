@@ -1,9 +1,9 @@
 import time
 
 import pytest
-from dist_helpers import boom, echo, sleepy
 
 from shardwise.testing import DistributedTestError, run_distributed
+from tests.helpers.dist import boom, echo, sleepy
 
 
 def test_results_come_back_in_rank_order():

@@ -13,13 +13,13 @@ import json
 
 import pytest
 import torch
-from sharding_helpers import train_cases
 
 from shardwise.config import load_config
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import ledger
 from shardwise.runtime.trainer import train as train_run
 from shardwise.testing import run_distributed
+from tests.helpers.sharding import train_cases
 
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp"]
 

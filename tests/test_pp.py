@@ -7,8 +7,6 @@ shardwise/parallel/pp.py); measured differences are ~5e-7 (losses) and ~3e-6 (pa
 
 import pytest
 import torch
-from mp_helpers import merged_params, mp_train
-from test_tp import assert_parity
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
@@ -16,6 +14,8 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.parallel.composed import PPStrategy
 from shardwise.parallel.pp import check_pp_model, check_schedule, stage_layer_ranges
 from shardwise.testing import run_distributed
+from tests.helpers.mp import merged_params, mp_train
+from tests.test_tp import assert_parity
 
 
 def expected_stage_bytes(cfg, ranges, stage_ids) -> int:

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from ckpt_helpers import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 from shardwise.cli import main
 from shardwise.runtime.checkpoint import read_manifest
+from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 
 @pytest.mark.slow

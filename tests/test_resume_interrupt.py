@@ -9,7 +9,8 @@ import sys
 import time
 
 import pytest
-from ckpt_helpers import cli_args, fast_overrides, losses, run_cli, small_text
+
+from tests.helpers.ckpt import cli_args, fast_overrides, losses, run_cli, small_text
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_helpers import fast_overrides, final_weights, losses, small_text, train_rank
 
 from shardwise.config import load_config
 from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed
+from tests.helpers.ckpt import fast_overrides, final_weights, losses, small_text, train_rank
 
 pytestmark = pytest.mark.slow
 

@@ -1,11 +1,11 @@
 import pytest
 import torch
-from dist_helpers import reduce_metrics
 from torch import nn
 
 from shardwise import Session
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.testing import run_distributed
+from tests.helpers.dist import reduce_metrics
 
 
 def test_metric_reductions_across_ranks():

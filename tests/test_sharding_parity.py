@@ -15,9 +15,9 @@ Tolerances (absolute) against the single-process reference:
 """
 
 import pytest
-from sharding_helpers import train, train_cases
 
 from shardwise.testing import run_distributed
+from tests.helpers.sharding import train, train_cases
 
 FP32_LOSS_ATOL, FP32_PARAM_ATOL = 1e-5, 1e-4
 MIXED_LOSS_ATOL, MIXED_PARAM_ATOL = 1e-3, 2e-2

@@ -8,7 +8,6 @@ losses and ~3e-6 in the parameters.
 
 import pytest
 import torch
-from mp_helpers import hf_train, merged_params, mp_train
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
@@ -16,6 +15,7 @@ from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardwise.parallel.composed import TPStrategy
 from shardwise.parallel.tp import check_tp_model
 from shardwise.testing import run_distributed
+from tests.helpers.mp import hf_train, merged_params, mp_train
 
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5

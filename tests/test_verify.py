@@ -15,11 +15,11 @@ CUSTOM_TOML = """
 name = "custom-mlp"
 [model]
 kind = "custom"
-factory = "sharding_helpers:build_mlp"
+factory = "tests.helpers.models:build_mlp"
 overrides = {width = 32, depth = 3}
 [data]
 kind = "custom"
-factory = "sharding_helpers:build_blobs"
+factory = "tests.helpers.models:build_blobs"
 [train]
 micro_batch_size = 8
 grad_accum_steps = 2
@@ -102,10 +102,9 @@ def test_activation_checkpointing_needs_blocks():
 
 
 def test_transformer_blocks_are_found_generically():
-    from sharding_helpers import ResidualMLP
-
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.parallel.fsdp import transformer_blocks, wrap_units
+    from tests.helpers.models import ResidualMLP
 
     gpt = GPT(GPT_PRESETS["nano"])
     assert transformer_blocks(gpt) is gpt.blocks

@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
-from ckpt_helpers import cli_args, fast_overrides, run_cli, small_text
 
 from shardwise.runtime.watchdog import HANG_EXIT_CODE, describe_hang
+from tests.helpers.ckpt import cli_args, fast_overrides, run_cli, small_text
 
 TIMEOUT_S = 3
 # Stated margin between the watchdog timeout and the job's end: process start-up (torch import,

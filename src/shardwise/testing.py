@@ -196,3 +196,67 @@ def _kill_all(procs: list[Any]) -> None:
             p.kill()
     for p in procs:
         p.join(timeout=5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fixed-batch training loop every parity test runs (reference and strategy alike).
+
+
+def fixed_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> Any:
+    """Fixed token batches ``(steps, global_batch, seq + 1)`` shared by reference and strategy runs."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (steps, global_batch, seq + 1), generator=g)
+
+
+def lm_loss(logits: Any, targets: Any) -> Any:
+    """Next-token cross-entropy in float32 (logits ``(..., vocab)``, targets ``(...)``)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def train_fixed_batches(session: Any, model: Any, optimizer: Any, batches: Any, *,
+                        steps: range | int | None = None, loss_fn: Callable[..., Any] = lm_loss,
+                        max_norm: float = 0.0, explicit_loop: bool = False,
+                        after_step: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """Train ``model`` on ``batches[step]`` (whole global batches of token rows) for ``steps``.
+
+    Each data-parallel replica reads its contiguous slice of every global batch (the slice of
+    replica ``session.dp_rank``; TP ranks and pipeline stages of one replica share it), split into
+    ``session.grad_accum_steps`` micro-batches. One process reading the whole global batch is the
+    reference the strategies must match. ``explicit_loop=True`` writes the micro-batch step out as a
+    user loop would (``accumulate`` + ``autocast`` + ``backward``) instead of
+    ``session.forward_backward``. ``after_step(step)`` runs after each optimizer step.
+
+    Returns ``{"losses": [global mean loss per step], "norms": [pre-clip grad norm per step]}``.
+    """
+    import torch
+
+    accum = session.grad_accum_steps
+    per_replica = batches.shape[1] // session.dp_size
+    micro = per_replica // accum
+    losses: list[float] = []
+    norms: list[float] = []
+    for step in (range(steps) if isinstance(steps, int) else steps or range(batches.shape[0])):
+        mine = batches[step, session.dp_rank * per_replica:(session.dp_rank + 1) * per_replica]
+        total = 0.0
+        for a in range(accum):
+            chunk = mine[a * micro:(a + 1) * micro]
+            x, y = chunk[:, :-1].to(session.device), chunk[:, 1:].to(session.device)
+            if explicit_loop:
+                with session.accumulate(model):
+                    with session.autocast():
+                        logits = model(x)
+                    loss = loss_fn(logits, y)
+                    session.backward(loss)
+                loss = loss.detach()
+            else:
+                loss = session.forward_backward(model, x, y, loss_fn)
+            total += float(loss) / accum
+        norms.append(float(torch.as_tensor(session.step(optimizer, max_norm=max_norm))))
+        losses.append(session.all_reduce(total, op="mean"))
+        if after_step is not None:
+            after_step(step)
+    return {"losses": losses, "norms": norms}

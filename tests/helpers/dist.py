@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from shardwise.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime.session import Session
+from shardwise.testing import fixed_batches, train_fixed_batches
 
 
 def boom(rank: int, world_size: int) -> None:
@@ -30,12 +32,6 @@ def echo(rank: int, world_size: int, value: int) -> tuple[int, int]:
     return rank, int(t)
 
 
-def global_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
-    """Fixed token batches (steps, global_batch, seq + 1) shared by reference and strategy runs."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (steps, global_batch, seq + 1), generator=g)
-
-
 def count_allreduces(model: torch.nn.Module, calls: list[int]) -> None:
     """Append to ``calls`` once per gradient bucket all-reduced by DDP (or zero1's DDP)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -47,10 +43,22 @@ def count_allreduces(model: torch.nn.Module, calls: list[int]) -> None:
     model.register_comm_hook(None, counting_hook)
 
 
+def per_step_counts(calls: list[int]) -> tuple[list[int], Callable[[int], None]]:
+    """(counts, after_step): ``after_step`` appends how many entries ``calls`` gained this step."""
+    counts: list[int] = []
+    seen = [0]
+
+    def after_step(step: int) -> None:
+        counts.append(len(calls) - seen[0])
+        seen[0] = len(calls)
+
+    return counts, after_step
+
+
 def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int = 5,
                  global_batch: int = 8, accum: int = 1, preset: str = "nano",
                  count_allreduce: bool = False, precision: str = "fp32") -> dict:
-    """Train the GPT preset on fixed batches; this rank reads its slice of each global batch."""
+    """Train the GPT preset on fixed batches with a user-style loop (accumulate/autocast/backward)."""
     cfg = GPT_PRESETS[preset]
     session = Session(parallel=ParallelConfig(strategy=strategy, precision=precision),
                       grad_accum_steps=accum, seed=0)
@@ -60,29 +68,12 @@ def train_losses(rank: int, world_size: int, strategy: str = "ddp", steps: int =
     calls: list[int] = []
     if count_allreduce:
         count_allreduces(model, calls)
-    data = global_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
-    per_rank = global_batch // session.dp_size
-    micro = per_rank // accum
-    losses, allreduce_per_step = [], []
-    for step in range(steps):
-        mine = data[step, session.dp_rank * per_rank:(session.dp_rank + 1) * per_rank]
-        total = 0.0
-        before = len(calls)
-        for a in range(accum):
-            chunk = mine[a * micro:(a + 1) * micro]
-            x, y = chunk[:, :-1], chunk[:, 1:]
-            with session.accumulate(model):
-                with session.autocast():
-                    logits = model(x)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                session.backward(loss)
-            total += float(loss.detach()) / accum
-        session.step(opt)
-        allreduce_per_step.append(len(calls) - before)
-        losses.append(session.all_reduce(total, op="mean"))
+    allreduce_per_step, count = per_step_counts(calls)
+    data = fixed_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
+    run = train_fixed_batches(session, model, opt, data, explicit_loop=True, after_step=count)
     params = {n: p.detach().clone() for n, p in session.unwrap(model).state_dict().items()}
     session.close()
-    return {"losses": losses, "params": params, "allreduce_per_step": allreduce_per_step}
+    return {"losses": run["losses"], "params": params, "allreduce_per_step": allreduce_per_step}
 
 
 def reduce_metrics(rank: int, world_size: int) -> dict:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from dist_helpers import global_batches
 from torch.distributed.tensor import DTensor
 
 from shardwise.config import ParallelConfig
@@ -12,10 +10,7 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.parallel.checkpointing import clean_name
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+from shardwise.testing import fixed_batches, lm_loss, train_fixed_batches
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -47,21 +42,16 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
     # foreach=True: the multi-tensor kernels CUDA uses by default, which refuse mixed tensor kinds.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     model, opt = session.prepare(model, opt)
-    data = global_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
+    data = fixed_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
     per_replica = global_batch // session.dp_size
-    micro = per_replica // accum
-    losses, norms = [], []
-    for step in range(steps):
-        mine = data[step, session.dp_rank * per_replica:(session.dp_rank + 1) * per_replica]
-        total = 0.0
-        for a in range(accum):
-            chunk = mine[a * micro:(a + 1) * micro]
-            loss = session.forward_backward(model, chunk[:, :-1], chunk[:, 1:], lm_loss)
-            total += float(loss) / accum
-        norms.append(session.step(opt, max_norm=clip))
-        losses.append(session.all_reduce(total, op="mean"))
+    params5: dict = {}
+
+    def snapshot(step: int) -> None:
         if step == 4:  # the state after 5 steps, for runs that go on past it
-            params5 = full_params(model)
+            params5.update(full_params(model))
+
+    run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot)
+    losses, norms = run["losses"], run["norms"]
     if ckpt_dir:
         from shardwise.runtime.checkpoint import save_checkpoint
 
@@ -97,14 +87,8 @@ def hf_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
     model = build_hf_model("llama-tiny")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = session.prepare(model, opt)
-    data = global_batches(steps, global_batch, seq, 65)
-    per_replica = global_batch // session.dp_size
-    losses = []
-    for step in range(steps):
-        mine = data[step, session.dp_rank * per_replica:(session.dp_rank + 1) * per_replica]
-        loss = session.forward_backward(model, mine[:, :-1], mine[:, 1:], lm_loss)
-        session.step(opt, max_norm=1.0)
-        losses.append(session.all_reduce(float(loss), op="mean"))
+    data = fixed_batches(steps, global_batch, seq, 65)
+    losses = train_fixed_batches(session, model, opt, data, max_norm=1.0)["losses"]
     result = {"losses": losses, "params": full_params(model), "param_bytes": ledger.param_bytes(model)}
     session.close()
     return result
@@ -122,14 +106,8 @@ def ckpt_phase(rank: int, world_size: int, strategy: str, start: int, stop: int,
     model, opt = session.prepare(model, opt)
     if start:
         load_checkpoint(ckpt_dir, model, opt, world_size=world_size)
-    data = global_batches(stop, global_batch, cfg.block_size, cfg.vocab_size)
-    per_replica = global_batch // session.dp_size
-    losses = []
-    for step in range(start, stop):
-        mine = data[step, session.dp_rank * per_replica:(session.dp_rank + 1) * per_replica]
-        loss = session.forward_backward(model, mine[:, :-1], mine[:, 1:], lm_loss)
-        session.step(opt, max_norm=1.0)
-        losses.append(session.all_reduce(float(loss), op="mean"))
+    data = fixed_batches(stop, global_batch, cfg.block_size, cfg.vocab_size)
+    losses = train_fixed_batches(session, model, opt, data, steps=range(start, stop), max_norm=1.0)["losses"]
     save_checkpoint(ckpt_dir, model, opt, step=stop, strategy=session.strategy_name,
                     world_size=world_size)
     result = {"losses": losses, "params": full_params(model)}
@@ -167,7 +145,7 @@ def bench_mp(rank: int, world_size: int, strategy: str = "single", steps: int = 
                         busy[0] += time.perf_counter() - t0
 
                 setattr(stage, name, timed)
-    data = global_batches(steps, batch_per_replica * session.dp_size, cfg.block_size, cfg.vocab_size)
+    data = fixed_batches(steps, batch_per_replica * session.dp_size, cfg.block_size, cfg.vocab_size)
     times, busy_fraction = [], []
     for step in range(steps):
         mine = data[step, session.dp_rank * batch_per_replica:(session.dp_rank + 1) * batch_per_replica]
