@@ -24,7 +24,7 @@ import datetime
 import os
 import random
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -292,12 +292,31 @@ class Session:
         return norm
 
     # ------------------------------------------------------------------ data
-    def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
-                   seed: int | None = None, num_workers: int = 0) -> ShardedLoader:
-        """Return a loader over this rank's disjoint slice; its epoch advances by itself."""
+    def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool | None = None,
+                   seed: int | None = None, num_workers: int = 0,
+                   collate_fn: Callable[[list[Any]], Any] | None = None) -> ShardedLoader:
+        """Return a loader over this rank's disjoint share of ``dataset``; its epoch advances by itself.
+
+        ``dataset`` is map-style (shuffled per epoch unless ``shuffle=False``) or an
+        ``IterableDataset`` (read in stream order: each rank keeps its slice of every global batch
+        window, see ``runtime.data.StreamShard``). ``collate_fn`` turns a list of items into a batch
+        (default: stack tensors, and tuples/dicts of tensors field by field).
+        """
         return ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
                              seed=self.seed if seed is None else seed, num_workers=num_workers,
-                             pin_memory=self.device.type == "cuda")
+                             pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+
+    def to_device(self, batch: Any) -> Any:
+        """Return ``batch`` with every tensor moved to this rank's device (dicts, lists, tuples kept)."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, Mapping):  # a dict (or a BatchEncoding) comes back as a plain dict
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*(self.to_device(v) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
 
     # ------------------------------------------------------------------ collectives for metrics
     def all_reduce(self, value: float | torch.Tensor, op: str = "mean") -> Any:
