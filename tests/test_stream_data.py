@@ -114,3 +114,21 @@ def test_two_ranks_stream_and_dict_batches_through_session_dataloader():
     dict_rows = [row for r in (r0, r1) for row in r["dict_rows"]]
     assert len(dict_rows) == len(set(dict_rows)) == 40 // 6 * 6
     assert r0["dict_keys"] == ["attention_mask", "input_ids", "labels"] and r0["on_device"]
+
+
+def test_builtin_trainer_takes_a_stream_from_a_data_factory(tmp_path, capsys):
+    """`shardwise train` with data.factory returning an IterableDataset: it trains, crosses an
+    epoch, and its checkpoint records the stream position."""
+    from shardwise.cli import main
+    from shardwise.runtime.checkpoint import read_manifest
+    from tests.helpers.ckpt import cli_args, losses
+
+    out = tmp_path / "run"
+    overrides = ["model.preset=nano", "data.kind=custom", 'data.factory="tests.helpers.streams:char_stream_datasets"',
+                 "train.steps=14", "train.micro_batch_size=16", "train.eval_every=0", "train.eval_batches=2",
+                 "train.sample_tokens=0", "train.progress=false", "train.log_every=1"]
+    assert main(["train", "--nproc", "1", "--strategy", "single", "--out", str(out), *cli_args(overrides)]) == 0
+    assert sorted(losses(out)) == list(range(1, 15))
+    # 200 windows in batches of 16: 12 per epoch, so step 14 is the 2nd batch of epoch 1.
+    data = read_manifest(out / "checkpoints" / "step-00000014")["data"]
+    assert (data["epoch"], data["batch_in_epoch"], data["samples_consumed"]) == (1, 2, 32)

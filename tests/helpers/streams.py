@@ -77,3 +77,23 @@ def stream_rank(rank: int, world_size: int, items: int, batch: int) -> dict[str,
             dict_rows += [int(row[0]) // 4 for row in b["input_ids"]]
     return {"stream": stream, "resumed": resumed, "dict_rows": dict_rows, "dict_keys": keys,
             "on_device": on_device}
+
+
+class CharStream(IterableDataset):
+    """(x, y) windows of a character corpus as a stream: a ``data.factory`` train set for the trainer."""
+
+    def __init__(self, windows: Dataset) -> None:
+        self.windows = windows
+
+    def __iter__(self):
+        for i in range(len(self.windows)):  # type: ignore[arg-type]
+            yield self.windows[i]
+
+
+def char_stream_datasets() -> tuple[Dataset, Dataset]:
+    """data.factory: a streamed training set and a map-style validation set of Shakespeare windows."""
+    from shardwise.data.shakespeare import load_shakespeare
+
+    train, val, _ = load_shakespeare("", 32, 0.5)
+    small_train = torch.utils.data.Subset(train, range(200))
+    return CharStream(small_train), val

@@ -31,7 +31,7 @@ import numpy as np
 
 from shardwise.config import DataConfig
 from shardwise.data.cache import cache_key, cache_root, exclusive, file_identity
-from shardwise.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_fingerprint
+from shardwise.data.tokenizer import NEEDS_TOKENIZER, TextTokenizer, load_tokenizer, tokenizer_fingerprint
 from shardwise.data.tokens import LMData, TokenFile, pack
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json, fsync_dir
@@ -189,10 +189,9 @@ def tokenize_files(files: list[Path], tokenizer: TextTokenizer, text_field: str,
 
 def _cached_tokens(files: list[Path], dc: DataConfig, what: str) -> tuple[TokenFile, dict[str, Any], bool]:
     """The token file of ``files`` from the cache, built first if absent; (tokens, meta, was_cached)."""
-    tok_path = Path(dc.tokenizer).expanduser() if dc.tokenizer else None
-    if tok_path is None:
-        load_tokenizer("")  # raises the "needs data.tokenizer" error
-    assert tok_path is not None
+    if not dc.tokenizer:
+        raise ConfigError(NEEDS_TOKENIZER)
+    tok_path = Path(dc.tokenizer).expanduser()
     root = cache_root(dc.cache_dir)
     key = cache_key({
         "format": CACHE_FORMAT, "files": [file_identity(f) for f in files],

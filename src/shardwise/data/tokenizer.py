@@ -24,6 +24,8 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id
 _TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges",
                             "spiece", "sentencepiece", "chat_template")
 _TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
+NEEDS_TOKENIZER = ("data.kind = 'text' needs data.tokenizer: a local tokenizer folder (as written by "
+                   "save_pretrained, e.g. a downloaded model folder) or a tokenizer.json file.")
 
 
 def tokenizer_files(path: Path) -> list[Path]:
@@ -84,8 +86,7 @@ class TextTokenizer:
 def load_tokenizer(path_str: str) -> TextTokenizer:
     """Load the tokenizer named by ``data.tokenizer``; ConfigError saying why when it does not load."""
     if not path_str:
-        raise ConfigError("data.kind = 'text' needs data.tokenizer: a local tokenizer folder (as written by "
-                          "save_pretrained, e.g. a downloaded model folder) or a tokenizer.json file.")
+        raise ConfigError(NEEDS_TOKENIZER)
     path = Path(path_str).expanduser()
     tokenizer_files(path)  # existence and content checks, with their own messages
     bare = path if path.is_file() else None
