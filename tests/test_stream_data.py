@@ -9,12 +9,17 @@ batches.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
 from shardwise.errors import ConfigError
-from shardwise.runtime.data import ShardedLoader
+from shardwise.runtime import data as data_module
+from shardwise.runtime.data import ShardedLoader, StreamShard
 from shardwise.testing import run_distributed
 from tests.helpers.streams import Counting, DictRange, dict_collate, stream_rank
 
@@ -31,6 +36,54 @@ def test_stream_ranks_get_disjoint_equal_shares_of_every_window():
     assert seen == list(range(96))  # disjoint and complete; the last 103 - 96 items are dropped
     # Window k holds items 12k..12k+11; rank r takes its 4 of them.
     assert epochs[1][2] == [28, 29, 30, 31]
+
+
+class _Items(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        yield from range(self.n)
+
+
+def _rank_batches(n: int, replicas: int, rank: int, batch: int, workers: int, start: int) -> list[list[int]]:
+    """What the DataLoader hands rank ``rank``: one batch from each worker in turn, as it does."""
+    shard = StreamShard(_Items(n), batch, replicas, rank)
+    shard.start_window = start
+    per_worker = []
+    for w in range(workers):
+        info = SimpleNamespace(num_workers=workers, id=w)
+        original = data_module.get_worker_info
+        data_module.get_worker_info = lambda info=info: info
+        try:
+            items = list(shard)
+        finally:
+            data_module.get_worker_info = original
+        per_worker.append([items[i:i + batch] for i in range(0, len(items), batch)])
+    merged, k = [], 0
+    while any(k < len(b) for b in per_worker):
+        merged += [b[k] for b in per_worker if k < len(b)]
+        k += 1
+    return merged
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 120), replicas=st.integers(1, 4), batch=st.integers(1, 5),
+       workers=st.integers(1, 3), start=st.integers(0, 4))
+def test_stream_shard_property_disjoint_complete_equal_and_ordered(n, replicas, batch, workers, start):
+    """For any stream length, rank count, batch, worker count and resume point: every full window
+    from ``start`` on is split over the ranks without overlap or loss, in stream order, and all
+    ranks get the same number of batches."""
+    window = batch * replicas
+    full = n // window
+    per_rank = [_rank_batches(n, replicas, r, batch, workers, start) for r in range(replicas)]
+    assert {len(b) for b in per_rank} == {max(0, full - start)}
+    for r, batches in enumerate(per_rank):
+        for k, b in enumerate(batches):  # batch k of rank r is its slice of window start + k
+            first = (start + k) * window + r * batch
+            assert b == list(range(first, first + batch))
+    seen = sorted(i for b in per_rank for batch_ in b for i in batch_)
+    assert seen == list(range(min(start, full) * window, full * window))
 
 
 def test_stream_workers_keep_the_order_of_no_workers():
