@@ -218,6 +218,22 @@ def test_tokens_with_a_hf_model_are_checked_against_its_config_vocab(tmp_path):
         build_workload(ModelConfig(kind="hf", hf_config="llama-tiny", overrides={"block_size": 16}), dc)
 
 
+def test_text_with_a_hf_model_keeps_a_config_vocab_that_holds_the_tokenizer(tmp_path, tok_dir):
+    (tmp_path / "a.txt").write_text(corpus_text(4000), encoding="utf-8")
+    dc = DataConfig(kind="text", path=str(tmp_path / "a.txt"), tokenizer=str(tok_dir), cache_dir=str(tmp_path / "c"))
+
+    def vocab(hf_config):
+        work = build_workload(ModelConfig(kind="hf", hf_config=hf_config, overrides={"block_size": 16}), dc)
+        return work.build_model().hf.get_input_embeddings().weight.shape[0]
+
+    assert vocab("llama-tiny") == 300  # its 65 entries cannot hold the tokenizer's ids: grown to 300
+    from shardwise.models.hf import load_hf_config_dict
+
+    config = {**load_hf_config_dict("llama-tiny"), "vocab_size": 512}  # e.g. a padded vocabulary
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vocab(str(tmp_path / "config.json")) == 512  # the model's own embedding shape is kept
+
+
 # --------------------------------------------------------------------------- bad input
 def _bad_text(tmp_path, tok_dir, case):
     """(DataConfig kwargs, model overrides) for one bad text input."""

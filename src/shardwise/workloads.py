@@ -147,20 +147,22 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        from shardwise.models.hf import build_hf_model, hf_family
+        from shardwise.models.hf import build_hf_model, hf_family, load_hf_config_dict
 
         if not mc.hf_config:
             raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path.")
         kwargs = dict(mc.overrides)
-        if vocab_size is not None and dc.kind != "tokens":
-            # The tokenizer's vocabulary sizes the embedding; bare token ids keep the config's.
-            kwargs.setdefault("vocab_size", vocab_size)
-        if max_token_id is not None:
-            from shardwise.models.hf import load_hf_config_dict
-
-            model_vocab = kwargs.get("vocab_size", load_hf_config_dict(mc.hf_config).get("vocab_size"))
-            if isinstance(model_vocab, int):
-                _check_token_ids(max_token_id, model_vocab, dc)
+        config_vocab = load_hf_config_dict(mc.hf_config).get("vocab_size")
+        # Shakespeare's characters size the embedding. A tokenizer does only when the config's
+        # vocabulary cannot hold its ids: a model's own (often padded) vocabulary is kept, so its
+        # embedding keeps its shape. Bare token ids never resize it (they are checked below).
+        config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
+        if vocab_size is not None and "vocab_size" not in kwargs and (
+                dc.kind == "shakespeare" or (dc.kind == "text" and not config_holds)):
+            kwargs["vocab_size"] = vocab_size
+        model_vocab = kwargs.get("vocab_size", config_vocab)
+        if isinstance(model_vocab, int):
+            _check_token_ids(max_token_id, model_vocab, dc)
         build = lambda: build_hf_model(mc.hf_config, **kwargs)  # noqa: E731
         family = hf_family(mc.hf_config)
     else:
