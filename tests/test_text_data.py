@@ -18,6 +18,7 @@ from shardwise.cli import main
 from shardwise.config import DataConfig, ModelConfig, load_config
 from shardwise.data import text as text_data
 from shardwise.errors import ConfigError
+from shardwise.models.hf import load_hf_config_dict
 from shardwise.workloads import build_workload
 from tests.helpers.ckpt import cli_args, losses, run_cli
 from tests.helpers.text import EOS, corpus_text, make_tokenizer, text_overrides, write_jsonl
@@ -227,8 +228,6 @@ def test_text_with_a_hf_model_keeps_a_config_vocab_that_holds_the_tokenizer(tmp_
         return work.build_model().hf.get_input_embeddings().weight.shape[0]
 
     assert vocab("llama-tiny") == 300  # its 65 entries cannot hold the tokenizer's ids: grown to 300
-    from shardwise.models.hf import load_hf_config_dict
-
     config = {**load_hf_config_dict("llama-tiny"), "vocab_size": 512}  # e.g. a padded vocabulary
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert vocab(str(tmp_path / "config.json")) == 512  # the model's own embedding shape is kept
