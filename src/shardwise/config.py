@@ -20,6 +20,7 @@ from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 
 
 @dataclass
@@ -38,12 +39,19 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # shakespeare: the bundled text (or ``path``); cifar10: the python-pickle batches in ``path``;
+    # text: a text/JSONL file or folder in ``path``, tokenised with ``tokenizer`` and cached;
+    # tokens: a pre-tokenised .bin/.npy file (or a folder holding train.bin) in ``path``;
     # custom: ``factory = "module:function"`` returning (train_dataset, val_dataset).
     kind: str = "shakespeare"
     path: str = ""
     factory: str = ""
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1  # text/tokens without val_path: the last fraction of the tokens
     num_workers: int = 0
+    val_path: str = ""  # text/tokens: a separate validation file or folder
+    tokenizer: str = ""  # text: a local tokenizer folder (save_pretrained layout) or tokenizer.json
+    text_field: str = "text"  # text: the JSONL field holding each document
+    token_dtype: str = "uint16"  # tokens: element type of .bin files (nanoGPT: uint16)
+    cache_dir: str = ""  # text/tokens: where tokenised data is cached ("": ~/.cache/shardwise)
 
 
 @dataclass
@@ -316,6 +324,11 @@ def validate(cfg: RunConfig) -> None:
     _positive("debug.hang_at_step", cfg.debug.hang_at_step, allow_zero=True)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    if cfg.data.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype must be one of {', '.join(TOKEN_DTYPES)} (the element type "
+                          f"of .bin token files), got {cfg.data.token_dtype!r}.")
+    if not cfg.data.text_field:
+        raise ConfigError("data.text_field must name the JSONL field holding each document's text, got ''.")
     if p.precision not in PRECISIONS:
         raise unknown_choice("precision", p.precision, PRECISIONS)
     if p.activation_checkpointing not in AC_MODES:

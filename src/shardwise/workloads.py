@@ -22,7 +22,7 @@ from shardwise.config import DataConfig, ModelConfig
 from shardwise.errors import ConfigError, unknown_choice
 
 MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
-DATA_KINDS = ("shakespeare", "cifar10", "custom")
+DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "custom")
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,8 @@ class Workload:
     # Family name used by tensor/pipeline plans ("gpt", "llama", ...); "" if unknown.
     family: str = ""
     sample_text: Callable[[nn.Module, torch.device, int, int], str] | None = None
+    # What building the data found or did (files, tokens, cache hit), logged by the trainer.
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def import_factory(spec: str, key: str) -> Callable[..., Any]:
@@ -72,7 +74,8 @@ def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
 
             raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, valid)} "
                               f"Valid: {', '.join(sorted(valid))}.")
-    return dataclasses.replace(base, vocab_size=vocab_size, **mc.overrides)
+    # The data's vocabulary, unless model.overrides.vocab_size sets it (e.g. nanoGPT's padded 50304).
+    return dataclasses.replace(base, **{"vocab_size": vocab_size, **mc.overrides})
 
 
 def block_size_of(mc: ModelConfig) -> int:
@@ -90,7 +93,22 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         raise unknown_choice("data kind", dc.kind, DATA_KINDS)
 
     tokens_per_sample, vocab_size, tokenizer = 1, None, None
-    if dc.kind == "shakespeare":
+    max_token_id: int | None = None
+    notes: list[str] = []
+    if dc.kind in ("text", "tokens"):
+        seq = block_size_of(mc)
+        if dc.kind == "text":
+            from shardwise.data.text import load_text
+
+            lm = load_text(dc, seq)
+        else:
+            from shardwise.data.tokens import load_tokens
+
+            lm = load_tokens(dc, seq)
+        train, val, tokenizer, notes = lm.train, lm.val, lm.tokenizer, lm.notes
+        # Without a tokenizer (pre-tokenised ids) the data knows only its largest id.
+        tokens_per_sample, vocab_size, max_token_id = seq, lm.vocab_size or lm.max_token_id + 1, lm.max_token_id
+    elif dc.kind == "shakespeare":
         from shardwise.data.shakespeare import load_shakespeare
 
         seq = block_size_of(mc)
@@ -117,6 +135,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         from shardwise.models.gpt import GPT, gpt_flops_per_token
 
         gcfg = _gpt_config(mc, vocab_size or 65)
+        _check_token_ids(max_token_id, gcfg.vocab_size, dc)
         build = lambda: GPT(gcfg)  # noqa: E731
         family, flops = "gpt", gpt_flops_per_token(gcfg)
         if tokenizer is not None:
@@ -128,13 +147,22 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        from shardwise.models.hf import build_hf_model, hf_family
+        from shardwise.models.hf import build_hf_model, hf_family, load_hf_config_dict
 
         if not mc.hf_config:
             raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path.")
         kwargs = dict(mc.overrides)
-        if vocab_size is not None:
-            kwargs.setdefault("vocab_size", vocab_size)
+        config_vocab = load_hf_config_dict(mc.hf_config).get("vocab_size")
+        # Shakespeare's characters size the embedding. A tokenizer does only when the config's
+        # vocabulary cannot hold its ids: a model's own (often padded) vocabulary is kept, so its
+        # embedding keeps its shape. Bare token ids never resize it (they are checked below).
+        config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
+        if vocab_size is not None and "vocab_size" not in kwargs and (
+                dc.kind == "shakespeare" or (dc.kind == "text" and not config_holds)):
+            kwargs["vocab_size"] = vocab_size
+        model_vocab = kwargs.get("vocab_size", config_vocab)
+        if isinstance(model_vocab, int):
+            _check_token_ids(max_token_id, model_vocab, dc)
         build = lambda: build_hf_model(mc.hf_config, **kwargs)  # noqa: E731
         family = hf_family(mc.hf_config)
     else:
@@ -145,14 +173,26 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         build = lambda: factory(**mc.overrides)  # noqa: E731
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
-                    sample_text=sample)
+                    sample_text=sample, notes=notes)
+
+
+def _check_token_ids(max_token_id: int | None, model_vocab: int, dc: DataConfig) -> None:
+    """ConfigError when the data holds a token id the model's embedding has no row for."""
+    if max_token_id is not None and max_token_id >= model_vocab:
+        source = f"the tokenizer {dc.tokenizer!r}" if dc.kind == "text" else f"the token data {dc.path!r}"
+        raise ConfigError(
+            f"{source} produces token id {max_token_id}, but the model's vocabulary has {model_vocab} "
+            f"entries (ids 0..{model_vocab - 1}). Raise model.overrides.vocab_size to at least "
+            f"{max_token_id + 1}, or use the tokenizer the data was made with."
+        )
 
 
 def _text_sampler(tokenizer: Any) -> Callable[[nn.Module, torch.device, int, int], str]:
     def sample(model: nn.Module, device: torch.device, n_tokens: int, seed: int) -> str:
         g = torch.Generator(device=device)
         g.manual_seed(seed)
-        start = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)
+        prompt = getattr(tokenizer, "sample_prompt", None) or tokenizer.encode("\n")
+        start = torch.tensor([prompt], dtype=torch.long, device=device)
         was_training = model.training
         model.eval()
         out = model.generate(start, n_tokens, generator=g)

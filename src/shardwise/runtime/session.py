@@ -6,7 +6,7 @@ the parallel strategy in ``prepare``; and offers ``backward``, gradient accumula
 printing/logging/progress, and metric all-reduces. The built-in trainer uses only this API.
 
     session = Session(strategy="ddp")
-    model, optimizer = session.prepare(model, optimizer)
+    model, optimizer, scheduler = session.prepare(model, optimizer, scheduler)
     loader = session.dataloader(dataset, batch_size=32)
     for x, y in loader:
         with session.accumulate(model):
@@ -14,6 +14,7 @@ printing/logging/progress, and metric all-reduces. The built-in trainer uses onl
             session.backward(loss)
         if session.sync_gradients:
             session.step(optimizer, max_norm=1.0)
+            scheduler.step()
     session.close()
 """
 
@@ -24,7 +25,7 @@ import datetime
 import os
 import random
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.device import select_device
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
+from shardwise.runtime.scheduler import prepare_scheduler, restore_scheduler, scheduler_state
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "mean": dist.ReduceOp.SUM}
@@ -97,6 +99,8 @@ class Session:
         self._prepared = False
         self._scaler: torch.amp.GradScaler | None = None
         self.model: nn.Module | None = None
+        # The LR scheduler prepare() returned; save() and load() include it unless told otherwise.
+        self.scheduler: Any = None
         self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
@@ -140,13 +144,18 @@ class Session:
         return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None
-                ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Apply the strategy to ``model`` and return (model, optimizer) for the training loop.
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
+                scheduler: Any = None) -> tuple[Any, ...]:
+        """Apply the strategy to ``model``; return (model, optimizer), or (model, optimizer, scheduler).
 
         ``optimizer`` may be an optimizer built on the plain model's parameters (its param groups
         are re-pointed, by parameter name, at the parallelised parameters) or a callable that
         takes the parallelised model's parameters and returns an optimizer.
+
+        ``scheduler`` (optional) is an LR scheduler built on that optimizer, re-pointed at the
+        optimizer returned here (ZeRO-1 returns another one), or a callable ``optimizer ->
+        scheduler`` called with the returned optimizer (right under every strategy, including those
+        that regroup parameters). ``save``/``load`` then checkpoint its state as well.
         """
         if isinstance(model, nn.DataParallel):
             raise ConfigError(
@@ -162,6 +171,8 @@ class Session:
                 "the optimizer already has state (a step was taken); create it fresh and call "
                 "session.prepare() before training so its state matches the parallelised parameters."
             )
+        given = optimizer
+        groups_before = len(optimizer.param_groups) if isinstance(optimizer, torch.optim.Optimizer) else 0
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.strategy.partitions_parameters:
             # Pipeline stages move only their own layers, after the strategy drops the rest, so a
@@ -181,13 +192,25 @@ class Session:
                                     allow_missing=self.strategy.partitions_parameters)
         elif callable(optimizer):
             optimizer = optimizer(prepared.parameters())
+            groups_before = len(optimizer.param_groups)
         if optimizer is not None:
             optimizer = self.strategy.wrap_optimizer(optimizer, prepared, self.ctx)
         if self.options.precision == "fp16-mixed":
             self._scaler = self.strategy.grad_scaler(self.device)
         self.model = prepared
         self._prepared = True
-        return prepared, optimizer
+        if scheduler is None:
+            return prepared, optimizer
+        scheduler, error = prepare_scheduler(scheduler, given, optimizer, groups_before)
+        if self.is_distributed:
+            # Pipeline stages regroup different parameters: a refusal on one rank is one on all.
+            from shardwise.runtime.collective import raise_on_every_rank
+
+            raise_on_every_rank(error, ShardwiseError)
+        elif error:
+            raise ShardwiseError(error)
+        self.scheduler = scheduler
+        return prepared, optimizer, scheduler
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -292,12 +315,31 @@ class Session:
         return norm
 
     # ------------------------------------------------------------------ data
-    def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool = True,
-                   seed: int | None = None, num_workers: int = 0) -> ShardedLoader:
-        """Return a loader over this rank's disjoint slice; its epoch advances by itself."""
+    def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool | None = None,
+                   seed: int | None = None, num_workers: int = 0,
+                   collate_fn: Callable[[list[Any]], Any] | None = None) -> ShardedLoader:
+        """Return a loader over this rank's disjoint share of ``dataset``; its epoch advances by itself.
+
+        ``dataset`` is map-style (shuffled per epoch unless ``shuffle=False``) or an
+        ``IterableDataset`` (read in stream order: each rank keeps its slice of every global batch
+        window, see ``runtime.data.StreamShard``). ``collate_fn`` turns a list of items into a batch
+        (default: stack tensors, and tuples/dicts of tensors field by field).
+        """
         return ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
                              seed=self.seed if seed is None else seed, num_workers=num_workers,
-                             pin_memory=self.device.type == "cuda")
+                             pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+
+    def to_device(self, batch: Any) -> Any:
+        """Return ``batch`` with every tensor moved to this rank's device (dicts, lists, tuples kept)."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, Mapping):  # a dict (or a BatchEncoding) comes back as a plain dict
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*(self.to_device(v) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
 
     # ------------------------------------------------------------------ collectives for metrics
     def all_reduce(self, value: float | torch.Tensor, op: str = "mean") -> Any:
@@ -359,40 +401,53 @@ class Session:
     def save(self, path: str | os.PathLike, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, step: int,
              state: dict[str, Any] | None = None, loader: ShardedLoader | None = None,
-             keep_last: int = 0, on_written: Callable[[Any], None] | None = None) -> Any:
+             scheduler: Any = None, keep_last: int = 0,
+             on_written: Callable[[Any], None] | None = None) -> Any:
         """Write a sharded checkpoint of ``step`` under the checkpoints root ``path``; return its dir.
 
-        Collective (call on every rank). Saves model, optimizer, the loader's position, every
-        rank's RNG streams, the loss scaler and ``state`` (JSON data), and publishes atomically:
+        Collective (call on every rank). Saves model, optimizer, the loader's position, the LR
+        scheduler (``scheduler``, default: the one prepare() returned; as JSON), every rank's RNG
+        streams, the loss scaler and ``state`` (JSON data), and publishes atomically:
         ``path/latest`` names it only once it is complete. See ``runtime.checkpoint``.
         """
         from shardwise.runtime.checkpoint import save_checkpoint
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
+        scheduler = scheduler if scheduler is not None else self.scheduler
+        # Checked on every rank before any file is written: a refusal cannot leave ranks waiting.
+        sched_state = scheduler_state(scheduler) if scheduler is not None else None
         if self._watchdog is not None:
             self._watchdog.beat(phase="checkpoint save")
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
                               world_size=self.world_size, state=state, loader=loader,
-                              scaler=self._scaler, keep_last=keep_last, on_written=on_written)
+                              scaler=self._scaler, scheduler_state=sched_state, keep_last=keep_last,
+                              on_written=on_written)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return out
 
     def load(self, path: str | os.PathLike, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, loader: ShardedLoader | None = None,
-             restore_rng: bool = True) -> Any:
+             scheduler: Any = None, restore_rng: bool = True) -> Any:
         """Restore a checkpoint (a step dir, a checkpoints root or a run dir); return a LoadedCheckpoint.
 
         Collective. Works across strategies and world sizes (DCP reshards); verifies checksums
         and model shapes first and raises CheckpointError on every rank when they do not match.
+        ``scheduler`` (default: the one prepare() returned) continues from its saved state.
         """
         from shardwise.runtime.checkpoint import load_checkpoint
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
-        return load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
-                               scaler=self._scaler, restore_rng=restore_rng)
+        scheduler = scheduler if scheduler is not None else self.scheduler
+        loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
+                                 scaler=self._scaler, restore_rng=restore_rng)
+        if scheduler is not None:
+            note = restore_scheduler(scheduler, loaded.manifest.get("scheduler"), str(loaded.path))
+            if note:
+                loaded.notes.append(note)
+        return loaded
 
     # ------------------------------------------------------------------ hang detection
     def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0) -> Any:

@@ -92,6 +92,8 @@ class Trainer:
             collective_timeout_s=cfg.watchdog.collective_timeout_s,
         )
         self.workload = build_workload(cfg.model, cfg.data)
+        for note in self.workload.notes:
+            self.session.log(note)
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
         self.state = TrainState()
         model = self.workload.build_model()

@@ -7,7 +7,8 @@ Layout of a checkpoints root (``<run>/checkpoints``)::
         .metadata             DCP's index (a pickle: see "Security" below)
         rng-rank0.json ...    each rank's RNG streams and loss-scaler state (plain JSON)
         manifest.json         written last: step, strategy, world size, model fingerprint, data
-                              position, user state, and the size + SHA-256 of every other file
+                              position, LR scheduler state, user state, and the size + SHA-256
+                              of every other file
     latest                    the name of the newest complete checkpoint, written after publish
     .partial-step-00000400/   a checkpoint being written; never read, removed on the next save
 

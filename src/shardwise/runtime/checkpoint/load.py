@@ -79,8 +79,9 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     all_problems = [p for ps in gather(problems) for p in ps]
     if all_problems:
         raise corruption_error(path, all_problems)
+    saved_keys: set[str] = set()
     try:
-        read_dcp_metadata(path, manifest)
+        saved_keys = set(read_dcp_metadata(path, manifest).state_dict_metadata)
         error = None
     except CheckpointError as e:
         error = str(e)
@@ -100,8 +101,14 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
                               "optimizer, or resume from a training checkpoint.")
 
     payload: dict[str, Any] = {"model": model_state}
+    kept: dict[str, Any] = {}
     if optim_state is not None:
-        payload["optim"] = optim_state
+        # An LR scheduler adds ``initial_lr`` to the param groups, so a checkpoint saved without one
+        # lacks it. It is the scheduler's own value (its base_lrs, restored from its JSON state):
+        # keep the current one rather than refuse the checkpoint.
+        kept = {k: v for k, v in optim_state.items()
+                if k.endswith(".initial_lr") and f"optim.{k}" not in saved_keys}
+        payload["optim"] = {k: v for k, v in optim_state.items() if k not in kept}
     reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"])
     try:
         with single_process_ok():
@@ -112,6 +119,8 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     except (Exception, dcp.api.CheckpointException) as e:
         # DCP gathers every rank's failure into one CheckpointException (a BaseException).
         raise CheckpointError(f"could not read checkpoint {path}: {_dcp_failures(e)}") from None
+    if kept:
+        payload["optim"].update(kept)
     set_state_dicts(model, optimizer if optim_state is not None else None, payload)
 
     loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),

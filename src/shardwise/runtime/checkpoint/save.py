@@ -44,12 +44,13 @@ from shardwise.runtime.rng import capture_rng_state
 
 def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, step: int, strategy: str, world_size: int, state: dict[str, Any] | None = None,
-                    loader: Any = None, scaler: Any = None, keep_last: int = 0,
-                    on_written: Callable[[Path], None] | None = None) -> Path:
+                    loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
+                    keep_last: int = 0, on_written: Callable[[Path], None] | None = None) -> Path:
     """Write a sharded checkpoint of ``step`` under ``root`` on every rank; return its final path.
 
     Collective: every rank must call it. ``state`` is JSON data of the caller (rank 0's is kept);
-    ``loader`` is a ShardedLoader whose position is recorded; ``keep_last`` > 0 removes older
+    ``loader`` is a ShardedLoader whose position is recorded; ``scheduler_state`` is the LR
+    scheduler's state_dict as JSON data (kept in the manifest, never pickled); ``keep_last`` > 0 removes older
     checkpoints; ``on_written(partial_dir)`` runs on each rank after its files are on disk and
     before the checkpoint is published (fault-injection tests use it).
     """
@@ -99,6 +100,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
             "torch": torch.__version__, "has_optimizer": optim_state is not None,
             "fingerprint": fingerprint(shapes), "model_tensors": shapes,
             "data": loader.state_dict() if loader is not None else None,
+            "scheduler": scheduler_state,
             "state": state or {}, "files": files,
         }
         manifest["checksum"] = body_checksum(manifest)
