@@ -16,7 +16,7 @@ from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from
 
 def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
     def build() -> ModelSpec:
-        from shardwise.models.gpt import GPT_PRESETS
+        from shardwise.models.gpt_config import GPT_PRESETS  # torch-free: plan stays fast
 
         return from_gpt_config(GPT_PRESETS[size], name=f"gpt-{size}")
 

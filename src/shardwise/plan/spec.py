@@ -306,15 +306,35 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
     return ModelSpec(name=name, n_params=n_params, params=tuple(params), **structure)
 
 
+def shardwise_gpt_params(cfg: Any) -> tuple[ParamInfo, ...]:
+    """Parameters of shardwise's own ``GPT(cfg)`` in registration order (no torch needed)."""
+    h, v, t, bias = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.bias
+    out = [ParamInfo("tok_emb.weight", (v, h), ROOT_UNIT), ParamInfo("pos_emb.weight", (t, h), ROOT_UNIT)]
+
+    def linear(name: str, n_out: int, n_in: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
+
+    def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if bias else [])
+
+    for i in range(cfg.n_layer):
+        shapes = norm("ln_1")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes += linear(f"attn.{proj}", h, h)
+        shapes += norm("ln_2") + linear("mlp.fc", 4 * h, h) + linear("mlp.proj", h, 4 * h)
+        out += [ParamInfo(f"blocks.{i}.{n}", s, i) for n, s in shapes]
+    out += [ParamInfo(n, s, ROOT_UNIT) for n, s in norm("ln_f")]
+    out.append(ParamInfo("lm_head.weight", (v, h), ROOT_UNIT))
+    return tuple(out)
+
+
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
-    """Spec of shardwise's own ``GPT(cfg)``, counted exactly on the meta device."""
-    import torch
-
-    from shardwise.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return from_module(model, name=name)
+    """Spec of shardwise's own ``GPT(cfg)``, counted exactly from its config (tests compare the module)."""
+    params = shardwise_gpt_params(cfg)
+    return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=cfg.n_layer,
+                     hidden=cfg.n_embd, n_heads=cfg.n_head, n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd,
+                     vocab=cfg.vocab_size, max_seq=cfg.block_size, tied_embeddings=False,
+                     learned_positions=True, dropout=float(cfg.dropout), params=params)
 
 
 def from_factory(spec: str) -> ModelSpec:
