@@ -41,7 +41,14 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
-CHECKPOINT_MODES = ("none", "selective", "full")
+# The runtime's parallel.activation_checkpointing modes (parallel/checkpointing.py): "selective"
+# checkpoints every ac_every-th block, "selective-op" is torchtitan's per-op policy on every block.
+CHECKPOINT_MODES = ("none", "selective", "selective-op", "full")
+# "step": gradients are reduced once per optimizer step (shardwise's no_sync under accumulation:
+# FSDP keeps unsharded fp32 gradients until the last micro-batch); "microbatch": reduced after
+# every micro-batch (FSDP1 in Composer/llm-foundry, torchtitan).
+GRAD_SYNC_MODES = ("step", "microbatch")
+REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
 STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)
 
 
@@ -225,7 +232,7 @@ class ActivationBytes:
     """Bytes one rank keeps for backward for ONE micro-batch, and the extra peak while recomputing."""
 
     saved: int
-    recompute_peak: int  # one block's full activations, live while it is recomputed (AC modes)
+    recompute_peak: int  # what one block rematerialises while it is recomputed (AC modes)
     per_layer_full: int  # one block's activations without checkpointing
     outer: int  # embeddings, final norm and loss, outside the blocks
 
@@ -308,10 +315,96 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     return total
 
 
+def block_matmuls(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
+    """The block's matmuls in execution order: (name, in features, out features, row-parallel under TP).
+
+    The order matters for ``selective-op``, which keeps every other matmul output (the 1st, 3rd, ...).
+    """
+    assert spec.hidden and spec.ffn_hidden
+    h, f = spec.hidden, spec.ffn_hidden
+    qd, kvd = (spec.n_heads or 0) * spec.dim_head, spec.kv_heads * spec.dim_head
+    attn = [("q", h, qd, False), ("k", h, kvd, False), ("v", h, kvd, False), ("o", qd, h, True)]
+    if spec.arch == "gpt":
+        return attn + [("fc", h, f, False), ("proj", f, h, True)]
+    return attn + [("gate", h, f, False), ("up", h, f, False), ("down", f, h, True)]
+
+
+def op_sac_saved(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
+    """The matmuls whose outputs ``selective-op`` keeps: the 1st, 3rd, 5th, ... of the block."""
+    return block_matmuls(spec)[0::2]
+
+
+def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
+                       sp: bool = True) -> int:
+    """Bytes one block keeps under ``selective-op`` (torchtitan's per-op policy), per micro-batch.
+
+    The checkpoint keeps the block's input; the policy keeps the outputs of every other matmul
+    and of the attention kernel (its output and fp32 log-sum-exp per head); everything else is
+    recomputed in backward. Under TP a column-parallel output is 1/tp of its width, a row-parallel
+    one is the full-width partial sum (plus, with sequence parallelism, the reduce-scatter output
+    that the policy also keeps).
+    """
+    if not spec.has_structure:
+        return 0
+    assert spec.hidden and spec.n_heads
+    h, e, a = spec.hidden, act_bytes, spec.n_heads
+    qd = a * spec.dim_head
+    per_token = h * e / (tp if sp else 1)  # the block input (sequence-sharded under SP)
+    for _name, _in, out, row_parallel in op_sac_saved(spec):
+        if row_parallel:
+            per_token += out * e + (h * e / tp if sp and tp > 1 else 0)
+        else:
+            per_token += out * e / tp
+    per_token += (qd * e + 4 * a) / tp  # attention output and its log-sum-exp
+    return math.ceil(seq * micro_batch * per_token)
+
+
+def checkpointed_blocks(n_layers: int, checkpoint: str, every: int = 2) -> int:
+    """How many of ``n_layers`` blocks the mode wraps (``selective``: blocks every-1, 2*every-1, ...)."""
+    if checkpoint == "none":
+        return 0
+    if checkpoint == "selective":
+        return n_layers // max(every, 1)
+    return n_layers
+
+
+@dataclass(frozen=True)
+class RecomputeShare:
+    """Fractions of the blocks' forward work done a second time in backward, by kind of work."""
+
+    matmul: float  # of the blocks' matmul FLOPs
+    attention: float  # of the attention-core FLOPs
+    elementwise: float  # of the memory-bound (norm, activation, rotary, residual) traffic
+    tp_collectives: float  # of the forward's TP/SP collectives, re-run during recomputation
+
+
+def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> RecomputeShare:
+    """What each checkpointing mode recomputes (``full``: the whole forward of every block)."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
+    layers = spec.n_layers or 1
+    if checkpoint == "none":
+        return RecomputeShare(0.0, 0.0, 0.0, 0.0)
+    if checkpoint in ("full", "selective"):
+        share = checkpointed_blocks(layers, checkpoint, every) / layers
+        return RecomputeShare(share, share, share, share)
+    if not spec.has_structure:
+        return RecomputeShare(0.5, 0.0, 1.0, 0.5)
+    mms = block_matmuls(spec)
+    total = sum(i * o for _, i, o, _ in mms)
+    kept = sum(i * o for _, i, o, _ in op_sac_saved(spec))
+    # Attention output is kept; every non-saved elementwise op is recomputed; the input
+    # all-gathers of the recomputed column-parallel matmuls run again, the reduce-scatters do not.
+    return RecomputeShare((total - kept) / total, 0.0, 1.0, 0.5)
+
+
 def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, checkpoint: str = "none",
                      tp: int = 1, sp: bool = True, attention: str = "sdpa", n_layers: int | None = None,
-                     first_stage: bool = True, last_stage: bool = True) -> ActivationBytes:
-    """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all)."""
+                     first_stage: bool = True, last_stage: bool = True, every: int = 2) -> ActivationBytes:
+    """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all).
+
+    ``every`` is ``parallel.ac_every`` (the ``selective`` period).
+    """
     if checkpoint not in CHECKPOINT_MODES:
         raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
     layers = (spec.n_layers or 0) if n_layers is None else n_layers
@@ -320,15 +413,15 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
                                    last_stage=last_stage)
     if checkpoint == "none":
         return ActivationBytes(layers * full + outer, 0, full, outer)
-    if checkpoint == "full":
-        # Only each block's input survives the forward (split tp ways under sequence parallelism).
-        kept = seq * micro_batch * (spec.hidden or 0) * act_bytes // (tp if sp else 1)
-        return ActivationBytes(layers * kept + outer, full, full, outer)
-    # selective: drop only the attention core (softmax and its dropout), which the flash/SDPA path
-    # never stores in the first place.
-    core = full - layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention="sdpa")
-    core = max(core, 0)
-    return ActivationBytes(layers * (full - core) + outer, core, full, outer)
+    if checkpoint == "selective-op":
+        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp)
+        # Backward of one block rematerialises what the policy did not keep.
+        return ActivationBytes(layers * kept + outer, max(full - kept, 0), full, outer)
+    # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism).
+    kept = seq * micro_batch * (spec.hidden or 0) * act_bytes // (tp if sp else 1)
+    wrapped = checkpointed_blocks(layers, checkpoint, every)
+    saved = wrapped * kept + (layers - wrapped) * full + outer
+    return ActivationBytes(saved, full if wrapped else 0, full, outer)
 
 
 # ---------------------------------------------------------------------------------------------
