@@ -48,6 +48,10 @@ CHECKPOINT_MODES = ("none", "selective", "selective-op", "full")
 # FSDP keeps unsharded fp32 gradients until the last micro-batch); "microbatch": reduced after
 # every micro-batch (FSDP1 in Composer/llm-foundry, torchtitan).
 GRAD_SYNC_MODES = ("step", "microbatch")
+# "torch": F.cross_entropy on fp32-upcast logits (shardwise's loss): log_softmax keeps an fp32 copy
+# and backward makes another. "fused": a fused cross-entropy kernel (flash-attn's, Liger) that keeps
+# only the logits and a per-token log-sum-exp and writes the gradient in place.
+LOSS_KINDS = ("torch", "fused")
 REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
 STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)
 
@@ -298,8 +302,9 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 
 def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           first_stage: bool = True, last_stage: bool = True) -> int:
-    """Bytes saved outside the blocks: token ids, rotary tables, final norm, fp32 log-softmax of the loss."""
+                           first_stage: bool = True, last_stage: bool = True, loss: str = "torch") -> int:
+    """Bytes saved outside the blocks: token ids, rotary tables, final norm, and what the loss keeps
+    (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token)."""
     if not spec.has_structure:
         return 0
     assert spec.hidden and spec.vocab
@@ -310,8 +315,9 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     if last_stage:
         final_norm = 2 * h * e + 8 if spec.arch == "gpt" else 4 * h + 2 * h * e + 4
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
-        # under TP).
-        total += tokens * (final_norm + 4 * spec.vocab // tp)
+        # under TP); a fused loss keeps the logits themselves instead.
+        kept = 4 * spec.vocab // tp if loss == "torch" else e * spec.vocab // tp + 4
+        total += tokens * (final_norm + kept)
     return total
 
 
@@ -400,17 +406,18 @@ def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> Recompu
 
 def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, checkpoint: str = "none",
                      tp: int = 1, sp: bool = True, attention: str = "sdpa", n_layers: int | None = None,
-                     first_stage: bool = True, last_stage: bool = True, every: int = 2) -> ActivationBytes:
+                     first_stage: bool = True, last_stage: bool = True, every: int = 2,
+                     loss: str = "torch") -> ActivationBytes:
     """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all).
 
-    ``every`` is ``parallel.ac_every`` (the ``selective`` period).
+    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``loss`` one of LOSS_KINDS.
     """
     if checkpoint not in CHECKPOINT_MODES:
         raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
     layers = (spec.n_layers or 0) if n_layers is None else n_layers
     full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention)
     outer = outer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, first_stage=first_stage,
-                                   last_stage=last_stage)
+                                   last_stage=last_stage, loss=loss)
     if checkpoint == "none":
         return ActivationBytes(layers * full + outer, 0, full, outer)
     if checkpoint == "selective-op":
@@ -430,7 +437,11 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
 
 @dataclass
 class MemoryBreakdown:
-    """Per-GPU bytes of one candidate, by category. ``transient`` details its parts."""
+    """Per-GPU bytes of one candidate, by category. ``transient`` details its parts.
+
+    ``fragmentation`` is the caching allocator's overhead over the live tensors (reserved minus
+    allocated, what published "peak memory" figures include), a calibrated fraction of the rest.
+    """
 
     params: int
     grads: int
@@ -440,29 +451,45 @@ class MemoryBreakdown:
     transient: int
     transient_parts: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0  # per node, for fsdp-offload
+    fragmentation: int = 0
+
+    @property
+    def allocated(self) -> int:
+        """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports)."""
+        return self.params + self.grads + self.optimizer + self.master + self.activations + self.transient
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master + self.activations + self.transient
+        """Peak reserved bytes: live tensors plus the allocator's fragmentation."""
+        return self.allocated + self.fragmentation
 
 
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
-                     attention: str = "sdpa") -> MemoryBreakdown:
-    """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage)."""
+                     attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
+                     fragmentation: float = 0.0, loss: str = "torch") -> MemoryBreakdown:
+    """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage).
+
+    ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
+    reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
+    """
     if layout.tp > 1 and spec.n_heads and spec.n_heads % layout.tp:
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {spec.n_heads} attention "
                           f"heads of {spec.name}; use a divisor of {spec.n_heads}.")
     if layout.pp > 1 and spec.n_layers and layout.pp > spec.n_layers:
         raise ConfigError(f"{layout.pp} pipeline stages but {spec.name} has only {spec.n_layers} layers; "
                           f"use at most {spec.n_layers} stages.")
+    if grad_sync not in GRAD_SYNC_MODES:
+        raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
+    if loss not in LOSS_KINDS:
+        raise unknown_choice("loss implementation", loss, LOSS_KINDS)
     state = state_bytes(spec, layout, prec, optimizer)
     layers_here = math.ceil((spec.n_layers or 1) / layout.pp)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
     # micro-batches in flight. With one stage, both ends are local.
     act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                            attention=attention, n_layers=layers_here, first_stage=True,
-                           last_stage=layout.pp == 1)
+                           last_stage=layout.pp == 1, every=every, loss=loss)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     if layout.tp > 1:
@@ -472,21 +499,33 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
         # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).
         parts["ddp buckets"] = prec.grad * full_local
+    elif layout.sharding in ("zero2", "fsdp") and layout.pp > 1:
+        # torch.distributed.pipelining keeps each stage unsharded for the whole schedule
+        # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
+        # the last micro-batch (set_requires_gradient_sync(False)).
+        parts["unsharded stage params (pp schedule)"] = prec.param * full_local
+        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * full_local
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
-        parts["reduce-scatter (1 unit)"] = prec.grad * unit
+        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
     elif layout.sharding == "fsdp":
         parts["all-gather (2 units, prefetch)"] = 2 * prec.param * unit
-        parts["reduce-scatter (1 unit)"] = prec.grad * unit
+        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
+    if layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step":
+        # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
+        # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
+        parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * full_local
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
-        in_flight = min(layout.pp, grad_accum) if layout.pipeline_schedule != "gpipe" else grad_accum
+        schedule = getattr(layout, "pp_schedule", getattr(layout, "pipeline_schedule", "1f1b"))
+        in_flight = min(layout.pp, grad_accum) if schedule != "gpipe" else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
-    if spec.has_structure and spec.vocab:
-        # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient.
+    if spec.has_structure and spec.vocab and loss == "torch":
+        # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
+        # loss keeps the logits, counted with the activations, and writes the gradient in place.)
         parts["logits + loss"] = seq * micro_batch * (spec.vocab // layout.tp) * (prec.act + 4)
     host = 0
     params, grads, opt, master = state.params, state.grads, state.optimizer, state.master
@@ -494,4 +533,6 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # CPUOffloadPolicy: sharded params, grads and optimizer state live in (pinned) host RAM.
         host = state.total * gpus_per_node
         params = grads = opt = master = 0
-    return MemoryBreakdown(params, grads, opt, master, act.saved, sum(parts.values()), parts, host)
+    out = MemoryBreakdown(params, grads, opt, master, act.saved, sum(parts.values()), parts, host)
+    out.fragmentation = math.ceil(fragmentation * out.allocated)
+    return out

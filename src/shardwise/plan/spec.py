@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,20 @@ class ModelSpec:
 
     def unit_params(self) -> dict[int, int]:
         """Parameter count per FSDP unit (block index -> count; ROOT_UNIT -> everything else)."""
+        return dict(self._unit_params)
+
+    @cached_property
+    def _unit_params(self) -> dict[int, int]:
+        # Cached: the cost model asks for it per candidate, and a 405B spec has ~1,100 tensors.
         units: dict[int, int] = {}
         for p in self.params:
             units[p.unit] = units.get(p.unit, 0) + p.numel
         return units
+
+    @cached_property
+    def block_matrix_params(self) -> int:
+        """Parameters of the matrices inside the repeated blocks (what checkpointing recomputes)."""
+        return sum(p.numel for p in self.params if p.unit != ROOT_UNIT and len(p.shape) >= 2)
 
     def largest_unit_params(self) -> int:
         """Parameters of the biggest unit FSDP gathers at once (a block or the root's leftovers)."""
