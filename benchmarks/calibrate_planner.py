@@ -41,7 +41,7 @@ from shardwise.plan.advice import (  # noqa: E402
     predict_step_time,
 )
 from shardwise.plan.cost import CALIBRATIONS, Calibration  # noqa: E402
-from shardwise.plan.memory import Layout  # noqa: E402
+from shardwise.plan.memory import Kernels, Layout  # noqa: E402
 from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like  # noqa: E402
 
@@ -127,7 +127,7 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
-                        loss=run.get("loss", "torch"), tp_overlap=run.get("tp_overlap", False), safety_margin=0.0)
+                        kernels=Kernels(**run.get("kernels", {})), safety_margin=0.0)
         cases.append(Case(run, spec, cluster, work, layout, published_tokens_per_s(run, spec)))
     return cases
 
@@ -279,9 +279,14 @@ def format_report(results: list[Result], markdown: bool = False) -> str:
     for r in results:
         by_source.setdefault(r.case.run["source"], []).append(r)
     for src, subset in by_source.items():
-        s = summary(subset)
-        lines.append(f"  {src}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} over "
-                     f"{s['with_throughput']} runs; verdicts {s['verdicts_right']}/{s['runs']}")
+        for label, part in (("fitted", [r for r in subset if r.case.fitted]),
+                            ("held-out", [r for r in subset if not r.case.fitted])):
+            s = summary(part)
+            if not s["runs"]:
+                continue
+            err = (f"mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} over "
+                   f"{s['with_throughput']} runs" if s["with_throughput"] else "no throughput published")
+            lines.append(f"  {src:22s} {label:8s}: {err}; verdicts {s['verdicts_right']}/{s['runs']}")
     mem = [r for r in results if r.memory_error is not None]
     for r in mem:
         pub = r.case.run["published"]["memory_gib"]

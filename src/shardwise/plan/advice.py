@@ -11,8 +11,9 @@ from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, 
 from shardwise.plan.memory import (
     CHECKPOINT_MODES,
     GRAD_SYNC_MODES,
-    LOSS_KINDS,
     OPTIMIZERS,
+    SHARDWISE_KERNELS,
+    Kernels,
     Layout,
     MemoryBreakdown,
     memory_breakdown,
@@ -84,10 +85,9 @@ class Workload:
     attention: str = "sdpa"
     ac_every: int = 2  # period of "selective" checkpointing (parallel.ac_every)
     grad_sync: str = "step"  # when gradients are reduced under accumulation (memory.GRAD_SYNC_MODES)
-    # How other frameworks differ from shardwise's runtime (used to plan published runs): the loss
-    # kernel (memory.LOSS_KINDS) and TP collectives overlapped with compute.
-    loss: str = "torch"
-    tp_overlap: bool = False
+    # The training stack's kernels (memory.Kernels): shardwise's by default; other stacks' when
+    # planning their published runs (benchmarks/calibrate_planner.py).
+    kernels: Kernels = SHARDWISE_KERNELS
     safety_margin: float = 0.10
     recipe: str = "RECIPE.toml"
     extra_sets: tuple[str, ...] = ()  # model-selection --set overrides for the printed commands
@@ -111,8 +111,7 @@ class Workload:
             raise ConfigError(f"--ac-every must be >= 1 (checkpoint every k-th block), got {self.ac_every}.")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise unknown_choice("gradient sync mode", self.grad_sync, GRAD_SYNC_MODES)
-        if self.loss not in LOSS_KINDS:
-            raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
+
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"--margin must be in [0, 1), got {self.safety_margin}.")
 
@@ -246,8 +245,7 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
     accum, _ = _grad_accum(work, layout, cluster.world)
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
-                     every=work.ac_every, grad_sync=work.grad_sync, loss=work.loss,
-                     tp_overlap=work.tp_overlap, calib=calib)
+                     every=work.ac_every, grad_sync=work.grad_sync, kernels=work.kernels, calib=calib)
 
 
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -259,7 +257,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
                            attention=work.attention, every=work.ac_every, grad_sync=work.grad_sync,
-                           fragmentation=calib.fragmentation, loss=work.loss)
+                           fragmentation=calib.fragmentation, kernels=work.kernels)
     time = predict_step_time(spec, cluster, work, layout, calib)
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from shardwise.plan.memory import (
     REDUCE_BYTES,
+    SHARDWISE_KERNELS,
+    Kernels,
     Layout,
     Precision,
     layer_activation_bytes,
@@ -71,10 +73,10 @@ class Calibration:
 # reproduce; it prints these lines). Shared constants (attention, elementwise, fragmentation) are
 # fitted jointly over all generations.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.7153, attention_efficiency=0.6895, link_efficiency=0.5228,
-                        elementwise_passes=11.89, fragmentation=0.084, fitted_runs=31),
-    "h100": Calibration("h100", matmul_efficiency=0.5809, attention_efficiency=0.3414, link_efficiency=0.4974,
-                        elementwise_passes=11.89, fragmentation=0.084, fitted_runs=18),
+    "a100": Calibration("a100", matmul_efficiency=0.7138, attention_efficiency=0.6472, link_efficiency=0.5273,
+                        elementwise_passes=11.59, fragmentation=0.084, fitted_runs=31),
+    "h100": Calibration("h100", matmul_efficiency=0.5774, attention_efficiency=0.341, link_efficiency=0.5041,
+                        elementwise_passes=11.59, fragmentation=0.084, fitted_runs=18),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -190,7 +192,7 @@ class StepTime:
 
 def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
                           checkpoint: str, every: int, calib: Calibration, tp: int = 1, pp: int = 1,
-                          loss: str = "torch") -> float:
+                          kernels: Kernels = SHARDWISE_KERNELS) -> float:
     """Seconds one GPU computes on one micro-batch (its 1/(tp*pp) share of the replica's work)."""
     tokens = seq * micro_batch
     peak = fabric.peak_tflops * 1e12
@@ -201,8 +203,8 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
     if spec.has_structure:
         # Memory-bound ops: proportional to what they save for backward (per block and the loss),
         # and repeated for the recomputed share of the forward.
-        layer = layer_activation_bytes(spec, seq, micro_batch, prec.act)
-        outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, loss=loss)
+        layer = layer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
+        outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
         moved = calib.elementwise_passes * ((spec.n_layers or 0) * layer * (1 + share.elementwise / 3) + outer)
         t += moved / (fabric.mem_bw_tbs * 1e12)
     return t / (tp * pp)
@@ -210,19 +212,19 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
 
 def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
               grad_accum: int, checkpoint: str = "none", every: int = 2, grad_sync: str = "step",
-              loss: str = "torch", tp_overlap: bool = False, offload_state_bytes: int = 0,
+              kernels: Kernels = SHARDWISE_KERNELS, offload_state_bytes: int = 0,
               calib: Calibration = DEFAULT_CALIBRATION) -> StepTime:
     """Predicted time of one optimizer step (``grad_accum`` micro-batches per data-parallel replica).
 
     ``grad_sync`` "step" reduces gradients once per step (shardwise's no_sync); "microbatch"
-    reduce-scatters after every micro-batch (FSDP1 / torchtitan). ``tp_overlap``: TP collectives
-    overlap the matmuls (Megatron's --tp-comm-overlap, async TP); shardwise's TP does not.
+    reduce-scatters after every micro-batch (FSDP1 / torchtitan). ``kernels`` describes the stack
+    (memory.Kernels; shardwise's by default: TP collectives do not overlap the matmuls).
     """
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     tokens_micro = seq * micro_batch
     compute_micro = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch,
                                           checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
-                                          loss=loss)
+                                          kernels=kernels)
     compute = compute_micro * grad_accum
 
     # Mesh order, innermost first: tp (stride 1), then the data-parallel dims, then pp.
@@ -285,7 +287,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         redo = recompute_share(spec, checkpoint, every).tp_collectives
         per_layer = (4 + 2 * redo) * all_reduce_s(tp, act, fabric.collective_gbs(tp, 1), 1, alpha)
         tp_s = grad_accum * per_layer * math.ceil((spec.n_layers or 1) / pp)
-        exposed += max(0.0, tp_s - compute) if tp_overlap else tp_s
+        exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
         total += tp_s
     bubble = 0.0
     if pp > 1:

@@ -48,10 +48,38 @@ CHECKPOINT_MODES = ("none", "selective", "selective-op", "full")
 # FSDP keeps unsharded fp32 gradients until the last micro-batch); "microbatch": reduced after
 # every micro-batch (FSDP1 in Composer/llm-foundry, torchtitan).
 GRAD_SYNC_MODES = ("step", "microbatch")
-# "torch": F.cross_entropy on fp32-upcast logits (shardwise's loss): log_softmax keeps an fp32 copy
-# and backward makes another. "fused": a fused cross-entropy kernel (flash-attn's, Liger) that keeps
-# only the logits and a per-token log-sum-exp and writes the gradient in place.
 LOSS_KINDS = ("torch", "fused")
+NORM_KINDS = ("eager", "fused")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How the training stack implements the pieces whose bytes and time differ between stacks.
+
+    The defaults are shardwise's own runtime; the other values describe published runs of other
+    stacks (benchmarks/published_runs.json) so the same model can be checked against them.
+
+    * ``loss``: "torch" is F.cross_entropy on fp32-upcast logits (log_softmax keeps an fp32 copy,
+      backward makes another); "fused" a fused cross-entropy kernel (flash-attn's, Liger) that keeps
+      the logits and a per-token log-sum-exp and writes the gradient in place.
+    * ``norm``: "eager" is RMSNorm written in PyTorch ops (HF, torchtitan's default: keeps an fp32
+      copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
+      its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
+    * ``tp_overlap``: TP collectives overlap the matmuls (Megatron's --tp-comm-overlap, async TP).
+    """
+
+    loss: str = "torch"
+    norm: str = "eager"
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
+        if self.norm not in NORM_KINDS:
+            raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+
+
+SHARDWISE_KERNELS = Kernels()
 REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
 STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)
 
@@ -242,7 +270,7 @@ class ActivationBytes:
 
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           sp: bool = True, attention: str = "sdpa") -> int:
+                           sp: bool = True, attention: str = "sdpa", kernels: Kernels = SHARDWISE_KERNELS) -> int:
     """Bytes one transformer block saves for backward (no checkpointing), from its structure.
 
     Korthikanti et al. 2022, eq. (1)-(2): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations with
@@ -278,7 +306,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         norm_region = 4 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN in/out x2, fp32 stats, residual-dropout masks
         inner = (qd + 2 * kvd + qd + 2 * f) * e  # q, k, v, attention out, fc out, GELU out
     else:
-        norm_region = 2 * (4 * h + 2 * h * e + 4)  # two RMSNorms
+        # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
+        # a fused kernel keeps its input, the output and rstd.
+        norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
         inner = (2 * qd + 2 * kvd + 4 * f) * e  # rotated q, k, v, attention out, 4 MLP tensors
     if attention == "sdpa":
         inner += 4 * a  # fp32 log-sum-exp per head
@@ -302,7 +332,8 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 
 def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           first_stage: bool = True, last_stage: bool = True, loss: str = "torch") -> int:
+                           first_stage: bool = True, last_stage: bool = True,
+                           kernels: Kernels = SHARDWISE_KERNELS) -> int:
     """Bytes saved outside the blocks: token ids, rotary tables, final norm, and what the loss keeps
     (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token)."""
     if not spec.has_structure:
@@ -313,10 +344,11 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     if first_stage:
         total += 8 * tokens + (8 * seq if spec.learned_positions else 2 * seq * spec.dim_head * e)
     if last_stage:
-        final_norm = 2 * h * e + 8 if spec.arch == "gpt" else 4 * h + 2 * h * e + 4
+        final_norm = 2 * h * e + 8 if spec.arch == "gpt" else (
+            4 * h + 2 * h * e + 4 if kernels.norm == "eager" else 2 * h * e + 4)
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
         # under TP); a fused loss keeps the logits themselves instead.
-        kept = 4 * spec.vocab // tp if loss == "torch" else e * spec.vocab // tp + 4
+        kept = 4 * spec.vocab // tp if kernels.loss == "torch" else e * spec.vocab // tp + 4
         total += tokens * (final_norm + kept)
     return total
 
@@ -407,17 +439,18 @@ def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> Recompu
 def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, checkpoint: str = "none",
                      tp: int = 1, sp: bool = True, attention: str = "sdpa", n_layers: int | None = None,
                      first_stage: bool = True, last_stage: bool = True, every: int = 2,
-                     loss: str = "torch") -> ActivationBytes:
+                     kernels: Kernels = SHARDWISE_KERNELS) -> ActivationBytes:
     """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all).
 
-    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``loss`` one of LOSS_KINDS.
+    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``kernels`` the stack (Kernels).
     """
     if checkpoint not in CHECKPOINT_MODES:
         raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
     layers = (spec.n_layers or 0) if n_layers is None else n_layers
-    full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention)
+    full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
+                                  kernels=kernels)
     outer = outer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, first_stage=first_stage,
-                                   last_stage=last_stage, loss=loss)
+                                   last_stage=last_stage, kernels=kernels)
     if checkpoint == "none":
         return ActivationBytes(layers * full + outer, 0, full, outer)
     if checkpoint == "selective-op":
@@ -467,7 +500,7 @@ class MemoryBreakdown:
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
                      attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
-                     fragmentation: float = 0.0, loss: str = "torch") -> MemoryBreakdown:
+                     fragmentation: float = 0.0, kernels: Kernels = SHARDWISE_KERNELS) -> MemoryBreakdown:
     """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage).
 
     ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
@@ -481,15 +514,13 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                           f"use at most {spec.n_layers} stages.")
     if grad_sync not in GRAD_SYNC_MODES:
         raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
-    if loss not in LOSS_KINDS:
-        raise unknown_choice("loss implementation", loss, LOSS_KINDS)
     state = state_bytes(spec, layout, prec, optimizer)
     layers_here = math.ceil((spec.n_layers or 1) / layout.pp)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
     # micro-batches in flight. With one stage, both ends are local.
     act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                            attention=attention, n_layers=layers_here, first_stage=True,
-                           last_stage=layout.pp == 1, every=every, loss=loss)
+                           last_stage=layout.pp == 1, every=every, kernels=kernels)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     if layout.tp > 1:
@@ -523,7 +554,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         in_flight = min(layout.pp, grad_accum) if schedule != "gpipe" else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
-    if spec.has_structure and spec.vocab and loss == "torch":
+    if spec.has_structure and spec.vocab and kernels.loss == "torch":
         # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
         # loss keeps the logits, counted with the activations, and writes the gradient in place.)
         parts["logits + loss"] = seq * micro_batch * (spec.vocab // layout.tp) * (prec.act + 4)
