@@ -200,7 +200,11 @@ def customize_gpu(base: GPU, *, memory_gib: float | None = None, tflops: float |
             raise ConfigError(f"{flag} must be a positive number, got {value}.")
     if memory_gib is None and tflops is None:
         return base
-    parts = [base.name] + [f"{memory_gib:g}gib"] * (memory_gib is not None) + [f"{tflops:g}tf"] * (tflops is not None)
+    parts = [base.name]
+    if memory_gib is not None:
+        parts.append(f"{memory_gib:g}gib")
+    if tflops is not None:
+        parts.append(f"{tflops:g}tf")
     return replace(base, name="-".join(parts), memory_gib=memory_gib or base.memory_gib,
                    bf16_tflops=tflops or base.bf16_tflops)
 
