@@ -73,10 +73,10 @@ class Calibration:
 # reproduce; it prints these lines). Shared constants (attention, elementwise, fragmentation) are
 # fitted jointly over all generations.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.7138, attention_efficiency=0.6472, link_efficiency=0.5273,
-                        elementwise_passes=11.59, fragmentation=0.084, fitted_runs=31),
-    "h100": Calibration("h100", matmul_efficiency=0.5774, attention_efficiency=0.341, link_efficiency=0.5041,
-                        elementwise_passes=11.59, fragmentation=0.084, fitted_runs=18),
+    "a100": Calibration("a100", matmul_efficiency=0.7141, attention_efficiency=0.593, link_efficiency=0.5278,
+                        elementwise_passes=11, fragmentation=0.084, fitted_runs=31),
+    "h100": Calibration("h100", matmul_efficiency=0.5883, attention_efficiency=0.3445, link_efficiency=0.9999,
+                        elementwise_passes=11, fragmentation=0.084, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
