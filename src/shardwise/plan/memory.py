@@ -15,6 +15,7 @@ Model state (conventions; see docs/planner.md for the derivation and the measure
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -165,15 +166,18 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         lo, hi = stage * per_stage, min(n_layers, (stage + 1) * per_stage)
         first, last = stage == 0, stage == layout.pp - 1
 
-        def on_stage(p: ParamInfo) -> bool:
-            if p.unit != ROOT_UNIT:
-                return lo <= p.unit < hi
+        def root_on_stage(p: ParamInfo) -> bool:
             is_embedding = "emb" in p.name or ".wte." in p.name or ".wpe." in p.name
             # Embeddings live on the first stage, final norm and head on the last; a tied
             # embedding is duplicated on both (as Megatron does).
             return (first and is_embedding) or (last and (not is_embedding or spec.tied_embeddings))
 
-        params = [p for p in params if on_stage(p)]
+        # Positions by unit (cached on the spec), so a stage costs its own tensors, not the model's.
+        positions = spec.unit_positions
+        picked = [i for i in positions.get(ROOT_UNIT, []) if root_on_stage(params[i])]
+        for unit in range(lo, hi):
+            picked += positions.get(unit, [])
+        params = [params[i] for i in sorted(picked)]  # registration order (ZeRO-1 ties depend on it)
     if layout.tp > 1:
         # Matrices are split tp ways (column- or row-wise, vocab-parallel embeddings); vectors
         # (norm weights, most biases) are replicated. Modelled as a dim-0 split.
@@ -189,12 +193,14 @@ def zero1_partition(numels: list[int], world: int) -> list[list[int]]:
     goes to the rank with the smallest total so far (lowest rank on ties).
     """
     order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
-    sizes = [0] * world
+    # A heap of (total so far, rank): the smallest total, lowest rank on ties, in O(log world)
+    # (a 512-rank group would otherwise cost seconds per planned candidate).
+    heap = [(0, r) for r in range(world)]
     owned: list[list[int]] = [[] for _ in range(world)]
     for i in order:
-        rank = sizes.index(min(sizes))
+        size, rank = heapq.heappop(heap)
         owned[rank].append(i)
-        sizes[rank] += numels[i]
+        heapq.heappush(heap, (size + numels[i], rank))
     return owned
 
 
@@ -215,30 +221,37 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
         candidates = [0] if layout.sharding != "zero1" else range(layout.dp)
         best = StateBytes()
         for stage in range(layout.pp):
+            params = _local_params(spec, layout, stage)
+            numels = [p.numel for p in params]
+            owned = zero1_partition(numels, layout.dp) if layout.sharding == "zero1" else None
             for r in candidates:
-                sb = _state_bytes_one(spec, layout, prec, optimizer, r, stage)
+                sb = _state_bytes_one(spec, layout, prec, optimizer, r, params, owned, numels)
                 if sb.total > best.total:
                     best = sb
         return best
-    return _state_bytes_one(spec, layout, prec, optimizer, rank, 0)
+    return _state_bytes_one(spec, layout, prec, optimizer, rank, _local_params(spec, layout, 0))
 
 
-def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
-                     rank: int, stage: int) -> StateBytes:
-    params = _local_params(spec, layout, stage)
+def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
+                     params: list[ParamInfo], zero1_owned: list[list[int]] | None = None,
+                     numels: list[int] | None = None) -> StateBytes:
     step = _step_bytes(optimizer)
     out = StateBytes()
     if layout.sharding in ("replicate", "zero1"):
-        numels = [p.numel for p in params]
-        out.params = prec.param * sum(numels)
-        out.grads = prec.grad * sum(numels)
+        numels = numels if numels is not None else [p.numel for p in params]
+        total = sum(numels)
+        out.params = prec.param * total
+        out.grads = prec.grad * total
         if layout.sharding == "zero1" and not spec.params:
             # Bare count: no tensor boundaries known, so assume an even split of the flat state.
             share = math.ceil(numels[0] / layout.dp)
             out.optimizer = optimizer_state_bytes((share,), optimizer) + step
             out.master = prec.master * share
             return out
-        owned = range(len(params)) if layout.sharding == "replicate" else zero1_partition(numels, layout.dp)[rank]
+        if layout.sharding == "replicate":
+            owned: range | list[int] = range(len(params))
+        else:
+            owned = (zero1_owned or zero1_partition(numels, layout.dp))[rank]
         for i in owned:
             out.optimizer += optimizer_state_bytes(params[i].shape, optimizer) + step
             out.master += prec.master * numels[i]

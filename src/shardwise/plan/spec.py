@@ -91,6 +91,14 @@ class ModelSpec:
         return units
 
     @cached_property
+    def unit_positions(self) -> dict[int, list[int]]:
+        """Indices into ``params`` of each unit's tensors, in registration order."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params):
+            out.setdefault(p.unit, []).append(i)
+        return out
+
+    @cached_property
     def block_matrix_params(self) -> int:
         """Parameters of the matrices inside the repeated blocks (what checkpointing recomputes)."""
         return sum(p.numel for p in self.params if p.unit != ROOT_UNIT and len(p.shape) >= 2)
