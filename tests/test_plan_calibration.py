@@ -259,6 +259,23 @@ def test_checkpoint_flag_accepts_every_runtime_mode():
         plan_cli.build_plan(parser.parse_args(["--model", "gpt2", "--ac-every", "0"]))
 
 
+def test_gpt_presets_counted_from_the_config_equal_the_module():
+    """The torch-free GPT spec (what `plan --model gpt-*` uses) has the module's exact tensors."""
+    import torch
+
+    from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
+    from shardwise.plan.spec import from_gpt_config, from_module
+
+    for cfg in [*GPT_PRESETS.values(), GPTConfig(n_layer=3, n_head=2, n_embd=32, bias=False, dropout=0.1)]:
+        with torch.device("meta"):
+            module_spec = from_module(GPT(cfg), "gpt")
+        config_spec = from_gpt_config(cfg, "gpt")
+        assert config_spec.params == module_spec.params
+        fields = ("n_params", "arch", "n_layers", "hidden", "n_heads", "ffn_hidden", "vocab", "max_seq",
+                  "tied_embeddings", "learned_positions", "dropout")
+        assert [getattr(config_spec, f) for f in fields] == [getattr(module_spec, f) for f in fields]
+
+
 @pytest.mark.parametrize("model", ["gpt-nano", "llama-3-405b"])
 def test_plan_for_a_preset_does_not_import_torch(model, cli_env):
     code = ("import sys, io, contextlib\nfrom shardwise.cli import main\n"

@@ -111,7 +111,6 @@ class Workload:
             raise ConfigError(f"--ac-every must be >= 1 (checkpoint every k-th block), got {self.ac_every}.")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise unknown_choice("gradient sync mode", self.grad_sync, GRAD_SYNC_MODES)
-
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"--margin must be in [0, 1), got {self.safety_margin}.")
 
