@@ -18,7 +18,8 @@ from typing import Any
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-AC_MODES = ("none", "full", "selective")
+# "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
+AC_MODES = ("none", "full", "selective", "selective-op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 
@@ -79,7 +80,7 @@ class ParallelConfig:
     nproc: int = 0  # 0: one per GPU, or 2 CPU processes when there is none
     precision: str = "fp32"
     activation_checkpointing: str = "none"
-    ac_every: int = 2  # with "selective": checkpoint every k-th block
+    ac_every: int = 2  # with "selective": checkpoint every k-th block (not used by "selective-op")
     # Sharded strategies: "block" (one unit per transformer block), "model" (one unit), or an int
     # N given as a string/number for one unit per N blocks.
     wrap: str = "block"

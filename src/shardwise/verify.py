@@ -23,13 +23,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError, ShardwiseError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+# torch is imported where it is used: the main CLI registers this sub-command on every start, and
+# `shardwise plan` must answer without importing torch.
 
 # precision -> (loss atol, loss rtol, parameter atol): a step passes when
 # |strategy - reference| <= atol + rtol * |reference| (torch.allclose's rule), the final weights
@@ -112,6 +114,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     A collective under sharding (every rank must call it). Uses DCP's ``get_model_state_dict``,
     which gathers FSDP2/TP DTensors and strips DDP and checkpoint-wrapper prefixes.
     """
+    import torch.distributed as dist
+
     from shardwise.parallel.checkpointing import clean_name
 
     # Gathering a 2-D-sharded (FSDP x TP) parameter makes DTensor warn, once per rank, that it
@@ -142,6 +146,8 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
     Runs the built-in trainer's own step, so what is verified is what ``shardwise train`` does.
     Parameters of every rank are merged on rank 0 (pipeline stages each hold a part).
     """
+    import torch.distributed as dist
+
     from shardwise.runtime.session import Session
     from shardwise.runtime.trainer import Trainer
 
@@ -228,6 +234,8 @@ def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float
         failures = sorted(strategy_dir.glob("failure-rank*.json"))
         detail = json.loads(failures[0].read_text())["error"] if failures else f"torchrun exit code {rc}"
         raise ShardwiseError(f"the {cfg.parallel.strategy} run failed: {detail}")
+    import torch
+
     candidate = torch.load(result_path, weights_only=True)
     reference = run_steps(reference_config(cfg, candidate["dp_size"]), steps, out / "reference")
     assert reference is not None  # one process is rank 0
@@ -284,6 +292,8 @@ def _worker_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        import torch
+
         from shardwise.config import load_config
 
         result = run_steps(load_config(args.worker), args.steps, args.out)

@@ -13,35 +13,15 @@ outside code can do that without touching the model:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The config lives in a torch-free module so the planner can read presets without importing torch.
+from shardwise.models.gpt_config import GPT_PRESETS, GPTConfig
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 65
-    block_size: int = 256  # context length in tokens
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# Named sizes. "lab" is the seed lab's model (6 layers, 6 heads, 384 wide, context 256);
-# "tiny" is the default demo, sized so 2 CPU processes reach val loss < 2.0 in a few minutes.
-GPT_PRESETS: dict[str, GPTConfig] = {
-    "nano": GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
-    "tiny": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128),
-    "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256),
-    "lab": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
-}
+__all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "gpt_flops_per_token", "gpt_param_count"]
 
 
 class CausalSelfAttention(nn.Module):

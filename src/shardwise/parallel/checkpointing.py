@@ -4,6 +4,13 @@
 a wrapped block keeps only its input during forward and recomputes its activations in backward,
 trading roughly one extra block forward for the activation memory of that block.
 
+``selective-op`` is torchtitan's per-op selective checkpointing (``_apply_op_sac`` in
+torchtitan v0.2.2): every block is wrapped, but the outputs of the expensive ops -- attention
+(every SDPA kernel) and every other matmul -- are kept from the forward; only the cheap ops
+(norms, activations, rotary, residual adds) and the other half of the matmuls are recomputed.
+Built on ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the recomputation
+replays the same ops on the same inputs, so results are exactly those without checkpointing.
+
 We use ``checkpoint_wrapper`` with the non-reentrant implementation (``torch.utils.checkpoint``
 with ``use_reentrant=False``): it works with FSDP2's hooks, with inputs that do not require grad,
 and its state-dict hooks strip the ``_checkpoint_wrapped_module.`` prefix, so checkpoint keys (DCP)
@@ -13,24 +20,75 @@ and exported weights are the same with and without AC. It must be applied before
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from shardwise.config import AC_MODES
 from shardwise.errors import ConfigError
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _ops(namespace: Any, names: tuple[str, ...]) -> set[Any]:
+    # Resolved by name and skipped when absent, so a torch build without one kernel still works.
+    return {getattr(namespace, n).default for n in names if hasattr(namespace, n)}
+
+
+# Matmul outputs: torchtitan saves aten.mm; a Linear with a bias (our GPT) runs aten.addmm instead.
+SAC_MATMUL_OPS = _ops(torch.ops.aten, ("mm", "addmm"))
+# torchtitan v0.2.2 ``_op_sac_save_list``: every attention kernel (plus the CPU flash kernel, which
+# is what F.scaled_dot_product_attention runs on CPU), the sequence-parallel reduce-scatter (so
+# it is not re-communicated) and max (float8 scales).
+SAC_SAVE_OPS = SAC_MATMUL_OPS | _ops(torch.ops.aten, (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable", "max",
+)) | _ops(torch.ops._c10d_functional, ("reduce_scatter_tensor",))
+
+
+def op_sac_policy() -> Callable[..., Any]:
+    """Return a fresh per-op SAC policy for one checkpointed call (torchtitan's ``_custom_policy``).
+
+    Saves the outputs of SAC_SAVE_OPS except every second matmul, which is recomputed: the
+    forward and the recomputation count matmuls separately, so the n-th matmul gets the same
+    decision both times. The planner's ``selective-op`` bytes follow the same rule
+    (``plan.memory.op_sac_saved``).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in SAC_MATMUL_OPS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            matmuls[key] += 1
+            if matmuls[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_sac_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(op_sac_policy())
 
 
 def checkpointed_indices(n_blocks: int, mode: str, every: int) -> list[int]:
     """Return the indices of the blocks that ``mode`` checkpoints (``every``: selective period)."""
     if mode == "none":
         return []
-    if mode == "full":
+    if mode in ("full", "selective-op"):
         return list(range(n_blocks))
     if mode == "selective":
         # Blocks every-1, 2*every-1, ...: with every=2 on 6 blocks that is blocks 1, 3 and 5.
         return [i for i in range(n_blocks) if (i + 1) % every == 0]
-    raise ConfigError(f"unknown activation_checkpointing mode {mode!r}; valid: none, full, selective.")
+    raise ConfigError(f"unknown activation_checkpointing mode {mode!r}; valid: {', '.join(AC_MODES)}.")
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
@@ -54,9 +112,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
             continue  # already checkpointed (a composition applied it): never nest two wrappers
         # preserve_rng_state keeps dropout masks identical between forward and recomputation,
         # so a checkpointed run computes the same numbers as one without checkpointing.
+        extra = {"context_fn": _op_sac_context} if mode == "selective-op" else {}
         container.register_module(
             name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     preserve_rng_state=True)
+                                     preserve_rng_state=True, **extra)
         )
     return model
 

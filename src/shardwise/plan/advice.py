@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.plan.cost import CALIBRATION, Calibration, Fabric, StepTime, step_time
+from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.memory import (
     CHECKPOINT_MODES,
+    GRAD_SYNC_MODES,
     OPTIMIZERS,
+    SHARDWISE_KERNELS,
+    Kernels,
     Layout,
     MemoryBreakdown,
     memory_breakdown,
@@ -47,13 +50,27 @@ class Cluster:
     def usable_gib(self) -> float:
         return self.gpu.memory_gib - RUNTIME_RESERVE_GIB
 
+    @property
+    def calibration(self) -> Calibration:
+        """The fitted constants for this cluster's GPU (cost.CALIBRATIONS; defaults when uncalibrated)."""
+        return calibration_for(self.gpu.calibration)
+
     def fabric(self, precision_name: str, calib: Calibration) -> Fabric:
+        """Per-GPU link bandwidths after ``calib.link_efficiency``, and the compute/memory peaks.
+
+        Precedence for each link: the --intra-gbs/--inter-gbs override, then an explicit link
+        preset, then the GPU's own figure (a --gpu-spec), then the GPU's default preset.
+        """
         from shardwise.plan.presets import link
 
-        intra = self.intra_gbs or (self.intra or link(self.gpu.intra_link)).per_gpu_gbs(self.gpus_per_node)
-        inter = self.inter_gbs or (self.inter or link(self.gpu.inter_link)).per_gpu_gbs(self.gpus_per_node)
+        g = self.gpus_per_node
+        intra = self.intra_gbs or (self.intra.per_gpu_gbs(g) if self.intra else None) or self.gpu.intra_gbs \
+            or link(self.gpu.intra_link).per_gpu_gbs(g)
+        inter = self.inter_gbs or (self.inter.per_gpu_gbs(g) if self.inter else None) or self.gpu.inter_gbs \
+            or link(self.gpu.inter_link).per_gpu_gbs(g)
         peak = self.gpu.tf32_tflops if precision_name == "fp32" else self.gpu.bf16_tflops
-        return Fabric(self.gpus_per_node, intra * calib.comm_efficiency, inter * calib.comm_efficiency, peak)
+        eff = calib.link_efficiency
+        return Fabric(g, intra * eff, inter * eff, peak, self.gpu.mem_bw_tbs)
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,11 @@ class Workload:
     optimizer: str = "adamw"
     checkpoint: str = "none"
     attention: str = "sdpa"
+    ac_every: int = 2  # period of "selective" checkpointing (parallel.ac_every)
+    grad_sync: str = "step"  # when gradients are reduced under accumulation (memory.GRAD_SYNC_MODES)
+    # The training stack's kernels (memory.Kernels): shardwise's by default; other stacks' when
+    # planning their published runs (benchmarks/calibrate_planner.py).
+    kernels: Kernels = SHARDWISE_KERNELS
     safety_margin: float = 0.10
     recipe: str = "RECIPE.toml"
     extra_sets: tuple[str, ...] = ()  # model-selection --set overrides for the printed commands
@@ -85,6 +107,10 @@ class Workload:
             raise unknown_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.checkpoint not in CHECKPOINT_MODES:
             raise unknown_choice("activation checkpointing mode", self.checkpoint, CHECKPOINT_MODES)
+        if self.ac_every < 1:
+            raise ConfigError(f"--ac-every must be >= 1 (checkpoint every k-th block), got {self.ac_every}.")
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise unknown_choice("gradient sync mode", self.grad_sync, GRAD_SYNC_MODES)
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"--margin must be in [0, 1), got {self.safety_margin}.")
 
@@ -113,7 +139,8 @@ class Candidate:
             "strategy": self.layout.strategy, "label": self.name, "dp": self.layout.dp, "tp": self.layout.tp,
             "pp": self.layout.pp, "shard": self.layout.shard, "grad_accum": self.grad_accum,
             "bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "master": m.master,
-                      "activations": m.activations, "transient": m.transient, "total": m.total},
+                      "activations": m.activations, "transient": m.transient, "fragmentation": m.fragmentation,
+                      "allocated": m.allocated, "total": m.total},
             "transient_parts": m.transient_parts, "host_bytes_per_node": m.host_bytes,
             "fits": self.fits, "budget_bytes": int(self.budget_bytes),
             "step_s": t.step_s, "compute_s": t.compute_s, "comm_exposed_s": t.comm_exposed_s,
@@ -132,7 +159,7 @@ class Plan:
     rejected: list[str] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    calibration: Calibration = CALIBRATION
+    calibration: Calibration = field(default_factory=Calibration)
 
 
 def _strategy_for(base: str, tp: int, pp: int, dp: int) -> str:
@@ -210,16 +237,27 @@ def _grad_accum(work: Workload, layout: Layout, world: int) -> tuple[int, str]:
     return accum, note
 
 
+def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
+                      calib: Calibration | None = None) -> StepTime:
+    """Step time of one layout alone (``evaluate`` without the memory model)."""
+    calib = calib or cluster.calibration
+    accum, _ = _grad_accum(work, layout, cluster.world)
+    return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
+                     micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
+                     every=work.ac_every, grad_sync=work.grad_sync, kernels=work.kernels, calib=calib)
+
+
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
-             calib: Calibration = CALIBRATION) -> Candidate:
-    """Memory and time of one layout."""
+             calib: Calibration | None = None) -> Candidate:
+    """Memory and time of one layout (``calib``: the GPU's fitted constants unless given)."""
+    calib = calib or cluster.calibration
     prec = precision(work.precision)
     accum, note = _grad_accum(work, layout, cluster.world)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
-                           attention=work.attention)
-    time = step_time(spec, layout, prec, cluster.fabric(work.precision, calib), seq=work.seq,
-                     micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint, calib=calib)
+                           attention=work.attention, every=work.ac_every, grad_sync=work.grad_sync,
+                           fragmentation=calib.fragmentation, kernels=work.kernels)
+    time = predict_step_time(spec, cluster, work, layout, calib)
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders
@@ -238,6 +276,8 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload) -> list[s
              f"train.grad_accum_steps={cand.grad_accum}"]
     if work.checkpoint != "none":
         sets.append(f"parallel.activation_checkpointing={work.checkpoint}")
+    if work.checkpoint == "selective":
+        sets.append(f"parallel.ac_every={work.ac_every}")
     if lay.tp > 1:
         sets.append(f"parallel.tp={lay.tp}")
     if lay.pp > 1:
@@ -259,13 +299,17 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload) -> list[s
 
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None,
-              pp: int | None = None, calib: Calibration = CALIBRATION) -> Plan:
+              pp: int | None = None, calib: Calibration | None = None) -> Plan:
     """Evaluate every candidate; recommend the fastest one that fits with the safety margin.
 
     "Cheapest" is the highest predicted tokens/s per GPU (the fewest GPU-hours per token) on the
     cluster given; on a tie the simpler strategy (earlier in the list) wins.
     """
+    calib = calib or cluster.calibration
     warnings: list[str] = []
+    if not calib.fitted_runs:
+        warnings.append(f"no published training run calibrates {cluster.gpu.name}: step times use the default "
+                        "constants (docs/planner.md lists the GPUs that are calibrated); memory is unaffected.")
     if not spec.has_structure:
         warnings.append(f"{spec.name}: only a parameter count is known, so activations and the attention "
                         "FLOPs are not modelled (counted as 0). Pass --hf-config, a preset or "

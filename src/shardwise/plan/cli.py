@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -35,7 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--heads", type=int, help="with --params: attention heads")
     m.add_argument("--vocab", type=int, help="with --params: vocabulary size")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default="h100-sxm", help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
+    c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
+    c.add_argument("--gpu-spec", metavar="FILE",
+                   help="a TOML/JSON file describing a GPU not in the catalog (keys: "
+                   f"{', '.join(presets.GPU_SPEC_KEYS)}; 'base' names a catalog GPU to start from)")
+    c.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                   help="override the GPU's memory (e.g. 94 for an H100 NVL, 96 for H100 96GB HBM2e)")
+    c.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
+                   help="override the GPU's dense bf16 peak (e.g. a power-limited part)")
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--intra-link", help=f"intra-node link preset: {', '.join(presets.LINKS)}")
@@ -50,7 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
-    w.add_argument("--checkpoint", default="none", help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)}")
+    w.add_argument("--checkpoint", default="none",
+                   help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
+                   "(as parallel.activation_checkpointing)")
+    w.add_argument("--ac-every", type=int, default=2,
+                   help="with --checkpoint selective: checkpoint every k-th block (parallel.ac_every, default 2)")
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
     w.add_argument("--tp", type=int, help="only consider this tensor-parallel degree")
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
@@ -81,18 +93,28 @@ def _spec_from_args(args: argparse.Namespace) -> tuple[spec.ModelSpec, str, tupl
                                  vocab=args.vocab), "RECIPE.toml", ()
 
 
+def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
+    """The GPU: --gpu-spec FILE or --gpu KIND (not both), then --gpu-memory-gib / --gpu-tflops."""
+    if args.gpu_spec and args.gpu:
+        raise ConfigError("give either --gpu or --gpu-spec, not both (a spec file can start from a catalog "
+                          "GPU with base = \"h100-sxm\").")
+    base = presets.load_gpu_spec(args.gpu_spec) if args.gpu_spec else presets.gpu(args.gpu or "h100-sxm")
+    return presets.customize_gpu(base, memory_gib=args.gpu_memory_gib, tflops=args.gpu_tflops)
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
     model, recipe, sets = _spec_from_args(args)
     cluster = Cluster(
-        gpu=presets.gpu(args.gpu), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+        gpu=gpu_from_args(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
         intra=presets.link(args.intra_link) if args.intra_link else None,
         inter=presets.link(args.inter_link) if args.inter_link else None,
         intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
     seq = args.seq or min(model.max_seq or 2048, 8192)
     work = Workload(seq=seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-                    checkpoint=args.checkpoint, attention=args.attention, safety_margin=args.margin,
+                    checkpoint=args.checkpoint, attention=args.attention, ac_every=args.ac_every,
+                    safety_margin=args.margin,
                     recipe=args.recipe or recipe, extra_sets=sets)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
@@ -106,10 +128,12 @@ def plan_to_dict(plan: Plan) -> dict:
                   "heads": s.n_heads, "kv_heads": s.n_kv_heads, "ffn_hidden": s.ffn_hidden, "vocab": s.vocab,
                   "flops_per_token": flops_per_token(s, w.seq)},
         "cluster": {"gpu": c.gpu.name, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
-                    "memory_gib": c.gpu.memory_gib, "usable_gib": c.usable_gib},
+                    "memory_gib": c.gpu.memory_gib, "usable_gib": c.usable_gib, "bf16_tflops": c.gpu.bf16_tflops,
+                    "mem_bw_tbs": c.gpu.mem_bw_tbs},
         "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "precision": w.precision,
-                     "optimizer": w.optimizer, "checkpoint": w.checkpoint, "safety_margin": w.safety_margin},
-        "calibration": vars(plan.calibration) if hasattr(plan.calibration, "__dict__") else {},
+                     "optimizer": w.optimizer, "checkpoint": w.checkpoint, "ac_every": w.ac_every,
+                     "safety_margin": w.safety_margin},
+        "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],
         "recommended": plan.recommended.name if plan.recommended else None,
         "rejected": plan.rejected, "commands": plan.commands, "warnings": plan.warnings,
@@ -130,14 +154,14 @@ def format_table(plan: Plan) -> str:
         f"checkpointing {w.checkpoint}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token",
         "",
     ]
-    head = ["strategy", "accum", "params", "grads", "optim", "master", "activ", "transient", "total", "fits",
+    head = ["strategy", "accum", "params", "grads", "optim", "master", "activ", "transient", "frag", "total", "fits",
             "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
     rows = [head]
     for cand in plan.candidates:
         m, t = cand.memory, cand.time
         rows.append([cand.name, str(cand.grad_accum)]
                     + [f"{b / GIB:.2f}" for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
-                                                  m.transient, m.total)]
+                                                  m.transient, m.fragmentation, m.total)]
                     + ["yes" if cand.fits else "NO", f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
                        f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
                        f"{t.mfu:.1%}"])
@@ -147,7 +171,12 @@ def format_table(plan: Plan) -> str:
         if i == 0:
             lines.append("  ".join("-" * wd for wd in widths))
     lines.append("(GiB per GPU; transient = all-gather/reduce-scatter/DDP buckets, recompute, pipeline "
-                 "in-flight, logits+loss; step time = compute + exposed comm + bubble)")
+                 "in-flight, logits+loss; frag = caching-allocator overhead; step time = compute + exposed comm "
+                 "+ bubble)")
+    cal = plan.calibration
+    lines.append(f"(calibration {cal.name!r}: matmul {cal.matmul_efficiency:.2f}, attention "
+                 f"{cal.attention_efficiency:.2f}, links {cal.link_efficiency:.2f} of peak; "
+                 + (f"fitted on {cal.fitted_runs} published runs)" if cal.fitted_runs else "not fitted)"))
     lines.append("")
     if plan.recommended:
         r = plan.recommended

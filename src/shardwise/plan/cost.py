@@ -2,16 +2,25 @@
 
 Conventions (also in docs/planner.md):
 
-* FLOPs per token = 6 * N_matmul + 12 * L * (a * d_head) * s: forward + backward = 3 x forward,
-  a multiply-add is 2 FLOPs, embedding look-ups are free (N_matmul = all parameters minus untied
-  input-embedding and position tables; a tied head counts once as a matmul), and the attention
-  score and value products are counted in full, with no halving for the causal mask (the PaLM
-  appendix-B / nanoGPT / Megatron MFU convention). Activation recomputation adds hardware FLOPs
-  but not model FLOPs: MFU always uses model FLOPs.
-* Ring collectives over n ranks of a message of S bytes on a per-GPU, per-direction link of B:
-  all-reduce 2(n-1)/n * S/B; all-gather and reduce-scatter (n-1)/n * S/B; point-to-point S/B.
-  A mesh dimension that fits inside a node uses the intra-node link, otherwise the inter-node one.
-* One calibration set, used for every model and cluster (never tuned per case): see CALIBRATION.
+* Model FLOPs per token = 6 * N_matmul + 12 * L * (a * d_head) * s: forward + backward = 3 x
+  forward, a multiply-add is 2 FLOPs, embedding look-ups are free (N_matmul = all parameters minus
+  untied input-embedding and position tables; a tied head counts once as a matmul), and the
+  attention score and value products are counted in full, with no halving for the causal mask
+  (the PaLM appendix-B / nanoGPT / Megatron MFU convention). MFU always uses model FLOPs.
+* Compute time of a micro-batch has three parts, each at its own rate:
+  matmul FLOPs (recomputed ones included) at ``peak * matmul_efficiency``; attention-core FLOPs at
+  ``peak * attention_efficiency``; and the memory-bound ops (norms, activations, rotary, residual
+  adds, the loss's log-softmax) as bytes moved at the GPU's memory bandwidth, estimated as
+  ``elementwise_passes`` times the bytes those ops save for backward. The last term is why small
+  models and GPUs with a high FLOP/byte ratio (H100) reach a lower MFU than large models on A100.
+* Ring collectives over n ranks of a message of S bytes at bus bandwidth B: all-reduce
+  2(n-1)/n * S/B; all-gather and reduce-scatter (n-1)/n * S/B; point-to-point S/B, plus a hop
+  latency per ring step. B inside a node is the intra-node link; a group spanning nodes uses its
+  members' share of the node's NICs (``Fabric.collective_gbs``: NCCL runs one ring per NIC, so k
+  members per node move data at k NICs' rate), never one GPU's NIC for the whole node.
+* The constants (``Calibration``) are fitted per GPU generation on published training runs by
+  ``benchmarks/calibrate_planner.py`` (data: ``benchmarks/published_runs.json``); the fitted values
+  live in ``CALIBRATIONS`` below. Never tuned per case.
 """
 
 from __future__ import annotations
@@ -19,18 +28,36 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.plan.memory import Layout, Precision
+from shardwise.plan.memory import (
+    REDUCE_BYTES,
+    SHARDWISE_KERNELS,
+    Kernels,
+    Layout,
+    Precision,
+    layer_activation_bytes,
+    outer_activation_bytes,
+    recompute_share,
+)
 from shardwise.plan.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class Calibration:
-    # Fraction of the dense peak that a transformer step's compute reaches once it is not waiting
-    # on communication (kernel efficiency, non-matmul ops, launch gaps). Large-model training
-    # reports 40-55 % MFU on A100/H100 (Megatron-LM, torchtitan); 0.45 sits in that band.
-    achievable_mfu: float = 0.45
-    # Fraction of link bandwidth NCCL reaches on large messages (bus bandwidth / line rate).
-    comm_efficiency: float = 0.75
+    """Constants of the time and memory model for one GPU generation (see CALIBRATIONS)."""
+
+    name: str = "default"
+    # Fraction of the dense peak the GEMMs reach (large training GEMMs: 0.6-0.8 on A100/H100).
+    matmul_efficiency: float = 0.6
+    # Fraction of the dense peak the attention kernels reach, counted on the unhalved FLOPs
+    # (flash kernels skip the masked half, so this can exceed what a GEMM reaches).
+    attention_efficiency: float = 0.5
+    # Fraction of a link's line rate that NCCL reaches (bus bandwidth / line rate).
+    link_efficiency: float = 0.75
+    # Bytes the memory-bound ops move (forward and backward) per byte they save for backward.
+    elementwise_passes: float = 4.0
+    # Caching-allocator overhead: published peaks are reserved memory, the model counts live
+    # tensors; reserved = allocated x (1 + fragmentation).
+    fragmentation: float = 0.05
     # Host-side AdamW for fsdp-offload: bytes of optimizer traffic per second per node
     # (read p, g, m, v and write p, m, v: 28 bytes per fp32 parameter).
     host_optimizer_gbs: float = 25.0
@@ -39,9 +66,31 @@ class Calibration:
     # collectives (TP on a tiny model, FSDP with many units) cost more than their bytes say.
     hop_latency_s: float = 5e-6
     ddp_bucket_bytes: float = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
+    fitted_runs: int = 0  # published runs the constants were fitted on (0: defaults, not fitted)
 
 
-CALIBRATION = Calibration()
+# Fitted by benchmarks/calibrate_planner.py on benchmarks/published_runs.json (run it to
+# reproduce; it prints these lines). Shared constants (attention, elementwise, fragmentation) are
+# fitted jointly over all generations.
+CALIBRATIONS: dict[str, Calibration] = {
+    "a100": Calibration("a100", matmul_efficiency=0.7141, attention_efficiency=0.593, link_efficiency=0.5278,
+                        elementwise_passes=11, fragmentation=0.084, fitted_runs=31),
+    "h100": Calibration("h100", matmul_efficiency=0.5883, attention_efficiency=0.3445, link_efficiency=0.9999,
+                        elementwise_passes=11, fragmentation=0.084, fitted_runs=20),
+}
+
+# GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
+# key): the mean of the fitted generations, flagged as not fitted so `plan` warns.
+DEFAULT_CALIBRATION = Calibration(
+    "default", **{k: sum(getattr(c, k) for c in CALIBRATIONS.values()) / len(CALIBRATIONS)
+                  for k in ("matmul_efficiency", "attention_efficiency", "link_efficiency", "elementwise_passes",
+                            "fragmentation")})
+CALIBRATION = DEFAULT_CALIBRATION  # kept for callers that want the uncalibrated defaults
+
+
+def calibration_for(calibration_key: str) -> Calibration:
+    """The fitted constants for a GPU's ``calibration`` key ("" or unknown: the defaults)."""
+    return CALIBRATIONS.get(calibration_key, DEFAULT_CALIBRATION)
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -49,16 +98,30 @@ def matmul_params(spec: ModelSpec) -> int:
     return spec.n_params - spec.embedding_params()
 
 
+def block_matmul_params(spec: ModelSpec) -> int:
+    """Matmul parameters inside the repeated blocks (what checkpointing recomputes)."""
+    if spec.params:
+        return spec.block_matrix_params
+    return max(matmul_params(spec) - (0 if spec.tied_embeddings else (spec.vocab or 0) * (spec.hidden or 0)), 0)
+
+
+def attention_flops_per_token(spec: ModelSpec, seq: int) -> float:
+    """Training FLOPs of the attention core per token: 3 x (QK^T + AV) = 12 * L * a * d * s."""
+    if not spec.has_structure:
+        return 0.0
+    return 12.0 * (spec.n_layers or 0) * (spec.n_heads or 0) * spec.dim_head * seq
+
+
 def flops_per_token(spec: ModelSpec, seq: int) -> float:
     """Model training FLOPs per token: 6 * N_matmul plus the full (unhalved) attention term."""
-    attn = 12.0 * (spec.n_layers or 0) * (spec.n_heads or 0) * spec.dim_head * seq if spec.has_structure else 0.0
-    return 6.0 * matmul_params(spec) + attn
+    return 6.0 * matmul_params(spec) + attention_flops_per_token(spec, seq)
 
 
-def hardware_flops_per_token(spec: ModelSpec, seq: int, checkpoint: str) -> float:
-    """FLOPs actually executed: full checkpointing re-runs each block's forward (+1/3)."""
-    base = flops_per_token(spec, seq)
-    return base * 4 / 3 if checkpoint == "full" else base
+def hardware_flops_per_token(spec: ModelSpec, seq: int, checkpoint: str, every: int = 2) -> float:
+    """FLOPs actually executed: model FLOPs plus the forward work checkpointing repeats."""
+    share = recompute_share(spec, checkpoint, every)
+    return (flops_per_token(spec, seq) + 2.0 * block_matmul_params(spec) * share.matmul
+            + attention_flops_per_token(spec, seq) / 3 * share.attention)
 
 
 def all_reduce_s(n: int, size_bytes: float, gbs: float, calls: float = 0, alpha_s: float = 0.0) -> float:
@@ -73,16 +136,34 @@ def all_gather_s(n: int, size_bytes: float, gbs: float, calls: float = 0, alpha_
 
 @dataclass(frozen=True)
 class Fabric:
-    """Link bandwidths one rank sees (per GPU, per direction, GB/s), already scaled by efficiency."""
+    """What one rank sees: link bandwidths (GB/s per GPU per direction, after efficiency), peaks."""
 
     gpus_per_node: int
     intra_gbs: float
-    inter_gbs: float
+    nic_gbs: float  # this GPU's share of its node's inter-node bandwidth
     peak_tflops: float
+    mem_bw_tbs: float = 2.0
+
+    @property
+    def inter_gbs(self) -> float:
+        return self.nic_gbs
+
+    def collective_gbs(self, group: int, stride: int) -> float:
+        """Bus bandwidth of a ring collective over ``group`` ranks ``stride`` ranks apart.
+
+        Inside a node: the intra-node link. Across nodes: NCCL builds one ring per NIC, so the
+        k members of the group on each node move data at k NICs' rate (k = gpus_per_node / stride,
+        at most the group size), capped by the intra-node link the rings also cross. A data-parallel
+        group of one rank per node (stride >= gpus_per_node, e.g. under TP 8) gets one NIC.
+        """
+        if group * stride <= self.gpus_per_node:
+            return self.intra_gbs
+        per_node = max(1, min(group, self.gpus_per_node // max(stride, 1)))
+        return min(self.intra_gbs, per_node * self.nic_gbs)
 
     def link_for(self, group: int, stride: int) -> float:
-        """Bandwidth of a group of ``group`` ranks ``stride`` apart: intra-node if it fits in a node."""
-        return self.intra_gbs if group * stride <= self.gpus_per_node else self.inter_gbs
+        """Alias of ``collective_gbs`` (older name)."""
+        return self.collective_gbs(group, stride)
 
 
 @dataclass
@@ -109,16 +190,41 @@ class StepTime:
         return self.model_flops_per_token * self.tokens_per_s_per_gpu / (self.peak_tflops * 1e12)
 
 
+def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
+                          checkpoint: str, every: int, calib: Calibration, tp: int = 1, pp: int = 1,
+                          kernels: Kernels = SHARDWISE_KERNELS) -> float:
+    """Seconds one GPU computes on one micro-batch (its 1/(tp*pp) share of the replica's work)."""
+    tokens = seq * micro_batch
+    peak = fabric.peak_tflops * 1e12
+    share = recompute_share(spec, checkpoint, every)
+    attn = attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
+    matmul = hardware_flops_per_token(spec, seq, checkpoint, every) - attn
+    t = tokens * (matmul / (peak * calib.matmul_efficiency) + attn / (peak * calib.attention_efficiency))
+    if spec.has_structure:
+        # Memory-bound ops: proportional to what they save for backward (per block and the loss),
+        # and repeated for the recomputed share of the forward.
+        layer = layer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
+        outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
+        moved = calib.elementwise_passes * ((spec.n_layers or 0) * layer * (1 + share.elementwise / 3) + outer)
+        t += moved / (fabric.mem_bw_tbs * 1e12)
+    return t / (tp * pp)
+
+
 def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
-              grad_accum: int, checkpoint: str = "none", offload_state_bytes: int = 0,
-              calib: Calibration = CALIBRATION) -> StepTime:
-    """Predicted time of one optimizer step (``grad_accum`` micro-batches per data-parallel replica)."""
+              grad_accum: int, checkpoint: str = "none", every: int = 2, grad_sync: str = "step",
+              kernels: Kernels = SHARDWISE_KERNELS, offload_state_bytes: int = 0,
+              calib: Calibration = DEFAULT_CALIBRATION) -> StepTime:
+    """Predicted time of one optimizer step (``grad_accum`` micro-batches per data-parallel replica).
+
+    ``grad_sync`` "step" reduces gradients once per step (shardwise's no_sync); "microbatch"
+    reduce-scatters after every micro-batch (FSDP1 / torchtitan). ``kernels`` describes the stack
+    (memory.Kernels; shardwise's by default: TP collectives do not overlap the matmuls).
+    """
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     tokens_micro = seq * micro_batch
-    peak = fabric.peak_tflops * 1e12
-    # Each GPU does 1/(tp*pp) of its replica's FLOPs (layers split across stages, matmuls across TP).
-    flops_micro = hardware_flops_per_token(spec, seq, checkpoint) * tokens_micro / (tp * pp)
-    compute_micro = flops_micro / (peak * calib.achievable_mfu)
+    compute_micro = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch,
+                                          checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
+                                          kernels=kernels)
     compute = compute_micro * grad_accum
 
     # Mesh order, innermost first: tp (stride 1), then the data-parallel dims, then pp.
@@ -132,7 +238,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     else:
         shard, replicate = (dp, 1) if sharding in ("fsdp", "zero2") else (1, dp)
     if sharding in ("replicate", "zero1") and dp > 1:
-        bw = fabric.link_for(dp, tp)
+        bw = fabric.collective_gbs(dp, tp)
         grad_bytes = prec.grad * local_params
         ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
         # Gradients sync once per step (no_sync during accumulation); DDP overlaps the all-reduce
@@ -144,17 +250,25 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
             exposed += bc
             total += bc
     if sharding in ("zero2", "fsdp") and shard > 1:
-        bw = fabric.link_for(shard, tp)
-        gathers = 1 if sharding == "zero2" else 2  # zero2 keeps params unsharded through backward
-        per_micro = (gathers * all_gather_s(shard, prec.param * local_params, bw, units, alpha)
-                     + all_gather_s(shard, prec.grad * local_params, bw, units, alpha))
-        # Prefetching overlaps the collectives with compute; the first unit's gather cannot be hidden.
+        bw = fabric.collective_gbs(shard, tp)
+        gather = all_gather_s(shard, prec.param * local_params, bw, units, alpha)
+        scatter = all_gather_s(shard, REDUCE_BYTES * local_params, bw, units, alpha)
+        if pp > 1:
+            # Under a pipeline schedule the stage stays unsharded from its first forward to the
+            # step (torch.distributed.pipelining): one gather and one reduce-scatter per step.
+            comm, gathers_per_micro = gather + scatter, 0.0
+        else:
+            gathers_per_micro = 1 if sharding == "zero2" else 2  # zero2 keeps params through backward
+            scatters = grad_accum if grad_sync == "microbatch" else 1
+            comm = grad_accum * gathers_per_micro * gather + scatters * scatter
+        # Prefetching overlaps the collectives with compute; the first unit's gather of each
+        # micro-batch cannot be hidden.
         first_unit = all_gather_s(shard, prec.param * spec.largest_unit_params() / tp, bw, 1, alpha)
-        exposed += grad_accum * (max(0.0, per_micro - compute_micro) + first_unit)
-        total += grad_accum * per_micro
+        exposed += max(0.0, comm - compute) + (grad_accum if gathers_per_micro else 1) * first_unit
+        total += comm
         if replicate > 1:  # HSDP: all-reduce of the shard across replicas, once per step
-            ar = all_reduce_s(replicate, prec.grad * local_params / shard, fabric.link_for(replicate, tp * shard),
-                              units, alpha)
+            ar = all_reduce_s(replicate, REDUCE_BYTES * local_params / shard,
+                              fabric.collective_gbs(replicate, tp * shard), units, alpha)
             exposed += max(0.0, ar - compute_micro * 2 / 3)
             total += ar
     if layout.offload:
@@ -168,22 +282,23 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         total += h2d
     if tp > 1 and spec.has_structure:
         # Megatron TP(+SP): per block, 2 all-reduces (or all-gather + reduce-scatter pairs, same
-        # volume) in forward and 2 in backward, plus 2 more when the forward is recomputed.
+        # volume) in forward and 2 in backward, plus the forward's again where it is recomputed.
         act = tokens_micro * (spec.hidden or 0) * prec.act
-        per_layer = (6 if checkpoint == "full" else 4) * all_reduce_s(tp, act, fabric.link_for(tp, 1), 1, alpha)
+        redo = recompute_share(spec, checkpoint, every).tp_collectives
+        per_layer = (4 + 2 * redo) * all_reduce_s(tp, act, fabric.collective_gbs(tp, 1), 1, alpha)
         tp_s = grad_accum * per_layer * math.ceil((spec.n_layers or 1) / pp)
-        exposed += tp_s
+        exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
         total += tp_s
     bubble = 0.0
     if pp > 1:
         # Activations cross each stage boundary forward and gradients backward, per micro-batch.
         act = tokens_micro * (spec.hidden or 0) * prec.act
-        p2p = grad_accum * 2 * (act / (fabric.link_for(pp, tp * dp) * 1e9) + alpha)
+        p2p = grad_accum * 2 * (act / (fabric.collective_gbs(pp, tp * dp) * 1e9) + alpha)
         exposed += p2p
         total += p2p
-        # 1F1B / GPipe idle fraction (p-1)/(m+p-1) of the step; interleaved with v chunks per rank:
+        # 1F1B / GPipe idle fraction (p-1)/(m+p-1) of the step; interleaved with v stages per rank:
         # (p-1)/(v*m+p-1). Equivalently, idle time = compute * (p-1)/(v*m).
-        v = layout.virtual_stages
+        v = max(1, int(getattr(layout, "pp_stages_per_rank", getattr(layout, "virtual_stages", 1)) or 1))
         bubble = compute * (pp - 1) / (v * grad_accum)
     tokens_per_step = tokens_micro * grad_accum * dp
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,

@@ -15,6 +15,7 @@ Model state (conventions; see docs/planner.md for the derivation and the measure
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -41,7 +42,46 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
-CHECKPOINT_MODES = ("none", "selective", "full")
+# The runtime's parallel.activation_checkpointing modes (parallel/checkpointing.py): "selective"
+# checkpoints every ac_every-th block, "selective-op" is torchtitan's per-op policy on every block.
+CHECKPOINT_MODES = ("none", "selective", "selective-op", "full")
+# "step": gradients are reduced once per optimizer step (shardwise's no_sync under accumulation:
+# FSDP keeps unsharded fp32 gradients until the last micro-batch); "microbatch": reduced after
+# every micro-batch (FSDP1 in Composer/llm-foundry, torchtitan).
+GRAD_SYNC_MODES = ("step", "microbatch")
+LOSS_KINDS = ("torch", "fused")
+NORM_KINDS = ("eager", "fused")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How the training stack implements the pieces whose bytes and time differ between stacks.
+
+    The defaults are shardwise's own runtime; the other values describe published runs of other
+    stacks (benchmarks/published_runs.json) so the same model can be checked against them.
+
+    * ``loss``: "torch" is F.cross_entropy on fp32-upcast logits (log_softmax keeps an fp32 copy,
+      backward makes another); "fused" a fused cross-entropy kernel (flash-attn's, Liger) that keeps
+      the logits and a per-token log-sum-exp and writes the gradient in place.
+    * ``norm``: "eager" is RMSNorm written in PyTorch ops (HF, torchtitan's default: keeps an fp32
+      copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
+      its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
+    * ``tp_overlap``: TP collectives overlap the matmuls (Megatron's --tp-comm-overlap, async TP).
+    """
+
+    loss: str = "torch"
+    norm: str = "eager"
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
+        if self.norm not in NORM_KINDS:
+            raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+
+
+SHARDWISE_KERNELS = Kernels()
+REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
 STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)
 
 
@@ -126,15 +166,18 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         lo, hi = stage * per_stage, min(n_layers, (stage + 1) * per_stage)
         first, last = stage == 0, stage == layout.pp - 1
 
-        def on_stage(p: ParamInfo) -> bool:
-            if p.unit != ROOT_UNIT:
-                return lo <= p.unit < hi
+        def root_on_stage(p: ParamInfo) -> bool:
             is_embedding = "emb" in p.name or ".wte." in p.name or ".wpe." in p.name
             # Embeddings live on the first stage, final norm and head on the last; a tied
             # embedding is duplicated on both (as Megatron does).
             return (first and is_embedding) or (last and (not is_embedding or spec.tied_embeddings))
 
-        params = [p for p in params if on_stage(p)]
+        # Positions by unit (cached on the spec), so a stage costs its own tensors, not the model's.
+        positions = spec.unit_positions
+        picked = [i for i in positions.get(ROOT_UNIT, []) if root_on_stage(params[i])]
+        for unit in range(lo, hi):
+            picked += positions.get(unit, [])
+        params = [params[i] for i in sorted(picked)]  # registration order (ZeRO-1 ties depend on it)
     if layout.tp > 1:
         # Matrices are split tp ways (column- or row-wise, vocab-parallel embeddings); vectors
         # (norm weights, most biases) are replicated. Modelled as a dim-0 split.
@@ -150,12 +193,14 @@ def zero1_partition(numels: list[int], world: int) -> list[list[int]]:
     goes to the rank with the smallest total so far (lowest rank on ties).
     """
     order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
-    sizes = [0] * world
+    # A heap of (total so far, rank): the smallest total, lowest rank on ties, in O(log world)
+    # (a 512-rank group would otherwise cost seconds per planned candidate).
+    heap = [(0, r) for r in range(world)]
     owned: list[list[int]] = [[] for _ in range(world)]
     for i in order:
-        rank = sizes.index(min(sizes))
+        size, rank = heapq.heappop(heap)
         owned[rank].append(i)
-        sizes[rank] += numels[i]
+        heapq.heappush(heap, (size + numels[i], rank))
     return owned
 
 
@@ -176,30 +221,37 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
         candidates = [0] if layout.sharding != "zero1" else range(layout.dp)
         best = StateBytes()
         for stage in range(layout.pp):
+            params = _local_params(spec, layout, stage)
+            numels = [p.numel for p in params]
+            owned = zero1_partition(numels, layout.dp) if layout.sharding == "zero1" else None
             for r in candidates:
-                sb = _state_bytes_one(spec, layout, prec, optimizer, r, stage)
+                sb = _state_bytes_one(spec, layout, prec, optimizer, r, params, owned, numels)
                 if sb.total > best.total:
                     best = sb
         return best
-    return _state_bytes_one(spec, layout, prec, optimizer, rank, 0)
+    return _state_bytes_one(spec, layout, prec, optimizer, rank, _local_params(spec, layout, 0))
 
 
-def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
-                     rank: int, stage: int) -> StateBytes:
-    params = _local_params(spec, layout, stage)
+def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
+                     params: list[ParamInfo], zero1_owned: list[list[int]] | None = None,
+                     numels: list[int] | None = None) -> StateBytes:
     step = _step_bytes(optimizer)
     out = StateBytes()
     if layout.sharding in ("replicate", "zero1"):
-        numels = [p.numel for p in params]
-        out.params = prec.param * sum(numels)
-        out.grads = prec.grad * sum(numels)
+        numels = numels if numels is not None else [p.numel for p in params]
+        total = sum(numels)
+        out.params = prec.param * total
+        out.grads = prec.grad * total
         if layout.sharding == "zero1" and not spec.params:
             # Bare count: no tensor boundaries known, so assume an even split of the flat state.
             share = math.ceil(numels[0] / layout.dp)
             out.optimizer = optimizer_state_bytes((share,), optimizer) + step
             out.master = prec.master * share
             return out
-        owned = range(len(params)) if layout.sharding == "replicate" else zero1_partition(numels, layout.dp)[rank]
+        if layout.sharding == "replicate":
+            owned: range | list[int] = range(len(params))
+        else:
+            owned = (zero1_owned or zero1_partition(numels, layout.dp))[rank]
         for i in owned:
             out.optimizer += optimizer_state_bytes(params[i].shape, optimizer) + step
             out.master += prec.master * numels[i]
@@ -225,13 +277,13 @@ class ActivationBytes:
     """Bytes one rank keeps for backward for ONE micro-batch, and the extra peak while recomputing."""
 
     saved: int
-    recompute_peak: int  # one block's full activations, live while it is recomputed (AC modes)
+    recompute_peak: int  # what one block rematerialises while it is recomputed (AC modes)
     per_layer_full: int  # one block's activations without checkpointing
     outer: int  # embeddings, final norm and loss, outside the blocks
 
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           sp: bool = True, attention: str = "sdpa") -> int:
+                           sp: bool = True, attention: str = "sdpa", kernels: Kernels = SHARDWISE_KERNELS) -> int:
     """Bytes one transformer block saves for backward (no checkpointing), from its structure.
 
     Korthikanti et al. 2022, eq. (1)-(2): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations with
@@ -267,7 +319,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         norm_region = 4 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN in/out x2, fp32 stats, residual-dropout masks
         inner = (qd + 2 * kvd + qd + 2 * f) * e  # q, k, v, attention out, fc out, GELU out
     else:
-        norm_region = 2 * (4 * h + 2 * h * e + 4)  # two RMSNorms
+        # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
+        # a fused kernel keeps its input, the output and rstd.
+        norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
         inner = (2 * qd + 2 * kvd + 4 * f) * e  # rotated q, k, v, attention out, 4 MLP tensors
     if attention == "sdpa":
         inner += 4 * a  # fp32 log-sum-exp per head
@@ -291,8 +345,10 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 
 def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           first_stage: bool = True, last_stage: bool = True) -> int:
-    """Bytes saved outside the blocks: token ids, rotary tables, final norm, fp32 log-softmax of the loss."""
+                           first_stage: bool = True, last_stage: bool = True,
+                           kernels: Kernels = SHARDWISE_KERNELS) -> int:
+    """Bytes saved outside the blocks: token ids, rotary tables, final norm, and what the loss keeps
+    (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token)."""
     if not spec.has_structure:
         return 0
     assert spec.hidden and spec.vocab
@@ -301,34 +357,124 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     if first_stage:
         total += 8 * tokens + (8 * seq if spec.learned_positions else 2 * seq * spec.dim_head * e)
     if last_stage:
-        final_norm = 2 * h * e + 8 if spec.arch == "gpt" else 4 * h + 2 * h * e + 4
+        final_norm = 2 * h * e + 8 if spec.arch == "gpt" else (
+            4 * h + 2 * h * e + 4 if kernels.norm == "eager" else 2 * h * e + 4)
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
-        # under TP).
-        total += tokens * (final_norm + 4 * spec.vocab // tp)
+        # under TP); a fused loss keeps the logits themselves instead.
+        kept = 4 * spec.vocab // tp if kernels.loss == "torch" else e * spec.vocab // tp + 4
+        total += tokens * (final_norm + kept)
     return total
+
+
+def block_matmuls(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
+    """The block's matmuls in execution order: (name, in features, out features, row-parallel under TP).
+
+    The order matters for ``selective-op``, which keeps every other matmul output (the 1st, 3rd, ...).
+    """
+    assert spec.hidden and spec.ffn_hidden
+    h, f = spec.hidden, spec.ffn_hidden
+    qd, kvd = (spec.n_heads or 0) * spec.dim_head, spec.kv_heads * spec.dim_head
+    attn = [("q", h, qd, False), ("k", h, kvd, False), ("v", h, kvd, False), ("o", qd, h, True)]
+    if spec.arch == "gpt":
+        return attn + [("fc", h, f, False), ("proj", f, h, True)]
+    return attn + [("gate", h, f, False), ("up", h, f, False), ("down", f, h, True)]
+
+
+def op_sac_saved(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
+    """The matmuls whose outputs ``selective-op`` keeps: the 1st, 3rd, 5th, ... of the block."""
+    return block_matmuls(spec)[0::2]
+
+
+def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
+                       sp: bool = True) -> int:
+    """Bytes one block keeps under ``selective-op`` (torchtitan's per-op policy), per micro-batch.
+
+    The checkpoint keeps the block's input; the policy keeps the outputs of every other matmul
+    and of the attention kernel (its output and fp32 log-sum-exp per head); everything else is
+    recomputed in backward. Under TP a column-parallel output is 1/tp of its width, a row-parallel
+    one is the full-width partial sum (plus, with sequence parallelism, the reduce-scatter output
+    that the policy also keeps).
+    """
+    if not spec.has_structure:
+        return 0
+    assert spec.hidden and spec.n_heads
+    h, e, a = spec.hidden, act_bytes, spec.n_heads
+    qd = a * spec.dim_head
+    per_token = h * e / (tp if sp else 1)  # the block input (sequence-sharded under SP)
+    for _name, _in, out, row_parallel in op_sac_saved(spec):
+        if row_parallel:
+            per_token += out * e + (h * e / tp if sp and tp > 1 else 0)
+        else:
+            per_token += out * e / tp
+    per_token += (qd * e + 4 * a) / tp  # attention output and its log-sum-exp
+    return math.ceil(seq * micro_batch * per_token)
+
+
+def checkpointed_blocks(n_layers: int, checkpoint: str, every: int = 2) -> int:
+    """How many of ``n_layers`` blocks the mode wraps (``selective``: blocks every-1, 2*every-1, ...)."""
+    if checkpoint == "none":
+        return 0
+    if checkpoint == "selective":
+        return n_layers // max(every, 1)
+    return n_layers
+
+
+@dataclass(frozen=True)
+class RecomputeShare:
+    """Fractions of the blocks' forward work done a second time in backward, by kind of work."""
+
+    matmul: float  # of the blocks' matmul FLOPs
+    attention: float  # of the attention-core FLOPs
+    elementwise: float  # of the memory-bound (norm, activation, rotary, residual) traffic
+    tp_collectives: float  # of the forward's TP/SP collectives, re-run during recomputation
+
+
+def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> RecomputeShare:
+    """What each checkpointing mode recomputes (``full``: the whole forward of every block)."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
+    layers = spec.n_layers or 1
+    if checkpoint == "none":
+        return RecomputeShare(0.0, 0.0, 0.0, 0.0)
+    if checkpoint in ("full", "selective"):
+        share = checkpointed_blocks(layers, checkpoint, every) / layers
+        return RecomputeShare(share, share, share, share)
+    if not spec.has_structure:
+        return RecomputeShare(0.5, 0.0, 1.0, 0.5)
+    mms = block_matmuls(spec)
+    total = sum(i * o for _, i, o, _ in mms)
+    kept = sum(i * o for _, i, o, _ in op_sac_saved(spec))
+    # Attention output is kept; every non-saved elementwise op is recomputed; the input
+    # all-gathers of the recomputed column-parallel matmuls run again, the reduce-scatters do not.
+    return RecomputeShare((total - kept) / total, 0.0, 1.0, 0.5)
 
 
 def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, checkpoint: str = "none",
                      tp: int = 1, sp: bool = True, attention: str = "sdpa", n_layers: int | None = None,
-                     first_stage: bool = True, last_stage: bool = True) -> ActivationBytes:
-    """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all)."""
+                     first_stage: bool = True, last_stage: bool = True, every: int = 2,
+                     kernels: Kernels = SHARDWISE_KERNELS) -> ActivationBytes:
+    """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all).
+
+    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``kernels`` the stack (Kernels).
+    """
     if checkpoint not in CHECKPOINT_MODES:
         raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
     layers = (spec.n_layers or 0) if n_layers is None else n_layers
-    full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention)
+    full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
+                                  kernels=kernels)
     outer = outer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, first_stage=first_stage,
-                                   last_stage=last_stage)
+                                   last_stage=last_stage, kernels=kernels)
     if checkpoint == "none":
         return ActivationBytes(layers * full + outer, 0, full, outer)
-    if checkpoint == "full":
-        # Only each block's input survives the forward (split tp ways under sequence parallelism).
-        kept = seq * micro_batch * (spec.hidden or 0) * act_bytes // (tp if sp else 1)
-        return ActivationBytes(layers * kept + outer, full, full, outer)
-    # selective: drop only the attention core (softmax and its dropout), which the flash/SDPA path
-    # never stores in the first place.
-    core = full - layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention="sdpa")
-    core = max(core, 0)
-    return ActivationBytes(layers * (full - core) + outer, core, full, outer)
+    if checkpoint == "selective-op":
+        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp)
+        # Backward of one block rematerialises what the policy did not keep.
+        return ActivationBytes(layers * kept + outer, max(full - kept, 0), full, outer)
+    # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism).
+    kept = seq * micro_batch * (spec.hidden or 0) * act_bytes // (tp if sp else 1)
+    wrapped = checkpointed_blocks(layers, checkpoint, every)
+    saved = wrapped * kept + (layers - wrapped) * full + outer
+    return ActivationBytes(saved, full if wrapped else 0, full, outer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +483,11 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
 
 @dataclass
 class MemoryBreakdown:
-    """Per-GPU bytes of one candidate, by category. ``transient`` details its parts."""
+    """Per-GPU bytes of one candidate, by category. ``transient`` details its parts.
+
+    ``fragmentation`` is the caching allocator's overhead over the live tensors (reserved minus
+    allocated, what published "peak memory" figures include), a calibrated fraction of the rest.
+    """
 
     params: int
     grads: int
@@ -347,29 +497,43 @@ class MemoryBreakdown:
     transient: int
     transient_parts: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0  # per node, for fsdp-offload
+    fragmentation: int = 0
+
+    @property
+    def allocated(self) -> int:
+        """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports)."""
+        return self.params + self.grads + self.optimizer + self.master + self.activations + self.transient
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master + self.activations + self.transient
+        """Peak reserved bytes: live tensors plus the allocator's fragmentation."""
+        return self.allocated + self.fragmentation
 
 
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
-                     attention: str = "sdpa") -> MemoryBreakdown:
-    """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage)."""
+                     attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
+                     fragmentation: float = 0.0, kernels: Kernels = SHARDWISE_KERNELS) -> MemoryBreakdown:
+    """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage).
+
+    ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
+    reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
+    """
     if layout.tp > 1 and spec.n_heads and spec.n_heads % layout.tp:
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {spec.n_heads} attention "
                           f"heads of {spec.name}; use a divisor of {spec.n_heads}.")
     if layout.pp > 1 and spec.n_layers and layout.pp > spec.n_layers:
         raise ConfigError(f"{layout.pp} pipeline stages but {spec.name} has only {spec.n_layers} layers; "
                           f"use at most {spec.n_layers} stages.")
+    if grad_sync not in GRAD_SYNC_MODES:
+        raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
     state = state_bytes(spec, layout, prec, optimizer)
     layers_here = math.ceil((spec.n_layers or 1) / layout.pp)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
     # micro-batches in flight. With one stage, both ends are local.
     act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                            attention=attention, n_layers=layers_here, first_stage=True,
-                           last_stage=layout.pp == 1)
+                           last_stage=layout.pp == 1, every=every, kernels=kernels)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     if layout.tp > 1:
@@ -379,21 +543,33 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
         # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).
         parts["ddp buckets"] = prec.grad * full_local
+    elif layout.sharding in ("zero2", "fsdp") and layout.pp > 1:
+        # torch.distributed.pipelining keeps each stage unsharded for the whole schedule
+        # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
+        # the last micro-batch (set_requires_gradient_sync(False)).
+        parts["unsharded stage params (pp schedule)"] = prec.param * full_local
+        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * full_local
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
-        parts["reduce-scatter (1 unit)"] = prec.grad * unit
+        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
     elif layout.sharding == "fsdp":
         parts["all-gather (2 units, prefetch)"] = 2 * prec.param * unit
-        parts["reduce-scatter (1 unit)"] = prec.grad * unit
+        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
+    if layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step":
+        # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
+        # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
+        parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * full_local
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
-        in_flight = min(layout.pp, grad_accum) if layout.pipeline_schedule != "gpipe" else grad_accum
+        schedule = getattr(layout, "pp_schedule", getattr(layout, "pipeline_schedule", "1f1b"))
+        in_flight = min(layout.pp, grad_accum) if schedule != "gpipe" else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
-    if spec.has_structure and spec.vocab:
-        # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient.
+    if spec.has_structure and spec.vocab and kernels.loss == "torch":
+        # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
+        # loss keeps the logits, counted with the activations, and writes the gradient in place.)
         parts["logits + loss"] = seq * micro_batch * (spec.vocab // layout.tp) * (prec.act + 4)
     host = 0
     params, grads, opt, master = state.params, state.grads, state.optimizer, state.master
@@ -401,4 +577,6 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # CPUOffloadPolicy: sharded params, grads and optimizer state live in (pinned) host RAM.
         host = state.total * gpus_per_node
         params = grads = opt = master = 0
-    return MemoryBreakdown(params, grads, opt, master, act.saved, sum(parts.values()), parts, host)
+    out = MemoryBreakdown(params, grads, opt, master, act.saved, sum(parts.values()), parts, host)
+    out.fragmentation = math.ceil(fragmentation * out.allocated)
+    return out

@@ -2,21 +2,30 @@
 
 Figures are vendor datasheet numbers (dense, i.e. without 2:4 sparsity). Memory is what the
 device reports to the framework, in GiB. Link bandwidths are per GPU and per direction, in GB/s
-(1e9 bytes/s), because that is what a ring collective is limited by.
+(1e9 bytes/s): an inter-node link is one GPU's share of its node's NICs (the node aggregate is
+gpus_per_node times it; see cost.Fabric for how collectives use it).
+
+GPUs not in the catalog (another memory size, a power-limited part) are described with
+``gpu_from_dict``/``load_gpu_spec`` (``--gpu-spec FILE``) or ``customize_gpu``
+(``--gpu-memory-gib``, ``--gpu-tflops``).
 """
 
 from __future__ import annotations
 
+import json
+import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
-from shardwise.errors import unknown_choice
+from shardwise.errors import ConfigError, unknown_choice
 from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from_llama_like
 
 
 def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
     def build() -> ModelSpec:
-        from shardwise.models.gpt import GPT_PRESETS
+        from shardwise.models.gpt_config import GPT_PRESETS  # torch-free: plan stays fast
 
         return from_gpt_config(GPT_PRESETS[size], name=f"gpt-{size}")
 
@@ -68,7 +77,12 @@ def model_preset(name: str) -> ModelSpec:
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator: memory, dense 16-bit tensor peak, memory bandwidth, default links."""
+    """One accelerator: memory, dense 16-bit tensor peak, memory bandwidth, default links.
+
+    ``calibration`` names the fitted constants (``cost.CALIBRATIONS``) that apply: the GPU
+    generation whose published runs calibrate it, or "" for none (the default constants).
+    ``intra_gbs``/``inter_gbs`` override the link presets (GB/s per GPU per direction).
+    """
 
     name: str
     memory_gib: float
@@ -77,6 +91,9 @@ class GPU:
     intra_link: str  # default intra-node link preset
     inter_link: str  # default inter-node link preset
     host_ram_gib: float = 1024.0  # typical host RAM per node in servers carrying this GPU
+    calibration: str = ""
+    intra_gbs: float | None = None
+    inter_gbs: float | None = None
 
     @property
     def tf32_tflops(self) -> float:
@@ -85,11 +102,14 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048),
-    "h100-pcie": GPU("h100-pcie", 80, 756, 2.0, "pcie5", "ib-ndr", 1024),
-    "h200": GPU("h200", 141, 989, 4.8, "nvlink4", "ib-ndr", 2048),
-    "a100-40gb": GPU("a100-40gb", 40, 312, 1.555, "nvlink3", "ib-hdr", 1024),
-    "a100-80gb": GPU("a100-80gb", 80, 312, 2.039, "nvlink3", "ib-hdr", 2048),
+    "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048, "h100"),
+    # Same Hopper architecture at 350 W: the H100 constants are applied to its own datasheet peak.
+    "h100-pcie": GPU("h100-pcie", 80, 756, 2.0, "pcie5", "ib-ndr", 1024, "h100"),
+    # Same GH100 compute as the H100 SXM (989 TFLOPS), more and faster memory: no published bf16
+    # run without float8/compile to fit on, so it uses the H100 constants (see docs/planner.md).
+    "h200": GPU("h200", 141, 989, 4.8, "nvlink4", "ib-ndr", 2048, "h100"),
+    "a100-40gb": GPU("a100-40gb", 40, 312, 1.555, "nvlink3", "ib-hdr", 1024, "a100"),
+    "a100-80gb": GPU("a100-80gb", 80, 312, 2.039, "nvlink3", "ib-hdr", 2048, "a100"),
     "l40s": GPU("l40s", 48, 362, 0.864, "pcie4", "ethernet-100g", 512),
     "rtx-4090": GPU("rtx-4090", 24, 165, 1.008, "pcie4", "ethernet-100g", 256),
     "mi300x": GPU("mi300x", 192, 1307, 5.3, "infinity-fabric", "ib-ndr", 2048),
@@ -107,6 +127,86 @@ def gpu(name: str) -> GPU:
     if key not in GPUS:
         raise unknown_choice("GPU kind", name, [*GPUS, *GPU_ALIASES])
     return GPUS[key]
+
+
+# Keys a --gpu-spec file may hold, with what each means (also the error message's list).
+GPU_SPEC_KEYS = {
+    "base": "a catalog GPU whose values the others override (e.g. \"h100-sxm\")",
+    "name": "a label for the output",
+    "memory_gib": "memory the framework can use, GiB",
+    "bf16_tflops": "dense bf16 tensor-core peak, TFLOPS",
+    "mem_bw_tbs": "memory bandwidth, TB/s",
+    "intra_link": "intra-node link preset", "inter_link": "inter-node link preset",
+    "intra_gbs": "intra-node GB/s per GPU per direction",
+    "inter_gbs": "inter-node (NIC) GB/s per GPU per direction",
+    "host_ram_gib": "host RAM per node, GiB",
+    "calibration": "whose fitted constants apply: a100, h100, or \"\" for the defaults",
+}
+
+
+def gpu_from_dict(raw: dict[str, Any], where: str) -> GPU:
+    """A GPU described by a dict (a --gpu-spec file): ``base`` plus overrides, or every field."""
+    unknown = sorted(set(raw) - set(GPU_SPEC_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}. Allowed: "
+                          + "; ".join(f"{k} ({v})" for k, v in GPU_SPEC_KEYS.items()) + ".")
+    values = {k: v for k, v in raw.items() if k != "base"}
+    for key in ("memory_gib", "bf16_tflops", "mem_bw_tbs", "intra_gbs", "inter_gbs", "host_ram_gib"):
+        if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int | float)
+                              or values[key] <= 0):
+            raise ConfigError(f"{where}: {key} must be a positive number ({GPU_SPEC_KEYS[key]}), "
+                              f"got {values[key]!r}.")
+    for key in ("intra_link", "inter_link"):
+        if key in values:
+            link(str(values[key]))  # raises with the list of presets
+    if "calibration" in values and values["calibration"] not in ("", *CALIBRATION_KEYS):
+        raise ConfigError(f"{where}: calibration must be one of {', '.join(CALIBRATION_KEYS)} or \"\" "
+                          f"(default constants), got {values['calibration']!r}.")
+    if "base" in raw:
+        base = gpu(str(raw["base"]))
+        values.setdefault("name", f"{base.name}-custom")
+        return replace(base, **values)
+    missing = [k for k in ("memory_gib", "bf16_tflops", "mem_bw_tbs") if k not in values]
+    if missing:
+        raise ConfigError(f"{where}: without 'base' a GPU needs {', '.join(missing)} "
+                          f"({'; '.join(GPU_SPEC_KEYS[k] for k in missing)}), or name a catalog GPU as "
+                          f"base = one of {', '.join(GPUS)}.")
+    values.setdefault("name", "custom-gpu")
+    values.setdefault("intra_link", "pcie5")
+    values.setdefault("inter_link", "ethernet-100g")
+    return GPU(**values)
+
+
+def load_gpu_spec(path: str | Path) -> GPU:
+    """The GPU described by a small TOML or JSON file (keys: GPU_SPEC_KEYS)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--gpu-spec: no file at {str(p)!r}; pass a .toml or .json file describing the GPU.")
+    try:
+        text = p.read_text(encoding="utf-8")
+        raw = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--gpu-spec: cannot read {str(p)!r} as {'JSON' if p.suffix == '.json' else 'TOML'} "
+                          f"({e}).") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--gpu-spec: {str(p)!r} must hold a table/object of GPU fields.")
+    return gpu_from_dict(raw, f"--gpu-spec {p.name}")
+
+
+def customize_gpu(base: GPU, *, memory_gib: float | None = None, tflops: float | None = None) -> GPU:
+    """``base`` with its memory and/or dense bf16 peak replaced (``--gpu-memory-gib``, ``--gpu-tflops``)."""
+    for flag, value in (("--gpu-memory-gib", memory_gib), ("--gpu-tflops", tflops)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be a positive number, got {value}.")
+    if memory_gib is None and tflops is None:
+        return base
+    parts = [base.name]
+    if memory_gib is not None:
+        parts.append(f"{memory_gib:g}gib")
+    if tflops is not None:
+        parts.append(f"{tflops:g}tf")
+    return replace(base, name="-".join(parts), memory_gib=memory_gib or base.memory_gib,
+                   bf16_tflops=tflops or base.bf16_tflops)
 
 
 @dataclass(frozen=True)
@@ -134,6 +234,11 @@ LINKS: dict[str, Link] = {
     "ethernet-100g": Link("ethernet-100g", 12.5, per_node=True),
     "ethernet-25g": Link("ethernet-25g", 3.125, per_node=True),
 }
+
+
+# Fitted constant sets in cost.CALIBRATIONS (kept here as names so a GPU spec can be checked
+# without importing the cost model).
+CALIBRATION_KEYS = ("a100", "h100")
 
 
 def link(name: str) -> Link:

@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,28 @@ class ModelSpec:
 
     def unit_params(self) -> dict[int, int]:
         """Parameter count per FSDP unit (block index -> count; ROOT_UNIT -> everything else)."""
+        return dict(self._unit_params)
+
+    @cached_property
+    def _unit_params(self) -> dict[int, int]:
+        # Cached: the cost model asks for it per candidate, and a 405B spec has ~1,100 tensors.
         units: dict[int, int] = {}
         for p in self.params:
             units[p.unit] = units.get(p.unit, 0) + p.numel
         return units
+
+    @cached_property
+    def unit_positions(self) -> dict[int, list[int]]:
+        """Indices into ``params`` of each unit's tensors, in registration order."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params):
+            out.setdefault(p.unit, []).append(i)
+        return out
+
+    @cached_property
+    def block_matrix_params(self) -> int:
+        """Parameters of the matrices inside the repeated blocks (what checkpointing recomputes)."""
+        return sum(p.numel for p in self.params if p.unit != ROOT_UNIT and len(p.shape) >= 2)
 
     def largest_unit_params(self) -> int:
         """Parameters of the biggest unit FSDP gathers at once (a block or the root's leftovers)."""
@@ -306,15 +325,35 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
     return ModelSpec(name=name, n_params=n_params, params=tuple(params), **structure)
 
 
+def shardwise_gpt_params(cfg: Any) -> tuple[ParamInfo, ...]:
+    """Parameters of shardwise's own ``GPT(cfg)`` in registration order (no torch needed)."""
+    h, v, t, bias = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.bias
+    out = [ParamInfo("tok_emb.weight", (v, h), ROOT_UNIT), ParamInfo("pos_emb.weight", (t, h), ROOT_UNIT)]
+
+    def linear(name: str, n_out: int, n_in: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
+
+    def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if bias else [])
+
+    for i in range(cfg.n_layer):
+        shapes = norm("ln_1")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes += linear(f"attn.{proj}", h, h)
+        shapes += norm("ln_2") + linear("mlp.fc", 4 * h, h) + linear("mlp.proj", h, 4 * h)
+        out += [ParamInfo(f"blocks.{i}.{n}", s, i) for n, s in shapes]
+    out += [ParamInfo(n, s, ROOT_UNIT) for n, s in norm("ln_f")]
+    out.append(ParamInfo("lm_head.weight", (v, h), ROOT_UNIT))
+    return tuple(out)
+
+
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
-    """Spec of shardwise's own ``GPT(cfg)``, counted exactly on the meta device."""
-    import torch
-
-    from shardwise.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return from_module(model, name=name)
+    """Spec of shardwise's own ``GPT(cfg)``, counted exactly from its config (tests compare the module)."""
+    params = shardwise_gpt_params(cfg)
+    return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=cfg.n_layer,
+                     hidden=cfg.n_embd, n_heads=cfg.n_head, n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd,
+                     vocab=cfg.vocab_size, max_seq=cfg.block_size, tied_embeddings=False,
+                     learned_positions=True, dropout=float(cfg.dropout), params=params)
 
 
 def from_factory(spec: str) -> ModelSpec:

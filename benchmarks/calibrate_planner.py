@@ -1,0 +1,336 @@
+"""Fit the planner's per-GPU-generation constants on published training runs, and print the errors.
+
+Data: ``benchmarks/published_runs.json`` (every run cites its source and table; configuration a
+source does not state is listed under ``assumed``). Each run is planned exactly as ``shardwise
+plan`` would plan it (same ModelSpec, Cluster, Workload, Layout, ``advice.evaluate``), with the
+run's own strategy, degrees, micro-batch and checkpointing, and a zero safety margin.
+
+    python benchmarks/calibrate_planner.py              # fit, then print the error table
+    python benchmarks/calibrate_planner.py --no-fit     # evaluate the constants in plan/cost.py
+    python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
+
+The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
+tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies;
+shared by all, the elementwise traffic factor. The allocator fragmentation is fitted on the
+published peak-memory readings of the fitted runs. Held-out runs never enter the fit. The
+printed ``CALIBRATIONS`` block is what ``src/shardwise/plan/cost.py`` holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
+
+from shardwise.plan.advice import (  # noqa: E402
+    GIB,
+    RUNTIME_RESERVE_GIB,
+    Cluster,
+    Workload,
+    evaluate,
+    predict_step_time,
+)
+from shardwise.plan.cost import CALIBRATIONS, Calibration  # noqa: E402
+from shardwise.plan.memory import Kernels, Layout  # noqa: E402
+from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
+from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like  # noqa: E402
+
+DATA = Path(__file__).with_name("published_runs.json")
+GENERATIONS = ("a100", "h100")
+PER_GENERATION = ("matmul_efficiency", "attention_efficiency", "link_efficiency")
+SHARED = ("elementwise_passes",)
+BOUNDS = {"matmul_efficiency": (0.2, 1.0), "attention_efficiency": (0.05, 2.0), "link_efficiency": (0.2, 1.0),
+          "elementwise_passes": (0.0, 20.0), "fragmentation": (0.0, 0.5)}
+
+
+# ------------------------------------------------------------------------------ runs -> planner inputs
+def model_spec(model: str | dict[str, Any]) -> ModelSpec:
+    """A run's model: a planner preset name, or an inline description of an MPT / Megatron GPT."""
+    if isinstance(model, str):
+        return model_preset(model)
+    family = model["family"]
+    spec = from_gpt2_like(model["name"], n_layers=model["layers"], hidden=model["hidden"], n_heads=model["heads"],
+                          vocab=model["vocab"], n_positions=model["positions"])
+    if family in ("mpt", "megatron-gpt"):
+        return spec  # GPT-2 blocks (biases, 4h GELU MLP), learned positions, tied head
+    if family == "megatron-gpt-untied":
+        head = ParamInfo("lm_head.weight", (model["vocab"], model["hidden"]), ROOT_UNIT)
+        return replace(spec, tied_embeddings=False, params=(*spec.params, head), n_params=spec.n_params + head.numel)
+    raise SystemExit(f"unknown model family {family!r} in {DATA.name}")
+
+
+@dataclass
+class Case:
+    """One published run, ready to evaluate."""
+
+    run: dict[str, Any]
+    spec: ModelSpec
+    cluster: Cluster
+    work: Workload
+    layout: Layout
+    published_tps: float | None
+
+    @property
+    def id(self) -> str:
+        return self.run["id"]
+
+    @property
+    def fitted(self) -> bool:
+        return self.run["split"] == "fit"
+
+
+def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None:
+    """Tokens/s per GPU: as published, or from teraFLOP/s with the source's own FLOP formula."""
+    pub = run["published"]
+    if "tokens_per_s_per_gpu" in pub:
+        return float(pub["tokens_per_s_per_gpu"])
+    if "tflops_per_gpu" not in pub:
+        return None
+    s, L, h, V = run["seq"], spec.n_layers, spec.hidden, spec.vocab
+    assert L and h and V
+    formula = pub["flops_formula"]
+    if formula == "narayanan2021-eq3":  # with recomputation: 96 B s l h^2 (1 + s/6h + V/16lh) per iteration
+        per_token = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    elif formula == "megatron-model-flops":  # 72 B s l h^2 (1 + s/6h + V/12lh)
+        per_token = 72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    else:
+        raise SystemExit(f"{run['id']}: unknown flops_formula {formula!r}")
+    return pub["tflops_per_gpu"] * 1e12 / per_token
+
+
+def load_cases(data: dict[str, Any]) -> list[Case]:
+    gpus = {name: gpu_from_dict({k: v for k, v in spec.items() if k != "why"}, f"{DATA.name} gpus.{name}")
+            for name, spec in data.get("gpus", {}).items()}
+    cases = []
+    for run in data["runs"]:
+        spec = model_spec(run["model"])
+        if "published_params" in run and spec.n_params != run["published_params"]:
+            raise SystemExit(f"{run['id']}: the spec has {spec.n_params} parameters, "
+                             f"the source {run['published_params']}")
+        n = run["gpus"]
+        per_node = min(8, n)
+        cluster = Cluster(gpus.get(run["gpu"]) or gpu(run["gpu"]), gpus_per_node=per_node, nodes=n // per_node)
+        tp, pp = run["tp"], run["pp"]
+        dp = n // (tp * pp)
+        sharded = run["strategy"].split("+")[0] in ("fsdp", "zero2", "hsdp")
+        layout = Layout(run["strategy"], dp=dp, tp=tp, pp=pp, shard=dp if sharded else 1)
+        work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
+                        precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
+                        attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
+                        kernels=Kernels(**run.get("kernels", {})), safety_margin=0.0)
+        cases.append(Case(run, spec, cluster, work, layout, published_tokens_per_s(run, spec)))
+    return cases
+
+
+# ------------------------------------------------------------------------------ evaluation
+@dataclass
+class Result:
+    case: Case
+    predicted_tps: float
+    memory_gib: float  # predicted peak reserved memory
+    fits: bool
+
+    @property
+    def error(self) -> float | None:
+        p = self.case.published_tps
+        return None if p is None else (self.predicted_tps - p) / p
+
+    @property
+    def verdict_right(self) -> bool:
+        return self.fits == self.case.run["ran"]
+
+    @property
+    def memory_error(self) -> float | None:
+        pub = self.case.run["published"].get("memory_gib")
+        return None if pub is None else (self.memory_gib - pub) / pub
+
+
+def evaluate_case(case: Case, calibrations: dict[str, Calibration]) -> Result:
+    calib = calibrations[case.cluster.gpu.calibration]
+    cand = evaluate(case.spec, case.cluster, case.work, case.layout, calib)
+    return Result(case, cand.time.tokens_per_s_per_gpu, cand.memory.total / GIB, cand.fits)
+
+
+def predicted_tps(case: Case, calibrations: dict[str, Calibration]) -> float:
+    calib = calibrations[case.cluster.gpu.calibration]
+    return predict_step_time(case.spec, case.cluster, case.work, case.layout, calib).tokens_per_s_per_gpu
+
+
+def log_loss(cases: list[Case], calibrations: dict[str, Calibration]) -> float:
+    errs = [math.log(predicted_tps(c, calibrations) / c.published_tps) ** 2 for c in cases if c.published_tps]
+    return statistics.fmean(errs) if errs else 0.0
+
+
+def golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-4) -> float:
+    """Argmin of a unimodal f on [lo, hi] by golden-section search."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol * max(1.0, abs(a) + abs(b)):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def fit(cases: list[Case], start: dict[str, Calibration]) -> dict[str, Calibration]:
+    """Coordinate descent (golden section per constant) on the fitted runs' squared log error."""
+    fitted = [c for c in cases if c.fitted and c.published_tps]
+    cal = dict(start)
+
+    def with_value(name: str, gen: str | None, value: float) -> dict[str, Calibration]:
+        out = dict(cal)
+        for g in ([gen] if gen else GENERATIONS):
+            out[g] = replace(out[g], **{name: value})
+        return out
+
+    def optimise(name: str, gen: str | None, cases_: list[Case]) -> None:
+        nonlocal cal
+        best = golden_min(lambda v: log_loss(cases_, with_value(name, gen, v)), *BOUNDS[name])
+        cal = with_value(name, gen, best)
+
+    previous = math.inf
+    for _sweep in range(30):
+        for name in SHARED:
+            optimise(name, None, fitted)
+        for gen in GENERATIONS:
+            for name in PER_GENERATION:
+                optimise(name, gen, [c for c in fitted if c.cluster.gpu.calibration == gen])
+        loss = log_loss(fitted, cal)
+        if previous - loss < 1e-7:
+            break
+        previous = loss
+    # Fragmentation: the published peak readings (reserved memory) of the fitted runs.
+    readings = [c for c in fitted if "memory_gib" in c.run["published"]]
+    if readings:
+        def memory_loss(v: float) -> float:
+            trial = with_value("fragmentation", None, v)
+            return statistics.fmean(math.log(evaluate_case(c, trial).memory_gib / c.run["published"]["memory_gib"]) ** 2
+                                    for c in readings)
+        cal = with_value("fragmentation", None, golden_min(memory_loss, *BOUNDS["fragmentation"]))
+    counts = {g: sum(1 for c in fitted if c.cluster.gpu.calibration == g) for g in GENERATIONS}
+    return {g: replace(cal[g], fitted_runs=counts[g]) for g in GENERATIONS}
+
+
+# ------------------------------------------------------------------------------ reporting
+def summary(results: list[Result]) -> dict[str, Any]:
+    errs = [abs(r.error) for r in results if r.error is not None]
+    return {"runs": len(results), "with_throughput": len(errs),
+            "mean_abs_error": statistics.fmean(errs) if errs else float("nan"),
+            "max_abs_error": max(errs) if errs else float("nan"),
+            "verdicts_right": sum(r.verdict_right for r in results)}
+
+
+def evaluate_all(cases: list[Case], calibrations: dict[str, Calibration]) -> list[Result]:
+    return [evaluate_case(c, calibrations) for c in cases]
+
+
+def format_report(results: list[Result], markdown: bool = False) -> str:
+    sources = {}
+    lines = []
+    head = ["run", "source", "GPUs", "layout", "published tok/s/GPU", "predicted", "error", "memory GiB (pred / pub)",
+            "verdict", "split"]
+    rows = []
+    for r in results:
+        c, run = r.case, r.case.run
+        lay = c.layout
+        layout = run["strategy"] + "".join(f" {k}{v}" for k, v in (("tp", lay.tp), ("pp", lay.pp)) if v > 1)
+        layout += f", mb {run['micro_batch']}x{run['grad_accum']}, seq {run['seq']}, ckpt {run['checkpoint']}"
+        pub_mem = run["published"].get("memory_gib")
+        mem = f"{r.memory_gib:.1f}" + (f" / {pub_mem:.1f}" if pub_mem is not None else "")
+        verdict = ("fits" if r.fits else "OOM") + " / " + ("ran" if run["ran"] else "OOM") + (
+            "" if r.verdict_right else " WRONG")
+        rows.append([run["id"], run["source"], str(run["gpus"]), layout,
+                     f"{c.published_tps:,.0f}" if c.published_tps else "-", f"{r.predicted_tps:,.0f}",
+                     f"{r.error:+.1%}" if r.error is not None else "-", mem, verdict, run["split"]])
+        sources[run["source"]] = True
+    if markdown:
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    else:
+        widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in rows]
+    lines.append("")
+    for label, subset in (("fitted", [r for r in results if r.case.fitted]),
+                          ("held-out", [r for r in results if not r.case.fitted]), ("all", results)):
+        s = summary(subset)
+        lines.append(f"{label:8s}: {s['runs']} runs, throughput on {s['with_throughput']}: mean |error| "
+                     f"{s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}; fit verdicts right "
+                     f"{s['verdicts_right']}/{s['runs']}")
+    by_source: dict[str, list[Result]] = {}
+    for r in results:
+        by_source.setdefault(r.case.run["source"], []).append(r)
+    for src, subset in by_source.items():
+        for label, part in (("fitted", [r for r in subset if r.case.fitted]),
+                            ("held-out", [r for r in subset if not r.case.fitted])):
+            s = summary(part)
+            if not s["runs"]:
+                continue
+            err = (f"mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} over "
+                   f"{s['with_throughput']} runs" if s["with_throughput"] else "no throughput published")
+            lines.append(f"  {src:22s} {label:8s}: {err}; verdicts {s['verdicts_right']}/{s['runs']}")
+    mem = [r for r in results if r.memory_error is not None]
+    for r in mem:
+        pub = r.case.run["published"]["memory_gib"]
+        lines.append(f"  memory {r.case.id}: predicted {r.memory_gib:.1f} GiB, published {pub} GiB "
+                     f"({r.memory_error:+.1%}, {r.case.run['split']})")
+    lines.append(f"(verdict: predicted peak reserved memory <= GPU memory - {RUNTIME_RESERVE_GIB:.0f} GiB runtime "
+                 "reserve, no safety margin; 'ran' = the source ran it)")
+    return "\n".join(lines)
+
+
+def format_calibrations(calibrations: dict[str, Calibration]) -> str:
+    """The CALIBRATIONS block for src/shardwise/plan/cost.py."""
+    keys = (*PER_GENERATION, *SHARED, "fragmentation", "fitted_runs")
+    out = ["CALIBRATIONS: dict[str, Calibration] = {"]
+    for g, c in calibrations.items():
+        values = dataclasses.asdict(c)
+        args = ", ".join(f"{k}={values[k]:.4g}" if isinstance(values[k], float) else f"{k}={values[k]}" for k in keys)
+        out.append(f"    {g!r}: Calibration({g!r}, {args}),")
+    out.append("}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-fit", action="store_true", help="evaluate the constants in plan/cost.py, do not fit")
+    p.add_argument("--markdown", action="store_true", help="print the run table as markdown")
+    p.add_argument("--json", metavar="PATH", help="also write every run's prediction to PATH")
+    args = p.parse_args(argv)
+    data = json.loads(DATA.read_text())
+    cases = load_cases(data)
+    calibrations = {g: CALIBRATIONS[g] for g in GENERATIONS}
+    if not args.no_fit:
+        calibrations = fit(cases, calibrations)
+        print(format_calibrations(calibrations))
+        print()
+    results = evaluate_all(cases, calibrations)
+    print(format_report(results, markdown=args.markdown))
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"id": r.case.id, "split": r.case.run["split"], "published": r.case.published_tps,
+             "predicted": r.predicted_tps, "error": r.error, "memory_gib": r.memory_gib, "fits": r.fits,
+             "ran": r.case.run["ran"]} for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The planner's numbers: calibration on published runs, the model terms issue 12 names, GPU variants.
+
+* Published runs (benchmarks/published_runs.json, fitted by benchmarks/calibrate_planner.py): the
+  constants in plan/cost.py keep the mean throughput error within 15 % on the fitted and on the
+  held-out runs, every fit/does-not-fit verdict right, and they are the fit's optimum.
+* Node-aggregate inter-node bandwidth, checkpointing modes (selective < none), the FSDP+PP
+  unsharded-stage term, no_sync gradient accumulation, allocator fragmentation.
+* --gpu-spec / --gpu-memory-gib / --gpu-tflops through the CLI, with bad input as exit 2.
+* `shardwise plan` for a preset does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.plan import cli as plan_cli
+from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, make_plan
+from shardwise.plan.cost import CALIBRATIONS, Fabric, flops_per_token, hardware_flops_per_token, step_time
+from shardwise.plan.memory import (
+    PRECISIONS,
+    Kernels,
+    Layout,
+    activation_bytes,
+    memory_breakdown,
+)
+from shardwise.plan.presets import customize_gpu, gpu, gpu_from_dict, model_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = PRECISIONS["bf16"]
+
+
+def _calibrate_module():
+    spec = importlib.util.spec_from_file_location("calibrate_planner", ROOT / "benchmarks" / "calibrate_planner.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    cp = _calibrate_module()
+    cases = cp.load_cases(json.loads(cp.DATA.read_text()))
+    return cp, cases
+
+
+def test_published_runs_within_15_percent_and_every_verdict_right(calibration):
+    cp, cases = calibration
+    results = cp.evaluate_all(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
+    fitted = cp.summary([r for r in results if r.case.fitted])
+    held_out = cp.summary([r for r in results if not r.case.fitted])
+    overall = cp.summary(results)
+    assert overall["runs"] >= 100 and fitted["with_throughput"] >= 40 and held_out["with_throughput"] >= 40
+    assert fitted["mean_abs_error"] <= 0.15, fitted
+    assert held_out["mean_abs_error"] <= 0.15, held_out
+    assert overall["mean_abs_error"] <= 0.15, overall
+    wrong = [r.case.id for r in results if not r.verdict_right]
+    assert not wrong, f"fit verdicts wrong for {wrong}"
+    # Runs that did not fit in memory are part of the check, not only runs that did.
+    assert sum(not r.case.run["ran"] for r in results) >= 3
+    # Every run cites its source, and the sources say where.
+    sources = json.loads(cp.DATA.read_text())["sources"]
+    assert all(r.case.run["source"] in sources and r.case.run["table"] for r in results)
+    assert all(s["url"].startswith("https://") for s in sources.values())
+
+
+def test_constants_in_code_are_the_fit_optimum(calibration):
+    """Nudging any fitted constant by 2 % does not lower the fitted runs' loss: cost.CALIBRATIONS is
+    what benchmarks/calibrate_planner.py finds (so the data and the code cannot drift apart)."""
+    cp, cases = calibration
+    fitted = [c for c in cases if c.fitted and c.published_tps]
+    base = {g: CALIBRATIONS[g] for g in cp.GENERATIONS}
+    loss = cp.log_loss(fitted, base)
+    for gen in cp.GENERATIONS:
+        mine = [c for c in fitted if c.cluster.gpu.calibration == gen]
+        for name in cp.PER_GENERATION:
+            for factor in (0.98, 1.02):
+                lo, hi = cp.BOUNDS[name]
+                if not lo <= getattr(base[gen], name) * factor <= hi:
+                    continue  # the fit stopped at a bound (e.g. link efficiency 1.0)
+                trial = dict(base)
+                trial[gen] = replace(base[gen], **{name: getattr(base[gen], name) * factor})
+                assert cp.log_loss(mine, trial) >= cp.log_loss(mine, base) - 1e-4, (gen, name, factor)
+    for name in cp.SHARED:
+        for factor in (0.98, 1.02):
+            trial = {g: replace(c, **{name: getattr(c, name) * factor}) for g, c in base.items()}
+            assert cp.log_loss(fitted, trial) >= loss - 1e-4, (name, factor)
+    assert all(CALIBRATIONS[g].fitted_runs == sum(c.cluster.gpu.calibration == g for c in fitted)
+               for g in cp.GENERATIONS)
+
+
+def test_published_params_match_the_model_descriptions(calibration):
+    """The model descriptions reproduce the published parameter counts (a check on the data file):
+    MPT exactly (llm-foundry prints them), Megatron's GPTs to the table's one decimal (billions)."""
+    _, cases = calibration
+    checked = [c for c in cases if "published_params" in c.run]
+    assert len(checked) >= 70
+    assert all(c.spec.n_params == c.run["published_params"] for c in checked)
+    rounded = [c for c in cases if "published_params_b" in c.run]
+    assert len(rounded) == 10
+    assert all(abs(c.spec.n_params / 1e9 - c.run["published_params_b"]) <= 0.05 for c in rounded)
+
+
+def test_inter_node_collectives_use_the_node_aggregate():
+    fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
+    assert fabric.collective_gbs(8, 1) == 450  # inside a node: NVLink
+    assert fabric.collective_gbs(32, 1) == 400  # 4 nodes, 8 members per node: 8 NICs
+    assert fabric.collective_gbs(16, 2) == 200  # stride 2 (tp 2): 4 members per node share 4 NICs
+    assert fabric.collective_gbs(4, 8) == 50  # one member per node (tp 8): one NIC
+    assert fabric.collective_gbs(64, 1) == 400
+    assert Fabric(8, 300, 50, 312).collective_gbs(64, 1) == 300  # capped by the intra-node link
+    # A 4-node FSDP job's gradient/parameter traffic is 8x cheaper than one GPU's NIC would make it.
+    spec = model_preset("llama-3-70b")
+    layout = Layout("fsdp", dp=32, shard=32)
+    node = step_time(spec, layout, BF16, fabric, seq=4096, micro_batch=1, grad_accum=1)
+    one_nic = step_time(spec, layout, BF16, replace(fabric, nic_gbs=50 / 8), seq=4096, micro_batch=1, grad_accum=1)
+    assert one_nic.comm_total_s == pytest.approx(8 * node.comm_total_s, rel=0.05)  # + hop latencies
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "gpt2-xl", "gpt-lab"])
+def test_checkpoint_modes_order_memory_and_flops(name):
+    """selective (every 2nd block) keeps less than none, selective-op less still, full the least; the
+    hardware FLOPs go the other way."""
+    spec = model_preset(name)
+    saved = {m: activation_bytes(spec, 2048, 1, 2, checkpoint=m).saved
+             for m in ("none", "selective", "selective-op", "full")}
+    assert saved["none"] > saved["selective"] > saved["selective-op"] > saved["full"], saved
+    flops = {m: hardware_flops_per_token(spec, 2048, m) for m in saved}
+    assert flops["none"] == flops_per_token(spec, 2048)
+    assert flops["none"] < flops["selective-op"] < flops["full"]
+    assert flops["none"] < flops["selective"] < flops["full"]
+    every_4 = activation_bytes(spec, 2048, 1, 2, checkpoint="selective", every=4).saved
+    assert saved["selective"] < every_4 < saved["none"]
+
+
+def test_fsdp_with_pipeline_keeps_the_stage_unsharded():
+    spec = model_preset("llama-3-70b")
+    fsdp_pp = memory_breakdown(spec, Layout("fsdp+pp", dp=8, pp=4, shard=8), BF16, "adamw", seq=4096,
+                               micro_batch=1, grad_accum=8)
+    stage_params = spec.n_params / 4
+    parts = fsdp_pp.transient_parts
+    assert parts["unsharded stage params (pp schedule)"] == pytest.approx(2 * stage_params, rel=0.05)
+    assert parts["unsharded stage grads (pp schedule)"] == pytest.approx(4 * stage_params, rel=0.05)
+    assert not any(k.startswith("all-gather") for k in parts)
+
+
+def test_no_sync_accumulation_keeps_unsharded_gradients():
+    spec = model_preset("llama-3-8b")
+    layout = Layout("fsdp", dp=8, shard=8)
+
+    def parts(accum: int, sync: str) -> dict[str, int]:
+        return memory_breakdown(spec, layout, BF16, "adamw", seq=4096, micro_batch=1, grad_accum=accum,
+                                grad_sync=sync).transient_parts
+
+    assert "unsharded grads (no_sync accumulation)" not in parts(1, "step")
+    assert parts(4, "step")["unsharded grads (no_sync accumulation)"] == 4 * spec.n_params
+    assert "unsharded grads (no_sync accumulation)" not in parts(4, "microbatch")
+
+
+def test_fragmentation_and_kernels_change_the_total():
+    spec = model_preset("llama-3-8b")
+    layout = Layout("fsdp", dp=8, shard=8)
+    plain = memory_breakdown(spec, layout, BF16, "adamw", seq=8192, micro_batch=1)
+    fragmented = memory_breakdown(spec, layout, BF16, "adamw", seq=8192, micro_batch=1, fragmentation=0.1)
+    assert fragmented.allocated == plain.total and fragmented.total == pytest.approx(1.1 * plain.total, abs=1)
+    fused = memory_breakdown(spec, layout, BF16, "adamw", seq=8192, micro_batch=1,
+                             kernels=Kernels(loss="fused", norm="fused"))
+    assert fused.activations < plain.activations and "logits + loss" not in fused.transient_parts
+    with pytest.raises(ConfigError, match="unknown norm implementation"):
+        Kernels(norm="triton")
+
+
+def test_calibrated_and_uncalibrated_gpus():
+    plan = make_plan(model_preset("llama-3-8b"), Cluster(gpu("a100-80gb")), Workload(seq=4096))
+    assert plan.calibration.name == "a100" and plan.calibration.fitted_runs > 0
+    assert not any("no published training run" in w for w in plan.warnings)
+    plan = make_plan(model_preset("llama-3-8b"), Cluster(gpu("mi300x")), Workload(seq=4096))
+    assert plan.calibration.fitted_runs == 0
+    assert any("no published training run calibrates mi300x" in w for w in plan.warnings)
+
+
+def test_gpu_variants_from_a_spec_dict_and_overrides():
+    nvl = gpu_from_dict({"base": "h100-sxm", "name": "h100-nvl", "memory_gib": 94, "bf16_tflops": 835,
+                         "mem_bw_tbs": 3.9}, "test")
+    assert (nvl.name, nvl.memory_gib, nvl.bf16_tflops, nvl.calibration) == ("h100-nvl", 94, 835, "h100")
+    custom = gpu_from_dict({"memory_gib": 32, "bf16_tflops": 200, "mem_bw_tbs": 1.0, "inter_gbs": 25}, "test")
+    assert custom.calibration == "" and custom.inter_gbs == 25
+    bigger = customize_gpu(gpu("h100-sxm"), memory_gib=96, tflops=700)
+    assert (bigger.memory_gib, bigger.bf16_tflops) == (96, 700)
+    # A GPU with more memory fits what the catalog part does not.
+    work = Workload(seq=8192, micro_batch=2, checkpoint="selective-op", safety_margin=0.0)
+    layout = Layout("fsdp", dp=8, shard=8)
+    spec = model_preset("llama-3-8b")
+    small = evaluate(spec, Cluster(gpu("h100-sxm")), work, layout)
+    large = evaluate(spec, Cluster(customize_gpu(gpu("h100-sxm"), memory_gib=141)), work, layout)
+    assert not small.fits and large.fits and small.memory.total == large.memory.total
+    slow = evaluate(spec, Cluster(customize_gpu(gpu("h100-sxm"), tflops=500)), work, layout)
+    assert slow.time.tokens_per_s_per_gpu < small.time.tokens_per_s_per_gpu
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"base": "h100-sxm", "memroy_gib": 90}, "unknown key"),
+    ({"base": "h100-sxm", "memory_gib": -1}, "memory_gib must be a positive number"),
+    ({"memory_gib": 80}, "without 'base' a GPU needs bf16_tflops, mem_bw_tbs"),
+    ({"base": "h10"}, "unknown GPU kind"),
+    ({"base": "h100-sxm", "calibration": "b200"}, "calibration must be one of"),
+    ({"base": "h100-sxm", "inter_link": "ib-xdr"}, "unknown link preset"),
+])
+def test_bad_gpu_spec_is_a_config_error(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        gpu_from_dict(raw, "--gpu-spec x.toml")
+
+
+def _plan(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise", "plan", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_gpu_spec_file_through_the_cli(tmp_path, cli_env):
+    spec = tmp_path / "h100-nvl.toml"
+    spec.write_text('base = "h100-sxm"\nname = "h100-nvl"\nmemory_gib = 94\nbf16_tflops = 835\nmem_bw_tbs = 3.9\n')
+    proc = _plan("--model", "llama-3-8b", "--gpu-spec", str(spec), "--gpu-tflops", "800", "--json", env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    cluster = json.loads(proc.stdout)["cluster"]
+    assert (cluster["memory_gib"], cluster["bf16_tflops"], cluster["mem_bw_tbs"]) == (94, 800, 3.9)
+    json_spec = tmp_path / "gpu.json"
+    json_spec.write_text(json.dumps({"base": "a100-80gb", "memory_gib": 40}))
+    proc = _plan("--model", "gpt2", "--gpu-spec", str(json_spec), "--gpu-memory-gib", "24", "--json", env=cli_env)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["cluster"]["memory_gib"] == 24
+    spec.write_text('base = "h100-sxm"\nbf16_tflops = "fast"\n')
+    proc = _plan("--model", "gpt2", "--gpu-spec", str(spec), env=cli_env)
+    assert proc.returncode == 2 and "bf16_tflops must be a positive number" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _plan("--model", "gpt2", "--gpu-spec", str(spec), "--gpu", "a100", env=cli_env)
+    assert proc.returncode == 2 and "either --gpu or --gpu-spec" in proc.stderr
+    proc = _plan("--model", "gpt2", "--gpu-spec", str(tmp_path / "missing.toml"), env=cli_env)
+    assert proc.returncode == 2 and "no file at" in proc.stderr
+    proc = _plan("--model", "gpt2", "--gpu-memory-gib", "0", env=cli_env)
+    assert proc.returncode == 2 and "--gpu-memory-gib must be a positive number" in proc.stderr
+
+
+def test_checkpoint_flag_accepts_every_runtime_mode():
+    from shardwise.config import AC_MODES
+    from shardwise.plan.memory import CHECKPOINT_MODES
+
+    assert set(CHECKPOINT_MODES) == set(AC_MODES)  # the planner plans what the runtime can run
+    parser = plan_cli.argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    plan = plan_cli.build_plan(parser.parse_args(["--model", "llama-3-8b", "--checkpoint", "selective",
+                                                  "--ac-every", "4", "--gpus-per-node", "2"]))
+    assert plan.workload.ac_every == 4
+    assert plan.recommended and "--set parallel.ac_every=4" in plan.commands[0]
+    with pytest.raises(ConfigError, match="--ac-every"):
+        plan_cli.build_plan(parser.parse_args(["--model", "gpt2", "--ac-every", "0"]))
+
+
+def test_gpt_presets_counted_from_the_config_equal_the_module():
+    """The torch-free GPT spec (what `plan --model gpt-*` uses) has the module's exact tensors."""
+    import torch
+
+    from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
+    from shardwise.plan.spec import from_gpt_config, from_module
+
+    for cfg in [*GPT_PRESETS.values(), GPTConfig(n_layer=3, n_head=2, n_embd=32, bias=False, dropout=0.1)]:
+        with torch.device("meta"):
+            module_spec = from_module(GPT(cfg), "gpt")
+        config_spec = from_gpt_config(cfg, "gpt")
+        assert config_spec.params == module_spec.params
+        fields = ("n_params", "arch", "n_layers", "hidden", "n_heads", "ffn_hidden", "vocab", "max_seq",
+                  "tied_embeddings", "learned_positions", "dropout")
+        assert [getattr(config_spec, f) for f in fields] == [getattr(module_spec, f) for f in fields]
+
+
+@pytest.mark.parametrize("model", ["gpt-nano", "llama-3-405b"])
+def test_plan_for_a_preset_does_not_import_torch(model, cli_env):
+    code = ("import sys, io, contextlib\nfrom shardwise.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main(['plan', '--model', {model!r}])\n"
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env)
+    assert proc.stdout.split() == ["0", "False"], proc.stdout + proc.stderr
+
+
+def test_memory_in_gib_is_reported_with_fragmentation():
+    plan = make_plan(model_preset("llama-3-8b"), Cluster(gpu("h100-sxm")), Workload(seq=8192))
+    table = plan_cli.format_table(plan)
+    assert " frag " in table and "calibration 'h100'" in table
+    for cand in plan.candidates:
+        assert cand.memory.total == cand.memory.allocated + cand.memory.fragmentation
+        assert cand.memory.fragmentation == pytest.approx(CALIBRATIONS["h100"].fragmentation * cand.memory.allocated,
+                                                          abs=1)
+        assert cand.fits == (cand.memory.total <= cand.budget_bytes)
+    assert GIB == 2**30
