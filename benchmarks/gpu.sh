@@ -54,11 +54,12 @@ name, run = sys.argv[1], sys.argv[2]
 s = json.load(open(f"{run}/summary.json"))
 ranks = (s.get("memory") or {}).get("ranks") or []
 peak = max((r.get("peak_bytes") or 0) for r in ranks) / 2**30 if ranks else float("nan")
-extra = {k: v for k, v in s.items() if any(w in k for w in ("mfu", "flop"))}
+# MFU / FLOP fields, whatever their exact names (the trainer's throughput fields).
+extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                 for k, v in s.items() if any(w in k for w in ("mfu", "flop")))
 print(f"== {name}: {s['strategy']} x{s['world_size']} {s.get('precision')} | {s['tokens_per_s']:,.0f} tokens/s | "
-      f"step {s['step_time_s'] * 1e3:.1f} ms | peak {peak:.2f} GiB/rank | "
-      + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
-      + f" | final loss {s['final_train_loss']:.4f}")
+      f"step {s['step_time_s'] * 1e3:.1f} ms | peak {peak:.2f} GiB/rank | {extra or 'no MFU field'} | "
+      f"final loss {s['final_train_loss']:.4f}")
 EOF
 }
 
@@ -93,8 +94,9 @@ else
     OFFLOAD_NPROC=1
 fi
 step fsdp-offload-pinned -- --nproc "$OFFLOAD_NPROC" --strategy fsdp-offload --set model.preset=lab
+P_END=$(( STEPS < 5 ? STEPS : 5 )); P_START=$(( P_END < 3 ? P_END : 3 ))
 if step profile-memory-snapshot -- --nproc 1 --strategy single --set model.preset=lab \
-        --set profile.enabled=true --set profile.start_step=3 --set profile.end_step=5; then
+        --set profile.enabled=true --set profile.start_step=$P_START --set profile.end_step=$P_END; then
     snap="$OUT/profile-memory-snapshot/profile/rank0.memory_snapshot.pickle"
     if "$PY" -c "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb')); assert s['segments'], 'empty'; \
 print(f'== memory snapshot: {len(s[\"segments\"])} segments, {sum(len(t) for t in s[\"device_traces\"])} trace entries')" "$snap"; then
