@@ -116,3 +116,15 @@ def test_bench_refuses_bad_input_before_running(capsys, tmp_path):
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "ddp").exists()
+
+
+def test_reference_loops_compile_blocks_when_the_run_compiles():
+    from types import SimpleNamespace
+
+    from shardwise.models.gpt import GPT, GPT_PRESETS
+    from shardwise.reference.common import compile_blocks
+
+    model = compile_blocks(GPT(GPT_PRESETS["nano"]), SimpleNamespace(compile=True))
+    assert all(type(b).__name__ == "OptimizedModule" for b in model.blocks.values())
+    plain = compile_blocks(GPT(GPT_PRESETS["nano"]), SimpleNamespace(compile=False))
+    assert not any(type(b).__name__ == "OptimizedModule" for b in plain.blocks.values())

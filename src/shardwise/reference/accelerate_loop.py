@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(t.seed)
     workload = build_workload(cfg.model, cfg.data)
     model = workload.build_model()
+    model = common.compile_blocks(model, t)
     optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas)
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, common.lr_factor(t))

@@ -53,6 +53,19 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def compile_blocks(model: nn.Module, t: Any) -> nn.Module:
+    """With ``train.compile = true``, ``torch.compile`` each transformer block, as torchtitan does
+    (before DDP/FSDP wrap them), so compiled shardwise runs meet compiled plain loops."""
+    if not getattr(t, "compile", False):
+        return model
+    from shardwise.parallel.fsdp import transformer_blocks
+
+    container = transformer_blocks(model)
+    for name, block in list(container.named_children()) if container is not None else []:
+        container.register_module(name, torch.compile(block))
+    return model
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},

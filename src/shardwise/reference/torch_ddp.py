@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(t.seed)
     workload = build_workload(cfg.model, cfg.data)
     model = workload.build_model().to(device)
+    model = common.compile_blocks(model, t)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(t))

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(t.seed)
     workload = build_workload(cfg.model, cfg.data)
     model = workload.build_model().to(device)
+    model = common.compile_blocks(model, t)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.parallel.precision == "bf16-mixed" else MixedPrecisionPolicy())
     container = transformer_blocks(model)  # which modules are the blocks (GPT, Llama, GPT-2 layouts)
