@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_parser(sub)
     _add_env_parser(sub)
     # Commands that live in their own modules; each exposes register(subparsers).
-    for module in ("shardwise.plan.cli", "shardwise.verify", "shardwise.ckpt_cli", "shardwise.bench"):
+    for module in ("shardwise.plan.cli", "shardwise.verify", "shardwise.ckpt_cli", "shardwise.bench",
+                   "shardwise.observe.cli"):
         _register_optional(module, sub)
     return parser
 

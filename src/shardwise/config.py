@@ -132,6 +132,40 @@ class DebugConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``[profile]``: a torch.profiler trace of optimizer steps start_step..end_step (inclusive)."""
+
+    enabled: bool = False
+    # 1-based optimizer steps. The step before start_step is the profiler's warm-up (not
+    # recorded); step 1 carries one-off costs (allocator, lazy init), so 3..5 is a typical window.
+    start_step: int = 3
+    end_step: int = 5
+    ranks: list[int] = field(default_factory=list)  # global ranks that profile; empty: all
+    record_shapes: bool = False  # input shapes of every op (larger trace)
+    profile_memory: bool = False  # tensor allocations and frees per op
+    with_stack: bool = False  # Python/C++ stacks per op (much larger trace)
+    # CUDA only: record the caching allocator's history over the window and save the snapshot
+    # pickle that pytorch.org/memory_viz reads (skipped, with a log line, on the CPU).
+    memory_snapshot: bool = True
+    snapshot_max_entries: int = 100_000
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
+
+
+@dataclass
+class LogConfig:
+    """``[log]``: experiment trackers fed by rank 0, beside the always-on metrics.jsonl."""
+
+    trackers: list[str] = field(default_factory=list)  # any of TRACKERS
+    project: str = ""  # W&B project / MLflow experiment name (default: the run's name)
+    # "" follows WANDB_MODE when the user set it, else "offline" (nothing leaves the machine).
+    wandb_mode: str = ""
+    # "" follows MLFLOW_TRACKING_URI when set, else a file store in <run dir>/mlruns.
+    mlflow_tracking_uri: str = ""
+
+
+@dataclass
 class RunConfig:
     name: str = "gpt-shakespeare"
     out_dir: str = ""  # default: runs/<name>-<strategy>-<timestamp>
@@ -142,6 +176,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -219,6 +255,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif origin is dict:
         if isinstance(value, dict):
             return dict(value)
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        if item is str and isinstance(value, str):
+            # --set log.trackers=tensorboard,csv (a bare word is a string, not a TOML list)
+            return [v.strip() for v in value.split(",") if v.strip()]
+        example = '["a", "b"]' if item is str else "[0, 1]"
+        want = f"a list of {item.__name__} (e.g. {example})"
+        raise ConfigError(f"{key} must be {want}, got {value!r} ({type(value).__name__}).")
     else:  # pragma: no cover - only the types above are used
         return value
     want = getattr(tp, "__name__", str(tp))
@@ -349,8 +395,34 @@ def validate(cfg: RunConfig) -> None:
     _positive("parallel.pp_first_stage_fewer", p.pp_first_stage_fewer, allow_zero=True)
     if p.pp_schedule not in PP_SCHEDULES:
         raise unknown_choice("pipeline schedule", p.pp_schedule, PP_SCHEDULES)
+    _validate_profile(cfg.profile, t.steps)
+    _validate_log(cfg.log)
     if p.strategy == "auto" and (p.tp > 1 or p.pp > 1):
         # Degrees alone select the composition; dp (inferred from the world size) shards with
         # FSDP2 when TP is on (DDP over DTensor parameters is not supported), else replicates.
         p.strategy = {(True, False): "fsdp+tp", (False, True): "ddp+pp",
                       (True, True): "fsdp+tp+pp"}[(p.tp > 1, p.pp > 1)]
+
+
+def _validate_profile(pc: ProfileConfig, steps: int) -> None:
+    _positive("profile.start_step", pc.start_step)
+    _positive("profile.end_step", pc.end_step)
+    _positive("profile.snapshot_max_entries", pc.snapshot_max_entries)
+    if pc.end_step < pc.start_step:
+        raise ConfigError(f"profile.end_step ({pc.end_step}) must be >= profile.start_step "
+                          f"({pc.start_step}): the profiled window is steps start_step..end_step.")
+    if pc.enabled and pc.end_step > steps:
+        raise ConfigError(f"profile.end_step ({pc.end_step}) is after the last step (train.steps = "
+                          f"{steps}); profile steps inside 1..{steps}.")
+    for r in pc.ranks:
+        _positive("profile.ranks entry", r, allow_zero=True)
+
+
+def _validate_log(lc: LogConfig) -> None:
+    for name in lc.trackers:
+        if name not in TRACKERS:
+            raise unknown_choice("tracker", name, TRACKERS)
+    if len(set(lc.trackers)) != len(lc.trackers):
+        raise ConfigError(f"log.trackers lists a tracker twice: {lc.trackers}.")
+    if lc.wandb_mode not in ("", "offline", "online", "disabled"):
+        raise unknown_choice("log.wandb_mode", lc.wandb_mode, ("offline", "online", "disabled"))

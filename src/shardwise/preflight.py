@@ -30,6 +30,7 @@ def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.M
     from shardwise.parallel.registry import get_strategy
     from shardwise.workloads import build_workload
 
+    check_observability(cfg, world_size)
     strategy = get_strategy(cfg.parallel.strategy, world_size)
     strategy.check(world_size, cfg.parallel)
     cfg.parallel.strategy = strategy.name
@@ -41,6 +42,18 @@ def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.M
         # check still runs on every rank inside ``Strategy.apply``.
         strategy.check_model(model, world_size, cfg.parallel)
     return strategy, workload, model
+
+
+def check_observability(cfg: RunConfig, world_size: int) -> None:
+    """Tracker extras installed, profiled ranks inside the world; raises ConfigError otherwise."""
+    from shardwise.errors import ConfigError
+    from shardwise.observe.trackers import check_trackers
+
+    check_trackers(cfg.log.trackers)
+    outside = [r for r in cfg.profile.ranks if r >= world_size]
+    if cfg.profile.enabled and outside:
+        raise ConfigError(f"profile.ranks names rank(s) {outside}, but the job has {world_size} rank(s) "
+                          f"(0..{world_size - 1}); list ranks inside it, or [] for all.")
 
 
 def meta_model(workload: Workload) -> nn.Module | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ class RunDir:
         if enabled:
             self.path.mkdir(parents=True, exist_ok=True)
         self._metrics = None
+        # Also called with every record written to metrics.jsonl (experiment trackers).
+        self.sinks: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def checkpoints(self) -> Path:
@@ -47,8 +50,11 @@ class RunDir:
             return
         if self._metrics is None:
             self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self._metrics.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        clean = {k: _clean(v) for k, v in record.items()}
+        self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
+        for sink in self.sinks:
+            sink(clean)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:

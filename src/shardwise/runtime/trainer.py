@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardwise.config import RunConfig, TrainConfig
+from shardwise.observe.hooks import RunHooks
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import latest_checkpoint, truncate_metrics
 from shardwise.runtime.rng import restore_rng_state
@@ -91,6 +92,8 @@ class Trainer:
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s,
         )
+        # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
+        self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data)
         for note in self.workload.notes:
             self.session.log(note)
@@ -138,8 +141,11 @@ class Trainer:
         old_handlers = self._install_signal_handlers()
         try:
             rng = self.resume()
+            self.hooks.start(self.run_dir.path, first_step=st.step + 1)
+            self.run_dir.sinks.append(self.hooks.log)
             return self._loop(tokens_per_step, rng)
         finally:
+            self.hooks.end(None, failed=True)  # a no-op after the loop's own end(summary)
             watchdog.stop()
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
@@ -161,6 +167,7 @@ class Trainer:
             t0 = time.perf_counter()
             local_loss, grad_norm = self.train_step(batches)
             step_time = time.perf_counter() - t0
+            self.hooks.step(st.step)
             st.step_times_s.append(step_time)
             st.tokens_per_s.append(tokens_per_step / step_time)
             last = st.step == t.steps
@@ -200,6 +207,7 @@ class Trainer:
         summary["memory"] = ledger.collect(s, self.model, self.optimizer)
         s.log("memory per rank (MiB)\n" + ledger.format_table(summary["memory"]))
         self.run_dir.write_summary(summary)
+        self.hooks.end(summary)
         s.print(f"final train loss {summary['final_train_loss']:.4f} | "
                 f"final val loss {summary['final_val_loss']:.4f} | "
                 f"{summary['tokens_per_s']:.0f} tokens/s | {wall_s:.1f}s")
