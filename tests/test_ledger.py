@@ -86,8 +86,7 @@ def test_storage_bytes_counts_each_storage_once():
 def test_summary_json_carries_the_ledger(tmp_path, capsys):
     cfg = load_config(None, ["model.preset=nano", "train.steps=2", "train.eval_batches=1",
                              "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4",
-                             "checkpoint.at_end=false"])
-    cfg.parallel.strategy = "single"
+                             "checkpoint.at_end=false", "parallel.strategy=single"])
     train_run(cfg, tmp_path)
     memory = json.loads((tmp_path / "summary.json").read_text())["memory"]
     (entry,) = memory["ranks"]

@@ -3,6 +3,10 @@
 Each component takes only its own section (``ModelConfig``, ``DataConfig``, ``TrainConfig``,
 ``ParallelConfig``, ``CheckpointConfig``), never the whole ``RunConfig``. Nothing else in shardwise
 reads raw dicts; unknown keys are errors that suggest the closest valid key.
+
+Config objects are frozen: once loaded they are never modified. Resolving a run (the strategy
+'auto' stands for, ranks per node, the run directory) returns a new object
+(``dataclasses.replace``, see ``replace_in``); every degree lives in ``shardwise.layout.Layout``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     # gpt: the built-in character GPT; cnn: the small CIFAR CNN; hf: a transformers model built
     # from a local config.json; custom: ``factory = "module:function"`` returning an nn.Module.
@@ -35,7 +39,7 @@ class ModelConfig:
     hf_config: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     # shakespeare: the bundled text (or ``path``); cifar10: the python-pickle batches in ``path``;
     # custom: ``factory = "module:function"`` returning (train_dataset, val_dataset).
@@ -46,7 +50,7 @@ class DataConfig:
     num_workers: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600
     micro_batch_size: int = 32  # per rank, per micro-batch
@@ -65,7 +69,7 @@ class TrainConfig:
     progress: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = "auto"  # auto: ddp when more than one rank, else single
     nproc: int = 0  # 0: one per GPU, or 2 CPU processes when there is none
@@ -89,7 +93,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end and on interrupt
     keep_last: int = 2
@@ -97,7 +101,7 @@ class CheckpointConfig:
     at_end: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchdogConfig:
     timeout_s: float = 600.0  # a rank with no progress for this long is declared hung
     collective_timeout_s: float = 1800.0
@@ -106,7 +110,7 @@ class WatchdogConfig:
     debug_collectives: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for shardwise's own fault-tolerance tests; never set in real runs.
 
@@ -122,7 +126,7 @@ class DebugConfig:
     every_attempt: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "gpt-shakespeare"
     out_dir: str = ""  # default: runs/<name>-<strategy>-<timestamp>
@@ -237,6 +241,24 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def replace_in(cfg: RunConfig, **changes: Any) -> RunConfig:
+    """Return a copy of ``cfg`` with dotted keys changed, e.g. ``replace_in(cfg, **{"parallel.nproc": 4})``.
+
+    ``cfg`` itself is left as it was (config objects are frozen).
+    """
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        if section:
+            sections.setdefault(section, {})[name] = value
+        else:
+            top[name] = value
+    for section, values in sections.items():
+        top[section] = dataclasses.replace(getattr(cfg, section), **values)
+    return dataclasses.replace(cfg, **top)
+
+
 def load_config(recipe_or_path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load, override and validate a run config; raises ConfigError naming any bad key or value."""
     raw = apply_overrides(load_raw(recipe_or_path), list(overrides or []))
@@ -293,7 +315,11 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Check values that do not need to know the world size (see ``validate_for_world``)."""
+    """Check values that do not need to know the world size; never modifies ``cfg``.
+
+    What needs the world size (degrees, the strategy 'auto' stands for, pipeline micro-batches) is
+    resolved by ``shardwise.layout.resolve_layout``, which returns a new object.
+    """
     from shardwise.parallel.registry import canonical_strategy
 
     t, p = cfg.train, cfg.parallel
@@ -326,7 +352,7 @@ def validate(cfg: RunConfig) -> None:
     from shardwise.parallel.precision import check_precision
 
     check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts
-    p.strategy = canonical_strategy(p.strategy)  # raises with the list of valid names
+    canonical_strategy(p.strategy)  # raises with the list of valid names; resolve_layout picks the one
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
     _positive("parallel.dp", p.dp, allow_zero=True)
@@ -335,8 +361,3 @@ def validate(cfg: RunConfig) -> None:
     _positive("parallel.pp_first_stage_fewer", p.pp_first_stage_fewer, allow_zero=True)
     if p.pp_schedule not in PP_SCHEDULES:
         raise unknown_choice("pipeline schedule", p.pp_schedule, PP_SCHEDULES)
-    if p.strategy == "auto" and (p.tp > 1 or p.pp > 1):
-        # Degrees alone select the composition; dp (inferred from the world size) shards with
-        # FSDP2 when TP is on (DDP over DTensor parameters is not supported), else replicates.
-        p.strategy = {(True, False): "fsdp+tp", (False, True): "ddp+pp",
-                      (True, True): "fsdp+tp+pp"}[(p.tp > 1, p.pp > 1)]
