@@ -128,12 +128,17 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        from shardwise.models.hf import build_hf_model, hf_family
+        from shardwise.models.hf import build_hf_model
+        from shardwise.models.hf_config import hf_family, load_hf_config_dict
 
         if not mc.hf_config:
-            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path.")
+            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path, a folder "
+                              "holding one, or a bundled name such as 'llama-tiny' or 'llama-3-8b'.")
         kwargs = dict(mc.overrides)
-        if vocab_size is not None:
+        config_vocab = load_hf_config_dict(mc.hf_config).get("vocab_size")
+        if vocab_size is not None and not (isinstance(config_vocab, int) and config_vocab >= vocab_size):
+            # The model must embed every token id of the data. A config whose vocabulary already
+            # covers it keeps its own size, so a named architecture (llama-3-70b) is built as is.
             kwargs.setdefault("vocab_size", vocab_size)
         build = lambda: build_hf_model(mc.hf_config, **kwargs)  # noqa: E731
         family = hf_family(mc.hf_config)
