@@ -15,6 +15,8 @@ Model state (conventions; see docs/planner.md for the derivation and the measure
 
 from __future__ import annotations
 
+import functools
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -131,14 +133,32 @@ def zero1_partition(numels: list[int], world: int) -> list[list[int]]:
     Sorted by size, largest first (a stable sort, so equal sizes keep registration order); each
     goes to the rank with the smallest total so far (lowest rank on ties).
     """
+    return [list(owned) for owned in _zero1_partition(tuple(numels), world)]
+
+
+@functools.lru_cache(maxsize=256)
+def _zero1_partition(numels: tuple[int, ...], world: int) -> tuple[tuple[int, ...], ...]:
+    # A heap of (total so far, rank) pops the smallest total, lowest rank on ties: the same choice
+    # as scanning for the minimum, in O(log world) per tensor (a 512-rank plan stays instant).
     order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
-    sizes = [0] * world
+    heap = [(0, rank) for rank in range(world)]
     owned: list[list[int]] = [[] for _ in range(world)]
     for i in order:
-        rank = sizes.index(min(sizes))
+        size, rank = heapq.heappop(heap)
         owned[rank].append(i)
-        sizes[rank] += numels[i]
-    return owned
+        heapq.heappush(heap, (size + numels[i], rank))
+    return tuple(tuple(o) for o in owned)
+
+
+def _zero1_heaviest_rank(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, stage: int) -> int:
+    """The ZeRO-1 rank that owns the most optimizer state and master weights (lowest on ties)."""
+    if not spec.params:
+        return 0  # bare count: an even split, every rank alike
+    params = _local_params(spec, layout, stage)
+    step = _step_bytes(optimizer)
+    load = [sum(optimizer_state_bytes(params[i].shape, optimizer) + step + prec.master * params[i].numel
+                for i in owned) for owned in zero1_partition([p.numel for p in params], layout.dp)]
+    return load.index(max(load))
 
 
 def _chunk_rows(dim0: int, n: int, rank: int) -> tuple[int, int]:
@@ -156,13 +176,14 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
     Offloaded state is still counted here (it lives in host RAM; see MemoryBreakdown.host_bytes).
     """
     if rank is None:
-        candidates = [0] if layout.sharding != "zero1" else range(layout.dp)
         best = StateBytes()
         for stage in range(layout.pp):
-            for r in candidates:
-                sb = _state_bytes_one(spec, layout, prec, optimizer, r, stage)
-                if sb.total > best.total:
-                    best = sb
+            # Parameters and gradients are alike on every rank of a stage; ZeRO-1's optimizer share
+            # is not (whole tensors), FSDP's rank 0 holds the most (padding only shortens the tail).
+            r = _zero1_heaviest_rank(spec, layout, prec, optimizer, stage) if layout.sharding == "zero1" else 0
+            sb = _state_bytes_one(spec, layout, prec, optimizer, r, stage)
+            if sb.total > best.total:
+                best = sb
         return best
     return _state_bytes_one(spec, layout, prec, optimizer, rank, stage)
 

@@ -7,6 +7,7 @@ device reports to the framework, in GiB. Link bandwidths are per GPU and per dir
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from
 
 def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
     def build() -> ModelSpec:
-        from shardwise.models.gpt import GPT_PRESETS
+        from shardwise.models.gpt_config import GPT_PRESETS  # torch-free
 
         return from_gpt_config(GPT_PRESETS[size], name=f"gpt-{size}")
 
@@ -63,6 +64,12 @@ def model_preset(name: str) -> ModelSpec:
     key = MODEL_ALIASES.get(name.lower(), name.lower())
     if key not in MODEL_PRESETS:
         raise unknown_choice("model preset", name, [*MODEL_PRESETS, *MODEL_ALIASES])
+    return _built_preset(key)
+
+
+@functools.cache
+def _built_preset(key: str) -> ModelSpec:
+    # Specs are frozen: build each one once per process (405B has 1,100+ parameter tensors).
     return MODEL_PRESETS[key]()
 
 

@@ -304,14 +304,17 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
 
 
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
-    """Spec of shardwise's own ``GPT(cfg)``, counted exactly on the meta device."""
-    import torch
+    """Spec of shardwise's own ``GPT(cfg)``, exact, from its torch-free parameter list."""
+    from shardwise.models.gpt_config import gpt_param_shapes
 
-    from shardwise.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return from_module(model, name=name)
+    params = []
+    for pname, shape in gpt_param_shapes(cfg):
+        unit = int(pname.split(".")[1]) if pname.startswith("blocks.") else ROOT_UNIT
+        params.append(ParamInfo(pname, shape, unit))
+    return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=cfg.n_layer,
+                     hidden=cfg.n_embd, n_heads=cfg.n_head, n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd,
+                     vocab=cfg.vocab_size, max_seq=cfg.block_size, dropout=float(cfg.dropout),
+                     learned_positions=True, tied_embeddings=False, params=tuple(params), family="gpt")
 
 
 def from_factory(spec: str) -> ModelSpec:
