@@ -15,17 +15,35 @@ from shardwise.errors import ConfigError
 from shardwise.layout import resolve_layout
 from shardwise.parallel.composed import MESH_DIMS
 from shardwise.testing import run_command, run_distributed
-from tests.helpers.mp import ckpt_phase, mp_train
+from tests.helpers.mp import ckpt_phase, mp_cases, mp_train
 from tests.test_tp import assert_parity
 
 
-def test_ddp_pp_on_four_ranks_matches_single_process():
+@pytest.fixture(scope="module")
+def four_rank_pipelines():
+    """ddp+pp (pp=2) and plain pp with parallel.pp unset, in one 4-rank spawn."""
+    cases = [dict(strategy="ddp+pp", pp=2), dict(strategy="pp", overrides={"n_layer": 4})]
+    ranks = run_distributed(mp_cases, 4, timeout_s=300, cases=cases)
+    return [[r[i] for r in ranks] for i in range(len(cases))]
+
+
+def test_ddp_pp_on_four_ranks_matches_single_process(four_rank_pipelines):
     ref = mp_train(0, 1, "single")
-    ranks = run_distributed(mp_train, 4, timeout_s=240, strategy="ddp+pp", pp=2)
+    ranks = four_rank_pipelines[0]
     assert_parity(ref, ranks)
     # pp outermost: ranks 0,1 run stage 0 (dp replicas 0 and 1), ranks 2,3 stage 1.
     assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
     assert ranks[0]["param_bytes"] == ranks[1]["param_bytes"] != ranks[2]["param_bytes"]
+
+
+def test_pp_on_four_ranks_with_pp_unset_runs_the_microbatches_it_was_checked_with(four_rank_pipelines):
+    # Regression (issue 12): the degree was resolved to 4 and checked against 2 x 4 = 8
+    # micro-batches, but the pipeline computed 2 x parallel.pp (unset: 1) = 2. The layout owns
+    # both numbers now.
+    ranks = four_rank_pipelines[1]
+    assert resolve_layout(ParallelConfig(strategy="pp"), 4).pp_microbatches == 8
+    assert {r["run_microbatches"] for r in ranks} == {r["layout_microbatches"] for r in ranks} == {8}
+    assert_parity(mp_train(0, 1, "single", overrides={"n_layer": 4}), ranks)
 
 
 def test_fsdp_tp_on_four_ranks_matches_and_its_checkpoint_resumes_under_fsdp_on_two(tmp_path):

@@ -95,3 +95,12 @@ def test_summary_json_carries_the_ledger(tmp_path, capsys):
     assert entry["optim_bytes"] >= 2 * n_bytes  # AdamW: two moments + step counters
     assert entry["peak_bytes"] > 0 and entry["peak_source"]
     assert "params_MiB" in ledger.format_table(memory)
+    # The planner's prediction for this very run sits next to the measurement, and is exact here.
+    predicted = entry["predicted"]
+    assert {k: predicted[k] for k in ledger.FIELDS} == {k: entry[k] for k in ledger.FIELDS}
+    assert predicted["activation_bytes"] > 0 and predicted["peak_bytes"] > sum(entry[k] for k in ledger.FIELDS)
+    assert memory["prediction"]["model"] == "gpt-nano" and memory["prediction"]["micro_batch"] == 4
+    (row,) = memory["predicted_vs_measured"]
+    assert row["param_bytes"]["diff_bytes"] == 0 and "peak_bytes" not in row  # CPU peak is RSS: not compared
+    err = capsys.readouterr().err
+    assert "planner prediction vs measured" in err and "peak not compared" in err

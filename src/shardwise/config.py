@@ -12,6 +12,7 @@ Config objects are frozen: once loaded they are never modified. Resolving a run 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -144,6 +145,12 @@ class RunConfig:
 
 def builtin_recipes() -> dict[str, str]:
     """Map built-in recipe names to their TOML text."""
+    return dict(_builtin_recipes())
+
+
+@functools.cache
+def _builtin_recipes() -> dict[str, str]:
+    # Package data does not change while the process runs: read it once.
     pkg = resources.files("shardwise") / "recipes"
     return {p.name[: -len(".toml")]: p.read_text() for p in pkg.iterdir() if p.name.endswith(".toml")}
 
@@ -220,8 +227,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key} must be {want}, got {value!r} ({type(value).__name__}).")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # slow (it evaluates annotations): once per section class
+
+
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():

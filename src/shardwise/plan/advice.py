@@ -193,11 +193,11 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     """
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp)
-    tps = [tp] if tp else [t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t)]
-    pps = [pp] if pp else ([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes else [])
-    combos = [] if (tp or 1) > 1 or (pp or 1) > 1 else [(1, 1)]
-    combos += [(t, 1) for t in tps if t > 1] + [(1, p) for p in pps if p > 1]
-    combos += [(t, p) for t in tps for p in pps if t > 1 and p > 1]
+    # --tp / --pp pin a degree; otherwise every TP degree that fits a node, PP across nodes.
+    tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t))]
+    pps = [pp] if pp else [1, *([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes
+                                else [])]
+    combos = [(t, p) for p in pps for t in tps]
     layouts: list[Layout] = []
     skipped: list[str] = []
     for t, p in combos:

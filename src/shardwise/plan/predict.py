@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardwise.layout import Layout
-from shardwise.plan.memory import Precision, StateBytes, activation_bytes, memory_breakdown, state_bytes
+from shardwise.plan.memory import (
+    Precision,
+    StateBytes,
+    _local_params,
+    activation_bytes,
+    memory_breakdown,
+    state_bytes,
+)
 
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
@@ -135,6 +142,15 @@ def _state_rank(layout: Layout, rank: int) -> int:
     return 0
 
 
+def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
+    """How many leading FSDP shard ranks hold a full (unpadded) shard of every tensor: their state
+    is identical, so one computation serves them all (a 512-rank prediction stays instant)."""
+    if layout.sharding not in ("zero2", "fsdp") or not spec.params:
+        return 1
+    n = layout.shard
+    return min(max(1, p.shape[0] // -(-p.shape[0] // n)) for p in _local_params(spec, layout, stage))
+
+
 def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int) -> StateBytes:
     sb = state_bytes(spec, layout, prec, "adamw", rank=rank, stage=stage)
     if prec.name == "bf16-true":
@@ -168,9 +184,17 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
                                  micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
                                  gpus_per_node=ranks_per_node)
     ranks = []
+    states: dict[tuple[int, int], StateBytes] = {}
+    full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
     for rank in range(layout.world_size):
         stage = layout.coords(rank).get("pp", 0)
-        sb = _runtime_state(spec, layout, prec, _state_rank(layout, rank), stage)
+        state_rank = _state_rank(layout, rank)
+        if state_rank < full[stage]:
+            state_rank = 0  # same bytes as shard 0
+        key = (state_rank, stage)
+        if key not in states:
+            states[key] = _runtime_state(spec, layout, prec, state_rank, stage)
+        sb = states[key]
         act = breakdown.activations
         if layout.pp > 1 and spec.has_structure:
             # Each pipeline rank saves activations for its own blocks (the first also the

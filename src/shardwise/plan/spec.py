@@ -7,6 +7,7 @@ FSDP2 do; with a bare parameter count it falls back to an even split and says so
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -32,10 +33,11 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     unit: int
+    # Element count, computed once: the planner sums it over every tensor of every candidate.
+    numel: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,11 @@ class ModelSpec:
 
     def unit_params(self) -> dict[int, int]:
         """Parameter count per FSDP unit (block index -> count; ROOT_UNIT -> everything else)."""
+        return dict(self._unit_params)
+
+    @functools.cached_property
+    def _unit_params(self) -> dict[int, int]:
+        # Computed once per spec (frozen): every candidate of a plan asks for it.
         units: dict[int, int] = {}
         for p in self.params:
             units[p.unit] = units.get(p.unit, 0) + p.numel

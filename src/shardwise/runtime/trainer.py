@@ -216,7 +216,10 @@ class Trainer:
         memory["prediction"] = {k: v for k, v in self.prediction.to_dict().items() if k != "ranks"}
         memory["predicted_vs_measured"] = rows = compare_prediction(self.prediction, memory)
         s.log("memory per rank (MiB)\n" + ledger.format_table(memory))
-        s.log("planner prediction vs measured (MiB)\n" + format_comparison(rows))
+        peak_note = ("" if any("peak_bytes" in r for r in rows) else
+                     f"\n(peak not compared: measured as {memory['peak_source']}, which is not what the "
+                     "planner predicts; on CUDA it is max_memory_allocated)")
+        s.log("planner prediction vs measured (MiB)\n" + format_comparison(rows) + peak_note)
         self.run_dir.write_summary(summary)
         s.print(f"final train loss {summary['final_train_loss']:.4f} | "
                 f"final val loss {summary['final_val_loss']:.4f} | "
