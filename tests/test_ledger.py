@@ -90,6 +90,7 @@ def test_summary_json_carries_the_ledger(tmp_path, capsys):
     train_run(cfg, tmp_path)
     memory = json.loads((tmp_path / "summary.json").read_text())["memory"]
     (entry,) = memory["ranks"]
+    assert entry["coords"] == {"dp": 0}  # where this rank sits in the layout's mesh
     n_bytes = sum(p.numel() * 4 for p in GPT(GPT_PRESETS["nano"]).parameters())
     assert entry["param_bytes"] == entry["grad_bytes"] == n_bytes
     assert entry["optim_bytes"] >= 2 * n_bytes  # AdamW: two moments + step counters
