@@ -32,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
+from shardwise.parallel.registry import REGISTRY  # noqa: E402
 from shardwise.plan.advice import (  # noqa: E402
     GIB,
     RUNTIME_RESERVE_GIB,
@@ -108,6 +109,19 @@ def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None
     return pub["tflops_per_gpu"] * 1e12 / per_token
 
 
+def run_layout(strategy: str, dp: int, tp: int, pp: int) -> Layout:
+    """The layout of a published run: shardwise's own strategy when the registry has it, else
+    another stack's (Megatron's ddp+tp, zero1+tp, ...) described by what its dp ranks hold."""
+    # Activations are modelled with sequence parallelism under TP (torchtitan's TP plans and
+    # Megatron's --sequence-parallel; the constants were fitted that way).
+    if strategy in REGISTRY:
+        return Layout(strategy, dp=dp, tp=tp, pp=pp, sequence_parallel=tp > 1)
+    base = strategy.split("+")[0]
+    dp_kind = {"ddp": "replicate", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}[base]
+    return Layout.external_stack(strategy, dp_kind, dp=dp, tp=tp, pp=pp,
+                                 shard=dp if dp_kind in ("zero2", "fsdp") else 1, sequence_parallel=tp > 1)
+
+
 def load_cases(data: dict[str, Any]) -> list[Case]:
     gpus = {name: gpu_from_dict({k: v for k, v in spec.items() if k != "why"}, f"{DATA.name} gpus.{name}")
             for name, spec in data.get("gpus", {}).items()}
@@ -122,8 +136,7 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         cluster = Cluster(gpus.get(run["gpu"]) or gpu(run["gpu"]), gpus_per_node=per_node, nodes=n // per_node)
         tp, pp = run["tp"], run["pp"]
         dp = n // (tp * pp)
-        sharded = run["strategy"].split("+")[0] in ("fsdp", "zero2", "hsdp")
-        layout = Layout(run["strategy"], dp=dp, tp=tp, pp=pp, shard=dp if sharded else 1)
+        layout = run_layout(run["strategy"], dp, tp, pp)
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],

@@ -88,6 +88,13 @@ def test_ddp_train_on_two_processes(cli_env, tmp_path):
     assert summary["strategy"] == "ddp" and summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["final_val_loss"] < 4.2  # it trained: ln(65) = 4.17 at initialisation
     assert "--- sample ---" in proc.stdout
+    assert summary["layout"]["strategy"] == "ddp" and summary["layout"]["mesh_shape"] == [2]
+    assert [r["coords"] for r in summary["memory"]["ranks"]] == [{"dp": 0}, {"dp": 1}]
+    # Every rank's measured bytes next to the planner's prediction for it (DDP: exact).
+    for row in summary["memory"]["predicted_vs_measured"]:
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert row[key]["predicted"] == row[key]["measured"], (row["rank"], key)
+    assert "planner prediction vs measured" in proc.stderr
 
 
 def test_launch_runs_a_user_script_on_two_ranks(cli_env, tmp_path):

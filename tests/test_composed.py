@@ -12,19 +12,38 @@ import pytest
 
 from shardwise.config import ParallelConfig, load_config
 from shardwise.errors import ConfigError
-from shardwise.parallel.composed import MESH_DIMS, DDPPPStrategy, FSDPTPStrategy, resolve_degrees
+from shardwise.layout import resolve_layout
+from shardwise.parallel.composed import MESH_DIMS
 from shardwise.testing import run_command, run_distributed
-from tests.helpers.mp import ckpt_phase, mp_train
+from tests.helpers.mp import ckpt_phase, mp_cases, mp_train
 from tests.test_tp import assert_parity
 
 
-def test_ddp_pp_on_four_ranks_matches_single_process():
+@pytest.fixture(scope="module")
+def four_rank_pipelines():
+    """ddp+pp (pp=2) and plain pp with parallel.pp unset, in one 4-rank spawn."""
+    cases = [dict(strategy="ddp+pp", pp=2), dict(strategy="pp", overrides={"n_layer": 4})]
+    ranks = run_distributed(mp_cases, 4, timeout_s=300, cases=cases)
+    return [[r[i] for r in ranks] for i in range(len(cases))]
+
+
+def test_ddp_pp_on_four_ranks_matches_single_process(four_rank_pipelines):
     ref = mp_train(0, 1, "single")
-    ranks = run_distributed(mp_train, 4, timeout_s=240, strategy="ddp+pp", pp=2)
+    ranks = four_rank_pipelines[0]
     assert_parity(ref, ranks)
     # pp outermost: ranks 0,1 run stage 0 (dp replicas 0 and 1), ranks 2,3 stage 1.
     assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
     assert ranks[0]["param_bytes"] == ranks[1]["param_bytes"] != ranks[2]["param_bytes"]
+
+
+def test_pp_on_four_ranks_with_pp_unset_runs_the_microbatches_it_was_checked_with(four_rank_pipelines):
+    # Regression (issue 12): the degree was resolved to 4 and checked against 2 x 4 = 8
+    # micro-batches, but the pipeline computed 2 x parallel.pp (unset: 1) = 2. The layout owns
+    # both numbers now.
+    ranks = four_rank_pipelines[1]
+    assert resolve_layout(ParallelConfig(strategy="pp"), 4).pp_microbatches == 8
+    assert {r["run_microbatches"] for r in ranks} == {r["layout_microbatches"] for r in ranks} == {8}
+    assert_parity(mp_train(0, 1, "single", overrides={"n_layer": 4}), ranks)
 
 
 def test_fsdp_tp_on_four_ranks_matches_and_its_checkpoint_resumes_under_fsdp_on_two(tmp_path):
@@ -45,28 +64,36 @@ def test_fsdp_tp_on_four_ranks_matches_and_its_checkpoint_resumes_under_fsdp_on_
         assert (p - second[0]["params"][name]).abs().max().item() < 1e-5, name
 
 
+def _degrees(world: int, **options) -> dict[str, int]:
+    layout = resolve_layout(ParallelConfig(**options), world)
+    return {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+
+
 def test_degrees_are_resolved_and_checked():
     assert MESH_DIMS == ("pp", "dp", "tp")
-    opts = ParallelConfig(tp=2)
-    assert resolve_degrees(8, opts, ("dp", "tp")) == {"pp": 1, "dp": 4, "tp": 2}
-    assert resolve_degrees(8, ParallelConfig(dp=2, tp=2), ("pp", "dp", "tp"))["pp"] == 2
+    assert _degrees(8, strategy="fsdp+tp", tp=2) == {"pp": 1, "dp": 4, "tp": 2}
+    assert _degrees(8, strategy="fsdp+tp+pp", dp=2, tp=2)["pp"] == 2
     with pytest.raises(ConfigError, match="cannot infer"):
-        resolve_degrees(8, ParallelConfig(), ("pp", "dp", "tp"))
+        resolve_layout(ParallelConfig(strategy="fsdp+tp+pp"), 8)
     with pytest.raises(ConfigError, match="dp x tp x pp must equal the world size"):
-        resolve_degrees(8, ParallelConfig(dp=3, tp=2, pp=2), ("pp", "dp", "tp"))
+        resolve_layout(ParallelConfig(strategy="fsdp+tp+pp", dp=3, tp=2, pp=2), 8)
     with pytest.raises(ConfigError, match="do not divide"):
-        resolve_degrees(6, ParallelConfig(tp=4), ("dp", "tp"))
+        resolve_layout(ParallelConfig(strategy="fsdp+tp", tp=4), 6)
     with pytest.raises(ConfigError, match="sequence_parallel needs tensor parallel"):
-        DDPPPStrategy().check(4, ParallelConfig(pp=2, sequence_parallel=True))
-    strategy = FSDPTPStrategy()
-    assert strategy.mesh_layout(4, opts) == ((1, 2, 2), MESH_DIMS)
+        resolve_layout(ParallelConfig(strategy="ddp+pp", pp=2, sequence_parallel=True), 4)
+    layout = resolve_layout(ParallelConfig(strategy="fsdp+tp", tp=2), 4)
+    assert (layout.mesh_shape, layout.mesh_dim_names) == ((1, 2, 2), MESH_DIMS)
 
 
 def test_degrees_alone_pick_the_composition():
-    assert load_config(None, ["parallel.tp=2"]).parallel.strategy == "fsdp+tp"
-    assert load_config(None, ["parallel.pp=2"]).parallel.strategy == "ddp+pp"
-    assert load_config(None, ["parallel.tp=2", "parallel.pp=2"]).parallel.strategy == "fsdp+tp+pp"
-    assert load_config(None, ["parallel.strategy=3d"]).parallel.strategy == "fsdp+tp+pp"
+    # The config keeps what the user wrote ('auto'); the layout resolves what it stands for.
+    cfg = load_config(None, ["parallel.tp=2"])
+    assert cfg.parallel.strategy == "auto"
+    assert resolve_layout(cfg.parallel, 4).strategy == "fsdp+tp"
+    assert resolve_layout(load_config(None, ["parallel.pp=2"]).parallel, 4).strategy == "ddp+pp"
+    assert resolve_layout(load_config(None, ["parallel.tp=2", "parallel.pp=2"]).parallel, 4).strategy == "fsdp+tp+pp"
+    three_d = load_config(None, ["parallel.strategy=3d", "parallel.tp=2", "parallel.pp=2"]).parallel
+    assert three_d.strategy == "3d" and resolve_layout(three_d, 8).strategy == "fsdp+tp+pp"
     with pytest.raises(ConfigError, match="unknown pipeline schedule"):
         load_config(None, ["parallel.pp_schedule=zb"])
 

@@ -86,13 +86,22 @@ def test_storage_bytes_counts_each_storage_once():
 def test_summary_json_carries_the_ledger(tmp_path, capsys):
     cfg = load_config(None, ["model.preset=nano", "train.steps=2", "train.eval_batches=1",
                              "train.sample_tokens=0", "train.progress=false", "train.micro_batch_size=4",
-                             "checkpoint.at_end=false"])
-    cfg.parallel.strategy = "single"
+                             "checkpoint.at_end=false", "parallel.strategy=single"])
     train_run(cfg, tmp_path)
     memory = json.loads((tmp_path / "summary.json").read_text())["memory"]
     (entry,) = memory["ranks"]
+    assert entry["coords"] == {"dp": 0}  # where this rank sits in the layout's mesh
     n_bytes = sum(p.numel() * 4 for p in GPT(GPT_PRESETS["nano"]).parameters())
     assert entry["param_bytes"] == entry["grad_bytes"] == n_bytes
     assert entry["optim_bytes"] >= 2 * n_bytes  # AdamW: two moments + step counters
     assert entry["peak_bytes"] > 0 and entry["peak_source"]
     assert "params_MiB" in ledger.format_table(memory)
+    # The planner's prediction for this very run sits next to the measurement, and is exact here.
+    predicted = entry["predicted"]
+    assert {k: predicted[k] for k in ledger.FIELDS} == {k: entry[k] for k in ledger.FIELDS}
+    assert predicted["activation_bytes"] > 0 and predicted["peak_bytes"] > sum(entry[k] for k in ledger.FIELDS)
+    assert memory["prediction"]["model"] == "gpt-nano" and memory["prediction"]["micro_batch"] == 4
+    (row,) = memory["predicted_vs_measured"]
+    assert row["param_bytes"]["diff_bytes"] == 0 and "peak_bytes" not in row  # CPU peak is RSS: not compared
+    err = capsys.readouterr().err
+    assert "planner prediction vs measured" in err and "peak not compared" in err

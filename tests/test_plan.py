@@ -145,19 +145,30 @@ def test_ring_costs_and_bubble():
 
 
 def test_llama3_8b_on_8_h100_recommends_something_that_fits():
-    plan = make_plan(model_preset("llama-3-8b"), Cluster(gpu("h100-sxm")), Workload(seq=8192))
+    plan = plan_cli.build_plan(_args("--model", "llama-3-8b", "--gpu", "h100-sxm", "--seq", "8192"))
     assert plan.recommended is not None and plan.recommended.fits
     assert any(r.startswith("ddp: needs") for r in plan.rejected)
-    assert plan.commands[0].startswith("shardwise train ") and "--nproc 8" in plan.commands[0]
-    assert "--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.runtime.worker" in plan.commands[2]
+    train, torchrun = plan.commands
+    assert train.startswith("shardwise train hf-shakespeare ") and "--nproc 8" in train
+    assert "--set model.hf_config=llama-3-8b --set model.overrides.block_size=8192" in train
+    assert torchrun.startswith("torchrun --standalone --nproc-per-node=8 -m shardwise.runtime.worker hf-shakespeare")
+    # make_plan without a model the runtime can build prints no command, and says why.
+    bare = make_plan(model_preset("llama-3-8b"), Cluster(gpu("h100-sxm")), Workload(seq=8192))
+    assert bare.commands == [] and any("no command is printed" in w for w in bare.warnings)
 
 
 def test_multi_node_adds_hsdp_and_pipeline():
     plan = make_plan(model_preset("llama-3-70b"), Cluster(gpu("h100"), nodes=4),
                      Workload(seq=4096, global_batch=64, checkpoint="full"))
     names = {c.layout.strategy for c in plan.candidates}
-    assert {"hsdp", "ddp+pp", "fsdp+tp+pp"} <= names
-    assert plan.recommended is not None
+    assert {"hsdp", "fsdp+tp"} <= names and plan.recommended is not None
+    # The runtime's pipeline cuts only the built-in GPT: for a Hugging Face Llama no pipeline
+    # candidate is offered, and the plan says why.
+    assert not any(c.layout.pp_enabled for c in plan.candidates)
+    assert any(s.startswith("ddp+pp(pp4): pipeline parallel cuts only the built-in GPT") for s in plan.skipped)
+    gpt = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=2),
+                    Workload(seq=256, global_batch=16))
+    assert {"hsdp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"} <= {c.layout.strategy for c in gpt.candidates}
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -176,7 +187,9 @@ def test_cli_json_and_table(capsys):
     assert out["recommended"] and {c["strategy"] for c in out["candidates"]} >= {"ddp", "zero1", "zero2", "fsdp"}
     plan_cli.run(_args("--model", "gpt-tiny", "--gpu", "rtx-4090", "--gpus-per-node", "2", "--precision", "fp32"))
     text = capsys.readouterr().out
-    assert "recommended: ddp" in text and "shardwise train gpt-shakespeare --strategy ddp --nproc 2" in text
+    command = next(line.strip() for line in text.splitlines() if line.strip().startswith("shardwise train"))
+    assert "recommended: ddp" in text and command.startswith("shardwise train gpt-shakespeare --strategy ddp ")
+    assert command.endswith("--nproc 2") and "--set model.preset=tiny" in command
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -10,9 +10,9 @@ import torch
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
+from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.parallel.composed import PPStrategy
-from shardwise.parallel.pp import check_pp_model, check_schedule, stage_layer_ranges
+from shardwise.parallel.pp import check_pp_model, stage_layer_ranges
 from shardwise.testing import run_distributed
 from tests.helpers.mp import merged_params, mp_train
 from tests.test_tp import assert_parity
@@ -72,19 +72,20 @@ def test_stage_split_is_balanced_with_lighter_ends():
 
 
 def test_pipeline_constraints_are_checked_up_front():
-    opts = ParallelConfig(strategy="pp", pp_microbatches=1)
+    def pp_layout(world=2, **options):
+        return resolve_layout(ParallelConfig(strategy="pp", **options), world)
+
     with pytest.raises(ConfigError, match="must be >= the pipeline degree 2"):
-        PPStrategy().check(2, opts)
+        pp_layout(pp_microbatches=1)
     with pytest.raises(ConfigError, match="needs parallel.pp_stages_per_rank >= 2"):
-        check_schedule(2, ParallelConfig(pp_schedule="interleaved-1f1b"))
+        pp_layout(pp_schedule="interleaved-1f1b")
     with pytest.raises(ConfigError, match="multiple of the pipeline degree"):
-        check_schedule(2, ParallelConfig(pp_schedule="interleaved-1f1b", pp_stages_per_rank=2,
-                                         pp_microbatches=3))
+        pp_layout(pp_schedule="interleaved-1f1b", pp_stages_per_rank=2, pp_microbatches=3)
     with pytest.raises(ConfigError, match="fp16-mixed"):
-        check_schedule(2, ParallelConfig(precision="fp16-mixed"))
+        pp_layout(precision="fp16-mixed")
     with torch.device("meta"):
         model = GPT(GPT_PRESETS["nano"])
     with pytest.raises(ConfigError, match="exceed the model's 2 layers"):
-        check_pp_model(model, 4, 0)
+        check_pp_model(model, pp_layout(4))
     with pytest.raises(ConfigError, match="has no stage split"):
-        check_pp_model(torch.nn.Linear(2, 2), 2, 0)
+        check_pp_model(torch.nn.Linear(2, 2), pp_layout())

@@ -11,8 +11,8 @@ import torch
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
+from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
-from shardwise.parallel.composed import TPStrategy
 from shardwise.parallel.tp import check_tp_model
 from shardwise.testing import run_distributed
 from tests.helpers.mp import hf_train, merged_params, mp_train
@@ -93,8 +93,7 @@ def test_tp_degree_must_divide_heads_and_hidden():
         check_tp_model(model, 4)
     with pytest.raises(ConfigError, match="no plan for Sequential"):
         check_tp_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
-    strategy = TPStrategy()
     with pytest.raises(ConfigError, match="parallel.pp=2 is set"):
-        strategy.check(2, ParallelConfig(strategy="tp", pp=2))
+        resolve_layout(ParallelConfig(strategy="tp", pp=2), 2)
     with pytest.raises(ConfigError, match=r"dp x tp x pp must equal the world size"):
-        strategy.check(4, ParallelConfig(strategy="tp", tp=2))
+        resolve_layout(ParallelConfig(strategy="tp", tp=2), 4)

@@ -7,7 +7,7 @@ import torch
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
-from shardwise.parallel.registry import get_strategy
+from shardwise.layout import resolve_layout
 from shardwise.testing import run_command
 from shardwise.verify import TOLERANCES, compare
 
@@ -69,10 +69,10 @@ def test_compare_passes_within_and_fails_outside_tolerance():
 
 def test_bad_combinations_are_refused_before_launch(cli_env):
     with pytest.raises(ConfigError, match="must divide the world size 4"):
-        get_strategy("hsdp", 4).check(4, ParallelConfig(hsdp_shard_size=3))
+        resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=3), 4)
     with pytest.raises(ConfigError, match="pure data parallel"):
-        get_strategy("fsdp", 2).check(2, ParallelConfig(tp=2))
-    get_strategy("hsdp", 4).check(4, ParallelConfig(hsdp_shard_size=2))  # 2 x 2 is fine
+        resolve_layout(ParallelConfig(strategy="fsdp", tp=2), 2)
+    assert resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=2), 4).mesh_shape == (2, 2)
     proc = _shardwise(["verify", "--strategy", "hsdp", "--nproc", "2", "--set", "parallel.hsdp_shard_size=3"],
                       cli_env, timeout=60)
     assert proc.returncode == 2 and "hsdp_shard_size=3" in proc.stderr

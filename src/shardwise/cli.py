@@ -7,13 +7,21 @@ a traceback means a bug in shardwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError, ShardwiseError
+
+if TYPE_CHECKING:
+    from shardwise.config import RunConfig
+    from shardwise.layout import Layout
+    from shardwise.preflight import Preflight
 
 
 # ------------------------------------------------------------------------------ train
@@ -45,15 +53,33 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times when one fails or hangs; each restart "
                    "resumes from the latest checkpoint (set checkpoint.every to lose little work)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve the run and run every check (a meta-device model, no memory used), print "
+                   "the layout and the planner's per-rank memory prediction, and exit without starting ranks")
     p.set_defaults(func=cmd_train)
 
 
-def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
-    """Load and check everything a run needs before any process starts.
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything a run needs before any process starts (``train`` and ``train --dry-run``)."""
 
-    Returns (config, meta model or None, nproc, out).
+    config: RunConfig  # resolved: canonical strategy, ranks per node, run directory (a new object)
+    checked: Preflight  # the layout (with the model's blocks), strategy, workload, meta model
+    nproc: int
+    nnodes: int
+    out: Path
+
+    @property
+    def layout(self) -> Layout:
+        return self.checked.layout
+
+
+def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = None) -> ResolvedRun:
+    """Load and check everything a run needs before any process starts; the config is never modified.
+
+    ``workload``/``meta``: see ``preflight.check_run`` (the planner's grid test reuses them).
     """
-    from shardwise.config import load_config
+    from shardwise.config import load_config, replace_in
     from shardwise.preflight import check_run
     from shardwise.runtime.device import default_nproc
     from shardwise.runtime.rundir import default_run_dir
@@ -65,14 +91,30 @@ def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
     nnodes = getattr(args, "nnodes", 1)
+    _check_nodes(args, nnodes, cfg)
+    nproc = args.nproc or cfg.parallel.nproc or default_nproc()
+    checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
+    out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
+    cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
+    return ResolvedRun(cfg, checked, nproc, nnodes, out)
+
+
+def _check_nodes(args: argparse.Namespace, nnodes: int, cfg: RunConfig) -> None:
+    """Multi-node flags that torchrun would otherwise reject late, or wait on forever."""
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
-    nproc = args.nproc or cfg.parallel.nproc or default_nproc()
-    strategy, _, model = check_run(cfg, nproc * nnodes)
-    cfg.parallel.nproc = nproc
-    out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, strategy.name))
-    cfg.out_dir = str(out)
-    return cfg, model, nproc, out
+    node_rank = getattr(args, "node_rank", 0)
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}.")
+    if nnodes > 1:
+        if not getattr(args, "rdzv_endpoint", ""):
+            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same address on every "
+                              "node (e.g. --rdzv-endpoint $MASTER_ADDR:29500).")
+        if not (getattr(args, "out", None) or cfg.out_dir):
+            # The run directory names the rendezvous (torchrun's --rdzv-id): a default one carries
+            # the time, which differs between nodes, so they would never meet.
+            raise ConfigError(f"--nnodes {nnodes} needs --out RUN_DIR, the same path on every node: it "
+                              "names the job's rendezvous.")
 
 
 def _use_run_config_for_resume(args: argparse.Namespace) -> None:
@@ -83,14 +125,19 @@ def _use_run_config_for_resume(args: argparse.Namespace) -> None:
             args.recipe = str(saved)
 
 
-def _preflight_resume(cfg: object, out: Path, meta_model: object, out_given: bool) -> None:
-    """Check the resume checkpoint before any rank starts (missing, damaged, other model shape)."""
+def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: bool) -> RunConfig:
+    """Check the resume checkpoint before any rank starts (missing, damaged, other model shape).
+
+    Returns the config every rank runs: an explicit resume path is pinned to the checkpoint found
+    (a new config object; ``cfg`` is left as it was).
+    """
+    from shardwise.config import replace_in
     from shardwise.errors import CheckpointError
     from shardwise.runtime.checkpoint import preflight, tensor_shapes
 
-    ck = cfg.checkpoint  # type: ignore[attr-defined]
+    ck = cfg.checkpoint
     if ck.resume in ("", "auto"):
-        return
+        return cfg
     source = out / "checkpoints" if ck.resume == "latest" else Path(ck.resume)
     # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
     shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
@@ -102,7 +149,36 @@ def _preflight_resume(cfg: object, out: Path, meta_model: object, out_given: boo
                                   "pass --out RUN_DIR, or --resume PATH.") from None
         raise
     if ck.resume != "latest":
-        ck.resume = str(path.resolve())  # every rank and every restart loads this very checkpoint
+        # Every rank and every restart loads this very checkpoint.
+        return replace_in(cfg, **{"checkpoint.resume": str(path.resolve())})
+    return cfg
+
+
+def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
+    """What ``--dry-run`` prints: the resolved run, its layout and the planner's per-rank memory."""
+    from shardwise.plan.predict import predict_for_model
+
+    cfg, layout, checked = run.config, run.layout, run.checked
+    nodes = f" ({run.nnodes} nodes x {run.nproc})" if run.nnodes > 1 else ""
+    lines = [f"dry run of `shardwise {what}`: every check passed; no rank was started, nothing was written.",
+             f"run: {cfg.name}, {layout.world_size} rank(s){nodes}, run directory {run.out}",
+             layout.describe()]
+    model = checked.meta_model
+    if model is None:
+        lines.append("memory: no prediction (the model factory cannot build on the meta device; "
+                     "the ranks check the model's shape when they start)")
+        return "\n".join(lines)
+    prediction = predict_for_model(model, layout, cfg, seq=checked.workload.tokens_per_sample,
+                                   ranks_per_node=run.nproc)
+    lines += [
+        f"model: {prediction.model}, {prediction.n_params / 1e6:,.2f}M parameters; {cfg.parallel.precision}, "
+        f"{prediction.micro_batches} micro-batch(es) of {prediction.micro_batch} x {prediction.seq} tokens per "
+        f"step per replica, activation checkpointing {prediction.checkpoint}",
+        "predicted memory per rank (the planner's model; the run compares it with the ledger):",
+        prediction.table(),
+    ]
+    lines += [f"note: {n}" for n in prediction.notes]
+    return "\n".join(lines)
 
 
 def _report_interrupt(out: Path, started: float) -> int | None:
@@ -127,8 +203,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
-    cfg, meta_model, nproc, out = resolve_run(args)
-    _preflight_resume(cfg, out, meta_model, out_given=bool(args.out))
+    run = resolve_run(args)
+    cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
+    if args.dry_run:
+        print(dry_run_report(dataclasses.replace(run, config=cfg)))
+        return 0
+    nproc, out = run.nproc, run.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))
     for stale in [*out.glob("hang-rank*.json"), *out.glob("failure-rank*.json")]:

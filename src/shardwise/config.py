@@ -3,11 +3,16 @@
 Each component takes only its own section (``ModelConfig``, ``DataConfig``, ``TrainConfig``,
 ``ParallelConfig``, ``CheckpointConfig``), never the whole ``RunConfig``. Nothing else in shardwise
 reads raw dicts; unknown keys are errors that suggest the closest valid key.
+
+Config objects are frozen: once loaded they are never modified. Resolving a run (the strategy
+'auto' stands for, ranks per node, the run directory) returns a new object
+(``dataclasses.replace``, see ``replace_in``); every degree lives in ``shardwise.layout.Layout``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     # gpt: the built-in character GPT; cnn: the small CIFAR CNN; hf: a transformers model built
     # from a local config.json; custom: ``factory = "module:function"`` returning an nn.Module.
@@ -37,7 +42,7 @@ class ModelConfig:
     hf_config: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     # shakespeare: the bundled text (or ``path``); cifar10: the python-pickle batches in ``path``;
     # text: a text/JSONL file or folder in ``path``, tokenised with ``tokenizer`` and cached;
@@ -55,7 +60,7 @@ class DataConfig:
     cache_dir: str = ""  # text/tokens: where tokenised data is cached ("": ~/.cache/shardwise)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600
     micro_batch_size: int = 32  # per rank, per micro-batch
@@ -74,7 +79,7 @@ class TrainConfig:
     progress: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = "auto"  # auto: ddp when more than one rank, else single
     nproc: int = 0  # 0: one per GPU, or 2 CPU processes when there is none
@@ -98,7 +103,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end and on interrupt
     keep_last: int = 2
@@ -106,7 +111,7 @@ class CheckpointConfig:
     at_end: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchdogConfig:
     timeout_s: float = 600.0  # a rank with no progress for this long is declared hung
     collective_timeout_s: float = 1800.0
@@ -115,7 +120,7 @@ class WatchdogConfig:
     debug_collectives: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for shardwise's own fault-tolerance tests; never set in real runs.
 
@@ -131,7 +136,7 @@ class DebugConfig:
     every_attempt: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileConfig:
     """``[profile]``: a torch.profiler trace of optimizer steps start_step..end_step (inclusive)."""
 
@@ -153,7 +158,7 @@ class ProfileConfig:
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     """``[log]``: experiment trackers fed by rank 0, beside the always-on metrics.jsonl."""
 
@@ -165,7 +170,7 @@ class LogConfig:
     mlflow_tracking_uri: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "gpt-shakespeare"
     out_dir: str = ""  # default: runs/<name>-<strategy>-<timestamp>
@@ -185,6 +190,12 @@ class RunConfig:
 
 def builtin_recipes() -> dict[str, str]:
     """Map built-in recipe names to their TOML text."""
+    return dict(_builtin_recipes())
+
+
+@functools.cache
+def _builtin_recipes() -> dict[str, str]:
+    # Package data does not change while the process runs: read it once.
     pkg = resources.files("shardwise") / "recipes"
     return {p.name[: -len(".toml")]: p.read_text() for p in pkg.iterdir() if p.name.endswith(".toml")}
 
@@ -271,8 +282,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key} must be {want}, got {value!r} ({type(value).__name__}).")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # slow (it evaluates annotations): once per section class
+
+
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
@@ -290,6 +306,24 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         else:
             kwargs[key] = _coerce(value, tp, full)
     return cls(**kwargs)
+
+
+def replace_in(cfg: RunConfig, **changes: Any) -> RunConfig:
+    """Return a copy of ``cfg`` with dotted keys changed, e.g. ``replace_in(cfg, **{"parallel.nproc": 4})``.
+
+    ``cfg`` itself is left as it was (config objects are frozen).
+    """
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in changes.items():
+        section, _, name = key.rpartition(".")
+        if section:
+            sections.setdefault(section, {})[name] = value
+        else:
+            top[name] = value
+    for section, values in sections.items():
+        top[section] = dataclasses.replace(getattr(cfg, section), **values)
+    return dataclasses.replace(cfg, **top)
 
 
 def load_config(recipe_or_path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -348,7 +382,11 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Check values that do not need to know the world size (see ``validate_for_world``)."""
+    """Check values that do not need to know the world size; never modifies ``cfg``.
+
+    What needs the world size (degrees, the strategy 'auto' stands for, pipeline micro-batches) is
+    resolved by ``shardwise.layout.resolve_layout``, which returns a new object.
+    """
     from shardwise.parallel.registry import canonical_strategy
 
     t, p = cfg.train, cfg.parallel
@@ -386,7 +424,7 @@ def validate(cfg: RunConfig) -> None:
     from shardwise.parallel.precision import check_precision
 
     check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts
-    p.strategy = canonical_strategy(p.strategy)  # raises with the list of valid names
+    canonical_strategy(p.strategy)  # raises with the list of valid names; resolve_layout picks the one
     _positive("parallel.tp", p.tp)
     _positive("parallel.pp", p.pp)
     _positive("parallel.dp", p.dp, allow_zero=True)
@@ -397,11 +435,6 @@ def validate(cfg: RunConfig) -> None:
         raise unknown_choice("pipeline schedule", p.pp_schedule, PP_SCHEDULES)
     _validate_profile(cfg.profile, t.steps)
     _validate_log(cfg.log)
-    if p.strategy == "auto" and (p.tp > 1 or p.pp > 1):
-        # Degrees alone select the composition; dp (inferred from the world size) shards with
-        # FSDP2 when TP is on (DDP over DTensor parameters is not supported), else replicates.
-        p.strategy = {(True, False): "fsdp+tp", (False, True): "ddp+pp",
-                      (True, True): "fsdp+tp+pp"}[(p.tp > 1, p.pp > 1)]
 
 
 def _validate_profile(pc: ProfileConfig, steps: int) -> None:

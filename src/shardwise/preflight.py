@@ -2,46 +2,78 @@
 
 A bad strategy/world-size combination, a missing data file or a model whose shape does not fit
 the tensor/pipeline degrees would otherwise surface as N copies of the same traceback, possibly
-after minutes of start-up. ``train`` and ``verify`` both call :func:`check_run`.
+after minutes of start-up. ``train`` and ``verify`` (with or without ``--dry-run``) call
+:func:`check_run`; it never modifies the config it is given and returns the resolved one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
+from shardwise.config import replace_in
 from shardwise.errors import ShardwiseError
+from shardwise.layout import Layout, resolve_layout
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from shardwise.config import RunConfig
     from shardwise.parallel.base import Strategy
     from shardwise.workloads import Workload
 
 
-def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.Module | None]:
-    """Validate ``cfg`` for ``world_size`` ranks; return the strategy, the built workload and a
-    meta-device copy of the model (None when the model's factory cannot build on meta).
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks resolved: the config (a new object), the layout, the strategy, the workload
+    and a meta-device copy of the model (None when its factory cannot build on meta)."""
 
-    Sets ``cfg.parallel.strategy`` to the canonical strategy name. Raises ConfigError (or
-    another ShardwiseError) with a message naming what is wrong.
+    config: RunConfig
+    layout: Layout
+    strategy: Strategy
+    workload: Workload
+    meta_model: nn.Module | None
+
+
+def resolve_config(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = None
+                   ) -> tuple[RunConfig, Layout]:
+    """Return (the config with its canonical strategy, the layout) for ``world_size`` ranks.
+
+    Pure (no torch, nothing built): degrees, the pipeline's micro-batches against
+    ``train.micro_batch_size``. ``cfg`` is left as it was.
     """
+    layout = resolve_layout(cfg.parallel, world_size, ranks_per_node=ranks_per_node)
+    layout.check_batch(cfg.train.micro_batch_size)
+    return replace_in(cfg, **{"parallel.strategy": layout.strategy}), layout
+
+
+def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = None,
+              workload: Workload | None = None, meta: nn.Module | None = None) -> Preflight:
+    """Validate ``cfg`` for ``world_size`` ranks; raise a ShardwiseError naming what is wrong.
+
+    ``workload``/``meta``: an already built workload and meta model of ``cfg``'s ``[model]`` and
+    ``[data]`` (callers that resolve many runs of one model, e.g. the planner's grid test, build
+    them once); by default both are built here.
+    """
+    from shardwise.parallel.blocks import find_blocks
     from shardwise.parallel.registry import get_strategy
     from shardwise.workloads import build_workload
 
-    check_observability(cfg, world_size)
-    strategy = get_strategy(cfg.parallel.strategy, world_size)
-    strategy.check(world_size, cfg.parallel)
-    cfg.parallel.strategy = strategy.name
-    # Building the datasets reports a missing or malformed data file here, once.
-    workload = build_workload(cfg.model, cfg.data)
-    model = meta_model(workload)
-    if model is not None:
+    resolved, layout = resolve_config(cfg, world_size, ranks_per_node=ranks_per_node)
+    check_observability(resolved, world_size)
+    strategy = get_strategy(layout)
+    if workload is None:
+        # Building the datasets reports a missing or malformed data file here, once.
+        workload = build_workload(cfg.model, cfg.data)
+        meta = meta_model(workload)
+    if meta is not None:
         # Heads divisible by tp, no more stages than layers...; without a meta model the same
-        # check still runs on every rank inside ``Strategy.apply``.
-        strategy.check_model(model, world_size, cfg.parallel)
-    return strategy, workload, model
+        # check still runs on every rank in ``Session.prepare``.
+        strategy.check_model(meta)
+        blocks = find_blocks(meta)
+        if blocks is not None:
+            layout = layout.with_blocks(len(blocks), blocks.path)
+    return Preflight(resolved, layout, strategy, workload, meta)
 
 
 def check_observability(cfg: RunConfig, world_size: int) -> None:
@@ -58,6 +90,8 @@ def check_observability(cfg: RunConfig, world_size: int) -> None:
 
 def meta_model(workload: Workload) -> nn.Module | None:
     """The workload's model on the meta device (allocates nothing), or None if it cannot be built there."""
+    import torch
+
     try:
         with torch.device("meta"):
             return workload.build_model()

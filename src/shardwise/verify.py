@@ -16,7 +16,6 @@ final parameter difference, and exits 0 only when both are within the precision'
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
@@ -27,11 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError, ShardwiseError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it is used: `shardwise plan` registers this module too
     import torch
     from torch import nn
-# torch is imported where it is used: the main CLI registers this sub-command on every start, and
-# `shardwise plan` must answer without importing torch.
 
 # precision -> (loss atol, loss rtol, parameter atol): a step passes when
 # |strategy - reference| <= atol + rtol * |reference| (torch.allclose's rule), the final weights
@@ -175,13 +172,15 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
 
 def reference_config(cfg: Any, dp_size: int) -> Any:
     """The single-process twin of ``cfg``: one rank reading the strategy's whole global batch."""
-    ref = copy.deepcopy(cfg)
-    ref.train.micro_batch_size = cfg.train.micro_batch_size * dp_size
-    p = ref.parallel
-    p.strategy, p.nproc, p.tp, p.pp = "single", 1, 1, 1
-    p.activation_checkpointing = "none"  # recomputation changes memory, never the numbers
-    ref.checkpoint.resume = ""
-    return ref
+    from shardwise.config import replace_in
+
+    return replace_in(cfg, **{
+        "train.micro_batch_size": cfg.train.micro_batch_size * dp_size,
+        "parallel.strategy": "single", "parallel.nproc": 1, "parallel.tp": 1, "parallel.pp": 1,
+        "parallel.dp": 0, "parallel.sequence_parallel": False,
+        "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
+        "checkpoint.resume": "",
+    })
 
 
 def compare(reference: dict[str, Any], candidate: dict[str, Any], precision: str, *,
@@ -215,14 +214,15 @@ def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float
     ``cfg`` is a validated RunConfig whose ``parallel.strategy`` names the strategy; the run
     directories go under ``out``. Raises ShardwiseError when either run fails.
     """
-    from shardwise.config import to_toml
+    import torch
+
+    from shardwise.config import replace_in, to_toml
     from shardwise.launch import LaunchSpec, run_torchrun
 
     out = Path(out)
     strategy_dir = out / "strategy"
     strategy_dir.mkdir(parents=True, exist_ok=True)
-    cfg.checkpoint.resume = ""
-    cfg.parallel.nproc = nproc
+    cfg = replace_in(cfg, **{"checkpoint.resume": "", "parallel.nproc": nproc})
     config_path = strategy_dir / "config.toml"
     config_path.write_text(to_toml(cfg))
     result_path = strategy_dir / "verify-result.pt"
@@ -234,7 +234,6 @@ def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float
         failures = sorted(strategy_dir.glob("failure-rank*.json"))
         detail = json.loads(failures[0].read_text())["error"] if failures else f"torchrun exit code {rc}"
         raise ShardwiseError(f"the {cfg.parallel.strategy} run failed: {detail}")
-    import torch
 
     candidate = torch.load(result_path, weights_only=True)
     reference = run_steps(reference_config(cfg, candidate["dp_size"]), steps, out / "reference")
@@ -263,11 +262,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loss-tol", type=float, default=None,
                    help="override the loss tolerance with one absolute bound")
     p.add_argument("--param-tol", type=float, default=None, help="override the parameter tolerance")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the strategy run (layout, meta-device model) and print its layout and "
+                   "per-rank memory prediction without starting any rank")
     p.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from shardwise.config import load_config
+    from shardwise.config import load_config, replace_in
     from shardwise.preflight import check_run
 
     if args.nproc < 1:
@@ -276,8 +278,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
     cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
-    strategy, _, _ = check_run(cfg, args.nproc)
-    out = Path(args.out or f"runs/verify-{strategy.name.replace('+', '_')}")
+    checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
+    out = Path(args.out or f"runs/verify-{checked.layout.strategy.replace('+', '_')}")
+    cfg = replace_in(checked.config, **{"parallel.nproc": args.nproc})
+    if args.dry_run:
+        from shardwise.cli import ResolvedRun, dry_run_report
+
+        print(dry_run_report(ResolvedRun(cfg, checked, args.nproc, 1, out), what="verify"))
+        return 0
     report = verify(cfg, args.nproc, args.steps, out, loss_tol=args.loss_tol, param_tol=args.param_tol)
     print(report.table())
     return 0 if report.passed else 1

@@ -147,18 +147,21 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        from shardwise.models.hf import build_hf_model, hf_family, load_hf_config_dict
+        from shardwise.models.hf import build_hf_model
+        from shardwise.models.hf_config import hf_family, load_hf_config_dict
 
         if not mc.hf_config:
-            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path.")
+            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path, a folder "
+                              "holding one, or a bundled name such as 'llama-tiny' or 'llama-3-8b'.")
         kwargs = dict(mc.overrides)
         config_vocab = load_hf_config_dict(mc.hf_config).get("vocab_size")
-        # Shakespeare's characters size the embedding. A tokenizer does only when the config's
-        # vocabulary cannot hold its ids: a model's own (often padded) vocabulary is kept, so its
-        # embedding keeps its shape. Bare token ids never resize it (they are checked below).
+        # Shakespeare's characters or a tokenizer size the embedding only when the config's own
+        # (often padded) vocabulary cannot hold the data's ids: a model's vocabulary is kept, so a
+        # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as
+        # is. Bare token ids never resize it (they are checked below).
         config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
-        if vocab_size is not None and "vocab_size" not in kwargs and (
-                dc.kind == "shakespeare" or (dc.kind == "text" and not config_holds)):
+        if vocab_size is not None and "vocab_size" not in kwargs and dc.kind in ("shakespeare", "text") \
+                and not config_holds:
             kwargs["vocab_size"] = vocab_size
         model_vocab = kwargs.get("vocab_size", config_vocab)
         if isinstance(model_vocab, int):

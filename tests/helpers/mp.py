@@ -57,9 +57,11 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
 
         save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name,
                         world_size=world_size)
+    pipeline = getattr(session.strategy, "pipeline", None)
     result = {"losses": losses, "norms": norms, "params": full_params(model), "params5": params5,
               "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
-              "dp_rank": session.dp_rank}
+              "dp_rank": session.dp_rank, "layout_microbatches": session.layout.pp_microbatches,
+              "run_microbatches": pipeline.n_microbatches if pipeline is not None else None}
     if evaluate:
         x = data[0, :per_replica]
         model.eval()
@@ -68,6 +70,11 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
         result["param_bytes_after_eval"] = ledger.param_bytes(model)
     session.close()
     return result
+
+
+def mp_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Run several ``mp_train`` configurations one after another in the same ranks (one spawn)."""
+    return [mp_train(rank, world_size, **case) for case in cases]
 
 
 def merged_params(ranks: list[dict]) -> dict[str, torch.Tensor]:

@@ -18,10 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The config lives in a torch-free module so the planner can read presets without importing torch.
-from shardwise.models.gpt_config import GPT_PRESETS, GPTConfig
+# The configuration, presets and FLOP/parameter arithmetic live in a torch-free module, so the
+# planner can size these models without importing torch.
+from shardwise.models.gpt_config import (
+    GPT_PRESETS,
+    GPTConfig,
+    gpt_flops_per_token,
+    gpt_param_count,
+    gpt_param_shapes,
+)
 
-__all__ = ["GPT", "GPT_PRESETS", "GPTConfig", "gpt_flops_per_token", "gpt_param_count"]
+__all__ = ["GPT", "GPT_PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "gpt_flops_per_token",
+           "gpt_param_count", "gpt_param_shapes"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,27 +140,3 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
-
-
-def gpt_param_count(cfg: GPTConfig) -> int:
-    """Exact number of parameters of ``GPT(cfg)`` (checked against the module in tests)."""
-    c, v, t, layers = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.n_layer
-    b = 1 if cfg.bias else 0
-    per_block = (
-        2 * (c + b * c)  # two LayerNorms
-        + 4 * (c * c + b * c)  # q, k, v, o projections
-        + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c)  # MLP up and down
-    )
-    return v * c + t * c + layers * per_block + (c + b * c) + c * v
-
-
-def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6 * N (matmul params) plus the attention term 12 * L * C * T.
-
-    Convention (PaLM appendix B / nanoGPT ``estimate_mfu``): forward + backward = 3 x forward,
-    a multiply-add is 2 FLOPs, embedding look-ups are free, and the attention score and value
-    products are counted in full (no halving for the causal mask).
-    """
-    t = seq_len or cfg.block_size
-    n_matmul = gpt_param_count(cfg) - cfg.vocab_size * cfg.n_embd - cfg.block_size * cfg.n_embd
-    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_embd * t

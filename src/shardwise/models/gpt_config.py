@@ -1,4 +1,9 @@
-"""GPTConfig and the named GPT sizes, without importing torch (the planner reads them)."""
+"""The built-in GPT's configuration, named sizes and arithmetic (parameters, FLOPs), without torch.
+
+``shardwise.models.gpt`` builds the module; the planner reads this module to size the same model
+without importing torch. ``gpt_param_shapes`` lists the parameters in the module's registration
+order (checked against the module in the tests).
+"""
 
 from __future__ import annotations
 
@@ -27,3 +32,47 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256),
     "lab": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
 }
+
+
+def gpt_param_count(cfg: GPTConfig) -> int:
+    """Exact number of parameters of ``GPT(cfg)`` (checked against the module in tests)."""
+    c, v, t, layers = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.n_layer
+    b = 1 if cfg.bias else 0
+    per_block = (
+        2 * (c + b * c)  # two LayerNorms
+        + 4 * (c * c + b * c)  # q, k, v, o projections
+        + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c)  # MLP up and down
+    )
+    return v * c + t * c + layers * per_block + (c + b * c) + c * v
+
+
+def gpt_param_shapes(cfg: GPTConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of ``GPT(cfg)``, in ``named_parameters()`` order."""
+    c, v = cfg.n_embd, cfg.vocab_size
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool = cfg.bias) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
+
+    def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (c,))] + ([(f"{name}.bias", (c,))] if cfg.bias else [])
+
+    out: list[tuple[str, tuple[int, ...]]] = [("tok_emb.weight", (v, c)), ("pos_emb.weight", (cfg.block_size, c))]
+    for i in range(cfg.n_layer):
+        pre = f"blocks.{i}."
+        block = [*norm("ln_1"), *linear("attn.q_proj", c, c), *linear("attn.k_proj", c, c),
+                 *linear("attn.v_proj", c, c), *linear("attn.o_proj", c, c), *norm("ln_2"),
+                 *linear("mlp.fc", 4 * c, c), *linear("mlp.proj", c, 4 * c)]
+        out += [(pre + name, shape) for name, shape in block]
+    return out + [*norm("ln_f"), *linear("lm_head", v, c, bias=False)]
+
+
+def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6 * N (matmul params) plus the attention term 12 * L * C * T.
+
+    Convention (PaLM appendix B / nanoGPT ``estimate_mfu``): forward + backward = 3 x forward,
+    a multiply-add is 2 FLOPs, embedding look-ups are free, and the attention score and value
+    products are counted in full (no halving for the causal mask).
+    """
+    t = seq_len or cfg.block_size
+    n_matmul = gpt_param_count(cfg) - cfg.vocab_size * cfg.n_embd - cfg.block_size * cfg.n_embd
+    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_embd * t

@@ -11,38 +11,48 @@ import torch
 from torch import nn
 
 from shardwise.config import ParallelConfig
+from shardwise.layout import Layout
+from shardwise.parallel.registry import StrategyInfo, strategy_info
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelContext:
-    """What a strategy needs to apply itself on one rank."""
+    """What a strategy needs to apply itself on one rank.
+
+    ``layout`` is the Session's layout, including the model's blocks once ``prepare`` found them;
+    ``options`` the ``[parallel]`` section for what is not a degree (precision, wrap, AC mode).
+    """
 
     world_size: int
     rank: int
     device: torch.device
     options: ParallelConfig
-    mesh: object | None = None  # torch DeviceMesh, built by the Session from ``mesh_layout``
+    layout: Layout
+    mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
 
 
 class Strategy:
-    """Base strategy: plain single-process training. Subclasses override what differs."""
+    """Base strategy: plain single-process training. Subclasses override what differs.
+
+    An instance is bound to one run's layout (``get_strategy(layout)``): every degree it needs comes
+    from there, none is worked out here.
+    """
 
     name = "single"
-    description = "one process, no parallelism"
 
-    def check(self, world_size: int, options: ParallelConfig) -> None:
-        """Raise ConfigError when this strategy cannot run on ``world_size`` ranks with ``options``."""
-        from shardwise.errors import ConfigError
+    def __init__(self, layout: Layout) -> None:
+        if layout.strategy != self.name:
+            raise ValueError(f"{type(self).__name__} runs strategy {self.name!r}, not {layout.strategy!r}")
+        self.layout = layout
 
-        if world_size != 1:
-            raise ConfigError(
-                f"strategy 'single' runs one process, but {world_size} were launched. "
-                "Use --nproc 1, or a parallel strategy such as 'ddp'."
-            )
+    @property
+    def info(self) -> StrategyInfo:
+        """The registry entry: mesh dims, what it shards, which models it supports."""
+        return strategy_info(self.name)
 
-    def mesh_layout(self, world_size: int, options: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """Return (shape, dim names) of the device mesh; the Session builds it with init_device_mesh."""
-        return (world_size,), ("dp",)
+    @property
+    def description(self) -> str:
+        return self.info.description
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         """Return the model to train (wrapped or sharded in place)."""
@@ -72,10 +82,6 @@ class Strategy:
         with session.autocast():
             return loss_fn(model(inputs), targets).detach()
 
-    def dp_coords(self, ctx: ParallelContext) -> tuple[int, int]:
-        """Return (data-parallel rank, data-parallel size): which slice of each batch this rank reads."""
-        return ctx.rank, ctx.world_size
-
     def uses_autocast(self) -> bool:
         """Whether mixed precision comes from torch.autocast (True) or from the wrapper itself."""
         return True
@@ -99,10 +105,10 @@ class Strategy:
         otherwise the Session wraps the blocks before calling ``apply``."""
         return False
 
-    def check_model(self, model: nn.Module, world_size: int, options: ParallelConfig) -> None:
-        """Raise ConfigError when ``model``'s shape does not fit the strategy (a meta model works).
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ConfigError when ``model``'s shape does not fit the layout (a meta model works).
 
-        Called from ``apply`` (the same error on every rank) and usable before launch.
+        Called from ``apply`` (the same error on every rank) and by preflight before launch.
         """
 
     # True where each rank keeps only part of the parameters (pipeline stages): the optimizer

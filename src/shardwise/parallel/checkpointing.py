@@ -95,7 +95,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     """Return ``model`` with the chosen transformer blocks wrapped in non-reentrant checkpointing."""
     if mode == "none":
         return model
-    from shardwise.parallel.fsdp import transformer_blocks
+    from shardwise.parallel.blocks import transformer_blocks
 
     container = transformer_blocks(model)
     if container is None:

@@ -8,18 +8,11 @@ from collections.abc import Iterator
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config import ParallelConfig
-from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext, Strategy
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
-    description = "replicate the model, all-reduce gradients (DistributedDataParallel)"
-
-    def check(self, world_size: int, options: ParallelConfig) -> None:
-        if world_size < 1:
-            raise ConfigError("strategy 'ddp' needs at least one rank.")
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         if ctx.world_size == 1:

@@ -29,7 +29,6 @@ parameters after backward, so between steps it stores only 1/N of them: never mo
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,48 +37,12 @@ import torch
 from torch import nn
 
 from shardwise.config import ParallelConfig
-from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext, Strategy
+from shardwise.parallel.blocks import BLOCK_PATHS, find_blocks, transformer_blocks
 from shardwise.parallel.precision import fsdp_mp_policy
 from shardwise.runtime.device import backend_for
 
-# Where known model families keep their repeated blocks (checked in this order); anything else is
-# found by ``transformer_blocks``' generic search for a container of same-class children.
-BLOCK_PATHS = ("blocks", "layers", "model.layers", "hf.model.layers", "transformer.h", "hf.transformer.h")
-
-
-def _unwrapped_type(module: nn.Module) -> type:
-    # A checkpoint-wrapped block counts as the block it wraps.
-    return type(getattr(module, "_checkpoint_wrapped_module", module))
-
-
-def _is_block_container(module: nn.Module) -> bool:
-    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return False
-    kinds = {_unwrapped_type(m) for m in module.children()}
-    return len(module) >= 1 and len(kinds) == 1
-
-
-def transformer_blocks(model: nn.Module) -> nn.Module | None:
-    """Return the ModuleList/ModuleDict holding ``model``'s repeated blocks, or None if there is none.
-
-    Known paths first (GPT ``blocks``, HF Llama ``model.layers`` / ``hf.model.layers``, GPT-2
-    ``transformer.h``), then the first container in ``named_modules()`` order whose two or more
-    children all share one class. Wrappers that keep the block container's names (checkpoint
-    wrappers, FSDP's in-place class swap) do not change the answer.
-    """
-    for path in BLOCK_PATHS:
-        try:
-            found = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if _is_block_container(found):
-            return found
-    for _, module in model.named_modules():
-        if _is_block_container(module) and len(module) >= 2:
-            return module
-    return None
-
+__all__ = ["BLOCK_PATHS", "apply_fsdp", "find_blocks", "reshard_all", "transformer_blocks", "wrap_units"]
 
 def wrap_units(model: nn.Module, wrap: str | int) -> list[list[nn.Module]]:
     """Return the FSDP units below the root: one list of blocks per unit (empty for ``"model"``).
@@ -149,18 +112,8 @@ def reshard_all(model: nn.Module) -> None:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    description = "ZeRO-3: shard parameters, gradients and optimizer state (FSDP2 fully_shard)"
     reshard_after_forward = True
     offload = False
-
-    def check(self, world_size: int, options: ParallelConfig) -> None:
-        if world_size < 1:
-            raise ConfigError(f"strategy {self.name!r} needs at least one rank.")
-        if options.tp > 1 or options.pp > 1:
-            raise ConfigError(
-                f"strategy {self.name!r} is pure data parallel, but parallel.tp={options.tp} and "
-                f"parallel.pp={options.pp}; use a composed strategy (e.g. 'fsdp+tp') or set them to 1."
-            )
 
     def needs_process_group(self) -> bool:
         # DTensor shards need a mesh even on one rank (e.g. fsdp-offload on a single GPU).
@@ -203,13 +156,11 @@ class FSDPStrategy(Strategy):
 
 class ZeRO2Strategy(FSDPStrategy):
     name = "zero2"
-    description = "ZeRO-2: shard gradients and optimizer state; whole parameters through fwd+bwd"
     reshard_after_forward = False
 
 
 class FSDPOffloadStrategy(FSDPStrategy):
     name = "fsdp-offload"
-    description = "ZeRO-3 with parameters, gradients and optimizer state kept on the CPU"
     offload = True
 
     def process_group_backend(self, device: torch.device) -> str:
@@ -220,36 +171,9 @@ class FSDPOffloadStrategy(FSDPStrategy):
         return backend_for(device)
 
 
-def local_world_size(options: ParallelConfig, world_size: int) -> int:
-    """Ranks per node: torchrun's LOCAL_WORLD_SIZE, else ``parallel.nproc``, else the world size."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return options.nproc or world_size
-
-
 class HSDPStrategy(FSDPStrategy):
+    """FSDP2 on the layout's 2-D ("replicate", "shard") mesh: FSDP2 reads a 2-D mesh as HSDP
+    (parameters ``Replicate()`` on dim 0, ``Shard(0)`` on dim 1); the shard group size is
+    ``layout.dp_shard`` (``parallel.hsdp_shard_size``, 0 = ranks per node)."""
+
     name = "hsdp"
-    description = "hybrid: shard within groups of hsdp_shard_size ranks, replicate across groups"
-
-    def shard_size(self, world_size: int, options: ParallelConfig) -> int:
-        """Ranks per shard group: ``parallel.hsdp_shard_size``, or ranks per node when it is 0."""
-        return options.hsdp_shard_size or local_world_size(options, world_size)
-
-    def check(self, world_size: int, options: ParallelConfig) -> None:
-        super().check(world_size, options)
-        shard = self.shard_size(world_size, options)
-        if shard < 1 or shard > world_size or world_size % shard:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(
-                f"strategy 'hsdp' shards within groups of parallel.hsdp_shard_size={shard} ranks, which "
-                f"must divide the world size {world_size}. Valid shard sizes: "
-                f"{', '.join(map(str, divisors))} (0 = ranks per node)."
-            )
-
-    def mesh_layout(self, world_size: int, options: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        # FSDP2 reads a 2-D mesh as (replicate, shard): parameters Replicate() on dim 0, Shard(0)
-        # on dim 1. Shard groups are consecutive ranks, i.e. one node when shard = ranks per node,
-        # so the heavy reduce-scatter/all-gather stays on the fast intra-node links.
-        shard = self.shard_size(world_size, options)
-        return (world_size // shard, shard), ("replicate", "shard")

@@ -31,85 +31,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from shardwise.config import PP_SCHEDULES
 from shardwise.errors import ConfigError
+from shardwise.layout import Layout, local_stage_ids, stage_layer_ranges
+
+__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "local_stage_ids", "prune_to_stages",
+           "stage_layer_ranges", "stage_view"]
 
 
-def microbatch_count(options: Any) -> int:
-    """Return the number of microbatches per step: ``pp_microbatches``, or 2 x pipeline degree."""
-    return options.pp_microbatches or 2 * max(1, options.pp)
-
-
-def check_schedule(pp: int, options: Any) -> None:
-    """Raise ConfigError when the schedule options cannot run on ``pp`` pipeline ranks."""
-    sched, v, m = options.pp_schedule, options.pp_stages_per_rank, options.pp_microbatches or 2 * pp
-    if sched not in PP_SCHEDULES:
-        from shardwise.errors import unknown_choice
-
-        raise unknown_choice("pipeline schedule", sched, PP_SCHEDULES)
-    if v < 1:
-        raise ConfigError(f"parallel.pp_stages_per_rank must be >= 1, got {v}.")
-    if sched == "interleaved-1f1b" and v < 2:
-        raise ConfigError(
-            "parallel.pp_schedule='interleaved-1f1b' needs parallel.pp_stages_per_rank >= 2 (it "
-            "interleaves several stages per rank to shrink the bubble); set it to 2, or use '1f1b'."
-        )
-    if sched != "interleaved-1f1b" and v != 1:
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule='interleaved-1f1b'; "
-            f"'{sched}' runs one stage per rank."
-        )
-    if m < pp:
-        raise ConfigError(
-            f"parallel.pp_microbatches={m} must be >= the pipeline degree {pp}: with fewer "
-            "microbatches than stages some stage always idles, the bubble (p-1)/(m+p-1) exceeds "
-            "half the step, and the 1F1B schedules cannot even fill the pipeline. Use at least "
-            f"{pp} (2 x {pp} or more keeps the bubble small)."
-        )
-    if sched == "interleaved-1f1b" and m % pp:
-        raise ConfigError(
-            f"parallel.pp_microbatches={m} must be a multiple of the pipeline degree {pp} for "
-            "'interleaved-1f1b' (microbatches go round the ranks in full rounds)."
-        )
-    if options.precision == "fp16-mixed":
-        raise ConfigError(
-            "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
-            "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'."
-        )
-
-
-def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
-    """Return the block indices of each stage: balanced, first and last ``fewer`` blocks lighter.
-
-    The first stage also runs the embeddings and the last one the head and the loss, so
-    ``fewer = k`` counts each of them as k blocks of work: ``n_layer + 2k`` virtual blocks are
-    split evenly (the remainder goes to the middle stages) and k come off each end.
-    """
-    if n_stages == 1:
-        return [range(n_layer)]
-    extra = fewer if n_stages > 1 else 0
-    total = n_layer + 2 * extra
-    base, rem = divmod(total, n_stages)
-    # The remainder goes to the stages nearest the middle, which carry no embedding or head.
-    order = sorted(range(n_stages), key=lambda s: abs(s - (n_stages - 1) / 2))
-    sizes = [base + (1 if s in order[:rem] else 0) for s in range(n_stages)]
-    sizes[0] -= extra
-    sizes[-1] -= extra
-    if min(sizes) < 1:
-        raise ConfigError(
-            f"cannot split {n_layer} layers into {n_stages} pipeline stages with "
-            f"parallel.pp_first_stage_fewer={fewer}: a stage would get {min(sizes)} layers. Use fewer "
-            "stages (pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
-        )
-    out, start = [], 0
-    for size in sizes:
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def check_pp_model(model: nn.Module, n_stages: int, fewer: int) -> None:
-    """Raise ConfigError unless ``model`` can be cut into ``n_stages`` pipeline stages."""
+def check_pp_model(model: nn.Module, layout: Layout) -> None:
+    """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
     from shardwise.models.gpt import GPT
 
     if not isinstance(model, GPT):
@@ -117,18 +47,7 @@ def check_pp_model(model: nn.Module, n_stages: int, fewer: int) -> None:
             f"pipeline parallel splits the built-in GPT into stages; {type(model).__name__} has no "
             "stage split. Use tensor parallel or a data-parallel/sharded strategy for this model."
         )
-    n_layer = len(model.blocks)
-    if n_stages > n_layer:
-        raise ConfigError(
-            f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
-            f"model's {n_layer} layers: each stage needs at least one layer."
-        )
-    stage_layer_ranges(n_layer, n_stages, fewer)
-
-
-def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Return the stage indices of ``pp_rank``: loop order, rank r owns r, r + pp, r + 2 pp, ..."""
-    return [pp_rank + i * pp for i in range(stages_per_rank)]
+    layout.with_blocks(len(model.blocks), "blocks")  # raises when the stages cannot be cut
 
 
 def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
@@ -181,11 +100,14 @@ def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) ->
 class Pipeline:
     """One rank's share of a pipeline: its stages, the schedule, and loss bookkeeping."""
 
-    def __init__(self, stage_modules: list[nn.Module], stage_ids: list[int], n_stages: int,
-                 pp_group: Any, device: torch.device, schedule: str, n_microbatches: int) -> None:
+    def __init__(self, stage_modules: list[nn.Module], stage_ids: list[int], layout: Layout,
+                 pp_group: Any, device: torch.device) -> None:
+        self.layout = layout
         self.pp_group = pp_group
         self.pp_size = dist.get_world_size(pp_group)
-        self.n_microbatches = n_microbatches
+        # The micro-batch count the layout resolved (and preflight checked): one number, one owner.
+        self.n_microbatches = n_microbatches = layout.pp_microbatches
+        n_stages, schedule = layout.n_stages, layout.pp_schedule
         self.has_first = 0 in stage_ids
         self.has_last = n_stages - 1 in stage_ids
         self.stages = [PipelineStage(m, s, n_stages, device, group=pp_group)
@@ -203,21 +125,13 @@ class Pipeline:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) * self._scale
 
-    def _check_batch(self, inputs: torch.Tensor) -> None:
-        if inputs.shape[0] % self.n_microbatches:
-            raise ConfigError(
-                f"the per-rank batch of {inputs.shape[0]} samples does not split into "
-                f"parallel.pp_microbatches={self.n_microbatches} equal microbatches; make "
-                "train.micro_batch_size a multiple of it."
-            )
-
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
             grad_accum_steps: int, train: bool) -> torch.Tensor:
         """Run the schedule on one batch (forward+backward, or forward only); return the mean loss.
 
         Every rank of the pipeline returns the same value, broadcast from the last stage.
         """
-        self._check_batch(inputs)
+        self.layout.check_batch(inputs.shape[0])
         self._loss_fn = loss_fn
         # See the module docstring: the m * A backward passes sum to one big batch's gradient.
         self._scale = 1.0 / (self.n_microbatches * grad_accum_steps)

@@ -19,22 +19,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.blocks import tp_plan_family
+from shardwise.parallel.registry import LLAMA_LIKE
 from shardwise.parallel.tp_plans import PLANS, TPPlan
 
-# Hugging Face ``model_type`` values whose layers follow the Llama layout (q/k/v/o_proj,
-# gate/up/down_proj, RMSNorm input_layernorm/post_attention_layernorm).
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
+           "split_mixed_param_groups", "tp_loss_context", "tp_shape_sizes", "total_grad_norm"]
 
 
 def model_family(model: nn.Module) -> str:
     """Return the plan family of ``model`` ("gpt", "llama") or "" when no plan exists for it."""
-    from shardwise.models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return "gpt"
-    hf = getattr(model, "hf", None)
-    model_type = getattr(getattr(hf, "config", None), "model_type", "")
-    return "llama" if model_type in LLAMA_LIKE else ""
+    return tp_plan_family(model)
 
 
 def tp_shape_sizes(model: nn.Module) -> dict[str, int]:

@@ -24,7 +24,6 @@ from shardwise.parallel.ddp import DDPStrategy
 
 class ZeRO1Strategy(DDPStrategy):
     name = "zero1"
-    description = "ZeRO-1: replicate parameters and gradients (DDP), shard optimizer state"
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        ctx: ParallelContext) -> torch.optim.Optimizer:

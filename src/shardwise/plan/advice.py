@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
+from shardwise.layout import resolve_layout
+from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.memory import (
     CHECKPOINT_MODES,
@@ -89,8 +93,14 @@ class Workload:
     # planning their published runs (benchmarks/calibrate_planner.py).
     kernels: Kernels = SHARDWISE_KERNELS
     safety_margin: float = 0.10
-    recipe: str = "RECIPE.toml"
-    extra_sets: tuple[str, ...] = ()  # model-selection --set overrides for the printed commands
+    # Pipeline candidates: schedule and stages per rank (interleaved 1F1B needs >= 2).
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    # What the printed commands train: a recipe (built-in name or TOML) and the --set overrides
+    # that select the planned model. No recipe: the model is not one shardwise can build (a bare
+    # parameter count), so no command is printed.
+    recipe: str = ""
+    extra_sets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
@@ -113,6 +123,20 @@ class Workload:
             raise unknown_choice("gradient sync mode", self.grad_sync, GRAD_SYNC_MODES)
         if not 0 <= self.safety_margin < 1:
             raise ConfigError(f"--margin must be in [0, 1), got {self.safety_margin}.")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_stages_per_rank < 1:
+            raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
+        if (self.pp_schedule == "interleaved-1f1b") != (self.pp_stages_per_rank > 1):
+            raise ConfigError(
+                "--pp-schedule interleaved-1f1b runs several stages per rank: give it --pp-stages-per-rank >= 2 "
+                f"(got {self.pp_stages_per_rank}); gpipe and 1f1b run exactly one (--pp-stages-per-rank 1).")
+
+
+def layout_label(strategy: str, tp: int, pp: int) -> str:
+    """A candidate's name in tables: the strategy and its model-parallel degrees, e.g. fsdp+tp(tp4)."""
+    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("pp", pp)) if n > 1)
+    return f"{strategy}({extra})" if extra else strategy
 
 
 @dataclass
@@ -128,10 +152,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        lay = self.layout
-        degrees = [f"tp{lay.tp}" if lay.tp > 1 else "", f"pp{lay.pp}" if lay.pp > 1 else ""]
-        extra = ",".join(d for d in degrees if d)
-        return f"{lay.strategy}({extra})" if extra else lay.strategy
+        return layout_label(self.layout.strategy, self.layout.tp, self.layout.pp)
 
     def to_dict(self) -> dict[str, Any]:
         m, t = self.memory, self.time
@@ -145,7 +166,7 @@ class Candidate:
             "fits": self.fits, "budget_bytes": int(self.budget_bytes),
             "step_s": t.step_s, "compute_s": t.compute_s, "comm_exposed_s": t.comm_exposed_s,
             "bubble_s": t.bubble_s, "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
-            "note": self.note,
+            "note": self.note, "layout": self.layout.to_dict(),
         }
 
 
@@ -160,50 +181,82 @@ class Plan:
     commands: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)
+    # Layouts the runtime cannot run for this model (unsupported model family, too few
+    # micro-batches for the pipeline, ...), each with the reason; never candidates.
+    skipped: list[str] = field(default_factory=list)
 
 
-def _strategy_for(base: str, tp: int, pp: int, dp: int) -> str:
-    if tp == 1 and pp == 1:
-        return base
-    parts = [base] if dp > 1 else []
-    parts += ["tp"] * (tp > 1) + ["pp"] * (pp > 1)
-    return "+".join(parts) if parts else base
+def _tp_divides(spec: ModelSpec, tp: int) -> bool:
+    """Whether ``tp`` divides every size the runtime's TP plans split (heads, KV heads, widths)."""
+    sizes = [spec.n_heads, spec.kv_heads, spec.hidden, spec.ffn_hidden]
+    return bool(spec.n_heads) and all(not v or v % tp == 0 for v in sizes)
 
 
-def enumerate_layouts(spec: ModelSpec, cluster: Cluster, tp: int | None = None, pp: int | None = None) -> list[Layout]:
-    """Every candidate layout for the cluster: pure data parallel, then TP/PP compositions.
+def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
+    """True for a registry entry that, here, is only another name for a simpler candidate."""
+    if info.max_world is not None:
+        return world > info.max_world
+    if world == 1 and not info.model_parallel:
+        return info.name != "fsdp-offload"  # on one GPU: single, or offload to fit
+    if info.hybrid:
+        return nodes == 1  # one shard group per node: on a single node hsdp is fsdp
+    if info.model_parallel and "dp" in info.degrees and dp == 1:
+        # fsdp+tp / ddp+pp / fsdp+pp without data parallelism are tp / pp; 3-D has no 2-D twin.
+        rest = tuple(d for d in info.degrees if d != "dp")
+        return any(other.degrees == rest for other in REGISTRY.values())
+    return False
 
-    TP stays inside a node (a divisor of gpus_per_node that divides the heads); PP spans nodes
-    (one stage per node group) unless --pp asks otherwise; DP takes the rest.
+
+def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int | None = None,
+                      pp: int | None = None) -> tuple[list[Layout], list[str]]:
+    """Every layout the runtime can run for this model and cluster, and why the others are left out.
+
+    Candidates come from the strategy registry (the runtime's own list), each resolved by the
+    runtime's ``resolve_layout`` from the settings its printed command carries, so a candidate is
+    exactly what that command runs. TP stays inside a node (a divisor of gpus_per_node that divides
+    the heads and widths); PP spans nodes (one stage group per node) unless --pp asks otherwise; DP
+    takes the rest. Strategies whose model family the runtime cannot split (TP plans, pipeline
+    stages) are skipped with the reason.
     """
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp)
-    out: list[Layout] = []
-    if tp in (None, 1) and pp in (None, 1):
-        if world == 1:
-            out += [Layout("single"), Layout("fsdp-offload", shard=1, offload=True)]
-        else:
-            out += [Layout("ddp", dp=world), Layout("zero1", dp=world), Layout("zero2", dp=world, shard=world),
-                    Layout("fsdp", dp=world, shard=world)]
-            if cluster.nodes > 1:
-                out.append(Layout("hsdp", dp=world, shard=g))
-            out.append(Layout("fsdp-offload", dp=world, shard=world, offload=True))
-    heads = spec.n_heads or 0
-    tps = [tp] if tp else [t for t in range(2, g + 1) if g % t == 0 and heads and heads % t == 0
-                           and spec.kv_heads % t == 0]
-    pps = [pp] if pp else ([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes else [])
-    combos = {(t, 1) for t in tps if t > 1} | {(1, p) for p in pps if p > 1} | {
-        (t, p) for t in tps for p in pps if t > 1 and p > 1}
-    for t, p in sorted(combos):
+    # --tp / --pp pin a degree; otherwise every TP degree that fits a node, PP across nodes.
+    tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t))]
+    pps = [pp] if pp else [1, *([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes
+                                else [])]
+    combos = [(t, p) for p in pps for t in tps]
+    layouts: list[Layout] = []
+    skipped: list[str] = []
+    for t, p in combos:
         if world % (t * p):
             continue
         dp = world // (t * p)
-        bases = ["fsdp"] if p == 1 else ["ddp", "fsdp"]
-        for base in bases:
-            if dp == 1 and base == "fsdp" and len(bases) > 1:
+        for info in REGISTRY.values():
+            if ("tp" in info.degrees) != (t > 1) or ("pp" in info.degrees) != (p > 1):
                 continue
-            out.append(Layout(_strategy_for(base, t, p, dp), dp=dp, tp=t, pp=p, shard=dp if base == "fsdp" else 1))
-    return out
+            if ("dp" not in info.degrees and dp > 1) or _is_duplicate(info, dp, world, cluster.nodes):
+                continue
+            label = layout_label(info.name, t, p)
+            if not info.supports(spec.family):
+                skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
+                continue
+            accum, _ = _grad_accum(work, dp, world)
+            if p > 1 and accum < p:
+                skipped.append(f"{label}: its {p} pipeline stages need at least {p} micro-batches per step, but "
+                               f"the global batch gives {accum} per replica; raise --global-batch or --grad-accum")
+                continue
+            options = ParallelConfig(
+                strategy=info.name, tp=t, pp=p, hsdp_shard_size=g if info.hybrid else 0,
+                precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1,
+                pp_schedule=work.pp_schedule if p > 1 else "1f1b",
+                pp_stages_per_rank=work.pp_stages_per_rank if p > 1 else 1,
+                # One pipeline schedule per step runs all of a replica's micro-batches.
+                pp_microbatches=accum if p > 1 else 0)
+            try:
+                layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
+            except ConfigError as e:
+                skipped.append(f"{label}: {e}")
+    return layouts, skipped
 
 
 def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None) -> None:
@@ -217,21 +270,26 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
         if cluster.gpus_per_node % tp:
             raise ConfigError(f"--tp {tp} must divide --gpus-per-node {cluster.gpus_per_node} "
                               "(tensor parallelism stays inside a node).")
+        if tp > 1 and not REGISTRY["tp"].supports(spec.family):
+            raise ConfigError(f"--tp {tp}: {REGISTRY['tp'].unsupported_reason(spec.family)}.")
     if pp is not None:
         if pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {pp}.")
         if spec.n_layers and pp > spec.n_layers:
             raise ConfigError(f"--pp {pp} asks for more pipeline stages than {spec.name}'s {spec.n_layers} layers; "
                               f"use at most {spec.n_layers}.")
+        if pp > 1 and not REGISTRY["pp"].supports(spec.family):
+            raise ConfigError(f"--pp {pp}: {REGISTRY['pp'].unsupported_reason(spec.family)}.")
     if cluster.world % ((tp or 1) * (pp or 1)):
         raise ConfigError(f"--tp {tp or 1} x --pp {pp or 1} must divide the {cluster.world} GPUs.")
 
 
-def _grad_accum(work: Workload, layout: Layout, world: int) -> tuple[int, str]:
+def _grad_accum(work: Workload, dp: int, world: int) -> tuple[int, str]:
+    """Micro-batches of ``work.micro_batch`` sequences per step and replica, and a rounding note."""
     if work.grad_accum is not None:
         return work.grad_accum, ""
     global_batch = work.global_batch or work.micro_batch * world
-    per_pass = work.micro_batch * layout.dp
+    per_pass = work.micro_batch * dp
     accum = max(1, math.ceil(global_batch / per_pass))
     note = "" if accum * per_pass == global_batch else f"global batch rounded to {accum * per_pass}"
     return accum, note
@@ -241,7 +299,7 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
                       calib: Calibration | None = None) -> StepTime:
     """Step time of one layout alone (``evaluate`` without the memory model)."""
     calib = calib or cluster.calibration
-    accum, _ = _grad_accum(work, layout, cluster.world)
+    accum, _ = _grad_accum(work, layout.dp, cluster.world)
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
                      every=work.ac_every, grad_sync=work.grad_sync, kernels=work.kernels, calib=calib)
@@ -252,7 +310,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     """Memory and time of one layout (``calib``: the GPU's fitted constants unless given)."""
     calib = calib or cluster.calibration
     prec = precision(work.precision)
-    accum, note = _grad_accum(work, layout, cluster.world)
+    accum, note = _grad_accum(work, layout.dp, cluster.world)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
                            attention=work.attention, every=work.ac_every, grad_sync=work.grad_sync,
@@ -268,33 +326,62 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
 TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16-fp32grad": "bf16-mixed"}
 
 
-def launch_commands(cand: Candidate, cluster: Cluster, work: Workload) -> list[str]:
-    """`shardwise train`, the plain single-node torchrun and the multi-node torchrun forms."""
+def runtime_batch(layout: Layout, micro_batch: int, micro_batches: int) -> tuple[int, int]:
+    """(train.micro_batch_size, train.grad_accum_steps) that run ``micro_batches`` micro-batches of
+    ``micro_batch`` sequences per step and replica.
+
+    A pipeline splits each ``train.micro_batch_size`` batch into ``parallel.pp_microbatches``
+    pieces and runs them in one schedule, so its batch is all of the step's micro-batches at once.
+    """
+    if layout.pp > 1:
+        return micro_batch * layout.pp_microbatches, micro_batches // layout.pp_microbatches
+    return micro_batch, micro_batches
+
+
+def train_settings(cand: Candidate, work: Workload) -> list[str]:
+    """The ``--set`` overrides that make ``shardwise train`` run this candidate (model selection first)."""
     lay = cand.layout
+    micro_batch_size, accum_steps = runtime_batch(lay, work.micro_batch, cand.grad_accum)
     sets = list(work.extra_sets)
-    sets += [f"parallel.precision={TRAIN_PRECISION[work.precision]}", f"train.micro_batch_size={work.micro_batch}",
-             f"train.grad_accum_steps={cand.grad_accum}"]
+    sets += [f"parallel.precision={TRAIN_PRECISION[work.precision]}", f"train.micro_batch_size={micro_batch_size}",
+             f"train.grad_accum_steps={accum_steps}"]
     if work.checkpoint != "none":
         sets.append(f"parallel.activation_checkpointing={work.checkpoint}")
     if work.checkpoint == "selective":
         sets.append(f"parallel.ac_every={work.ac_every}")
     if lay.tp > 1:
-        sets.append(f"parallel.tp={lay.tp}")
+        sets += [f"parallel.tp={lay.tp}", f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}"]
     if lay.pp > 1:
-        sets += [f"parallel.pp={lay.pp}", f"parallel.pp_microbatches={cand.grad_accum}"]
-    if lay.strategy == "hsdp":
+        sets += [f"parallel.pp={lay.pp}", f"parallel.pp_microbatches={lay.pp_microbatches}",
+                 f"parallel.pp_schedule={lay.pp_schedule}"]
+        if lay.pp_stages_per_rank > 1:
+            sets.append(f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}")
+    if lay.info.hybrid:
         sets.append(f"parallel.hsdp_shard_size={lay.shard}")
-    set_args = " ".join(f"--set {s}" for s in sets)
-    args = f"{work.recipe} --strategy {lay.strategy} {set_args}"
+    return sets
+
+
+def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name: str = "") -> list[str]:
+    """`shardwise train` and the equivalent plain torchrun command, with every flag they need.
+
+    Multi-node commands run on every node, with ``$NODE_RANK`` (0 .. nodes-1) and ``$MASTER_ADDR``
+    (node 0's address) set by the user or the scheduler. Empty when ``work`` names no runnable model.
+    """
+    if not work.recipe:
+        return []
+    lay = cand.layout
+    settings = " ".join(f"--set {shlex.quote(s)}" for s in train_settings(cand, work))
+    args = f"{shlex.quote(work.recipe)} --strategy {lay.strategy} {settings}"
     g, n = cluster.gpus_per_node, cluster.nodes
-    train = f"shardwise train {work.recipe} --strategy {lay.strategy} --nproc {g} {set_args}"
-    if n > 1:
-        train += f"   # on each of the {n} nodes, or use the torchrun form below"
+    if n == 1:
+        return [f"shardwise train {args} --nproc {g}",
+                f"torchrun --standalone --nproc-per-node={g} -m shardwise.runtime.worker {args}"]
+    out = shlex.quote(f"runs/{run_name or 'plan'}-{lay.strategy.replace('+', '_')}")
     return [
-        train,
-        f"torchrun --nproc-per-node={g} -m shardwise.runtime.worker {args}",
+        f"shardwise train {args} --nproc {g} --nnodes {n} --node-rank $NODE_RANK "
+        f"--rdzv-endpoint $MASTER_ADDR:29500 --out {out}",
         f"torchrun --nproc-per-node={g} --nnodes={n} --node-rank=$NODE_RANK --rdzv-backend=c10d "
-        f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.runtime.worker {args}",
+        f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.runtime.worker {args} --out {out}",
     ]
 
 
@@ -316,7 +403,8 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
                         "--layers/--hidden/--heads/--vocab for a complete answer.")
     if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
         warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
-    cands = [evaluate(spec, cluster, work, lay, calib) for lay in enumerate_layouts(spec, cluster, tp, pp)]
+    layouts, skipped = candidate_layouts(spec, cluster, work, tp, pp)
+    cands = [evaluate(spec, cluster, work, lay, calib) for lay in layouts]
     fitting = [c for c in cands if c.fits]
     best = max(fitting, key=lambda c: c.time.tokens_per_s_per_gpu, default=None)
     rejected = []
@@ -335,8 +423,12 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             why = (f"fits ({c.memory.total / GIB:.1f} GiB) but slower: {c.time.tokens_per_s_per_gpu:,.0f} "
                    f"tokens/s/GPU vs {best.time.tokens_per_s_per_gpu:,.0f}") if best else "fits"
         rejected.append(f"{c.name}: {why}")
-    commands = launch_commands(best, cluster, work) if best else []
+    commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
     if best is None:
         warnings.append("nothing fits: try activation checkpointing (--checkpoint full), a smaller "
                         "--micro-batch or --seq, more GPUs, or a GPU with more memory.")
-    return Plan(spec, cluster, work, cands, best, rejected, commands, warnings, calib)
+    elif not work.recipe:
+        warnings.append(f"{spec.name} is not a model shardwise can build, so no command is printed: plan a "
+                        "preset (--model), a config.json (--hf-config) or a factory (--model-factory) for "
+                        "commands that run as printed.")
+    return Plan(spec, cluster, work, cands, best, rejected, commands, warnings, calib, skipped)

@@ -66,31 +66,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
     w.add_argument("--tp", type=int, help="only consider this tensor-parallel degree")
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
+    w.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+                   help="pipeline schedule of the pipeline candidates (default 1f1b)")
+    w.add_argument("--pp-stages-per-rank", type=int, default=1, metavar="V",
+                   help="pipeline stages per rank (interleaved-1f1b: 2 or more; shrinks the bubble V times)")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
-    w.add_argument("--recipe", help="recipe for the printed commands (default: chosen from the model)")
+    w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
+                   "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "
+                   "models); the commands still select the planned model with --set")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _spec_from_args(args: argparse.Namespace) -> tuple[spec.ModelSpec, str, tuple[str, ...]]:
-    """The ModelSpec, a recipe and --set overrides for the printed commands."""
+def _spec_from_args(args: argparse.Namespace) -> spec.ModelSpec:
+    """The ModelSpec named by exactly one model source flag."""
     given = [k for k in ("model", "hf_config", "model_factory", "params") if getattr(args, k) is not None]
     if len(given) != 1:
         flags = ", ".join("--" + k.replace("_", "-") for k in given) or "none"
         raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory or --params); "
                           f"got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
     if args.model is not None:
-        s = presets.model_preset(args.model)
-        if s.name.startswith("gpt-"):
-            return s, "gpt-shakespeare", (f"model.preset={s.name.removeprefix('gpt-')}",)
-        return s, "RECIPE.toml", ()
+        return presets.model_preset(args.model)
     if args.hf_config is not None:
-        sets = ("model.kind=hf", f"model.hf_config={args.hf_config}")
-        return spec.from_hf_config(args.hf_config), "RECIPE.toml", sets
+        return spec.from_hf_config(args.hf_config)
     if args.model_factory is not None:
-        return spec.from_factory(args.model_factory), "RECIPE.toml", (
-            "model.kind=custom", f"model.factory={args.model_factory}")
+        return spec.from_factory(args.model_factory)
     return spec.from_param_count(int(args.params), n_layers=args.layers, hidden=args.hidden, n_heads=args.heads,
-                                 vocab=args.vocab), "RECIPE.toml", ()
+                                 vocab=args.vocab)
+
+
+def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tuple[str, tuple[str, ...], list[str]]:
+    """(recipe, --set overrides, warnings) that make ``shardwise train`` build the planned model.
+
+    The overrides name the model itself (``model.kind`` plus the preset, the bundled or given
+    config.json, or the factory) and the planned sequence length, so a command runs as printed with
+    any recipe. A bare parameter count names no model: no recipe, no command.
+    """
+    from shardwise.models.hf_config import bundled_configs
+
+    warnings: list[str] = []
+    if args.model is not None and model.family == "gpt":  # shardwise's own Shakespeare GPTs
+        sets = ["model.kind=gpt", f"model.preset={model.name.removeprefix('gpt-')}"]
+        if model.max_seq and seq != model.max_seq:
+            sets.append(f"model.overrides.block_size={seq}")
+        return args.recipe or "gpt-shakespeare", tuple(sets), warnings
+    config = model.name if args.model is not None else args.hf_config
+    if args.model is not None and model.name not in bundled_configs():
+        warnings.append(f"{model.name} has no bundled config.json, so no command is printed.")
+        return "", (), warnings
+    if config is not None:
+        return args.recipe or "hf-shakespeare", (
+            "model.kind=hf", f"model.hf_config={config}", f"model.overrides.block_size={seq}"), warnings
+    if args.model_factory is not None:
+        warnings.append("the printed commands train the factory's model on the recipe's data, whose sequence "
+                        "length comes from model.overrides.block_size (default 128), not --seq; pass your own "
+                        "recipe with --recipe to train on your data.")
+        return args.recipe or "gpt-shakespeare", ("model.kind=custom", f"model.factory={args.model_factory}"), warnings
+    return "", (), warnings
 
 
 def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
@@ -104,21 +135,24 @@ def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
 
 def build_plan(args: argparse.Namespace) -> Plan:
     """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
-    model, recipe, sets = _spec_from_args(args)
+    model = _spec_from_args(args)
     cluster = Cluster(
         gpu=gpu_from_args(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
         intra=presets.link(args.intra_link) if args.intra_link else None,
         inter=presets.link(args.inter_link) if args.inter_link else None,
         intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
     seq = args.seq or min(model.max_seq or 2048, 8192)
+    recipe, sets, target_warnings = run_target(args, model, seq)
     work = Workload(seq=seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
                     checkpoint=args.checkpoint, attention=args.attention, ac_every=args.ac_every,
-                    safety_margin=args.margin,
-                    recipe=args.recipe or recipe, extra_sets=sets)
+                    safety_margin=args.margin, pp_schedule=args.pp_schedule,
+                    pp_stages_per_rank=args.pp_stages_per_rank, recipe=recipe, extra_sets=sets)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
-    return make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
+    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
+    plan.warnings[:0] = target_warnings
+    return plan
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -136,7 +170,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],
         "recommended": plan.recommended.name if plan.recommended else None,
-        "rejected": plan.rejected, "commands": plan.commands, "warnings": plan.warnings,
+        "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
     }
 
 
@@ -183,6 +217,7 @@ def format_table(plan: Plan) -> str:
         lines.append(f"recommended: {r.name} - {r.memory.total / GIB:.1f} GiB of {r.budget_bytes / GIB:.1f} GiB "
                      f"budget, {r.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {r.time.mfu:.1%}")
     lines += [f"  not {x}" for x in plan.rejected]
+    lines += [f"  not offered {x}" for x in plan.skipped]
     if plan.commands:
         lines += ["", "run it:", *(f"  {cmd}" for cmd in plan.commands)]
     lines += [f"warning: {x}" for x in plan.warnings]

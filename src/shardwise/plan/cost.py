@@ -286,7 +286,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         act = tokens_micro * (spec.hidden or 0) * prec.act
         redo = recompute_share(spec, checkpoint, every).tp_collectives
         per_layer = (4 + 2 * redo) * all_reduce_s(tp, act, fabric.collective_gbs(tp, 1), 1, alpha)
-        tp_s = grad_accum * per_layer * math.ceil((spec.n_layers or 1) / pp)
+        tp_s = grad_accum * per_layer * _busiest_stage_layers(spec, layout)
         exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
         total += tp_s
     bubble = 0.0
@@ -303,6 +303,16 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     tokens_per_step = tokens_micro * grad_accum * dp
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
+
+
+def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:
+    """Blocks on the busiest pipeline rank, split as the runtime splits them (all of them without PP)."""
+    n_layers = spec.n_layers or 1
+    if layout.pp == 1:
+        return n_layers
+    if layout.n_blocks is None:
+        layout = layout.with_blocks(n_layers)
+    return max(len(layout.rank_layers(r)) for r in range(layout.pp))
 
 
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:

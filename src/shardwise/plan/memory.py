@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise.errors import ConfigError, unknown_choice
+from shardwise.layout import Layout
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
 
 
@@ -113,36 +114,6 @@ def _step_bytes(optimizer: str) -> int:
     return 0 if optimizer == "sgd" else STEP_BYTES
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How ranks are arranged for one candidate: strategy, data/tensor/pipeline degrees.
-
-    ``shard`` is the size of the group that shards model state (FSDP: dp, HSDP: the shard group,
-    ZeRO-1: dp for optimizer state only, DDP: 1).
-    """
-
-    strategy: str
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    shard: int = 1
-    offload: bool = False
-    pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def sharding(self) -> str:
-        """How data-parallel state is held: 'replicate', 'zero1', 'zero2' or 'fsdp'."""
-        base = self.strategy.split("+")[0]
-        if base in ("fsdp", "hsdp", "fsdp-offload", "zero3"):
-            return "fsdp"
-        return base if base in ("zero1", "zero2") else "replicate"
-
-
 @dataclass
 class StateBytes:
     params: int = 0
@@ -161,10 +132,11 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
     if not params:  # bare count: one flat pseudo-tensor
         params = [ParamInfo("all", (spec.n_params,), ROOT_UNIT)]
     if layout.pp > 1:
-        n_layers = spec.n_layers or 1
-        per_stage = math.ceil(n_layers / layout.pp)
-        lo, hi = stage * per_stage, min(n_layers, (stage + 1) * per_stage)
-        first, last = stage == 0, stage == layout.pp - 1
+        # ``stage`` is the pipeline rank; it holds the blocks of every stage the runtime gives it
+        # (``Layout.stage_ranges``: the runtime's own split, interleaved stages included).
+        layout = _with_blocks(spec, layout)
+        owned = layout.rank_layers(stage)
+        first, last = layout.holds_first_stage(stage), layout.holds_last_stage(stage)
 
         def root_on_stage(p: ParamInfo) -> bool:
             is_embedding = "emb" in p.name or ".wte." in p.name or ".wpe." in p.name
@@ -175,7 +147,7 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         # Positions by unit (cached on the spec), so a stage costs its own tensors, not the model's.
         positions = spec.unit_positions
         picked = [i for i in positions.get(ROOT_UNIT, []) if root_on_stage(params[i])]
-        for unit in range(lo, hi):
+        for unit in owned:
             picked += positions.get(unit, [])
         params = [params[i] for i in sorted(picked)]  # registration order (ZeRO-1 ties depend on it)
     if layout.tp > 1:
@@ -184,6 +156,13 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit)
                   if len(p.shape) >= 2 else p for p in params]
     return params
+
+
+def _with_blocks(spec: ModelSpec, layout: Layout) -> Layout:
+    """The layout with the model's block count (so its stage ranges exist)."""
+    if layout.n_blocks is None:
+        return layout.with_blocks(spec.n_layers or 1)
+    return layout
 
 
 def zero1_partition(numels: list[int], world: int) -> list[list[int]]:
@@ -211,10 +190,11 @@ def _chunk_rows(dim0: int, n: int, rank: int) -> tuple[int, int]:
 
 
 def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
-                rank: int | None = None) -> StateBytes:
-    """Model-state bytes held by one rank (``rank`` in the data-parallel group; None = the largest).
+                rank: int | None = None, stage: int = 0) -> StateBytes:
+    """Model-state bytes held by one rank (``rank`` in the data-parallel group and ``stage`` its
+    pipeline rank; rank None = the largest over every rank and stage).
 
-    Exact for the tensors in ``spec.params``; for pipeline parallelism the largest stage is used.
+    Exact for the tensors in ``spec.params``.
     Offloaded state is still counted here (it lives in host RAM; see MemoryBreakdown.host_bytes).
     """
     if rank is None:
@@ -229,7 +209,7 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
                 if sb.total > best.total:
                     best = sb
         return best
-    return _state_bytes_one(spec, layout, prec, optimizer, rank, _local_params(spec, layout, 0))
+    return _state_bytes_one(spec, layout, prec, optimizer, rank, _local_params(spec, layout, stage))
 
 
 def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
@@ -528,12 +508,14 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if grad_sync not in GRAD_SYNC_MODES:
         raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
     state = state_bytes(spec, layout, prec, optimizer)
-    layers_here = math.ceil((spec.n_layers or 1) / layout.pp)
+    layout = _with_blocks(spec, layout)
+    layers_here = len(layout.rank_layers(0)) if layout.pp > 1 else (spec.n_layers or 1)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
     # micro-batches in flight. With one stage, both ends are local.
     act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
-                           attention=attention, n_layers=layers_here, first_stage=True,
-                           last_stage=layout.pp == 1, every=every, kernels=kernels)
+                           sp=layout.sequence_parallel, attention=attention, n_layers=layers_here,
+                           first_stage=True, last_stage=layout.holds_last_stage(0), every=every,
+                           kernels=kernels)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     if layout.tp > 1:

@@ -12,6 +12,7 @@ GPUs not in the catalog (another memory size, a power-limited part) are describe
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
 from collections.abc import Callable
@@ -72,6 +73,12 @@ def model_preset(name: str) -> ModelSpec:
     key = MODEL_ALIASES.get(name.lower(), name.lower())
     if key not in MODEL_PRESETS:
         raise unknown_choice("model preset", name, [*MODEL_PRESETS, *MODEL_ALIASES])
+    return _built_preset(key)
+
+
+@functools.cache
+def _built_preset(key: str) -> ModelSpec:
+    # Specs are frozen: build each one once per process (405B has 1,100+ parameter tensors).
     return MODEL_PRESETS[key]()
 
 

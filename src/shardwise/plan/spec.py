@@ -33,10 +33,11 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     unit: int
+    # Element count, computed once: the planner sums it over every tensor of every candidate.
+    numel: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class ModelSpec:
     tied_embeddings: bool = False
     learned_positions: bool = False
     dropout: float = 0.0
+    # Which runtime model this is, as the strategy registry names families: "gpt" (shardwise's
+    # built-in GPT), a Hugging Face model_type ("llama", "mistral", "gpt2", ...), "" when unknown.
+    # Decides which strategies can run it (tensor-parallel plans, pipeline stages).
+    family: str = ""
     # Exact per-parameter shapes in module registration order (ZeRO-1's greedy partition depends on
     # the order of equal-sized tensors). Empty for a bare parameter count.
     params: tuple[ParamInfo, ...] = field(default=(), repr=False)
@@ -84,7 +89,7 @@ class ModelSpec:
 
     @cached_property
     def _unit_params(self) -> dict[int, int]:
-        # Cached: the cost model asks for it per candidate, and a 405B spec has ~1,100 tensors.
+        # Computed once per spec (frozen): every candidate of a plan asks for it.
         units: dict[int, int] = {}
         for p in self.params:
             units[p.unit] = units.get(p.unit, 0) + p.numel
@@ -185,9 +190,9 @@ def gpt2_params(*, n_layers: int, hidden: int, vocab: int, n_positions: int, ffn
 def from_llama_like(
     name: str, *, n_layers: int, hidden: int, n_heads: int, ffn_hidden: int, vocab: int,
     n_kv_heads: int | None = None, head_dim: int | None = None, max_seq: int = 4096, tied: bool = False,
-    qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+    qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False, family: str = "llama",
 ) -> ModelSpec:
-    """A Llama/Mistral/Qwen2-family spec from its hyper-parameters."""
+    """A Llama/Mistral/Qwen2-family spec from its hyper-parameters (``family``: the HF model_type)."""
     n_kv_heads = n_kv_heads or n_heads
     _check_positive(name, "from the config", n_layers=n_layers, hidden=hidden, n_heads=n_heads,
                     ffn_hidden=ffn_hidden, vocab=vocab, n_kv_heads=n_kv_heads)
@@ -200,7 +205,8 @@ def from_llama_like(
                           qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="llama", n_layers=n_layers,
                      hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                     ffn_hidden=ffn_hidden, vocab=vocab, max_seq=max_seq, tied_embeddings=tied, params=params)
+                     ffn_hidden=ffn_hidden, vocab=vocab, max_seq=max_seq, tied_embeddings=tied, params=params,
+                     family=family)
 
 
 def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab: int = 50257,
@@ -212,7 +218,8 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
                          ffn_hidden=ffn_hidden)
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=n_layers,
                      hidden=hidden, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=ffn_hidden, vocab=vocab,
-                     max_seq=n_positions, tied_embeddings=True, learned_positions=True, params=params)
+                     max_seq=n_positions, tied_embeddings=True, learned_positions=True, params=params,
+                     family="gpt2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +240,7 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
                 # Qwen2 has q/k/v biases and no o_proj bias; Llama exposes both switches.
                 qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+                family=model_type or "llama",
             )
         except KeyError as e:
             raise ConfigError(
@@ -252,9 +260,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        from shardwise.models.hf import bundled_config_dir, bundled_configs
+        from shardwise.models.hf_config import bundled_config_dir, bundled_configs
 
-        # A bundled name ("llama-tiny") means the same here as in model.hf_config.
+        # A bundled name ("llama-tiny", "llama-3-70b") means the same here as in model.hf_config.
         if str(path).removesuffix(".json") in bundled_configs():
             p = bundled_config_dir() / f"{str(path).removesuffix('.json')}.json"
     if not p.is_file():
@@ -265,54 +273,44 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise ConfigError(f"--hf-config: cannot read {str(p)!r} as JSON ({e}).") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"--hf-config: {str(p)!r} is not a JSON object.")
-    return from_hf_config_dict(cfg, name=p.parent.name or p.name)
+    bundled = p.parent.name == "hf_configs" and p.stem != "config"
+    return from_hf_config_dict(cfg, name=p.stem if bundled else p.parent.name or p.name)
 
 
 # ---------------------------------------------------------------------------------------------
 # nn.Module (meta device), GPTConfig, bare count
 
 
-def _block_container(module: Any) -> tuple[str, list[str]] | None:
-    """Find the ModuleList/ModuleDict of repeated blocks: the container holding the most parameters."""
-    from torch import nn
-
-    best: tuple[int, str, list[str]] | None = None
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.ModuleList | nn.ModuleDict) and len(sub) > 1:
-            children = list(sub.named_children())
-            if len({type(c) for _, c in children}) != 1:
-                continue
-            size = sum(p.numel() for p in sub.parameters())
-            if best is None or size > best[0]:
-                best = (size, name, [k for k, _ in children])
-    return None if best is None else (best[1], best[2])
-
-
 def from_module(module: Any, name: str = "module") -> ModelSpec:
     """Spec from an ``nn.Module`` (build it under ``torch.device('meta')``: no memory is touched).
 
-    Parameter counts and shapes are exact (shared/tied tensors counted once). Blocks are the
-    children of the largest homogeneous ModuleList/ModuleDict. Hidden size, heads and vocabulary
-    come from ``module.config`` when it looks like a GPTConfig or an HF config.
+    Parameter counts and shapes are exact (shared/tied tensors counted once). Blocks are found by
+    the runtime's own rule (``shardwise.parallel.blocks.find_blocks``: the container FSDP wraps,
+    activation checkpointing wraps and the pipeline splits). Hidden size, heads and vocabulary come
+    from ``module.config`` (or ``module.hf.config`` for a wrapped Hugging Face model) when it looks
+    like a GPTConfig or an HF config.
     """
-    container = _block_container(module)
+    from shardwise.parallel.blocks import find_blocks, model_family
+
+    blocks = find_blocks(module)
     unit_of: dict[str, int] = {}
-    if container is not None:
-        prefix, keys = container
-        unit_of = {f"{prefix}.{k}." if prefix else f"{k}.": i for i, k in enumerate(keys)}
+    if blocks is not None:
+        prefix = f"{blocks.path}." if blocks.path else ""
+        unit_of = {f"{prefix}{k}.": i for i, k in enumerate(blocks.names)}
     params: list[ParamInfo] = []
     for pname, p in module.named_parameters():
         unit = next((u for pre, u in unit_of.items() if pname.startswith(pre)), ROOT_UNIT)
         params.append(ParamInfo(pname, tuple(p.shape), unit))
     n_params = sum(p.numel for p in params)
-    cfg = getattr(module, "config", None)
+    cfg = getattr(module, "config", None) or getattr(getattr(module, "hf", None), "config", None)
     structure: dict[str, Any] = {}
     if cfg is not None and hasattr(cfg, "n_embd") and hasattr(cfg, "n_layer"):  # GPTConfig / GPT-2 style
         structure = dict(arch="gpt", n_layers=cfg.n_layer, hidden=cfg.n_embd, n_heads=cfg.n_head,
-                         n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd, vocab=cfg.vocab_size,
+                         n_kv_heads=cfg.n_head,
+                         ffn_hidden=getattr(cfg, "n_inner", None) or 4 * cfg.n_embd, vocab=cfg.vocab_size,
                          max_seq=getattr(cfg, "block_size", getattr(cfg, "n_positions", None)),
                          dropout=float(getattr(cfg, "dropout", 0.0)), learned_positions=True,
-                         tied_embeddings=not any(p.name.startswith("lm_head") for p in params))
+                         tied_embeddings=not any(p.name.split(".")[-2:-1] == ["lm_head"] for p in params))
     elif cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "intermediate_size"):
         n_heads = cfg.num_attention_heads
         structure = dict(arch="llama", n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, n_heads=n_heads,
@@ -320,40 +318,23 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
                          head_dim=getattr(cfg, "head_dim", None), ffn_hidden=cfg.intermediate_size,
                          vocab=cfg.vocab_size, max_seq=getattr(cfg, "max_position_embeddings", None),
                          tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
-    elif container is not None:
-        structure = dict(n_layers=len(container[1]))
-    return ModelSpec(name=name, n_params=n_params, params=tuple(params), **structure)
-
-
-def shardwise_gpt_params(cfg: Any) -> tuple[ParamInfo, ...]:
-    """Parameters of shardwise's own ``GPT(cfg)`` in registration order (no torch needed)."""
-    h, v, t, bias = cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.bias
-    out = [ParamInfo("tok_emb.weight", (v, h), ROOT_UNIT), ParamInfo("pos_emb.weight", (t, h), ROOT_UNIT)]
-
-    def linear(name: str, n_out: int, n_in: int) -> list[tuple[str, tuple[int, ...]]]:
-        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
-
-    def norm(name: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [(f"{name}.weight", (h,))] + ([(f"{name}.bias", (h,))] if bias else [])
-
-    for i in range(cfg.n_layer):
-        shapes = norm("ln_1")
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes += linear(f"attn.{proj}", h, h)
-        shapes += norm("ln_2") + linear("mlp.fc", 4 * h, h) + linear("mlp.proj", h, 4 * h)
-        out += [ParamInfo(f"blocks.{i}.{n}", s, i) for n, s in shapes]
-    out += [ParamInfo(n, s, ROOT_UNIT) for n, s in norm("ln_f")]
-    out.append(ParamInfo("lm_head.weight", (v, h), ROOT_UNIT))
-    return tuple(out)
+    elif blocks is not None:
+        structure = dict(n_layers=len(blocks))
+    return ModelSpec(name=name, n_params=n_params, params=tuple(params), family=model_family(module), **structure)
 
 
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
-    """Spec of shardwise's own ``GPT(cfg)``, counted exactly from its config (tests compare the module)."""
-    params = shardwise_gpt_params(cfg)
+    """Spec of shardwise's own ``GPT(cfg)``, exact, from its torch-free parameter list."""
+    from shardwise.models.gpt_config import gpt_param_shapes
+
+    params = []
+    for pname, shape in gpt_param_shapes(cfg):
+        unit = int(pname.split(".")[1]) if pname.startswith("blocks.") else ROOT_UNIT
+        params.append(ParamInfo(pname, shape, unit))
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=cfg.n_layer,
                      hidden=cfg.n_embd, n_heads=cfg.n_head, n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd,
-                     vocab=cfg.vocab_size, max_seq=cfg.block_size, tied_embeddings=False,
-                     learned_positions=True, dropout=float(cfg.dropout), params=params)
+                     vocab=cfg.vocab_size, max_seq=cfg.block_size, dropout=float(cfg.dropout),
+                     learned_positions=True, tied_embeddings=False, params=tuple(params), family="gpt")
 
 
 def from_factory(spec: str) -> ModelSpec:

@@ -81,9 +81,11 @@ def peak_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def rank_ledger(session: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """This rank's ledger entry: parameter/gradient/optimizer bytes and peak memory."""
+    """This rank's ledger entry: its mesh coordinates (which pipeline stage, data-parallel shard and
+    tensor-parallel slice it holds, from the session's layout), parameter/gradient/optimizer bytes
+    and peak memory."""
     peak, source = peak_bytes(session.device)
-    return {"rank": session.rank, "param_bytes": param_bytes(model),
+    return {"rank": session.rank, "coords": session.layout.coords(session.rank), "param_bytes": param_bytes(model),
             "grad_bytes": int(session.last_grad_bytes), "optim_bytes": optimizer_bytes(optimizer),
             "peak_bytes": peak, "peak_source": source}
 

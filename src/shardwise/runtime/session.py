@@ -21,6 +21,7 @@ printing/logging/progress, and metric all-reduces. The built-in trainer uses onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import random
@@ -34,7 +35,9 @@ from torch import nn
 
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.layout import Layout, resolve_layout
 from shardwise.parallel.base import ParallelContext, Strategy
+from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
@@ -76,10 +79,11 @@ class Session:
                  parallel: ParallelConfig | None = None,
                  collective_timeout_s: float = 1800.0) -> None:
         options = parallel or ParallelConfig()
+        # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
-            options.strategy = strategy
+            options = dataclasses.replace(options, strategy=strategy)
         if precision is not None:
-            options.precision = precision
+            options = dataclasses.replace(options, precision=precision)
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
@@ -87,8 +91,11 @@ class Session:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
-        self.strategy: Strategy = get_strategy(options.strategy, self.world_size)
-        self.strategy.check(self.world_size, options)
+        # Ranks per node (torchrun's LOCAL_WORLD_SIZE): HSDP's default shard group.
+        ranks_per_node = _env_int("LOCAL_WORLD_SIZE", 0) or options.nproc or self.world_size
+        # Every degree of this run, resolved once; the strategy, the mesh and the data loader read it.
+        self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=ranks_per_node)
+        self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
         self.backend = self.strategy.process_group_backend(self.device)
         self.strategy_name = self.strategy.name
@@ -119,8 +126,8 @@ class Session:
             )
             self._owns_group = True
         self.mesh = self._build_mesh()
-        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.mesh)
-        self.dp_rank, self.dp_size = self.strategy.dp_coords(self.ctx)
+        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh)
+        self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
         seed_everything(seed)
@@ -140,8 +147,8 @@ class Session:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape, names = self.strategy.mesh_layout(self.world_size, self.options)
-        return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return init_device_mesh(self.device.type, self.layout.mesh_shape,
+                                mesh_dim_names=self.layout.mesh_dim_names)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
@@ -174,6 +181,13 @@ class Session:
         given = optimizer
         groups_before = len(optimizer.param_groups) if isinstance(optimizer, torch.optim.Optimizer) else 0
         names = {id(p): n for n, p in model.named_parameters()}
+        # The same model, and so the same error, on every rank: a shape that does not fit the
+        # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
+        self.strategy.check_model(model)
+        blocks = find_blocks(model)
+        if blocks is not None:
+            self.layout = self.layout.with_blocks(len(blocks), blocks.path)
+            self.ctx = dataclasses.replace(self.ctx, layout=self.layout)
         if not self.strategy.partitions_parameters:
             # Pipeline stages move only their own layers, after the strategy drops the rest, so a
             # model larger than one device's memory never has to fit on it whole.

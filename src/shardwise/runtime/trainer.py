@@ -22,6 +22,9 @@ from torch import nn
 
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.observe.hooks import RunHooks
+from shardwise.plan.predict import compare as compare_prediction
+from shardwise.plan.predict import format_comparison, model_name, predict_run
+from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import latest_checkpoint, truncate_metrics
 from shardwise.runtime.rng import restore_rng_state
@@ -100,7 +103,17 @@ class Trainer:
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
         self.state = TrainState()
         model = self.workload.build_model()
+        # The model's shapes for the planner's prediction, taken before the strategy shards or
+        # prunes it (a pipeline rank deletes the stages it does not run).
+        spec = from_module(model, name=model_name(cfg.model))
         self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t))
+        # What the planner predicts this run holds per rank; the summary sets it next to the
+        # ledger's measurements, so every job checks the planner.
+        self.prediction = predict_run(
+            spec, self.session.layout, precision=cfg.parallel.precision, seq=self.workload.tokens_per_sample,
+            micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+            activation_checkpointing=cfg.parallel.activation_checkpointing,
+            ranks_per_node=cfg.parallel.nproc or self.session.world_size)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
         self.val_loader = self.session.dataloader(self.workload.val_set, t.micro_batch_size,
@@ -135,7 +148,7 @@ class Trainer:
         tokens_per_step = self.global_batch * self.workload.tokens_per_sample
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
               f"global_batch={self.global_batch} "
-              f"steps={t.steps} out={self.run_dir.path}")
+              f"steps={t.steps} out={self.run_dir.path}\n{s.layout.describe()}")
         watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
         watchdog.beat(st.step, "resume")
         old_handlers = self._install_signal_handlers()
@@ -203,9 +216,19 @@ class Trainer:
         summary = self.summary(wall_s)
         summary.update(interrupted=interrupted, resumed_from=self.resumed_from,
                        checkpoint=str(latest_checkpoint(self.run_dir.checkpoints) or "") or None)
-        # Per-rank bytes in parameters/gradients/optimizer state and peak (a collective).
-        summary["memory"] = ledger.collect(s, self.model, self.optimizer)
-        s.log("memory per rank (MiB)\n" + ledger.format_table(summary["memory"]))
+        # Per-rank bytes in parameters/gradients/optimizer state and peak (a collective), each
+        # next to the planner's prediction for that rank.
+        summary["memory"] = memory = ledger.collect(s, self.model, self.optimizer)
+        predicted = {r.rank: r.to_dict() for r in self.prediction.ranks}
+        for entry in memory["ranks"]:
+            entry["predicted"] = predicted[entry["rank"]]
+        memory["prediction"] = {k: v for k, v in self.prediction.to_dict().items() if k != "ranks"}
+        memory["predicted_vs_measured"] = rows = compare_prediction(self.prediction, memory)
+        s.log("memory per rank (MiB)\n" + ledger.format_table(memory))
+        peak_note = ("" if any("peak_bytes" in r for r in rows) else
+                     f"\n(peak not compared: measured as {memory['peak_source']}, which is not what the "
+                     "planner predicts; on CUDA it is max_memory_allocated)")
+        s.log("planner prediction vs measured (MiB)\n" + format_comparison(rows) + peak_note)
         self.run_dir.write_summary(summary)
         self.hooks.end(summary)
         s.print(f"final train loss {summary['final_train_loss']:.4f} | "
@@ -314,7 +337,7 @@ class Trainer:
     def summary(self, wall_s: float) -> dict[str, Any]:
         s, st = self.session, self.state
         return {
-            "strategy": s.strategy_name, "world_size": s.world_size,
+            "strategy": s.strategy_name, "world_size": s.world_size, "layout": s.layout.to_dict(),
             "precision": self.cfg.parallel.precision, "steps": st.step,
             "final_train_loss": st.last_train_loss, "final_val_loss": st.last_val_loss,
             "tokens_per_s": statistics.median(st.tokens_per_s) if st.tokens_per_s else 0.0,

@@ -1,0 +1,481 @@
+"""The parallel layout: one frozen object that owns every degree of a run.
+
+``resolve_layout`` builds it once from the ``[parallel]`` config and the world size (and, once the
+model is known, the number of its transformer blocks): the canonical strategy, the data-parallel
+degree split into replicate x shard, the tensor and pipeline degrees, the device mesh's shape and
+dim names, the pipeline schedule, stages per rank, micro-batches and each stage's layer range.
+Config checks, preflight, every strategy, the Session, the memory ledger and the planner read it;
+nobody works a degree out again (torchtitan's ``ParallelDims`` in spirit). It imports no torch: the
+planner builds one per candidate and answers in well under a second.
+
+    layout = resolve_layout(ParallelConfig(strategy="fsdp+tp", tp=2), world_size=8)
+    layout.dp, layout.tp, layout.mesh_shape     # 4, 2, (1, 4, 2)
+
+Constructing ``Layout(...)`` directly (the planner's pure arithmetic does) validates the same
+structural rules; ``resolve_layout`` adds the inference of unset degrees from the world size and
+messages that name the config keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from shardwise.config import PP_SCHEDULES
+from shardwise.errors import ConfigError, unknown_choice
+from shardwise.parallel.registry import (
+    COMPOSED_MESH,
+    REGISTRY,
+    StrategyInfo,
+    canonical_strategy,
+    composition_for,
+)
+
+if TYPE_CHECKING:
+    from shardwise.config import ParallelConfig
+
+__all__ = ["Layout", "local_stage_ids", "resolve_layout", "stage_layer_ranges"]
+
+
+def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
+    """Return the block indices of each stage: balanced, first and last ``fewer`` blocks lighter.
+
+    The first stage also runs the embeddings and the last one the head and the loss, so
+    ``fewer = k`` counts each of them as k blocks of work: ``n_layer + 2k`` virtual blocks are
+    split evenly (the remainder goes to the middle stages) and k come off each end.
+    """
+    if n_stages > n_layer:
+        raise ConfigError(
+            f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
+            f"model's {n_layer} layers: each stage needs at least one layer."
+        )
+    if n_stages == 1:
+        return [range(n_layer)]
+    total = n_layer + 2 * fewer
+    base, rem = divmod(total, n_stages)
+    # The remainder goes to the stages nearest the middle, which carry no embedding or head.
+    order = sorted(range(n_stages), key=lambda s: abs(s - (n_stages - 1) / 2))
+    sizes = [base + (1 if s in order[:rem] else 0) for s in range(n_stages)]
+    sizes[0] -= fewer
+    sizes[-1] -= fewer
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"cannot split {n_layer} layers into {n_stages} pipeline stages with "
+            f"parallel.pp_first_stage_fewer={fewer}: a stage would get {min(sizes)} layers. Use fewer "
+            "stages (pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
+        )
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """Return the stage indices of ``pp_rank``: loop order, rank r owns r, r + pp, r + 2 pp, ..."""
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of one run are arranged. Frozen; derive a variant with ``dataclasses.replace``.
+
+    ``dp`` is the whole data-parallel degree and ``shard`` the size of the group that shards model
+    state (``dp_shard``): ``dp_replicate = dp // shard`` groups replicate it. ddp and zero1 have
+    shard 1 (zero1 shards only optimizer state, across all of ``dp``); zero2, fsdp, fsdp-offload
+    and the fsdp compositions shard across all of ``dp``; hsdp across groups of ``shard`` ranks.
+    ``shard=0`` and ``offload=None`` mean "what the strategy implies".
+    """
+
+    strategy: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    shard: int = 0
+    offload: bool | None = None
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
+    pp_first_stage_fewer: int = 0
+    sequence_parallel: bool = False
+    # The model's transformer blocks, once known: how many, and where (a dotted module path).
+    n_blocks: int | None = None
+    block_path: str = ""
+    # Derived from the fields above: the block indices of each pipeline stage.
+    stage_ranges: tuple[range, ...] = field(init=False, default=(), compare=False)
+    # Set only by ``Layout.external``: the layout of another training stack (Megatron's ddp+tp, ...)
+    # that the planner models to calibrate itself on published runs. The runtime never runs it.
+    external: StrategyInfo | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def external_stack(cls, label: str, dp_kind: str, *, dp: int = 1, tp: int = 1, pp: int = 1,
+                       **kwargs: Any) -> Layout:
+        """A layout of another stack, by what its data-parallel ranks hold (``dp_kind``: replicate,
+        zero1, zero2 or fsdp) and its degrees; for the planner's arithmetic only."""
+        degrees = tuple(d for d, n in (("pp", pp), ("dp", dp), ("tp", tp)) if n > 1 or d == "dp")
+        info = StrategyInfo(label, "", f"{label} (another training stack)", COMPOSED_MESH, degrees,
+                            dp_kind, "as published")
+        return cls(label, dp=dp, tp=tp, pp=pp, external=info, **kwargs)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise derived fields in place, once, here
+        if self.external is None:
+            set_(self, "strategy", canonical_strategy(self.strategy))
+        if self.strategy == "auto":
+            raise ConfigError("a Layout needs a concrete strategy; resolve 'auto' with resolve_layout().")
+        info = self.info
+        for key in ("dp", "tp", "pp", "pp_stages_per_rank"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel degree {key} must be an integer >= 1, got {value!r}.")
+        for dim in ("dp", "tp", "pp"):
+            if getattr(self, dim) > 1 and dim not in info.degrees:
+                raise ConfigError(
+                    f"strategy {self.strategy!r} has no {dim} dimension (its degrees: "
+                    f"{', '.join(info.degrees) or 'none'}), but {dim}={getattr(self, dim)}.")
+        for dim in info.degrees:
+            if dim != "dp" and getattr(self, dim) < 2:
+                raise ConfigError(f"strategy {self.strategy!r} needs {dim} >= 2, got {getattr(self, dim)}.")
+        if info.max_world is not None and self.world_size > info.max_world:
+            raise ConfigError(f"strategy {self.strategy!r} runs at most {info.max_world} rank(s).")
+        set_(self, "shard", self._checked_shard(info))
+        offload = bool(info.offload)
+        if self.offload is not None and bool(self.offload) != offload:
+            raise ConfigError(f"strategy {self.strategy!r} {'always' if offload else 'never'} offloads; "
+                              f"offload={self.offload} contradicts it.")
+        set_(self, "offload", offload)
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
+                              "pick a strategy with tp or unset it.")
+        if self.pp > 1:
+            set_(self, "pp_microbatches", self.pp_microbatches or 2 * self.pp)
+            self._check_schedule()
+        else:
+            # One stage: nothing to schedule. Pipeline options of the config do not apply.
+            for key, value in (("pp_schedule", "1f1b"), ("pp_stages_per_rank", 1), ("pp_microbatches", 1),
+                               ("pp_first_stage_fewer", 0)):
+                set_(self, key, value)
+        if self.n_blocks is not None:
+            set_(self, "stage_ranges",
+                 tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
+
+    def _checked_shard(self, info: StrategyInfo) -> int:
+        """The shard-group size the strategy implies (checked against an explicit one)."""
+        if info.hybrid:
+            shard = self.shard or self.dp
+            if shard < 1 or self.dp % shard:
+                divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+                raise ConfigError(
+                    f"strategy 'hsdp' shards within groups of parallel.hsdp_shard_size={shard} ranks, "
+                    f"which must divide the world size {self.dp}. Valid shard sizes: "
+                    f"{', '.join(map(str, divisors))} (0 = ranks per node).")
+            return shard
+        implied = self.dp if info.dp_kind in ("zero2", "fsdp") else 1
+        if self.shard not in (0, implied):
+            raise ConfigError(f"strategy {self.strategy!r} shards model state across {implied} rank(s), "
+                              f"not {self.shard}.")
+        return implied
+
+    def _check_schedule(self) -> None:
+        sched, v, m, pp = self.pp_schedule, self.pp_stages_per_rank, self.pp_microbatches, self.pp
+        if sched not in PP_SCHEDULES:
+            raise unknown_choice("pipeline schedule", sched, PP_SCHEDULES)
+        if sched == "interleaved-1f1b" and v < 2:
+            raise ConfigError(
+                "parallel.pp_schedule='interleaved-1f1b' needs parallel.pp_stages_per_rank >= 2 (it "
+                "interleaves several stages per rank to shrink the bubble); set it to 2, or use '1f1b'.")
+        if sched != "interleaved-1f1b" and v != 1:
+            raise ConfigError(f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule='interleaved-1f1b'; "
+                              f"'{sched}' runs one stage per rank.")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"parallel.pp_microbatches must be a positive integer, got {m!r}.")
+        if m < pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} must be >= the pipeline degree {pp}: with fewer "
+                "microbatches than stages some stage always idles, the bubble (p-1)/(m+p-1) exceeds "
+                "half the step, and the 1F1B schedules cannot even fill the pipeline. Use at least "
+                f"{pp} (2 x {pp} or more keeps the bubble small).")
+        if sched == "interleaved-1f1b" and m % pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} must be a multiple of the pipeline degree {pp} for "
+                "'interleaved-1f1b' (microbatches go round the ranks in full rounds).")
+        if self.pp_first_stage_fewer < 0:
+            raise ConfigError(f"parallel.pp_first_stage_fewer must be >= 0, got {self.pp_first_stage_fewer}.")
+
+    # ------------------------------------------------------------------ what the strategy is
+    @property
+    def info(self) -> StrategyInfo:
+        """The registry entry of the strategy (another stack's description for external layouts)."""
+        return self.external or REGISTRY[self.strategy]
+
+    @property
+    def sharding(self) -> str:
+        """How data-parallel ranks hold model state: 'replicate', 'zero1', 'zero2' or 'fsdp'."""
+        return self.info.dp_kind
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def world(self) -> int:
+        """Alias of ``world_size`` (the planner's name)."""
+        return self.world_size
+
+    @property
+    def dp_shard(self) -> int:
+        return self.shard
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    # ------------------------------------------------------------------ the device mesh
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.info.mesh_dims
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Shape for ``init_device_mesh``; ranks fill it row-major (the last dim is innermost)."""
+        if self.info.model_parallel:
+            return self.pp, self.dp, self.tp
+        if self.info.hybrid:
+            # FSDP2 reads a 2-D mesh as (replicate, shard). Shard groups are consecutive ranks, i.e.
+            # one node when shard = ranks per node: the heavy all-gather/reduce-scatter stays on
+            # the fast intra-node links.
+            return self.dp_replicate, self.dp_shard
+        return (self.dp,)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on every mesh dim (``init_device_mesh``'s row-major layout)."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside a world of {self.world_size} ranks.")
+        out: dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(list(zip(self.mesh_dim_names, self.mesh_shape))):
+            out[name] = rest % size
+            rest //= size
+        return {name: out[name] for name in self.mesh_dim_names}
+
+    def dp_coords(self, rank: int) -> tuple[int, int]:
+        """Return (data-parallel rank, data-parallel size): which slice of each batch ``rank`` reads.
+
+        Every TP rank and every pipeline stage of one replica reads the same slice (the first stage
+        feeds its inputs, the last one its targets).
+        """
+        c = self.coords(rank)
+        if self.info.model_parallel:
+            return c["dp"], self.dp
+        return rank, self.dp  # pure data parallel (hsdp: replicate * shard + shard index = rank)
+
+    # ------------------------------------------------------------------ the pipeline
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """Alias of ``pp_schedule`` (the planner's name)."""
+        return self.pp_schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        """Alias of ``pp_stages_per_rank`` (the planner's name)."""
+        return self.pp_stages_per_rank
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The pipeline stages ``pp_rank`` runs."""
+        return local_stage_ids(pp_rank, self.pp, self.pp_stages_per_rank)
+
+    def rank_layers(self, pp_rank: int) -> list[int]:
+        """The block indices that pipeline rank ``pp_rank`` holds (needs ``n_blocks``)."""
+        if self.n_blocks is None:
+            raise ConfigError("the layout does not know the model's blocks yet (Layout.with_blocks).")
+        return sorted(i for s in self.stage_ids(pp_rank) for i in self.stage_ranges[s])
+
+    def holds_first_stage(self, pp_rank: int) -> bool:
+        """Whether ``pp_rank`` runs the first stage (embeddings)."""
+        return 0 in self.stage_ids(pp_rank)
+
+    def holds_last_stage(self, pp_rank: int) -> bool:
+        """Whether ``pp_rank`` runs the last stage (final norm, head and loss)."""
+        return self.n_stages - 1 in self.stage_ids(pp_rank)
+
+    def with_blocks(self, n_blocks: int, block_path: str = "") -> Layout:
+        """Return this layout for a model with ``n_blocks`` transformer blocks at ``block_path``.
+
+        Raises ConfigError when the blocks cannot be split into the layout's pipeline stages.
+        """
+        return dataclasses.replace(self, n_blocks=n_blocks, block_path=block_path)
+
+    def check_batch(self, micro_batch_size: int) -> None:
+        """Raise ConfigError unless one rank's batch splits into the pipeline's micro-batches."""
+        if self.pp > 1 and micro_batch_size % self.pp_microbatches:
+            raise ConfigError(
+                f"the per-rank batch of {micro_batch_size} samples (train.micro_batch_size) does not "
+                f"split into {self.pp_microbatches} equal pipeline microbatches "
+                f"(parallel.pp_microbatches; 0 means 2 x pp = {2 * self.pp}): make "
+                f"train.micro_batch_size a multiple of {self.pp_microbatches}, or set "
+                "parallel.pp_microbatches to a divisor of it (at least the pipeline degree).")
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> str:
+        """A few lines for people: strategy, mesh, degrees, pipeline and blocks."""
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        lines = [
+            f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",
+            f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
+            f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
+            f"{'; state offloaded to host memory' if self.offload else ''}",
+            f"  each rank holds a part of: {self.info.shards}",
+        ]
+        if self.n_blocks is not None:
+            where = f" at {self.block_path}" if self.block_path else ""
+            lines.append(f"  blocks: {self.n_blocks}{where}")
+        if self.pp > 1:
+            lines.append(f"  pipeline: {self.pp_schedule}, {self.n_stages} stages ({self.pp_stages_per_rank} per "
+                         f"rank), {self.pp_microbatches} microbatches per step")
+            if self.stage_ranges:
+                spans = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.stage_ranges]
+                lines.append(f"  stage layers: {' | '.join(spans)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, derived ones included (for summary.json and ``plan --json``)."""
+        return {
+            "strategy": self.strategy, "world_size": self.world_size, "dp": self.dp,
+            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+            "sequence_parallel": self.sequence_parallel, "offload": self.offload,
+            "mesh_dim_names": list(self.mesh_dim_names), "mesh_shape": list(self.mesh_shape),
+            "pp_schedule": self.pp_schedule, "pp_stages_per_rank": self.pp_stages_per_rank,
+            "pp_microbatches": self.pp_microbatches, "pp_first_stage_fewer": self.pp_first_stage_fewer,
+            "n_blocks": self.n_blocks, "block_path": self.block_path,
+            "stage_ranges": [[r.start, r.stop] for r in self.stage_ranges],
+        }
+
+
+# --------------------------------------------------------------------------- from the config
+
+
+def _resolve_strategy(options: ParallelConfig, world_size: int) -> str:
+    name = canonical_strategy(options.strategy)  # raises with the list of valid names
+    if name != "auto":
+        return name
+    if options.tp > 1 or options.pp > 1:
+        return composition_for(options.tp, options.pp)
+    return "ddp" if world_size > 1 else "single"
+
+
+def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: StrategyInfo) -> dict[str, int]:
+    """{"pp", "dp", "tp"} for ``world_size`` ranks: the set degrees as given, at most one inferred."""
+    active = info.degrees
+    given = {"pp": options.pp if options.pp > 1 else 0, "tp": options.tp if options.tp > 1 else 0,
+             "dp": options.dp}
+    dims = ("pp", "dp", "tp")
+    for dim in dims:
+        if dim not in active and given[dim] > 1:
+            raise ConfigError(
+                f"parallel.{dim}={given[dim]} is set, but strategy {info.name!r} has no {dim} dimension "
+                f"(its dimensions: {', '.join(active)}). Pick a strategy that includes it, e.g. "
+                f"'fsdp+tp+pp', or leave parallel.{dim} unset.")
+    degrees = {dim: given[dim] if dim in active else 1 for dim in dims}
+    open_dims = [d for d in dims if degrees[d] == 0]
+    known = 1
+    for d in dims:
+        known *= degrees[d] or 1
+    if len(open_dims) > 1:
+        raise ConfigError(
+            f"cannot infer {' and '.join(open_dims)} degrees from {world_size} ranks: set all but one "
+            f"of {', '.join(f'parallel.{d}' for d in open_dims)} (e.g. --set parallel.{open_dims[-1]}=2).")
+    if open_dims:
+        if world_size % known:
+            raise ConfigError(
+                f"{world_size} ranks do not divide by the fixed degrees "
+                f"({' x '.join(f'{d}={degrees[d]}' for d in dims if degrees[d])} = {known}).")
+        degrees[open_dims[0]] = world_size // known
+    if degrees["pp"] * degrees["dp"] * degrees["tp"] != world_size:
+        raise ConfigError(
+            f"dp x tp x pp must equal the world size: {degrees['dp']} x {degrees['tp']} x "
+            f"{degrees['pp']} = {degrees['pp'] * degrees['dp'] * degrees['tp']}, but {world_size} ranks "
+            "were launched. Change --nproc or the parallel.dp/tp/pp degrees.")
+    for dim in active:
+        if dim != "dp" and degrees[dim] < 2:
+            raise ConfigError(
+                f"strategy {info.name!r} needs parallel.{dim} >= 2 (got {degrees[dim]} on {world_size} "
+                f"ranks); launch more ranks or set parallel.{dim}.")
+    return degrees
+
+
+def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
+                   n_blocks: int | None = None, block_path: str = "") -> Layout:
+    """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
+
+    ``ranks_per_node``: the default HSDP shard group (``parallel.hsdp_shard_size = 0``); the
+    world size when None. ``n_blocks``: the model's transformer blocks, when known (pipeline
+    stage ranges are computed and checked).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
+    name = _resolve_strategy(options, world_size)
+    info = REGISTRY[name]
+    if info.max_world is not None and world_size > info.max_world:
+        raise ConfigError(
+            f"strategy {name!r} runs one process, but {world_size} were launched. "
+            "Use --nproc 1, or a parallel strategy such as 'ddp'.")
+    shard = 0
+    if info.model_parallel:
+        degrees = _model_parallel_degrees(world_size, options, info)
+        dp, tp, pp = degrees["dp"], degrees["tp"], degrees["pp"]
+    else:
+        if options.tp > 1 or options.pp > 1:
+            raise ConfigError(
+                f"strategy {name!r} is pure data parallel, but parallel.tp={options.tp} and "
+                f"parallel.pp={options.pp}; use a composed strategy (e.g. 'fsdp+tp') or set them to 1.")
+        if options.dp not in (0, world_size):
+            raise ConfigError(
+                f"parallel.dp={options.dp}, but strategy {name!r} uses all {world_size} ranks for data "
+                "parallel; leave parallel.dp at 0 (it sizes the dp dimension of the tp/pp compositions).")
+        dp, tp, pp = world_size, 1, 1
+        if info.hybrid:
+            shard = options.hsdp_shard_size or ranks_per_node or world_size
+            if shard > world_size:  # Layout's own check words the divisibility case
+                raise ConfigError(
+                    f"strategy 'hsdp' shards within groups of parallel.hsdp_shard_size={shard} ranks, which "
+                    f"must divide the world size {world_size} (0 = ranks per node).")
+    if pp > 1 and options.precision == "fp16-mixed":
+        raise ConfigError(
+            "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
+            "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'.")
+    return Layout(
+        name, dp=dp, tp=tp, pp=pp, shard=shard, pp_schedule=options.pp_schedule,
+        pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
+        pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
+        n_blocks=n_blocks, block_path=block_path,
+    )

@@ -1,0 +1,92 @@
+"""Where a model keeps its transformer blocks, and which family it belongs to: one rule for all.
+
+FSDP wraps each block as a unit, activation checkpointing wraps blocks, the pipeline splits the
+blocks into stages, and the planner counts parameters per block; every one of them asks
+``find_blocks`` (the planner's ``spec.from_module`` included), so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardwise.parallel.registry import LLAMA_LIKE
+
+# Where known model families keep their repeated blocks (checked in this order); anything else is
+# found by the generic search for a container of same-class children.
+BLOCK_PATHS = ("blocks", "layers", "model.layers", "hf.model.layers", "transformer.h", "hf.transformer.h")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The container of a model's repeated blocks and its dotted path ('' for the model itself)."""
+
+    path: str
+    container: nn.Module
+
+    @property
+    def names(self) -> list[str]:
+        """The children's names in order ("0", "1", ...)."""
+        return [name for name, _ in self.container.named_children()]
+
+    def __len__(self) -> int:
+        return len(self.container)
+
+
+def _unwrapped_type(module: nn.Module) -> type:
+    # A checkpoint-wrapped block counts as the block it wraps.
+    return type(getattr(module, "_checkpoint_wrapped_module", module))
+
+
+def _is_block_container(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False
+    kinds = {_unwrapped_type(m) for m in module.children()}
+    return len(module) >= 1 and len(kinds) == 1
+
+
+def find_blocks(model: nn.Module) -> Blocks | None:
+    """Return where ``model``'s repeated blocks live, or None if it has none.
+
+    Known paths first (GPT ``blocks``, HF Llama ``model.layers`` / ``hf.model.layers``, GPT-2
+    ``transformer.h``), then the first container in ``named_modules()`` order whose two or more
+    children all share one class. Wrappers that keep the block container's names (checkpoint
+    wrappers, FSDP's in-place class swap) do not change the answer.
+    """
+    for path in BLOCK_PATHS:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if _is_block_container(found):
+            return Blocks(path, found)
+    for path, module in model.named_modules():
+        if _is_block_container(module) and len(module) >= 2:
+            return Blocks(path, module)
+    return None
+
+
+def transformer_blocks(model: nn.Module) -> nn.Module | None:
+    """Return the ModuleList/ModuleDict holding ``model``'s repeated blocks, or None (``find_blocks``)."""
+    found = find_blocks(model)
+    return None if found is None else found.container
+
+
+def model_family(model: nn.Module) -> str:
+    """The model's family as the registry names it: "gpt" (built-in GPT), a Hugging Face
+    ``model_type`` for ``HFCausalLM`` models ("llama", "gpt2", ...), or "" when unknown."""
+    from shardwise.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return "gpt"
+    hf = getattr(model, "hf", None)
+    return str(getattr(getattr(hf, "config", None), "model_type", "") or "")
+
+
+def tp_plan_family(model: nn.Module) -> str:
+    """The tensor-parallel plan family of ``model`` ("gpt", "llama") or "" when no plan exists."""
+    family = model_family(model)
+    if family == "gpt":
+        return "gpt"
+    return "llama" if family in LLAMA_LIKE else ""

@@ -1,0 +1,271 @@
+"""The planner's per-rank memory prediction for one concrete run, and its check against the ledger.
+
+``train --dry-run`` prints it before anything starts; every run writes it into ``summary.json``
+next to the memory ledger's measured bytes and prints the difference at the end, so the planner
+is checked on every job. The prediction uses the planner's formulas (``plan.memory``) on the
+run's own layout, model shapes and settings:
+
+* precision: the runtime keeps fp32 parameters, gradients and AdamW state under ``fp32`` and the
+  mixed modes (autocast or FSDP2's MixedPrecisionPolicy cast copies, which are transient), and
+  bfloat16 for all three under ``bf16-true`` (AdamW's ``step`` counters stay fp32);
+* micro-batches: a pipeline splits each ``train.micro_batch_size`` batch into
+  ``pp_microbatches`` pieces, so the planner sees ``micro_batch_size / pp_microbatches`` samples
+  per micro-batch and ``grad_accum_steps x pp_microbatches`` micro-batches per step;
+* ranks: each rank's model state is computed for its own data-parallel shard and pipeline stage
+  (FSDP padding, ZeRO-1's whole-tensor partition and the stage split are exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shardwise.layout import Layout
+from shardwise.plan.memory import (
+    Precision,
+    StateBytes,
+    _local_params,
+    activation_bytes,
+    memory_breakdown,
+    state_bytes,
+)
+
+if TYPE_CHECKING:
+    from shardwise.plan.spec import ModelSpec
+
+# The runtime's ``parallel.precision`` -> bytes per element of what it stores (see module docstring).
+RUNTIME_PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", 4, 4, 0, 4),
+    "bf16-mixed": Precision("bf16-mixed", 4, 4, 0, 2),
+    "fp16-mixed": Precision("fp16-mixed", 4, 4, 0, 2),
+    "bf16-true": Precision("bf16-true", 2, 2, 0, 2),
+}
+
+
+def compute_precision(precision: str, layout: Layout) -> Precision:
+    """Bytes per element of what a step materialises (gathered parameters, reduced gradients,
+    activations), which under mixed precision depend on the strategy.
+
+    FSDP2's MixedPrecisionPolicy all-gathers parameters in 16 bits and reduce-scatters gradients in
+    fp32 (``reduce_dtype``); under torch.autocast (DDP, ZeRO-1, TP/PP without FSDP) parameters and
+    gradients stay fp32 and only activations are 16-bit.
+    """
+    state = RUNTIME_PRECISIONS[precision]
+    if precision in ("bf16-mixed", "fp16-mixed") and layout.sharding in ("zero2", "fsdp"):
+        return Precision(f"{precision} (FSDP2 policy)", 2, 4, 0, 2)
+    return state
+
+
+# Categories shared by the prediction and the ledger (``runtime.ledger.FIELDS``).
+STATE_FIELDS = ("param_bytes", "grad_bytes", "optim_bytes")
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """Predicted bytes one rank holds: model state, activations saved for backward, transients."""
+
+    rank: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """State + activations + transients: what ``torch.cuda.max_memory_allocated`` measures."""
+        return self.state_bytes + self.activation_bytes + self.transient_bytes
+
+    def to_dict(self) -> dict[str, int]:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optim_bytes": self.optim_bytes,
+                "activation_bytes": self.activation_bytes, "transient_bytes": self.transient_bytes,
+                "peak_bytes": self.peak_bytes}
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """The planner's prediction for every rank of one run."""
+
+    model: str
+    n_params: int
+    layout: Layout
+    precision: str
+    seq: int
+    micro_batch: int  # samples per micro-batch (per pipeline microbatch under PP)
+    micro_batches: int  # micro-batches per optimizer step
+    checkpoint: str
+    ranks: tuple[RankPrediction, ...]
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "n_params": self.n_params, "precision": self.precision, "seq": self.seq,
+                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+                "activation_checkpointing": self.checkpoint, "notes": list(self.notes),
+                "ranks": [{"rank": r.rank, **r.to_dict()} for r in self.ranks]}
+
+    def table(self) -> str:
+        """Per-rank MiB, one row per distinct prediction (ranks that hold the same are grouped)."""
+        rows = ["ranks        params_MiB  grads_MiB  optim_MiB  activ_MiB  transient_MiB  peak_MiB"]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for r in self.ranks:
+            key = (r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.transient_bytes)
+            groups.setdefault(key, []).append(r.rank)
+        for key, ranks in groups.items():
+            label = _ranks_label(ranks)
+            values = [*key, sum(key)]
+            rows.append(f"{label:<11}" + "".join(f"{v / MIB:>{w}.2f}" for v, w in
+                                                 zip(values, (12, 11, 11, 11, 15, 10))))
+        return "\n".join(rows)
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks[:3])) + (",..." if len(ranks) > 3 else "")
+
+
+def _state_rank(layout: Layout, rank: int) -> int:
+    """Index of ``rank`` inside the group that partitions its model state (0 when replicated)."""
+    coords = layout.coords(rank)
+    if layout.sharding in ("zero2", "fsdp"):
+        return coords["shard"] if layout.info.hybrid else coords.get("dp", 0)
+    if layout.sharding == "zero1":
+        return coords.get("dp", 0)
+    return 0
+
+
+def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
+    """How many leading FSDP shard ranks hold a full (unpadded) shard of every tensor: their state
+    is identical, so one computation serves them all (a 512-rank prediction stays instant)."""
+    if layout.sharding not in ("zero2", "fsdp") or not spec.params:
+        return 1
+    n = layout.shard
+    return min(max(1, p.shape[0] // -(-p.shape[0] // n)) for p in _local_params(spec, layout, stage))
+
+
+def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int) -> StateBytes:
+    sb = state_bytes(spec, layout, prec, "adamw", rank=rank, stage=stage)
+    if prec.name == "bf16-true":
+        # AdamW's moments follow the bfloat16 parameters (4 bytes/element instead of 8); its
+        # ``step`` counters stay fp32. SGD's single fp32 buffer is exactly one moment's worth.
+        one_moment = state_bytes(spec, layout, prec, "sgd", rank=rank, stage=stage).optimizer
+        sb = dataclasses.replace(sb, optimizer=sb.optimizer - one_moment)
+    return sb
+
+
+def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
+                grad_accum_steps: int = 1, activation_checkpointing: str = "none",
+                ranks_per_node: int = 1) -> RunPrediction:
+    """Predict every rank's bytes for ``spec`` trained under ``layout`` with AdamW (the trainer's).
+
+    ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
+    tokens per sample (1 for images: activations are then not modelled).
+    """
+    prec = RUNTIME_PRECISIONS[precision]
+    if layout.n_blocks is None and spec.n_layers and layout.pp > 1:
+        layout = layout.with_blocks(spec.n_layers)
+    micro_batch = max(1, micro_batch_size // layout.pp_microbatches) if layout.pp > 1 else micro_batch_size
+    micro_batches = grad_accum_steps * (layout.pp_microbatches if layout.pp > 1 else 1)
+    notes: list[str] = []
+    checkpoint = activation_checkpointing
+    if not spec.has_structure:
+        notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
+    # Activations and transients (gathers, buckets, recomputation, logits) in what a step
+    # materialises; model state in what the run stores.
+    breakdown = memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
+                                 micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
+                                 gpus_per_node=ranks_per_node)
+    ranks = []
+    states: dict[tuple[int, int], StateBytes] = {}
+    full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
+    for rank in range(layout.world_size):
+        stage = layout.coords(rank).get("pp", 0)
+        state_rank = _state_rank(layout, rank)
+        if state_rank < full[stage]:
+            state_rank = 0  # same bytes as shard 0
+        key = (state_rank, stage)
+        if key not in states:
+            states[key] = _runtime_state(spec, layout, prec, state_rank, stage)
+        sb = states[key]
+        act = breakdown.activations
+        if layout.pp > 1 and spec.has_structure:
+            # Each pipeline rank saves activations for its own blocks (the first also the
+            # embeddings, the last the head and loss); in-flight micro-batches are transients.
+            act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
+                                   sp=layout.sequence_parallel, n_layers=len(layout.rank_layers(stage)),
+                                   first_stage=layout.holds_first_stage(stage),
+                                   last_stage=layout.holds_last_stage(stage)).saved
+        # Offloaded state is still this rank's (the ledger counts it wherever it lives).
+        ranks.append(RankPrediction(rank, sb.params + sb.master, sb.grads, sb.optimizer, act, breakdown.transient))
+    if layout.offload:
+        notes.append("fsdp-offload: parameters, gradients and optimizer state live in host memory")
+    return RunPrediction(spec.name, spec.n_params, layout, precision, seq, micro_batch, micro_batches,
+                         checkpoint, tuple(ranks), tuple(notes))
+
+
+def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",
+                      ranks_per_node: int | None = None) -> RunPrediction:
+    """``predict_run`` for an ``nn.Module`` (a meta-device copy is enough) and a ``RunConfig``."""
+    from shardwise.plan.spec import from_module
+
+    spec = from_module(model, name=name or model_name(cfg.model))
+    return predict_run(spec, layout, precision=cfg.parallel.precision, seq=seq,
+                       micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
+                       activation_checkpointing=cfg.parallel.activation_checkpointing,
+                       ranks_per_node=ranks_per_node or cfg.parallel.nproc or layout.world_size)
+
+
+def model_name(m: Any) -> str:
+    """A short name for the model a ``[model]`` config section builds (for reports)."""
+    if m.kind == "gpt":
+        return f"gpt-{m.preset}"
+    if m.kind == "hf":
+        return str(m.hf_config)
+    return m.factory or m.kind
+
+
+def compare(prediction: RunPrediction, memory: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank and category: predicted, measured and their difference (the ledger's ``collect`` dict).
+
+    The peak is compared only where the ledger measured the same thing (CUDA's
+    ``max_memory_allocated``); on the CPU it is the process's RSS, interpreter included.
+    """
+    comparable_peak = memory.get("peak_source") == "cuda.max_memory_allocated"
+    by_rank = {r.rank: r for r in prediction.ranks}
+    rows = []
+    for entry in memory["ranks"]:
+        pred = by_rank.get(entry["rank"])
+        if pred is None:
+            continue
+        fields = [*STATE_FIELDS, *(("peak_bytes",) if comparable_peak else ())]
+        row: dict[str, Any] = {"rank": entry["rank"]}
+        for key in fields:
+            p, m = getattr(pred, key), int(entry[key])
+            row[key] = {"predicted": p, "measured": m, "diff_bytes": p - m,
+                        "diff_pct": None if m == 0 else round(100.0 * (p - m) / m, 2)}
+        rows.append(row)
+    return rows
+
+
+def format_comparison(rows: list[dict[str, Any]]) -> str:
+    """predicted / measured MiB and the difference per rank and category, as the run prints it."""
+    if not rows:
+        return "(no ranks to compare)"
+    keys = [k for k in rows[0] if k != "rank"]
+    lines = ["rank  " + "  ".join(f"{k.removesuffix('_bytes') + ' pred/meas MiB (diff)':>34}" for k in keys)]
+    for row in rows:
+        cells = []
+        for k in keys:
+            c = row[k]
+            pct = "n/a" if c["diff_pct"] is None else f"{c['diff_pct']:+.1f}%"
+            cells.append(f"{c['predicted'] / MIB:>12.2f} / {c['measured'] / MIB:>9.2f} ({pct:>7})")
+        lines.append(f"{row['rank']:>4}  " + "  ".join(f"{c:>34}" for c in cells))
+    return "\n".join(lines)

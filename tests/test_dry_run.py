@@ -1,0 +1,80 @@
+"""``train --dry-run`` / ``verify --dry-run``: every check, the layout and the planner's per-rank
+memory, no rank started and nothing written; training an architecture by preset name.
+
+All in-process through ``shardwise.cli.main`` (one parse, one meta model per case: no ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.cli import main
+
+NANO = ["--set", "model.preset=nano"]
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_train_dry_run_prints_layout_and_prediction_and_writes_nothing(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", "--dry-run", "--nproc", "4", "--strategy", "fsdp+tp",
+                              "--set", "parallel.tp=2", "--out", str(out_dir), *NANO)
+    assert code == 0, err
+    assert "no rank was started, nothing was written" in out
+    assert "layout: fsdp+tp on 4 rank(s)" in out and "mesh pp=1 x dp=2 x tp=2" in out
+    assert "blocks: 2 at blocks" in out
+    assert "predicted memory per rank" in out and "params_MiB" in out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0-1", "2-3"]  # the two data-parallel shards of the TP pairs
+    assert not out_dir.exists()
+
+
+def test_pipeline_dry_run_shows_stages_and_microbatches(capsys):
+    code, out, err = run_main(capsys, "train", "--dry-run", "--nproc", "2", "--strategy", "pp",
+                              "--set", "train.micro_batch_size=8", *NANO)
+    assert code == 0, err
+    assert "pipeline: 1f1b, 2 stages (1 per rank), 4 microbatches per step" in out
+    assert "stage layers: 0 | 1" in out
+    assert "4 micro-batch(es) of 2 x 32 tokens" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "2", "--strategy", "pp", "--set", "train.micro_batch_size=3"],
+     "per-rank batch of 3 samples (train.micro_batch_size) does not split into 4"),
+    (["--nproc", "3", "--strategy", "pp", "--set", "train.micro_batch_size=6"], "exceed the model's 2 layers"),
+    (["--nproc", "2", "--strategy", "tp", "--set", "model.overrides={n_head = 3, n_embd = 48}"],
+     "n_head=3"),
+    (["--nproc", "2", "--strategy", "ddp", "--set", "parallel.tp=2"], "is pure data parallel"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "--out RUN_DIR"),
+    (["--nproc", "2", "--nnodes", "2", "--out", "x"], "--rdzv-endpoint HOST:PORT"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--out", "x", "--rdzv-endpoint", "h:1"],
+     "--node-rank must be in 0..1"),
+])
+def test_dry_run_refuses_what_the_ranks_would_refuse(capsys, tmp_path, argv, message):
+    code, out, err = run_main(capsys, "train", "--dry-run", *argv, *NANO)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert "dry run" not in out
+
+
+def test_verify_dry_run(capsys, tmp_path):
+    code, out, err = run_main(capsys, "verify", "--dry-run", "--strategy", "zero1", "--nproc", "2",
+                              "--out", str(tmp_path / "v"), *NANO)
+    assert code == 0, err
+    assert out.startswith("dry run of `shardwise verify`") and "layout: zero1 on 2 rank(s)" in out
+    assert not (tmp_path / "v").exists()
+
+
+def test_train_an_architecture_by_preset_name(capsys):
+    pytest.importorskip("transformers")
+    code, out, err = run_main(capsys, "train", "hf-shakespeare", "--dry-run", "--nproc", "8", "--strategy", "fsdp+tp",
+                              "--set", "parallel.tp=8", "--set", "model.hf_config=llama-3-70b",
+                              "--set", "model.overrides.block_size=4096", "--set", "parallel.precision=bf16-mixed",
+                              "--set", "train.micro_batch_size=1", "--set", "parallel.activation_checkpointing=full")
+    assert code == 0, err
+    # The published architecture, vocabulary included (it covers the data's 65 characters).
+    assert "model: llama-3-70b, 70,553.71M parameters" in out
+    assert "blocks: 80 at hf.model.layers" in out and "layout: fsdp+tp on 8 rank(s)" in out

@@ -1,0 +1,157 @@
+"""The layout owns every degree; the registry lists each strategy once; configs are never modified.
+
+Pure tests, no process group. The 4-rank regression run (``pp`` with ``parallel.pp`` unset was
+checked against 8 micro-batches but ran 2) shares a spawn in tests/test_composed.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardwise.config import ParallelConfig, load_config, replace_in
+from shardwise.errors import ConfigError
+from shardwise.layout import Layout, resolve_layout, stage_layer_ranges
+from shardwise.parallel.registry import ALIASES, REGISTRY, get_strategy, strategy_info, strategy_names
+
+
+def test_layout_and_registry_import_without_torch(cli_env):
+    code = ("import sys, shardwise.layout, shardwise.parallel, shardwise.parallel.registry, shardwise.plan.advice, "
+            "shardwise.config; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_registry_is_the_single_list_of_strategies():
+    assert set(strategy_names()) == {*REGISTRY, *ALIASES, "auto"}
+    for name, info in REGISTRY.items():
+        module, _, cls = info.impl.partition(":")
+        impl = getattr(importlib.import_module(module), cls)
+        assert impl.name == name, info.impl  # the class and its registry entry agree
+        assert set(info.degrees) <= {"dp", "tp", "pp"} and info.dp_kind in ("replicate", "zero1", "zero2", "fsdp")
+    # Which models each strategy runs: TP needs a plan, PP the built-in GPT.
+    assert REGISTRY["fsdp+tp"].supports("llama") and not REGISTRY["fsdp+tp"].supports("gpt2")
+    assert REGISTRY["pp"].supports("gpt") and not REGISTRY["ddp+pp"].supports("llama")
+    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt",)
+    assert strategy_info("zero3").name == "fsdp"
+    with pytest.raises(ConfigError, match="unknown strategy 'ddp\\+tp\\+pp'"):
+        strategy_info("ddp+tp+pp")
+
+
+@pytest.mark.parametrize("strategy, world, options, expected", [
+    ("auto", 1, {}, dict(strategy="single", dp=1, shard=1, mesh_shape=(1,))),
+    ("auto", 4, {}, dict(strategy="ddp", dp=4, dp_replicate=4, dp_shard=1, mesh_shape=(4,))),
+    ("zero3", 4, {}, dict(strategy="fsdp", dp=4, dp_shard=4, dp_replicate=1)),
+    ("zero1", 4, {}, dict(sharding="zero1", dp_replicate=4, dp_shard=1)),
+    ("hsdp", 8, dict(hsdp_shard_size=4), dict(dp=8, dp_replicate=2, dp_shard=4, mesh_shape=(2, 4),
+                                             mesh_dim_names=("replicate", "shard"))),
+    ("fsdp-offload", 2, {}, dict(offload=True, dp_shard=2)),
+    ("auto", 8, dict(tp=2), dict(strategy="fsdp+tp", dp=4, tp=2, mesh_shape=(1, 4, 2), dp_shard=4)),
+    ("auto", 8, dict(pp=2), dict(strategy="ddp+pp", dp=4, pp=2, dp_replicate=4, pp_microbatches=4)),
+    ("3d", 8, dict(tp=2, pp=2), dict(strategy="fsdp+tp+pp", dp=2, tp=2, pp=2, mesh_shape=(2, 2, 2))),
+    ("pp", 4, dict(pp_schedule="interleaved-1f1b", pp_stages_per_rank=2, pp_microbatches=8),
+     dict(pp=4, n_stages=8, pp_microbatches=8)),
+])
+def test_resolve_layout(strategy, world, options, expected):
+    layout = resolve_layout(ParallelConfig(strategy=strategy, **options), world)
+    for key, value in expected.items():
+        assert getattr(layout, key) == value, key
+    assert layout.world_size == world == layout.dp * layout.tp * layout.pp
+    assert layout.dp_enabled == (layout.dp > 1) and layout.tp_enabled == (layout.tp > 1)
+
+
+def test_hsdp_defaults_to_ranks_per_node():
+    layout = resolve_layout(ParallelConfig(strategy="hsdp"), 8, ranks_per_node=4)
+    assert (layout.dp_replicate, layout.dp_shard) == (2, 4)
+
+
+@pytest.mark.parametrize("strategy, world, options, message", [
+    ("single", 2, {}, "strategy 'single' runs one process"),
+    ("ddp", 2, dict(tp=2), "is pure data parallel"),  # silently ignored before the layout owned it
+    ("ddp", 4, dict(dp=2), "parallel.dp=2"),
+    ("ddp", 2, dict(sequence_parallel=True), "sequence_parallel needs tensor parallel"),
+    ("hsdp", 4, dict(hsdp_shard_size=3), "must divide the world size 4"),
+    ("hsdp", 4, dict(hsdp_shard_size=8), "must divide the world size 4"),
+    ("tp", 2, dict(pp=2), "parallel.pp=2 is set"),
+    ("fsdp+tp", 6, dict(tp=4), "do not divide"),
+    ("pp", 2, dict(pp_microbatches=1), "must be >= the pipeline degree 2"),
+    ("pp", 2, dict(precision="fp16-mixed"), "fp16-mixed"),
+])
+def test_impossible_layouts_name_the_key(strategy, world, options, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(ParallelConfig(strategy=strategy, **options), world)
+
+
+def test_coords_follow_init_device_mesh_row_major_order():
+    for layout in (resolve_layout(ParallelConfig(strategy="fsdp+tp+pp", tp=2, pp=2), 8),
+                   resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=2), 6)):
+        # init_device_mesh lays ranks out as arange(world).view(mesh_shape).
+        grid = torch.arange(layout.world_size).view(layout.mesh_shape)
+        for rank in range(layout.world_size):
+            where = (grid == rank).nonzero()[0].tolist()
+            assert list(layout.coords(rank).values()) == where
+    composed = resolve_layout(ParallelConfig(strategy="fsdp+tp", tp=2), 4)
+    assert [composed.dp_coords(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_stage_ranges_and_blocks_come_from_the_layout():
+    layout = resolve_layout(ParallelConfig(strategy="pp", pp_schedule="interleaved-1f1b", pp_stages_per_rank=2,
+                                           pp_microbatches=4), 2, n_blocks=8, block_path="blocks")
+    assert [list(r) for r in layout.stage_ranges] == [list(r) for r in stage_layer_ranges(8, 4)]
+    assert layout.stage_ids(1) == [1, 3] and layout.rank_layers(1) == [2, 3, 6, 7]
+    assert layout.holds_first_stage(0) and layout.holds_last_stage(1) and not layout.holds_last_stage(0)
+    with pytest.raises(ConfigError, match="exceed the model's 3 layers"):
+        layout.with_blocks(3)
+    assert "stage layers: 0-1 | 2-3 | 4-5 | 6-7" in layout.describe()
+
+
+def test_layout_is_frozen_and_checked_when_built_directly():
+    layout = Layout("fsdp", dp=8)
+    assert layout.shard == 8 and layout.sharding == "fsdp"  # the strategy implies the shard group
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.dp = 2  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        Layout("ddp+tp+pp", dp=2, tp=2, pp=2)
+    with pytest.raises(ConfigError, match="has no tp dimension"):
+        Layout("ddp", dp=2, tp=2)
+    with pytest.raises(ConfigError, match="shards model state across 1"):
+        Layout("zero1", dp=4, shard=4)
+    assert Layout("ddp+pp", dp=2, pp=4).pp_microbatches == 8  # unset: 2 x pp, as the runtime
+
+
+def test_pipeline_batch_check_runs_before_launch():
+    layout = resolve_layout(ParallelConfig(strategy="pp"), 4)
+    layout.check_batch(16)
+    with pytest.raises(ConfigError, match="per-rank batch of 6 samples .* 8 equal pipeline microbatches"):
+        layout.check_batch(6)
+
+
+# ------------------------------------------------------------------ configs are never modified
+def test_config_objects_are_frozen_and_resolution_returns_new_ones():
+    from shardwise.preflight import check_run
+
+    cfg = load_config(None, ["model.preset=nano", "parallel.tp=2"])
+    assert cfg.parallel.strategy == "auto"  # validate no longer rewrites it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.strategy = "fsdp+tp"  # type: ignore[misc]
+    checked = check_run(cfg, 4, ranks_per_node=4)
+    assert checked.config.parallel.strategy == "fsdp+tp" and cfg.parallel.strategy == "auto"
+    assert checked.layout.n_blocks == 2 and checked.layout.block_path == "blocks"
+    changed = replace_in(cfg, **{"parallel.nproc": 4, "out_dir": "x"})
+    assert (changed.parallel.nproc, changed.out_dir, cfg.parallel.nproc, cfg.out_dir) == (4, "x", 0, "")
+
+
+def test_session_leaves_the_callers_config_alone():
+    from shardwise import Session
+
+    options = ParallelConfig(strategy="auto", precision="fp32")
+    with Session("single", precision="bf16-mixed", parallel=options) as s:
+        assert s.options.strategy == "single" and s.options.precision == "bf16-mixed"
+        assert s.layout.strategy == "single" and get_strategy(s.layout).name == "single"
+    assert options == ParallelConfig(strategy="auto", precision="fp32")

@@ -1,0 +1,274 @@
+"""Every layout the planner proposes, and every command it prints, is a run the runtime accepts.
+
+The grid: every planner preset x 1, 2, 8 and 64 nodes x every GPU kind x every checkpointing mode.
+For each plan, the ``shardwise train`` command of every candidate (what ``plan`` prints when it is
+the recommended one) goes through the resolution of ``shardwise train --dry-run``, in-process: the
+real CLI parser, then ``cli.resolve_run`` (config, layout, the pipeline's batch check,
+``check_model`` on a meta-device copy of the model); both printed commands (that one and the
+torchrun form, through the worker's own parser and ``preflight.check_run``) likewise.
+The shell placeholders are expanded as a shell would (``$NODE_RANK`` = 0, ``$MASTER_ADDR``).
+
+Cost: each distinct model is built once on the meta device (a 405B model is built once, not per
+plan) and each distinct command resolved once; the plans themselves are pure arithmetic.
+
+Also here: regression tests for the three planner/runtime disagreements of issue 12, and the
+planner's stage split and block finding checked against the runtime's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shlex
+
+import pytest
+import torch
+
+from shardwise.cli import build_parser as cli_parser
+from shardwise.cli import resolve_run
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.layout import Layout
+from shardwise.parallel.registry import REGISTRY
+from shardwise.plan import cli as plan_cli
+from shardwise.plan.advice import Cluster, Workload, launch_commands, make_plan
+from shardwise.plan.memory import PRECISIONS, state_bytes
+from shardwise.plan.presets import GPUS, MODEL_PRESETS, gpu, model_preset
+from shardwise.plan.spec import ROOT_UNIT, from_hf_config, from_module
+from shardwise.preflight import check_run, meta_model, resolve_config
+from shardwise.runtime.worker import build_parser as worker_parser_factory
+from shardwise.workloads import build_workload
+
+NODES = (1, 2, 8, 64)
+CHECKPOINTS = ("none", "selective", "full")
+SHELL = {"$NODE_RANK": "0", "$MASTER_ADDR": "10.0.0.1"}
+
+
+@functools.cache
+def _plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    plan_cli.register(parser.add_subparsers())
+    return parser
+
+
+def plan_args(*argv: str) -> argparse.Namespace:
+    return _plan_parser().parse_args(["plan", *argv])
+
+
+# The real parsers, built once (argparse parsers are reusable).
+build_parser = functools.cache(cli_parser)
+worker_parser = functools.cache(worker_parser_factory)
+
+
+def shell_words(command: str) -> list[str]:
+    """The argv a POSIX shell passes for ``command`` with the placeholders set."""
+    for var, value in SHELL.items():
+        command = command.replace(var, value)
+    return shlex.split(command, comments=True)
+
+
+@functools.cache
+def workload_and_meta(recipe: str, model_sets: tuple[str, ...]) -> tuple:
+    """The workload and meta model of a command's [model]/[data] sections, built once per model."""
+    cfg = load_config(recipe, list(model_sets))
+    workload = build_workload(cfg.model, cfg.data)
+    return workload, meta_model(workload)
+
+
+def _model_sets(words: list[str]) -> tuple[str, ...]:
+    return tuple(words[i + 1] for i, w in enumerate(words) if w == "--set" and words[i + 1].startswith("model."))
+
+
+@functools.cache
+def dry_run_train(command: str) -> tuple[str, int]:
+    """Resolve a printed ``shardwise train ...`` command as ``--dry-run`` does; (strategy, world)."""
+    words = shell_words(command)
+    assert words[:2] == ["shardwise", "train"], command
+    args = build_parser().parse_args([*words[1:], "--dry-run"])
+    assert args.dry_run and args.func.__name__ == "cmd_train"
+    workload, meta = workload_and_meta(args.recipe, _model_sets(words))
+    assert meta is not None, f"no meta model for {command}"
+    run = resolve_run(args, workload=workload, meta=meta)
+    return run.layout.strategy, run.layout.world_size
+
+
+@functools.cache
+def dry_run_torchrun(command: str) -> tuple[str, int]:
+    """Resolve a printed ``torchrun ... -m shardwise.runtime.worker ...`` command as each rank would."""
+    words = shell_words(command)
+    assert words[0] == "torchrun", command
+    split = words.index("-m")
+    assert words[split + 1] == "shardwise.runtime.worker"
+    flags = dict(w.removeprefix("--").split("=", 1) for w in words[1:split] if "=" in w)
+    nnodes = int(flags.get("nnodes", 1))
+    if nnodes > 1:
+        assert flags["node-rank"] == "0" and flags["rdzv-endpoint"] == "10.0.0.1:29500", command
+    else:
+        assert "--standalone" in words[1:split], command
+    nproc = int(flags["nproc-per-node"])
+    args = worker_parser().parse_args(words[split + 2:])
+    overrides = [*args.overrides, f"parallel.strategy={args.strategy}"]
+    cfg = load_config(args.recipe, overrides)
+    workload, meta = workload_and_meta(args.recipe, _model_sets(words))
+    checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
+    return checked.layout.strategy, checked.layout.world_size
+
+
+def test_every_candidate_and_printed_command_resolves_over_the_grid(monkeypatch):
+    # A candidate's memory does not depend on the GPU kind (only what fits does): compute it once
+    # per GPU-independent input instead of once per GPU kind. Time and fit are still per plan.
+    from shardwise.plan import advice
+
+    breakdowns: dict = {}
+    compute = advice.memory_breakdown
+
+    def memory_breakdown(spec, layout, *args, **kwargs):
+        # Preset specs are built once per process, so their identity is a cheap exact key.
+        key = (id(spec), layout, args, tuple(sorted(kwargs.items())))
+        if key not in breakdowns:
+            breakdowns[key] = compute(spec, layout, *args, **kwargs)
+        return breakdowns[key]
+
+    monkeypatch.setattr(advice, "memory_breakdown", memory_breakdown)
+    plans = checked = 0
+    for model in MODEL_PRESETS:
+        for nodes in NODES:
+            for kind in GPUS:
+                for ckpt in CHECKPOINTS:
+                    plan = plan_cli.build_plan(plan_args("--model", model, "--gpu", kind, "--nodes", str(nodes),
+                                                         "--checkpoint", ckpt))
+                    plans += 1
+                    assert plan.candidates, (model, nodes, kind, ckpt)
+                    assert len(plan.commands) == 2 if plan.recommended else not plan.commands
+                    for cand in plan.candidates:
+                        assert cand.layout.strategy in REGISTRY
+                        train, _ = launch_commands(cand, plan.cluster, plan.workload, run_name=model)
+                        assert dry_run_train(train) == (cand.layout.strategy, plan.cluster.world), train
+                        checked += 1
+                    if plan.recommended:
+                        train, torchrun = plan.commands
+                        want = (plan.recommended.layout.strategy, plan.cluster.world)
+                        assert dry_run_train(train) == want == dry_run_torchrun(torchrun), torchrun
+    assert plans == len(MODEL_PRESETS) * len(NODES) * len(GPUS) * len(CHECKPOINTS)
+    # Commands are shared between plans (GPU kinds change what fits, not what runs): each
+    # distinct one was resolved once.
+    assert dry_run_train.cache_info().currsize > 100 and checked > plans
+
+
+# ------------------------------------------------------------------ issue 12's disagreements
+def test_planner_never_proposes_a_strategy_the_registry_rejects():
+    # Was: `ddp+tp+pp(...)` candidates, "unknown strategy 'ddp+tp+pp'" at launch.
+    plan = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=3),
+                     Workload(seq=256, global_batch=24))
+    names = {c.layout.strategy for c in plan.candidates}
+    assert "fsdp+tp+pp" in names and "ddp+tp+pp" not in names and names <= set(REGISTRY)
+
+
+def test_llama3_70b_on_4x8_h100_prints_commands_the_runtime_accepts():
+    # Was: train.micro_batch_size=1 with parallel.pp_microbatches=32, refused by the pipeline.
+    plan = plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--gpu", "h100", "--nodes", "4", "--seq", "4096",
+                                         "--global-batch", "64", "--checkpoint", "full"))
+    assert plan.commands, plan.warnings
+    train, torchrun = plan.commands
+    assert "--set model.hf_config=llama-3-70b" in train and "RECIPE" not in train
+    assert "--nnodes 4 --node-rank $NODE_RANK --rdzv-endpoint $MASTER_ADDR:29500 --out " in train
+    assert dry_run_train(train)[1] == dry_run_torchrun(torchrun)[1] == 32
+    # The settings the old planner printed fail in preflight now, before any rank starts.
+    cfg = load_config("gpt-shakespeare", ["parallel.strategy=ddp+pp", "parallel.pp=4", "train.micro_batch_size=1",
+                                          "parallel.pp_microbatches=32"])
+    with pytest.raises(ConfigError, match="per-rank batch of 1 samples"):
+        resolve_config(cfg, 32)
+
+
+def test_pipeline_commands_split_each_batch_into_the_planned_microbatches():
+    plan = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=2),
+                     Workload(seq=256, micro_batch=2, global_batch=32, recipe="gpt-shakespeare",
+                              extra_sets=("model.preset=lab",)), pp=2)
+    for cand in plan.candidates:
+        sets = dict(s.split("=", 1) for s in
+                    shell_words(launch_commands(cand, plan.cluster, plan.workload)[0])[2:] if "=" in s)
+        m, mbs = int(sets["parallel.pp_microbatches"]), int(sets["train.micro_batch_size"])
+        # Planned: grad_accum micro-batches of 2 sequences per replica; run: one schedule of them.
+        assert m == cand.grad_accum == cand.layout.pp_microbatches and mbs == 2 * m
+        assert int(sets["train.grad_accum_steps"]) == 1 and mbs * cand.layout.dp == 32
+
+
+def test_too_few_microbatches_for_the_pipeline_is_skipped_with_the_reason():
+    plan = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=4),
+                     Workload(seq=256, global_batch=2), pp=4)
+    assert not plan.candidates
+    assert any("need at least 4 micro-batches per step" in s for s in plan.skipped)
+
+
+def test_interleaved_pipeline_from_the_plan_cli():
+    plan = plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "1", "--nodes", "2", "--pp", "2",
+                                         "--global-batch", "8", "--pp-schedule", "interleaved-1f1b",
+                                         "--pp-stages-per-rank", "3"))
+    lay = plan.recommended.layout
+    assert (lay.pp_schedule, lay.pp_stages_per_rank, lay.virtual_stages, lay.n_stages) == ("interleaved-1f1b", 3, 3, 6)
+    assert [len(r) for r in lay.stage_ranges] == [1] * 6
+    assert "--set parallel.pp_stages_per_rank=3" in plan.commands[0]
+    assert dry_run_train(plan.commands[0]) == ("pp", 2)
+    # The cost model reads the layout's stages per rank: 3 interleaved stages shrink the bubble.
+    one = plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "1", "--nodes", "2", "--pp", "2",
+                                        "--global-batch", "8"))
+    assert plan.recommended.time.bubble_s == pytest.approx(one.recommended.time.bubble_s / 3)
+    with pytest.raises(ConfigError, match="--pp-stages-per-rank >= 2"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--pp-schedule", "interleaved-1f1b"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--model", "llama-3-8b", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts only the built-in GPT"),
+    (("--model", "gpt2", "--tp", "2"), "tensor parallel has plans for"),
+])
+def test_strategies_the_runtime_cannot_run_on_the_model_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_cli.build_plan(plan_args(*argv))
+
+
+def test_planner_stage_split_and_blocks_are_the_runtimes():
+    from shardwise.models.gpt import GPT, GPT_PRESETS
+    from shardwise.parallel.blocks import find_blocks
+    from shardwise.parallel.pp import prune_to_stages
+
+    spec = model_preset("gpt-lab")
+    layout = Layout("pp", pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2, pp_first_stage_fewer=1)
+    assert [len(r) for r in layout.with_blocks(6).stage_ranges] == [1, 2, 2, 1]
+    fp32 = PRECISIONS["fp32"]
+    for pp_rank in range(2):
+        with torch.device("meta"):
+            stage_model = prune_to_stages(GPT(GPT_PRESETS["lab"]), layout.stage_ids(pp_rank),
+                                          list(layout.with_blocks(6).stage_ranges))
+        held = sum(p.numel() for p in stage_model.parameters())
+        assert state_bytes(spec, layout, fp32, "sgd", rank=0, stage=pp_rank).params == 4 * held
+    # Blocks: the planner's units are the runtime's find_blocks container, for the GPT and an HF model.
+    pytest.importorskip("transformers")
+    from shardwise.models.hf import build_hf_model
+
+    for model in (GPT(GPT_PRESETS["nano"]), build_hf_model("llama-tiny")):
+        blocks = find_blocks(model)
+        spec = from_module(model)
+        assert spec.n_layers == len(blocks) and blocks.path in ("blocks", "hf.model.layers")
+        for p in spec.params:
+            inside = [i for i, key in enumerate(blocks.names) if p.name.startswith(f"{blocks.path}.{key}.")]
+            assert p.unit == (inside[0] if inside else ROOT_UNIT), p.name
+
+
+def test_bundled_preset_configs_are_the_presets():
+    for name in MODEL_PRESETS:
+        preset = model_preset(name)
+        if preset.family == "gpt":
+            continue  # shardwise's own GPTs are built by model.preset, not a config.json
+        bundled = from_hf_config(name)
+        assert bundled.params == preset.params and bundled.n_params == preset.n_params, name
+        assert bundled.name == name
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "gpt-lab"])
+def test_gpt_spec_without_torch_equals_the_module(name):
+    from shardwise.models.gpt import GPT, GPT_PRESETS
+
+    with torch.device("meta"):
+        module = GPT(GPT_PRESETS[name.removeprefix("gpt-")])
+    spec, real = model_preset(name), from_module(module)
+    assert [(p.name, p.shape, p.unit) for p in spec.params] == [(p.name, p.shape, p.unit) for p in real.params]
