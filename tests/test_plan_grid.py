@@ -31,7 +31,7 @@ from shardwise.errors import ConfigError
 from shardwise.layout import Layout
 from shardwise.parallel.registry import REGISTRY
 from shardwise.plan import cli as plan_cli
-from shardwise.plan.advice import Cluster, Workload, launch_commands, make_plan
+from shardwise.plan.advice import Cluster, Workload, evaluate, launch_commands, make_plan
 from shardwise.plan.memory import PRECISIONS, state_bytes
 from shardwise.plan.presets import GPUS, MODEL_PRESETS, gpu, model_preset
 from shardwise.plan.spec import ROOT_UNIT, from_hf_config, from_module
@@ -178,6 +178,20 @@ def test_llama3_70b_on_4x8_h100_prints_commands_the_runtime_accepts():
                                           "parallel.pp_microbatches=32"])
     with pytest.raises(ConfigError, match="per-rank batch of 1 samples"):
         resolve_config(cfg, 32)
+
+
+def test_a_sharded_candidate_that_only_fits_reducing_every_microbatch_says_so():
+    # Llama-3 70B, 4 x 8 H100, global batch 64 = 2 micro-batches per replica: syncing once per step
+    # (no_sync) would keep a whole unsharded fp32 gradient (282 GiB) alive between micro-batches.
+    plan = plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--gpu", "h100", "--nodes", "4", "--seq", "4096",
+                                         "--global-batch", "64", "--checkpoint", "full"))
+    best = plan.recommended
+    assert best is not None and best.grad_sync == "microbatch" and best.grad_accum == 2
+    step_wise = evaluate(plan.spec, plan.cluster, plan.workload, best.layout)
+    assert not step_wise.fits and step_wise.memory.total > 3 * best.memory.total
+    assert "--set parallel.grad_sync=microbatch" in plan.commands[0]
+    cfg = load_config("hf-shakespeare", ["model.hf_config=llama-3-70b", "parallel.grad_sync=microbatch"])
+    assert cfg.parallel.grad_sync == "microbatch"
 
 
 def test_pipeline_commands_split_each_batch_into_the_planned_microbatches():

@@ -30,6 +30,8 @@ CASES_2 = {
     **{f"{s}-accum": dict(strategy=s, accum=2, count_comms=True) for s in SHARDED},
     **{f"{s}-ac": dict(strategy=s, ac="full") for s in SHARDED},
     "ddp-accum": dict(strategy="ddp", accum=2, count_comms=True),
+    # parallel.grad_sync="microbatch": gradients reduced (kept sharded) after every micro-batch.
+    "fsdp-accum-sync-microbatch": dict(strategy="fsdp", accum=2, count_comms=True, grad_sync="microbatch"),
     "fsdp-ac-selective": dict(strategy="fsdp", ac="selective", ac_every=2),
     "fsdp-wrap-model": dict(strategy="fsdp", wrap="model", count_comms=True),
     "fsdp-wrap-2": dict(strategy="fsdp", wrap="2", count_comms=True),
@@ -101,6 +103,8 @@ def test_gradient_sync_once_per_optimizer_step(results_2, results_4):
         assert results_2[s][0]["comms_per_step"] == [NANO_UNITS] * 5
         assert results_2[f"{s}-accum"][0]["comms_per_step"] == [NANO_UNITS] * 5
     assert results_4["hsdp-accum"][0]["comms_per_step"] == [NANO_UNITS] * 5
+    # Unless asked to reduce every micro-batch (big models: no whole unsharded gradient is held).
+    assert results_2["fsdp-accum-sync-microbatch"][0]["comms_per_step"] == [2 * NANO_UNITS] * 5
 
 
 def test_wrap_unit_sets_the_number_of_fsdp_units(results_2):

@@ -26,6 +26,10 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 # "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
 AC_MODES = ("none", "full", "selective", "selective-op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# When gradients are reduced under accumulation: "step" skips the sync on all but the last
+# micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
+# hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
+GRAD_SYNC_MODES = ("step", "microbatch")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 
 
@@ -101,6 +105,9 @@ class ParallelConfig:
     dp: int = 0
     # Under tp: run norms/dropout on a sequence shard (activations tp x smaller between matmuls).
     sequence_parallel: bool = False
+    # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
+    # "microbatch" (FSDP/ZeRO-2 keep gradients sharded between micro-batches; for big models).
+    grad_sync: str = "step"
 
 
 @dataclass(frozen=True)
@@ -433,6 +440,8 @@ def validate(cfg: RunConfig) -> None:
     _positive("parallel.pp_first_stage_fewer", p.pp_first_stage_fewer, allow_zero=True)
     if p.pp_schedule not in PP_SCHEDULES:
         raise unknown_choice("pipeline schedule", p.pp_schedule, PP_SCHEDULES)
+    if p.grad_sync not in GRAD_SYNC_MODES:
+        raise unknown_choice("parallel.grad_sync mode", p.grad_sync, GRAD_SYNC_MODES)
     _validate_profile(cfg.profile, t.steps)
     _validate_log(cfg.log)
 

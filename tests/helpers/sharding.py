@@ -36,7 +36,7 @@ def count_reduce_scatters(calls: list[int]) -> Iterator[None]:
 def train(rank: int, world_size: int, strategy: str = "single", steps: int = 5, global_batch: int = 8,
           accum: int = 1, preset: str = "nano", precision: str = "fp32", ac: str = "none",
           ac_every: int = 2, wrap: str = "block", hsdp_shard_size: int = 0, lr: float = 1e-3,
-          count_comms: bool = False, overrides: dict | None = None) -> dict:
+          count_comms: bool = False, overrides: dict | None = None, grad_sync: str = "step") -> dict:
     """Train a GPT preset with AdamW on fixed batches; this rank reads its slice of each global batch.
 
     Returns per-step global losses, the final full parameters (on every rank), this rank's ledger
@@ -48,7 +48,7 @@ def train(rank: int, world_size: int, strategy: str = "single", steps: int = 5, 
 
         cfg = dataclasses.replace(cfg, **overrides)
     options = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
-                             ac_every=ac_every, wrap=wrap, hsdp_shard_size=hsdp_shard_size)
+                             ac_every=ac_every, wrap=wrap, hsdp_shard_size=hsdp_shard_size, grad_sync=grad_sync)
     session = Session(parallel=options, grad_accum_steps=accum, seed=0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)

@@ -149,16 +149,19 @@ class Candidate:
     budget_bytes: float
     host_fits: bool = True
     note: str = ""
+    grad_sync: str = "step"  # parallel.grad_sync the candidate runs with
 
     @property
     def name(self) -> str:
-        return layout_label(self.layout.strategy, self.layout.tp, self.layout.pp)
+        label = layout_label(self.layout.strategy, self.layout.tp, self.layout.pp)
+        return label + " rs/mb" if self.grad_sync == "microbatch" else label
 
     def to_dict(self) -> dict[str, Any]:
         m, t = self.memory, self.time
         return {
             "strategy": self.layout.strategy, "label": self.name, "dp": self.layout.dp, "tp": self.layout.tp,
             "pp": self.layout.pp, "shard": self.layout.shard, "grad_accum": self.grad_accum,
+            "grad_sync": self.grad_sync,
             "bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "master": m.master,
                       "activations": m.activations, "transient": m.transient, "fragmentation": m.fragmentation,
                       "allocated": m.allocated, "total": m.total},
@@ -296,30 +299,55 @@ def _grad_accum(work: Workload, dp: int, world: int) -> tuple[int, str]:
 
 
 def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
-                      calib: Calibration | None = None) -> StepTime:
+                      calib: Calibration | None = None, grad_sync: str | None = None) -> StepTime:
     """Step time of one layout alone (``evaluate`` without the memory model)."""
     calib = calib or cluster.calibration
     accum, _ = _grad_accum(work, layout.dp, cluster.world)
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
-                     every=work.ac_every, grad_sync=work.grad_sync, kernels=work.kernels, calib=calib)
+                     every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=work.kernels, calib=calib)
 
 
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
-             calib: Calibration | None = None) -> Candidate:
-    """Memory and time of one layout (``calib``: the GPU's fitted constants unless given)."""
+             calib: Calibration | None = None, grad_sync: str | None = None) -> Candidate:
+    """Memory and time of one layout (``calib``: the GPU's fitted constants unless given;
+    ``grad_sync``: when gradients are reduced under accumulation, ``work.grad_sync`` unless given)."""
     calib = calib or cluster.calibration
+    grad_sync = grad_sync or work.grad_sync
     prec = precision(work.precision)
     accum, note = _grad_accum(work, layout.dp, cluster.world)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
-                           attention=work.attention, every=work.ac_every, grad_sync=work.grad_sync,
+                           attention=work.attention, every=work.ac_every, grad_sync=grad_sync,
                            fragmentation=calib.fragmentation, kernels=work.kernels)
-    time = predict_step_time(spec, cluster, work, layout, calib)
+    time = predict_step_time(spec, cluster, work, layout, calib, grad_sync)
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders
-    return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note)
+    return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note,
+                     grad_sync)
+
+
+def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
+                       calib: Calibration | None = None) -> Candidate:
+    """``evaluate``, and for a sharded layout whose step-wise sync does not fit under accumulation,
+    the same layout reducing every micro-batch (``parallel.grad_sync = "microbatch"``).
+
+    Skipping the sync until the last micro-batch (the runtime's default) makes FSDP/ZeRO-2 hold a
+    whole unsharded fp32 gradient between micro-batches; for big models that alone exceeds the GPU,
+    while a reduce-scatter per micro-batch keeps gradients sharded at the cost of more traffic.
+    """
+    cand = evaluate(spec, cluster, work, layout, calib)
+    if (cand.fits or work.grad_sync != "step" or cand.grad_accum < 2 or layout.pp > 1
+            or layout.sharding not in ("zero2", "fsdp")):
+        return cand
+    per_microbatch = evaluate(spec, cluster, work, layout, calib, grad_sync="microbatch")
+    if not per_microbatch.fits:
+        return cand
+    per_microbatch.note = "; ".join(filter(None, [
+        per_microbatch.note, f"reduce-scatters every micro-batch: syncing once per step would hold the whole "
+        f"unsharded gradient ({cand.memory.total / GIB:.1f} GiB in total)"]))
+    return per_microbatch
 
 
 # Planner precision (how bytes are stored) -> the trainer's parallel.precision setting.
@@ -358,6 +386,8 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
             sets.append(f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}")
     if lay.info.hybrid:
         sets.append(f"parallel.hsdp_shard_size={lay.shard}")
+    if cand.grad_sync != "step":
+        sets.append(f"parallel.grad_sync={cand.grad_sync}")
     return sets
 
 
@@ -404,7 +434,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
     if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
         warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
     layouts, skipped = candidate_layouts(spec, cluster, work, tp, pp)
-    cands = [evaluate(spec, cluster, work, lay, calib) for lay in layouts]
+    cands = [evaluate_best_sync(spec, cluster, work, lay, calib) for lay in layouts]
     fitting = [c for c in cands if c.fits]
     best = max(fitting, key=lambda c: c.time.tokens_per_s_per_gpu, default=None)
     rejected = []

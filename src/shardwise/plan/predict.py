@@ -162,8 +162,8 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
 
 
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
-                grad_accum_steps: int = 1, activation_checkpointing: str = "none",
-                ranks_per_node: int = 1) -> RunPrediction:
+                grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
+                grad_sync: str = "step", ranks_per_node: int = 1) -> RunPrediction:
     """Predict every rank's bytes for ``spec`` trained under ``layout`` with AdamW (the trainer's).
 
     ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
@@ -182,7 +182,7 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     # materialises; model state in what the run stores.
     breakdown = memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
                                  micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
-                                 gpus_per_node=ranks_per_node)
+                                 gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync)
     ranks = []
     states: dict[tuple[int, int], StateBytes] = {}
     full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
@@ -202,7 +202,7 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
             act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                                    sp=layout.sequence_parallel, n_layers=len(layout.rank_layers(stage)),
                                    first_stage=layout.holds_first_stage(stage),
-                                   last_stage=layout.holds_last_stage(stage)).saved
+                                   last_stage=layout.holds_last_stage(stage), every=ac_every).saved
         # Offloaded state is still this rank's (the ledger counts it wherever it lives).
         ranks.append(RankPrediction(rank, sb.params + sb.master, sb.grads, sb.optimizer, act, breakdown.transient))
     if layout.offload:
@@ -220,6 +220,7 @@ def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: s
     return predict_run(spec, layout, precision=cfg.parallel.precision, seq=seq,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
+                       ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
                        ranks_per_node=ranks_per_node or cfg.parallel.nproc or layout.world_size)
 
 

@@ -255,10 +255,15 @@ class Session:
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module | None = None) -> Iterator[None]:
-        """Wrap one micro-batch's forward+backward; gradient sync happens on the last one only."""
+        """Wrap one micro-batch's forward+backward; gradient sync happens on the last one only.
+
+        With ``parallel.grad_sync = "microbatch"`` every micro-batch synchronises: sharded
+        strategies then reduce-scatter each micro-batch's gradients instead of accumulating whole
+        unsharded fp32 gradients until the last one (for models whose full gradient does not fit).
+        """
         self._micro_step += 1
         model = model or self.model
-        if self.sync_gradients or model is None:
+        if self.sync_gradients or model is None or self.options.grad_sync == "microbatch":
             yield
         else:
             with self.strategy.no_sync(model):
