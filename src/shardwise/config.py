@@ -31,6 +31,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
 GRAD_SYNC_MODES = ("step", "microbatch")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
+INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConfig.init)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,26 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     factory: str = ""
     hf_config: str = ""
+    # hf: a local Hugging Face model folder (config.json + safetensors, one file or sharded with
+    # model.safetensors.index.json) whose weights training starts from. Its config.json is the
+    # architecture unless hf_config names the same one. "" keeps a random initialisation.
+    pretrained: str = ""
+    # "meta": build on the meta device, apply the strategy, then allocate and initialise (or load)
+    # only each rank's shards; "eager": build the whole model on every rank first. Both give the
+    # same weights for a seed; a factory that cannot run on meta is built eagerly either way.
+    init: str = "meta"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """``[lora]``: low-rank adapters (peft) on a frozen pretrained model; ``rank = 0`` turns them off."""
+
+    rank: int = 0  # peft's ``r``: the adapters' inner dimension
+    alpha: float = 16.0  # peft's ``lora_alpha``: the update is scaled by alpha / rank
+    dropout: float = 0.0  # peft's ``lora_dropout`` on the adapters' input
+    # Names of the modules that get adapters ("q_proj", "v_proj", ...); empty: peft's default for
+    # the model family (q_proj and v_proj for Llama, c_attn for GPT-2).
+    targets: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,7 @@ class RunConfig:
     name: str = "gpt-shakespeare"
     out_dir: str = ""  # default: runs/<name>-<strategy>-<timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -444,6 +466,29 @@ def validate(cfg: RunConfig) -> None:
         raise unknown_choice("parallel.grad_sync mode", p.grad_sync, GRAD_SYNC_MODES)
     _validate_profile(cfg.profile, t.steps)
     _validate_log(cfg.log)
+    _validate_model(cfg.model, cfg.lora)
+    if cfg.lora.rank and p.sequence_parallel:
+        raise ConfigError("LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
+                          "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel "
+                          "alone works with LoRA).")
+
+
+def _validate_model(mc: ModelConfig, lc: LoraConfig) -> None:
+    if mc.init not in INIT_MODES:
+        raise unknown_choice("model.init mode", mc.init, INIT_MODES)
+    if mc.pretrained and mc.kind != "hf":
+        raise ConfigError(f"model.pretrained = {mc.pretrained!r} loads a Hugging Face folder, which needs "
+                          f"model.kind = 'hf' (it is {mc.kind!r}).")
+    _positive("lora.rank", lc.rank, allow_zero=True)
+    _positive("lora.alpha", lc.alpha)
+    if not 0.0 <= lc.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {lc.dropout}.")
+    if any(not t.strip() for t in lc.targets):
+        raise ConfigError(f"lora.targets must list module names such as 'q_proj', got {lc.targets!r}.")
+    if lc.rank and not (mc.kind == "hf" and mc.pretrained):
+        raise ConfigError(
+            "lora.rank > 0 trains adapters on a frozen pretrained model: set model.kind = 'hf' and "
+            "model.pretrained = 'path/to/hf-folder' (or set lora.rank = 0 to train every weight).")
 
 
 def _validate_profile(pc: ProfileConfig, steps: int) -> None:
