@@ -45,14 +45,17 @@ from shardwise.runtime.rng import capture_rng_state
 def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, step: int, strategy: str, world_size: int, state: dict[str, Any] | None = None,
                     loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
-                    keep_last: int = 0, on_written: Callable[[Path], None] | None = None) -> Path:
+                    keep_last: int = 0, on_written: Callable[[Path], None] | None = None,
+                    trainable_only: bool = False, export: dict[str, Any] | None = None) -> Path:
     """Write a sharded checkpoint of ``step`` under ``root`` on every rank; return its final path.
 
     Collective: every rank must call it. ``state`` is JSON data of the caller (rank 0's is kept);
     ``loader`` is a ShardedLoader whose position is recorded; ``scheduler_state`` is the LR
     scheduler's state_dict as JSON data (kept in the manifest, never pickled); ``keep_last`` > 0 removes older
     checkpoints; ``on_written(partial_dir)`` runs on each rank after its files are on disk and
-    before the checkpoint is published (fault-injection tests use it).
+    before the checkpoint is published (fault-injection tests use it). ``trainable_only`` leaves
+    frozen parameters out (LoRA: the base comes from model.pretrained); ``export`` is what
+    ``ckpt export --format hf/peft`` needs to write the model back (JSON data, rank 0's is kept).
     """
     root = Path(root)
     rank = global_rank()
@@ -65,7 +68,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
         partial.mkdir()
     barrier()
 
-    model_state, optim_state = state_dicts(model, optimizer)
+    model_state, optim_state = state_dicts(model, optimizer, trainable_only)
     payload: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         payload["optim"] = optim_state
@@ -102,6 +105,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
             "data": loader.state_dict() if loader is not None else None,
             "scheduler": scheduler_state,
             "state": state or {}, "files": files,
+            "frozen_excluded": trainable_only, "export": export,
         }
         manifest["checksum"] = body_checksum(manifest)
         atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
