@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from shardwise.config import LoraConfig
 
-__all__ = ["ADAPTER", "apply_lora", "lora_targets", "peft_adapter_name", "peft_config_dict", "peft_lora_config"]
+__all__ = ["ADAPTER", "apply_lora", "lora_config_from_dict", "lora_targets", "peft_adapter_name", "peft_config_dict",
+           "peft_lora_config"]
 
 ADAPTER = "default"  # peft's adapter name; PEFT's saved files leave it out of the keys
 
@@ -94,11 +95,24 @@ def apply_lora(hf: nn.Module, settings: LoraConfig) -> dict[str, Any]:
 
 def peft_config_dict(config: Any) -> dict[str, Any]:
     """JSON-ready form of a peft config, as ``adapter_config.json`` holds it."""
+    import enum
+
     out = config.to_dict()
     for key, value in list(out.items()):
         if isinstance(value, set):
             out[key] = sorted(value)
+        elif isinstance(value, enum.Enum):
+            out[key] = value.value
     return out
+
+
+def lora_config_from_dict(data: dict[str, Any]) -> Any:
+    """peft's ``LoraConfig`` from ``peft_config_dict``'s output (as a checkpoint manifest keeps it)."""
+    import dataclasses
+
+    peft = _peft()
+    fields = {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init}
+    return peft.LoraConfig(**{k: v for k, v in data.items() if k in fields})
 
 
 def peft_adapter_name(name: str) -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -310,7 +311,9 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
         # local shard), so DCP writes straight into the parameter.
         state.setdefault(key, tensors[name].detach())
     distributed = dist.is_available() and dist.is_initialized()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # One process without a process group is intended here; DCP would warn that it "assumes" so.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=_make_reader(folder), no_dist=not distributed)
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from shardwise.errors import ConfigError
 from shardwise.parallel.blocks import tp_plan_family
 from shardwise.parallel.registry import LLAMA_LIKE
-from shardwise.parallel.tp_plans import PLANS, TPPlan
+from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
            "split_mixed_param_groups", "tp_loss_context", "tp_shape_sizes", "total_grad_norm"]
@@ -84,10 +84,11 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     plan: TPPlan = PLANS[model_family(model)](sequence_parallel)
     top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, with_lora(top, model))
     blocks = _get(model, plan.blocks_path)
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
-        parallelize_module(block, tp_mesh, plan.block)
+        # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
+        parallelize_module(block, tp_mesh, with_lora(plan.block, block))
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.
