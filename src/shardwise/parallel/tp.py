@@ -51,10 +51,16 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
     if tp == 1:
         return
     if not model_family(model):
+        from shardwise.parallel.blocks import model_family as family_of
+
+        family = family_of(model)
+        what = f"the {family} model" if family else type(model).__name__
+        why = (" (GPT-2 fuses q, k and v into one Conv1D, which a column split would cut across heads)"
+               if family == "gpt2" else "")
         raise ConfigError(
-            f"tensor parallel has no plan for {type(model).__name__}: plans exist for the built-in "
-            f"GPT and Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel "
-            "or sharded strategy (ddp, fsdp) or pipeline parallel for this model."
+            f"tensor parallel has no plan for {what}{why}: plans exist for the built-in GPT and "
+            f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
+            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
         )
     bad = {k: v for k, v in tp_shape_sizes(model).items() if v % tp}
     if bad:

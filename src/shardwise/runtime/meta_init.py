@@ -218,6 +218,8 @@ class InitProgram:
     targets: dict[str, _Ref]
     # FQNs that shared one Parameter at build time (tied weights), first name first.
     tied: list[list[str]] = field(default_factory=list)
+    # Set by the last materialize(): the most bytes of CPU storage the replay held at once.
+    peak_replay_bytes: int = 0
 
     def materialize(self, model: nn.Module, device: torch.device, *, skip: set[str] | None = None,
                     name_of: Callable[[str], str] | None = None) -> None:
@@ -251,14 +253,15 @@ class InitProgram:
                     if ref is not None:
                         attributes.setdefault(ref.key, []).append((module, attr, ref))
         wanted = set(destinations) | set(attributes)
-        refs = {ref.key: ref for ref in self.targets.values()}
+        views: dict[int, list[_Ref]] = {}
+        for ref in self.targets.values():
+            views.setdefault(ref.key, []).append(ref)
         with torch.no_grad():
-            for key, full in self._replay(wanted):
+            for key, storage in self._replay(wanted):
                 for dest in destinations.get(key, []):
-                    _copy_into(dest, _view(full, refs_for(self.targets, key, dest)))
+                    _copy_into(dest, _view(storage, _matching_view(views[key], dest)))
                 for module, attr, ref in attributes.get(key, []):
-                    setattr(module, attr, _view(full, ref).clone().to(device))
-        del refs
+                    setattr(module, attr, _view(storage, ref).clone().to(device))
 
     def _retie(self, model: nn.Module, name_of: Callable[[str], str]) -> None:
         """Make tied weights one Parameter again if allocating them separately untied them."""
@@ -301,6 +304,7 @@ class InitProgram:
         needed, rng_only, last_use = self._plan(wanted)
         storages: dict[int, torch.UntypedStorage] = {}
         cpu = torch.device("cpu")
+        self.peak_replay_bytes = 0
 
         def real(x: Any, scratch: bool) -> Any:
             if isinstance(x, _Ref):
@@ -325,9 +329,14 @@ class InitProgram:
             scratch = rng_only[i]
             args, kwargs = tree_map(lambda x, s=scratch: real(x, s), (op.args, op.kwargs))
             out = op.func(*args, **kwargs)
+            held = sum(st.nbytes() for st in storages.values())
             if scratch:
+                held += sum(self.nbytes[x.key] for x in tree_flatten((op.args, op.kwargs))[0] if isinstance(x, _Ref))
+                self.peak_replay_bytes = max(self.peak_replay_bytes, held)
                 continue
             self._register_outputs(op, out, storages)
+            held += sum(st.nbytes() for k, st in storages.items() if k in op.creates)
+            self.peak_replay_bytes = max(self.peak_replay_bytes, held)
             for key in list(storages):
                 if last_use.get(key, -1) <= i:
                     storage = storages.pop(key)
@@ -348,13 +357,13 @@ class InitProgram:
                 storages[ref.key] = t.untyped_storage()
 
 
-def refs_for(targets: dict[str, _Ref], key: int, dest: torch.Tensor) -> _Ref:
-    """The recorded view of storage ``key`` whose shape matches ``dest`` (tied names share a storage)."""
+def _matching_view(refs: list[_Ref], dest: torch.Tensor) -> _Ref:
+    """The recorded view of a storage whose shape is ``dest``'s (tied names share one storage)."""
     shape = tuple(dest.shape)
-    for ref in targets.values():
-        if ref.key == key and ref.size == shape:
+    for ref in refs:
+        if ref.size == shape:
             return ref
-    raise RuntimeError(f"no recorded tensor of shape {shape} in storage {key}")
+    raise RuntimeError(f"no recorded tensor of shape {shape} in this storage")
 
 
 def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:

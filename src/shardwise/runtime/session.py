@@ -182,9 +182,12 @@ class Session:
             return factory()
         try:
             model, program = record_build(factory)
-        except MetaInitUnsupported as e:
-            self.notes.append(f"the model cannot be built on the meta device ({e}); every rank builds it "
-                              "whole first (model.init = 'eager')")
+        except ShardwiseError:
+            raise  # a config mistake (bad pretrained folder, LoRA targets...): the same on any device
+        except Exception as e:  # noqa: BLE001 - any factory that fails on meta is built eagerly instead
+            reason = str(e) if isinstance(e, MetaInitUnsupported) else f"{type(e).__name__}: {e}"
+            self.notes.append(f"the model cannot be built on the meta device ({reason}); every rank builds "
+                              "it whole instead (as with model.init = 'eager')")
             return factory()
         self._built = (model, program)
         return model
