@@ -128,13 +128,19 @@ def resume_lora(rank: int, world_size: int, folder: str, strategy: str, ckpt_dir
 
 
 def meta_vs_eager(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
-    """For each case build the same model eagerly and on meta under one strategy; return both."""
+    """For each case build the same model eagerly and on meta under one strategy; return both.
+
+    The vocabularies divide by 2: with an uneven split, DTensor's eager scatter leaves the smaller
+    TP shard inside a padded buffer, which the ledger counts (the meta path allocates it exactly).
+    """
+    import dataclasses
+
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.models.hf import build_hf_model
 
     def factory(kind: str):  # noqa: ANN202
         if kind == "gpt":
-            return lambda: GPT(GPT_PRESETS["nano"])
+            return lambda: GPT(dataclasses.replace(GPT_PRESETS["nano"], vocab_size=64))
         return lambda: build_hf_model(kind, vocab_size=64)  # even vocabulary: equal TP shards
 
     out = []
