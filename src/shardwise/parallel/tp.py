@@ -99,7 +99,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.
     for p in model.parameters():
-        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+        # Frozen weights (a LoRA base) get no gradient, so nothing to re-shard.
+        if isinstance(p, DTensor) and p.requires_grad and any(pl.is_shard() for pl in p.placements):
             p.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
 
