@@ -45,6 +45,12 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times when one fails or hangs; each restart "
                    "resumes from the latest checkpoint (set checkpoint.every to lose little work)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an --out that already holds one: the old run is moved "
+                   "aside to OUT.old-<time> (never deleted)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, flags, data, model, checkpoint and run directory, then "
+                   "stop without starting anything")
     p.set_defaults(func=cmd_train)
 
 
@@ -53,20 +59,20 @@ def resolve_run(args: argparse.Namespace) -> tuple[object, object, int, Path]:
 
     Returns (config, meta model or None, nproc, out).
     """
-    from shardwise.config import load_config
+    from shardwise.config import check_text, load_config
+    from shardwise.launch import check_launch_flags
     from shardwise.preflight import check_run
     from shardwise.runtime.device import default_nproc
     from shardwise.runtime.rundir import default_run_dir
 
     overrides = list(args.overrides)
     if args.strategy:
-        overrides.append(f"parallel.strategy={args.strategy}")
+        check_text("--strategy", args.strategy)
+        overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
     cfg = load_config(args.recipe, overrides)
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
     nnodes = getattr(args, "nnodes", 1)
-    if nnodes < 1:
-        raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
+    check_launch_flags(args.nproc, nnodes, getattr(args, "node_rank", 0), getattr(args, "rdzv_endpoint", ""),
+                       getattr(args, "max_restarts", 0))
     nproc = args.nproc or cfg.parallel.nproc or default_nproc()
     strategy, _, model = check_run(cfg, nproc * nnodes)
     cfg.parallel.nproc = nproc
@@ -109,46 +115,93 @@ def _report_interrupt(out: Path, started: float) -> int | None:
     summary = out / "summary.json"
     if not summary.is_file() or summary.stat().st_mtime < started:
         return None
-    data = json.loads(summary.read_text())
-    if not data.get("interrupted"):
+    try:
+        data = json.loads(summary.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("interrupted"):
         return None
     print(f"interrupted: checkpoint saved at step {data.get('steps')} ({data.get('checkpoint')}). "
           f"Continue with: shardwise train --out {out} --resume", file=sys.stderr)
     return 130
 
 
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """Flag problems that need no config: text of paths, multi-node flags, contradictions."""
+    from shardwise.config import check_text
+    from shardwise.launch import check_launch_flags
+
+    for flag, value in (("--out", args.out), ("--resume", args.resume), ("the recipe", args.recipe)):
+        if value:
+            check_text(flag, value, kind="path")
+    check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    if args.overwrite and args.resume == "latest":
+        raise ConfigError("--overwrite starts a fresh run (moving the old one aside) and --resume alone "
+                          "continues the run in --out: choose one. To continue the old run somewhere "
+                          "new, pass --resume OLD_RUN with another --out.")
+
+
+def _dry_run_report(cfg: object, meta_model: object, nproc: int, args: argparse.Namespace, out: Path) -> int:
+    """``train --dry-run``: every check a real launch makes, then a summary; nothing is written."""
+    from shardwise.runtime.rundir import check_claim
+
+    check_claim(out, cfg, overwrite=args.overwrite, only_lock=True)  # type: ignore[arg-type]
+    _preflight_resume(cfg, out, meta_model, out_given=bool(args.out))
+    state = check_claim(out, cfg, overwrite=args.overwrite)  # type: ignore[arg-type]
+    p, t = cfg.parallel, cfg.train  # type: ignore[attr-defined]
+    print(f"dry run: config, flags, data, model and run directory are valid. Would train strategy "
+          f"{p.strategy} on {nproc * args.nnodes} rank(s) ({nproc} per node x {args.nnodes} node(s)), "
+          f"precision {p.precision}, {t.steps} steps, into {out} ({state}). Nothing was started.")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.config import to_toml
+    from shardwise.fsutil import atomic_write_text
     from shardwise.launch import LaunchSpec, run_torchrun
+    from shardwise.runtime.identity import LAUNCH_ID_ENV, new_launch_id
+    from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
 
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}.")
+    _check_train_flags(args)
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
     cfg, meta_model, nproc, out = resolve_run(args)
-    _preflight_resume(cfg, out, meta_model, out_given=bool(args.out))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(cfg))
-    for stale in [*out.glob("hang-rank*.json"), *out.glob("failure-rank*.json")]:
-        stale.unlink()  # reports of an earlier launch must not be blamed on this one
-    started = time.time() - 1.0
-    if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
-        train(cfg, out)
-        return _report_interrupt(out, started) or 0
+    if args.dry_run:
+        return _dry_run_report(cfg, meta_model, nproc, args, out)
+    launch_id = new_launch_id()
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, run_id=out.name,
                       max_restarts=args.max_restarts)
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if cfg.watchdog.debug_collectives else {}
-    if args.max_restarts:
-        # With the rendezvous TCPStore shared with the workers (torchrun's default), a restarted
-        # rank can read a peer's address left by the previous attempt and fail to connect
-        # (pytorch/pytorch#135712). A separate store per attempt avoids that.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
-                             "--out", str(out)], env=env)
-    return _report_interrupt(out, started) or _report_ranks(rc, out)
+    # The nodes of one multi-node job share the rendezvous id: they join one lock. A single-node
+    # job is this invocation alone.
+    job_id = f"rdzv-{spec.run_id}" if args.nnodes > 1 else launch_id
+    # Lock first: a live run in --out is reported as such, before its checkpoints are read.
+    lock = lock_run_dir(out, job_id)
+    try:
+        _preflight_resume(cfg, out, meta_model, out_given=bool(args.out))
+        admit_run(lock, cfg, overwrite=args.overwrite)  # type: ignore[arg-type]
+        if not lock.joined:
+            clear_launch_reports(out)  # heartbeats and reports of earlier launches
+            atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)  # type: ignore[arg-type]
+        started = time.time() - 1.0
+        if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
+            train(cfg, out, launch_id=launch_id)  # type: ignore[arg-type]
+            return _report_interrupt(out, started) or 0
+        env = {LAUNCH_ID_ENV: launch_id}
+        if cfg.watchdog.debug_collectives:  # type: ignore[attr-defined]
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        if args.max_restarts:
+            # With the rendezvous TCPStore shared with the workers (torchrun's default), a restarted
+            # rank can read a peer's address left by the previous attempt and fail to connect
+            # (pytorch/pytorch#135712). A separate store per attempt avoids that.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
+                                 "--out", str(out)], env=env)
+        return _report_interrupt(out, started) or _report_ranks(rc, out)
+    finally:
+        lock.release()
 
 
 def _report_ranks(rc: int, out: Path) -> int:
@@ -161,11 +214,14 @@ def _report_ranks(rc: int, out: Path) -> int:
     if hang:
         print(f"error: {hang}", file=sys.stderr)
         return HANG_EXIT_CODE
-    failures = sorted(out.glob("failure-rank*.json"))
-    if failures:
-        first = json.loads(failures[0].read_text())
-        print(f"error: rank {first['rank']} failed: {first['error']}", file=sys.stderr)
-        return 2
+    for failure in sorted(out.glob("failure-rank*.json")):
+        try:
+            first = json.loads(failure.read_text(encoding="utf-8"))
+            rank, error, code = first["rank"], first["error"], int(first.get("exit_code", 2))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a rank killed while writing it: the next one, or the generic message
+        print(f"error: rank {rank} failed: {error}", file=sys.stderr)
+        return code
     print(f"error: training failed (torchrun exit code {rc}); see the rank output above. "
           f"The run directory is {out}.", file=sys.stderr)
     return 1
@@ -189,11 +245,12 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from shardwise.launch import LaunchSpec, torchrun_args
+    from shardwise.config import check_text
+    from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
     from shardwise.runtime.device import default_nproc
 
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
+    check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    check_text("the script", args.script, kind="path")
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} does not exist.")
