@@ -465,6 +465,17 @@ def _check_scalar(key: str, value: Any, rule: Rule | None) -> None:
             raise unknown_choice(rule.label or key, value, choices)
 
 
+def check_value(key: str, value: Any, tp: type, rule: Rule | None = None) -> Any:
+    """Coerce ``value`` to ``tp`` (int, float, str, bool) and check it against ``rule``; return it.
+
+    For option tables outside the run config (e.g. a model preset's overrides) that want the same
+    types, bounds and messages as config fields.
+    """
+    value = _coerce(value, tp, key)
+    _check_scalar(key, value, rule)
+    return value
+
+
 def _check_override_value(key: str, value: Any, depth: int = 0) -> None:
     if depth > 16:
         raise ConfigError(f"{key} is nested more than 16 levels deep.")

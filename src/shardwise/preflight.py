@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError
 
 if TYPE_CHECKING:
     from shardwise.config import RunConfig
@@ -35,7 +35,7 @@ def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.M
     cfg.parallel.strategy = strategy.name
     # Building the datasets reports a missing or malformed data file here, once.
     workload = build_workload(cfg.model, cfg.data)
-    model = meta_model(workload)
+    model = meta_model(workload, builtin=cfg.model.kind != "custom")
     if model is not None:
         # Heads divisible by tp, no more stages than layers...; without a meta model the same
         # check still runs on every rank inside ``Strategy.apply``.
@@ -43,12 +43,23 @@ def check_run(cfg: RunConfig, world_size: int) -> tuple[Strategy, Workload, nn.M
     return strategy, workload, model
 
 
-def meta_model(workload: Workload) -> nn.Module | None:
-    """The workload's model on the meta device (allocates nothing), or None if it cannot be built there."""
+def meta_model(workload: Workload, builtin: bool = False) -> nn.Module | None:
+    """The workload's model on the meta device (allocates nothing), or None if it cannot be built there.
+
+    A built-in model (gpt, cnn, hf) always builds on meta, so a failure there is a bad
+    ``model.overrides`` value, reported as a ConfigError before any rank starts; so is a TypeError
+    from a user factory (overrides it does not take). Otherwise a user factory may legitimately
+    need real tensors (it fills weights from numpy), so it only returns None.
+    """
     try:
         with torch.device("meta"):
             return workload.build_model()
     except ShardwiseError:
         raise
-    except Exception:  # noqa: BLE001 - a user factory that cannot build on meta
-        return None  # e.g. it fills weights from numpy
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        # A TypeError is a call that does not fit (an override the factory's **kwargs pass on to
+        # a constructor that does not take it), not a factory that needs real tensors.
+        if builtin or isinstance(e, TypeError):
+            raise ConfigError(f"cannot build the model with these model.overrides: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''}. Check the values.") from None
+        return None
