@@ -337,3 +337,29 @@ def test_resume_racing_a_rotation_is_not_reported_as_damage(tmp_path, monkeypatc
     with pytest.raises(CheckpointError, match="removed while") as info:
         ckpt.preflight(root / "step-00000002")
     assert "damaged" not in str(info.value)
+
+
+# ------------------------------------------------------------------ verify and bench hold their folders too
+def test_bench_and_verify_do_not_write_over_runs(finished_run, tmp_path, data, capsys):
+    bench_out = tmp_path / "bench"
+    bench_out.mkdir()
+    (bench_out / "bench.json").write_text("[]")
+    code = main(["bench", "--strategies", "single", "--out", str(bench_out), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "already holds runs or results of an earlier bench" in err and "--overwrite" in err
+    assert (bench_out / "bench.json").read_text() == "[]"
+
+    code = main(["verify", "--strategy", "ddp", "--nproc", "2", "--out", str(finished_run),
+                 *cli_args(fast_overrides(data, steps=2, micro_batch=8))])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a training run's directory" in err
+
+    helper = _live_helper()
+    try:
+        _plant_lock(bench_out, pid=helper.pid, start_time=process_start_time(helper.pid))
+        code = main(["bench", "--strategies", "single", "--out", str(bench_out), "--overwrite"])
+        assert code == 2 and "in use by a running job" in capsys.readouterr().err
+        assert (bench_out / "bench.json").exists()  # a live bench's folder is never moved aside
+    finally:
+        helper.kill()
+        helper.wait()

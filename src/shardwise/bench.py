@@ -31,9 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated strategy names (default: single,ddp)")
     p.add_argument("--nproc", type=int, default=2, help="ranks for every multi-rank strategy")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per strategy")
-    p.add_argument("--out", default="runs/bench", help="folder for runs and the comparison files")
+    p.add_argument("--out", default=None,
+                   help="folder for runs and the comparison files (default: runs/bench-<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="reuse an --out holding an earlier bench: it is moved aside to OUT.old-<time> first")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=run)
+
+
+def _holds_results(out: Path) -> bool:
+    from shardwise.runtime.rundir import holds_run
+
+    return holds_run(out) or (out / "bench.json").exists() or any(
+        holds_run(child) for child in out.iterdir() if child.is_dir() and not child.is_symlink())
 
 
 def _mib(value: float | None) -> float | None:
@@ -122,9 +132,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--strategies needs at least one name, e.g. --strategies single,ddp,fsdp.")
     for name in strategies:
         canonical_strategy(name)  # unknown names fail here, before anything runs
-    if args.nproc < 1 or args.steps < 1:
-        raise ConfigError("--nproc and --steps must be at least 1.")
-    out = Path(args.out)
+    if not 1 <= args.nproc <= 4096 or not 1 <= args.steps <= 10**9:
+        raise ConfigError("--nproc (at most 4096) and --steps must be at least 1.")
+    import datetime
+
+    from shardwise.runtime.identity import new_launch_id
+    from shardwise.runtime.rundir import lock_run_dir, move_run_aside
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    lock = lock_run_dir(args.out or f"runs/bench-{stamp}", new_launch_id(), "shardwise bench")
+    try:
+        out = lock.run_dir
+        if _holds_results(out):
+            if not args.overwrite:
+                raise ConfigError(f"{out} already holds runs or results of an earlier bench; choose another "
+                                  "--out, or pass --overwrite to move them aside first (nothing is deleted).")
+            print(f"bench: moved the earlier results in {out} to {move_run_aside(out)}.", file=sys.stderr)
+        return _run_all(args, strategies, out)
+    finally:
+        lock.release()
+
+
+def _run_all(args: argparse.Namespace, strategies: list[str], out: Path) -> int:
+    from shardwise.parallel.registry import canonical_strategy
+
     rows = []
     for name in strategies:
         nproc = 1 if canonical_strategy(name) == "single" else args.nproc

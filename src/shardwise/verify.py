@@ -19,6 +19,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -262,15 +263,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.config import load_config
     from shardwise.preflight import check_run
 
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    if not 1 <= args.nproc <= 4096:
+        raise ConfigError(f"--nproc must be at least 1 (and at most 4096), got {args.nproc}.")
+    if not 1 <= args.steps <= 10**6:
+        raise ConfigError(f"--steps must be at least 1 (and at most 1000000), got {args.steps}.")
+    for flag, tol in (("--loss-tol", args.loss_tol), ("--param-tol", args.param_tol)):
+        if tol is not None and not (math.isfinite(tol) and tol >= 0):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
     cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     strategy, _, _ = check_run(cfg, args.nproc)
-    out = Path(args.out or f"runs/verify-{strategy.name.replace('+', '_')}")
-    report = verify(cfg, args.nproc, args.steps, out, loss_tol=args.loss_tol, param_tol=args.param_tol)
+    from shardwise.runtime.identity import new_launch_id
+    from shardwise.runtime.rundir import holds_run, lock_run_dir
+
+    # The verify folder is verify's own (rewritten by every verify into it), held for the job.
+    lock = lock_run_dir(args.out or f"runs/verify-{strategy.name.replace('+', '_')}", new_launch_id(),
+                        "shardwise verify")
+    try:
+        if holds_run(lock.run_dir):
+            raise ConfigError(f"{lock.run_dir} is a training run's directory; verify writes its own runs "
+                              "and verify.json: choose another --out.")
+        report = verify(cfg, args.nproc, args.steps, lock.run_dir, loss_tol=args.loss_tol,
+                        param_tol=args.param_tol)
+    finally:
+        lock.release()
     print(report.table())
     return 0 if report.passed else 1
 
