@@ -181,8 +181,8 @@ class CheckpointConfig:
 @dataclass
 class WatchdogConfig:
     # A rank with no progress for this long is declared hung.
-    timeout_s: float = setting(600.0, gt=0.0, le=WEEK_S)
-    collective_timeout_s: float = setting(1800.0, gt=0.0, le=WEEK_S)
+    timeout_s: float = setting(600.0, ge=1.0, le=WEEK_S)
+    collective_timeout_s: float = setting(1800.0, ge=1.0, le=WEEK_S)
     # Opt-in: TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's check that every rank calls the same
     # collective with matching shapes (a mismatch raises instead of hanging; slower).
     debug_collectives: bool = False
