@@ -79,6 +79,9 @@ def test_fresh_run_into_an_existing_run_is_refused(finished_run, data, capsys):
 
 def test_overwrite_moves_the_old_run_aside(finished_run, data, capsys):
     before = _snapshot(finished_run)
+    code, err = _train(capsys, finished_run, data, "--overwrite", "--resume", str(finished_run / "checkpoints"))
+    assert code == 2 and "would move the checkpoint you resume from" in err
+    assert _snapshot(finished_run) == before
     code, err = _train(capsys, finished_run, data, "--overwrite", steps=3)
     assert code == 0, err
     aside = [p for p in finished_run.parent.iterdir() if p.name.startswith("run.old-")]

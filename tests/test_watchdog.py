@@ -168,7 +168,6 @@ def test_the_launcher_clears_old_heartbeats_and_reports(tmp_path, capsys):
                  *cli_args(fast_overrides(small_text(tmp_path), steps=2, every=0))])
     assert code == 0, capsys.readouterr().err
     assert not (out / "heartbeat" / "rank7.json").exists() and not (out / "hang-rank3.json").exists()
-    assert (out / "heartbeat" / "rank0.json").exists()
 
 
 def test_a_long_text_sample_after_the_final_save_is_not_a_hang(tmp_path, cli_env):

@@ -125,13 +125,13 @@ def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
         if _same_job(out, cfg):
             return  # the same job, restarted before its first checkpoint
         raise _holds_run_error(out)
-    if resume:
-        try:
-            Path(resume).resolve().relative_to(out.resolve())
-            return  # resumes from one of this run's own checkpoints
-        except ValueError:
-            pass
+    if resume and _inside(resume, out):
+        return  # resumes from one of this run's own checkpoints
     raise _holds_run_error(out)
+
+
+def _inside(path: str, directory: Path) -> bool:
+    return Path(path).resolve().is_relative_to(directory.resolve())
 
 
 def lock_run_dir(out: str | os.PathLike, job_id: str, command: str = "shardwise train") -> RunLock:
@@ -153,6 +153,9 @@ def admit_run(lock: RunLock, cfg: RunConfig, *, overwrite: bool = False) -> None
         return
     path = lock.run_dir
     if overwrite and holds_run(path):
+        if cfg.checkpoint.resume not in ("", "auto", "latest") and _inside(cfg.checkpoint.resume, path):
+            raise ConfigError(f"--overwrite would move the checkpoint you resume from ({cfg.checkpoint.resume}) "
+                              f"aside with the old run in {path}; resume into another --out instead.")
         aside = move_run_aside(path)
         print(f"shardwise: --overwrite moved the run already in {path} to {aside} (nothing deleted).",
               file=sys.stderr, flush=True)
