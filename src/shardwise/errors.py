@@ -24,6 +24,17 @@ class CheckpointError(ShardwiseError):
     """A checkpoint is missing, corrupted or incompatible with the run."""
 
 
+# `shardwise train` exit codes: 2 user error (any ShardwiseError), 3 hang (runtime.watchdog),
+# 4 stopped on a non-finite loss, 130 interrupted (a checkpoint was saved).
+NONFINITE_EXIT_CODE = 4
+
+
+class NonFiniteError(ShardwiseError):
+    """Training produced a NaN/inf loss, gradient norm or weights and was stopped (exit code 4)."""
+
+    exit_code = NONFINITE_EXIT_CODE
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

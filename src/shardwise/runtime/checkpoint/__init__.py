@@ -38,8 +38,10 @@ checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state 
 from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoint, read_full_model_state
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from shardwise.runtime.checkpoint.locate import (
+    checkpoint_job,
     complete_checkpoints,
     latest_checkpoint,
+    missing_latest_error,
     resolve_checkpoint,
     rotate,
 )
@@ -49,6 +51,7 @@ from shardwise.runtime.checkpoint.manifest import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    PARTIAL_OWNER,
     PARTIAL_PREFIX,
     body_checksum,
     fingerprint,
@@ -64,9 +67,10 @@ from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoa
 from shardwise.runtime.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_PREFIX", "LoadedCheckpoint",
-    "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "complete_checkpoints", "export_weights",
-    "fingerprint", "inspect_checkpoint", "latest_checkpoint", "load_checkpoint", "preflight",
+    "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_OWNER", "PARTIAL_PREFIX",
+    "LoadedCheckpoint", "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "checkpoint_job",
+    "complete_checkpoints", "export_weights", "fingerprint", "inspect_checkpoint", "latest_checkpoint",
+    "load_checkpoint", "missing_latest_error", "preflight",
     "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "rotate",
     "save_checkpoint", "sha256_file", "shape_mismatch", "step_dir_name", "tensor_shapes", "truncate_metrics",
     "verify_files",
