@@ -54,9 +54,9 @@ class Rule:
     Numbers: ``ge``/``le`` inclusive and ``gt``/``lt`` exclusive bounds (floats must also be finite,
     always). Strings: ``choices`` (a tuple, or ``"module:attr"`` naming a tuple or a function that
     returns the names, resolved when validating, so a registry can grow without editing this file)
-    and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty)
-    "key" (a non-empty word, e.g. a JSONL field name) or "word". Every string is checked to be UTF-8 text without control characters. Tuples apply
-    the rule to each element. Fields without a rule still get the type, finiteness and text checks.
+    and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty),
+    "key" (a non-empty word, e.g. a JSONL field name) or "word". Every string is checked to be
+    UTF-8 text without control characters. Tuples apply the rule to each element. Fields without a rule still get the type, finiteness and text checks.
     Config validation, the CLI's messages and the fuzzer (tests/test_fuzz_config.py) all read these.
     """
 
@@ -526,8 +526,8 @@ def check_text(key: str, value: str, kind: str = "word") -> None:
     Every kind: valid UTF-8 (no lone surrogates from undecodable command-line bytes) without
     control characters (a newline in a name or path is a mistake, and no file system tool shows
     it). ``kind`` adds: "name" (a run name, used in directory names: no separators, not '.'/'..'),
-    "path", "factory" ('package.module:function' or empty), "key" (a non-empty word), "word"; "text" (values passed on to a
-    model builder) may hold control characters: ``to_toml`` escapes them.
+    "path", "factory" ('package.module:function' or empty), "key" (a non-empty word), "word";
+    "text" (values passed on to a model builder) may hold control characters: ``to_toml`` escapes them.
     """
     try:
         value.encode("utf-8")
