@@ -56,7 +56,8 @@ class Rule:
     returns the names, resolved when validating, so a registry can grow without editing this file)
     and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty),
     "key" (a non-empty word, e.g. a JSONL field name) or "word". Every string is checked to be
-    UTF-8 text without control characters. Tuples apply the rule to each element. Fields without a rule still get the type, finiteness and text checks.
+    UTF-8 text without control characters. Tuples apply the rule to each element. Fields without
+    a rule still get the type, finiteness and text checks.
     Config validation, the CLI's messages and the fuzzer (tests/test_fuzz_config.py) all read these.
     """
 
