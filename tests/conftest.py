@@ -2,6 +2,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis: reproducible in CI (fixed derandomized search, no example database); explore locally
+# with HYPOTHESIS_PROFILE=explore (random, remembers failures in .hypothesis/) and --hypothesis-seed.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # ``tests`` is a package: pytest puts the repo root on sys.path, spawned ranks inherit it, and
 # helpers import as ``tests.helpers.*``.

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 
 import pytest
 import torch
@@ -95,10 +96,13 @@ def test_rotation_keeps_last_and_latest_is_written_last(tmp_path):
 def test_partial_checkpoint_is_never_used_and_cleaned_up(tmp_path):
     model, opt = _trained()
     good = _save(tmp_path, 2, model, opt)
-    # A save killed half-way leaves a .partial- directory with shards but no manifest.
-    partial = tmp_path / ".partial-step-00000004"
+    # A save killed half-way leaves a .partial- directory with shards but no manifest (and its
+    # owner record: here a writer that is gone).
+    partial = tmp_path / ".partial-step-00000004.0123456789ab"
     shutil.copytree(good, partial)
     (partial / ckpt.MANIFEST).unlink()
+    (partial / ckpt.PARTIAL_OWNER).write_text(json.dumps({"job": "killed-job", "host": socket.gethostname(),
+                                                          "pid": os.getpid(), "start_time": -1}))
     assert ckpt.resolve_checkpoint(tmp_path) == good
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         ckpt.resolve_checkpoint(partial)
@@ -116,7 +120,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     with pytest.raises(DistributedTestError):  # rank 1 is killed mid-save; rank 0 then fails
         run_distributed(train_rank, 2, timeout_s=120, overrides=overrides, out=str(out))
     root = out / "checkpoints"
-    assert (root / ".partial-step-00000006").is_dir()  # shards of step 6 were being written
+    assert len(list(root.glob(".partial-step-00000006.*"))) == 1  # shards of step 6 were being written
     assert ckpt.latest_checkpoint(root).name == "step-00000003"
     assert ckpt.inspect_checkpoint(root)["step"] == 3  # the previous checkpoint loads and verifies
 

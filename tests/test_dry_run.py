@@ -52,7 +52,7 @@ def test_pipeline_dry_run_shows_stages_and_microbatches(capsys):
     (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "--out RUN_DIR"),
     (["--nproc", "2", "--nnodes", "2", "--out", "x"], "--rdzv-endpoint HOST:PORT"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--out", "x", "--rdzv-endpoint", "h:1"],
-     "--node-rank must be in 0..1"),
+     "--node-rank must be between 0 and --nnodes - 1 = 1"),
 ])
 def test_dry_run_refuses_what_the_ranks_would_refuse(capsys, tmp_path, argv, message):
     code, out, err = run_main(capsys, "train", "--dry-run", *argv, *NANO)

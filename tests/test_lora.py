@@ -137,7 +137,7 @@ def test_lora_config_errors(folder):
         load_config("hf-llama-tiny", ["lora.rank=4"])
     with pytest.raises(ConfigError, match="LoRA adapters do not run with parallel.sequence_parallel"):
         load_config("hf-finetune", [f'model.pretrained="{folder}"', "lora.rank=4", "parallel.sequence_parallel=true"])
-    with pytest.raises(ConfigError, match=r"lora.dropout must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"lora.dropout must be >= 0 and < 1, got 1.5"):
         load_config("hf-finetune", [f'model.pretrained="{folder}"', "lora.rank=4", "lora.dropout=1.5"])
     with pytest.raises(ConfigError, match=r"lora.targets \['qproj'\] name no module .* Linear layers it has: "
                                           r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):

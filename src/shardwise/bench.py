@@ -51,9 +51,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="interleaved rounds; the table shows medians and min..max (default 1)")
-    p.add_argument("--out", default="runs/bench", help="folder for runs and the comparison files")
+    p.add_argument("--out", default=None,
+                   help="folder for runs and the comparison files (default: runs/bench-<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="reuse an --out holding an earlier bench: it is moved aside to OUT.old-<time> first")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=run)
+
+
+def _holds_results(out: Path) -> bool:
+    from shardwise.runtime.rundir import holds_run
+
+    return holds_run(out) or (out / "bench.json").exists() or any(
+        holds_run(child) for child in out.iterdir() if child.is_dir() and not child.is_symlink())
 
 
 def _mib(value: float | None) -> float | None:
@@ -286,15 +296,17 @@ def _command(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[s
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    import datetime
 
-    from shardwise.config import load_config, to_toml
+    from shardwise.config import load_config
     from shardwise.reference import check_reference, is_reference
+    from shardwise.runtime.identity import new_launch_id
+    from shardwise.runtime.rundir import lock_run_dir, move_run_aside
 
     names, notes = _parse_names(args.strategies)
-    if args.nproc < 1 or args.steps < 1 or args.repeat < 1:
-        bad = [f"--{k} must be at least 1, got {v}" for k, v in
-               (("nproc", args.nproc), ("steps", args.steps), ("repeat", args.repeat)) if v < 1]
+    limits = (("nproc", args.nproc, 4096), ("steps", args.steps, 10**9), ("repeat", args.repeat, 1000))
+    bad = [f"--{k} must be between 1 and {hi}, got {v}" for k, v, hi in limits if not 1 <= v <= hi]
+    if bad:
         raise ConfigError("; ".join(bad) + ".")
     # The workload every run shares, resolved once: a bad recipe or --set fails here, and the
     # reference loops read exactly this config.
@@ -302,7 +314,27 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         if is_reference(name):
             check_reference(name, cfg)
-    out = Path(args.out)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    lock = lock_run_dir(args.out or f"runs/bench-{stamp}", new_launch_id(), "shardwise bench")
+    try:
+        out = lock.run_dir
+        if _holds_results(out):
+            if not args.overwrite:
+                raise ConfigError(f"{out} already holds runs or results of an earlier bench; choose another "
+                                  "--out, or pass --overwrite to move them aside first (nothing is deleted).")
+            print(f"bench: moved the earlier results in {out} to {move_run_aside(out)}.", file=sys.stderr)
+        return _run_rounds(args, names, notes, cfg, out)
+    finally:
+        lock.release()
+
+
+def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cfg: Any, out: Path) -> int:
+    """Run every implementation once per round into ``out``; write and print the comparison."""
+    import os
+
+    from shardwise.config import to_toml
+    from shardwise.reference import is_reference
+
     runs: list[list[dict[str, Any]]] = []
     for k in range(args.repeat):
         round_rows = []

@@ -53,9 +53,13 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times when one fails or hangs; each restart "
                    "resumes from the latest checkpoint (set checkpoint.every to lose little work)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an --out that already holds one: the old run is moved "
+                   "aside to OUT.old-<time> (never deleted)")
     p.add_argument("--dry-run", action="store_true",
-                   help="resolve the run and run every check (a meta-device model, no memory used), print "
-                   "the layout and the planner's per-rank memory prediction, and exit without starting ranks")
+                   help="resolve the run and run every check (config, flags, data, a meta-device model, "
+                   "checkpoint, run directory), print the layout and the planner's per-rank memory "
+                   "prediction, and exit without starting ranks or writing anything")
     p.set_defaults(func=cmd_train)
 
 
@@ -79,42 +83,30 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
 
     ``workload``/``meta``: see ``preflight.check_run`` (the planner's grid test reuses them).
     """
-    from shardwise.config import load_config, replace_in
+    from shardwise.config import check_text, load_config, replace_in
+    from shardwise.launch import check_launch_flags
     from shardwise.preflight import check_run
     from shardwise.runtime.device import default_nproc
     from shardwise.runtime.rundir import default_run_dir
 
     overrides = list(args.overrides)
     if args.strategy:
-        overrides.append(f"parallel.strategy={args.strategy}")
+        check_text("--strategy", args.strategy)
+        overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
     cfg = load_config(args.recipe, overrides)
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
     nnodes = getattr(args, "nnodes", 1)
-    _check_nodes(args, nnodes, cfg)
+    check_launch_flags(args.nproc, nnodes, getattr(args, "node_rank", 0), getattr(args, "rdzv_endpoint", ""),
+                       getattr(args, "max_restarts", 0))
+    if nnodes > 1 and not (getattr(args, "out", None) or cfg.out_dir):
+        # The run directory names the rendezvous (torchrun's --rdzv-id): a default one carries
+        # the time, which differs between nodes, so they would never meet.
+        raise ConfigError(f"--nnodes {nnodes} needs --out RUN_DIR, the same path on every node: it "
+                          "names the job's rendezvous.")
     nproc = args.nproc or cfg.parallel.nproc or default_nproc()
     checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
     cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
     return ResolvedRun(cfg, checked, nproc, nnodes, out)
-
-
-def _check_nodes(args: argparse.Namespace, nnodes: int, cfg: RunConfig) -> None:
-    """Multi-node flags that torchrun would otherwise reject late, or wait on forever."""
-    if nnodes < 1:
-        raise ConfigError(f"--nnodes must be at least 1, got {nnodes}.")
-    node_rank = getattr(args, "node_rank", 0)
-    if not 0 <= node_rank < nnodes:
-        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}.")
-    if nnodes > 1:
-        if not getattr(args, "rdzv_endpoint", ""):
-            raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same address on every "
-                              "node (e.g. --rdzv-endpoint $MASTER_ADDR:29500).")
-        if not (getattr(args, "out", None) or cfg.out_dir):
-            # The run directory names the rendezvous (torchrun's --rdzv-id): a default one carries
-            # the time, which differs between nodes, so they would never meet.
-            raise ConfigError(f"--nnodes {nnodes} needs --out RUN_DIR, the same path on every node: it "
-                              "names the job's rendezvous.")
 
 
 def _use_run_config_for_resume(args: argparse.Namespace) -> None:
@@ -185,50 +177,93 @@ def _report_interrupt(out: Path, started: float) -> int | None:
     summary = out / "summary.json"
     if not summary.is_file() or summary.stat().st_mtime < started:
         return None
-    data = json.loads(summary.read_text())
-    if not data.get("interrupted"):
+    try:
+        data = json.loads(summary.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("interrupted"):
         return None
     print(f"interrupted: checkpoint saved at step {data.get('steps')} ({data.get('checkpoint')}). "
           f"Continue with: shardwise train --out {out} --resume", file=sys.stderr)
     return 130
 
 
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """Flag problems that need no config: text of paths, multi-node flags, contradictions."""
+    from shardwise.config import check_text
+    from shardwise.launch import check_launch_flags
+
+    for flag, value in (("--out", args.out), ("--resume", args.resume), ("the recipe", args.recipe)):
+        if value:
+            check_text(flag, value, kind="path")
+    check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    if args.overwrite and args.resume == "latest":
+        raise ConfigError("--overwrite starts a fresh run (moving the old one aside) and --resume alone "
+                          "continues the run in --out: choose one. To continue the old run somewhere "
+                          "new, pass --resume OLD_RUN with another --out.")
+
+
+def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
+    """``train --dry-run``: every check a real launch makes (run directory and resume checkpoint
+    included), then the layout and the memory prediction; nothing is written."""
+    from shardwise.runtime.rundir import check_claim
+
+    check_claim(run.out, run.config, overwrite=args.overwrite, only_lock=True)
+    cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
+    state = check_claim(run.out, cfg, overwrite=args.overwrite)
+    print(dry_run_report(dataclasses.replace(run, config=cfg)))
+    print(f"run directory: {run.out} ({state})")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.config import to_toml
+    from shardwise.fsutil import atomic_write_text
     from shardwise.launch import LaunchSpec, run_torchrun
+    from shardwise.runtime.identity import LAUNCH_ID_ENV, new_launch_id
+    from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
 
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}.")
+    _check_train_flags(args)
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
     run = resolve_run(args)
-    cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
     if args.dry_run:
-        print(dry_run_report(dataclasses.replace(run, config=cfg)))
-        return 0
+        return _dry_run(run, args)
     nproc, out = run.nproc, run.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(cfg))
-    for stale in [*out.glob("hang-rank*.json"), *out.glob("failure-rank*.json")]:
-        stale.unlink()  # reports of an earlier launch must not be blamed on this one
-    started = time.time() - 1.0
-    if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
-        train(cfg, out)
-        return _report_interrupt(out, started) or 0
+    launch_id = new_launch_id()
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, run_id=out.name,
                       max_restarts=args.max_restarts)
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if cfg.watchdog.debug_collectives else {}
-    if args.max_restarts:
-        # With the rendezvous TCPStore shared with the workers (torchrun's default), a restarted
-        # rank can read a peer's address left by the previous attempt and fail to connect
-        # (pytorch/pytorch#135712). A separate store per attempt avoids that.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
-                             "--out", str(out)], env=env)
-    return _report_interrupt(out, started) or _report_ranks(rc, out)
+    # The nodes of one multi-node job share the rendezvous id: they join one lock. A single-node
+    # job is this invocation alone.
+    job_id = f"rdzv-{spec.run_id}" if args.nnodes > 1 else launch_id
+    # Lock first: a live run in --out is reported as such, before its checkpoints are read.
+    lock = lock_run_dir(out, job_id)
+    try:
+        cfg = _preflight_resume(run.config, out, run.checked.meta_model, out_given=bool(args.out))
+        admit_run(lock, cfg, overwrite=args.overwrite)
+        if not lock.joined:
+            clear_launch_reports(out)  # heartbeats and reports of earlier launches
+            atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)
+        started = time.time() - 1.0
+        if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
+            train(cfg, out, launch_id=launch_id)
+            return _report_interrupt(out, started) or 0
+        env = {LAUNCH_ID_ENV: launch_id}
+        if cfg.watchdog.debug_collectives:
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        if args.max_restarts:
+            # With the rendezvous TCPStore shared with the workers (torchrun's default), a restarted
+            # rank can read a peer's address left by the previous attempt and fail to connect
+            # (pytorch/pytorch#135712). A separate store per attempt avoids that.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
+                                 "--out", str(out)], env=env)
+        return _report_interrupt(out, started) or _report_ranks(rc, out)
+    finally:
+        lock.release()
 
 
 def _report_ranks(rc: int, out: Path) -> int:
@@ -241,11 +276,14 @@ def _report_ranks(rc: int, out: Path) -> int:
     if hang:
         print(f"error: {hang}", file=sys.stderr)
         return HANG_EXIT_CODE
-    failures = sorted(out.glob("failure-rank*.json"))
-    if failures:
-        first = json.loads(failures[0].read_text())
-        print(f"error: rank {first['rank']} failed: {first['error']}", file=sys.stderr)
-        return 2
+    for failure in sorted(out.glob("failure-rank*.json")):
+        try:
+            first = json.loads(failure.read_text(encoding="utf-8"))
+            rank, error, code = first["rank"], first["error"], int(first.get("exit_code", 2))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a rank killed while writing it: the next one, or the generic message
+        print(f"error: rank {rank} failed: {error}", file=sys.stderr)
+        return code
     print(f"error: training failed (torchrun exit code {rc}); see the rank output above. "
           f"The run directory is {out}.", file=sys.stderr)
     return 1
@@ -269,11 +307,12 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from shardwise.launch import LaunchSpec, torchrun_args
+    from shardwise.config import check_text
+    from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
     from shardwise.runtime.device import default_nproc
 
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
+    check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    check_text("the script", args.script, kind="path")
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"script {args.script!r} does not exist.")

@@ -24,15 +24,40 @@ class CheckpointError(ShardwiseError):
     """A checkpoint is missing, corrupted or incompatible with the run."""
 
 
+# `shardwise train` exit codes: 2 user error (any ShardwiseError), 3 hang (runtime.watchdog),
+# 4 stopped on a non-finite loss, 130 interrupted (a checkpoint was saved).
+NONFINITE_EXIT_CODE = 4
+
+
+class NonFiniteError(ShardwiseError):
+    """Training produced a NaN/inf loss, gradient norm or weights and was stopped (exit code 4)."""
+
+    exit_code = NONFINITE_EXIT_CODE
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' Did you mean X?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def plural(noun: str) -> str:
+    """English plural of the last word of ``noun`` ('strategy' -> 'strategies', 'GPU kind' -> 'GPU kinds')."""
+    if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u", ""):
+        return noun[:-1] + "ies"
+    if noun.endswith(("s", "x", "z", "ch", "sh")):
+        return noun + "es"
+    return noun + "s"
+
+
 def unknown_choice(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
-    """Build the standard 'unknown X' error that lists every valid choice."""
+    """Build the standard 'unknown X' error that lists every valid choice.
+
+    ``kind`` is a noun ('strategy') or a config key ('data.token_dtype'); a key gets "valid
+    values", since the plural of a key is not a word.
+    """
     valid = sorted(choices)
+    what = f"values of {kind}" if "." in kind else plural(kind)
     return ConfigError(
-        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {kind}s: {', '.join(valid)}."
+        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {what}: {', '.join(valid)}."
     )

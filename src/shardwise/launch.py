@@ -14,6 +14,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardwise.errors import ConfigError
+
+MAX_NODES = 4096
+MAX_NPROC = 4096
+MAX_RESTARTS = 1000
+
 
 @dataclass
 class LaunchSpec:
@@ -23,6 +29,34 @@ class LaunchSpec:
     rdzv_endpoint: str = ""  # "host:port" for multi-node; empty means --standalone
     max_restarts: int = 0
     run_id: str = ""
+
+
+def check_launch_flags(nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: str,
+                       max_restarts: int) -> None:
+    """Raise ConfigError for launch flags that cannot work (before anything starts, never a hang).
+
+    ``--nnodes > 1`` needs ``--rdzv-endpoint HOST:PORT`` (without one every node would wait for
+    the others on its own localhost forever), and ``--node-rank`` must lie in ``[0, nnodes)``.
+    """
+    if nproc is not None and not 1 <= nproc <= MAX_NPROC:
+        raise ConfigError(f"--nproc must be at least 1 (and at most {MAX_NPROC}), got {nproc}.")
+    if not 1 <= nnodes <= MAX_NODES:
+        raise ConfigError(f"--nnodes must be at least 1 (and at most {MAX_NODES}), got {nnodes}.")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank must be between 0 and --nnodes - 1 = {nnodes - 1}, got {node_rank}. "
+                          "Give each node its own rank: 0 on the first, 1 on the second, ...")
+    if not 0 <= max_restarts <= MAX_RESTARTS:
+        raise ConfigError(f"--max-restarts must be between 0 and {MAX_RESTARTS}, got {max_restarts}.")
+    if rdzv_endpoint:
+        host, sep, port = rdzv_endpoint.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535 \
+                or not host.isprintable() or " " in host:
+            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (e.g. node0:29500, port 1-65535), "
+                              f"got {rdzv_endpoint!r}.")
+    elif nnodes > 1:
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first "
+                          "node (the same on every node), e.g. --rdzv-endpoint node0:29500; without it "
+                          "each node would wait for the others on its own localhost.")
 
 
 def torchrun_args(spec: LaunchSpec) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardwise.config import replace_in
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.layout import Layout, resolve_layout
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     if workload is None:
         # Building the datasets reports a missing or malformed data file here, once.
         workload = build_workload(cfg.model, cfg.data, cfg.lora)
-        meta = meta_model(workload)
+        meta = meta_model(workload, builtin=cfg.model.kind != "custom")
     if meta is not None:
         pretrained_tensors = getattr(meta, "pretrained_tensors", None)
         if pretrained_tensors is not None:
@@ -92,8 +92,14 @@ def check_observability(cfg: RunConfig, world_size: int) -> None:
                           f"(0..{world_size - 1}); list ranks inside it, or [] for all.")
 
 
-def meta_model(workload: Workload) -> nn.Module | None:
-    """The workload's model on the meta device (allocates nothing), or None if it cannot be built there."""
+def meta_model(workload: Workload, builtin: bool = False) -> nn.Module | None:
+    """The workload's model on the meta device (allocates nothing), or None if it cannot be built there.
+
+    A built-in model (gpt, cnn, hf) always builds on meta, so a failure there is a bad
+    ``model.overrides`` value, reported as a ConfigError before any rank starts; so is a TypeError
+    from a user factory (overrides it does not take). Otherwise a user factory may legitimately
+    need real tensors (it fills weights from numpy), so it only returns None.
+    """
     import torch
 
     try:
@@ -101,5 +107,10 @@ def meta_model(workload: Workload) -> nn.Module | None:
             return workload.build_model()
     except ShardwiseError:
         raise
-    except Exception:  # noqa: BLE001 - a user factory that cannot build on meta
-        return None  # e.g. it fills weights from numpy
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        # A TypeError is a call that does not fit (an override the factory's **kwargs pass on to
+        # a constructor that does not take it), not a factory that needs real tensors.
+        if builtin or isinstance(e, TypeError):
+            raise ConfigError(f"cannot build the model with these model.overrides: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''}. Check the values.") from None
+        return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -272,10 +273,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.config import load_config, replace_in
     from shardwise.preflight import check_run
 
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}.")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    if not 1 <= args.nproc <= 4096:
+        raise ConfigError(f"--nproc must be at least 1 (and at most 4096), got {args.nproc}.")
+    if not 1 <= args.steps <= 10**6:
+        raise ConfigError(f"--steps must be at least 1 (and at most 1000000), got {args.steps}.")
+    for flag, tol in (("--loss-tol", args.loss_tol), ("--param-tol", args.param_tol)):
+        if tol is not None and not (math.isfinite(tol) and tol >= 0):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
     cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
@@ -286,7 +290,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         print(dry_run_report(ResolvedRun(cfg, checked, args.nproc, 1, out), what="verify"))
         return 0
-    report = verify(cfg, args.nproc, args.steps, out, loss_tol=args.loss_tol, param_tol=args.param_tol)
+    from shardwise.runtime.identity import new_launch_id
+    from shardwise.runtime.rundir import holds_run, lock_run_dir
+
+    # The verify folder is verify's own (rewritten by every verify into it), held for the job.
+    lock = lock_run_dir(out, new_launch_id(), "shardwise verify")
+    try:
+        if holds_run(lock.run_dir):
+            raise ConfigError(f"{lock.run_dir} is a training run's directory; verify writes its own runs "
+                              "and verify.json: choose another --out.")
+        report = verify(cfg, args.nproc, args.steps, lock.run_dir, loss_tol=args.loss_tol,
+                        param_tol=args.param_tol)
+    finally:
+        lock.release()
     print(report.table())
     return 0 if report.passed else 1
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardwise.config import DataConfig, LoraConfig, ModelConfig
-from shardwise.errors import ConfigError, unknown_choice
+from shardwise.config import DataConfig, LoraConfig, ModelConfig, Rule, check_value
+from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 
 MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
 DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "custom")
@@ -61,21 +63,54 @@ def import_factory(spec: str, key: str) -> Callable[..., Any]:
     return fn
 
 
+def check_call(fn: Callable[..., Any], kwargs: dict[str, Any], key: str, spec: str) -> None:
+    """ConfigError unless ``fn(**kwargs)`` fits ``fn``'s signature (checked before any rank starts)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the call itself will tell
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{key} {kwargs} do not fit {spec}{signature}: {e}. Pass only the keyword "
+                          "arguments it takes.") from None
+
+
+def _module_from(factory: Callable[..., Any], kwargs: dict[str, Any], spec: str) -> nn.Module:
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory {spec!r} returned a {type(model).__name__}, not a torch.nn.Module; "
+                          "it must build and return the model.")
+    return model
+
+
+# The GPT's options: types from GPTConfig, bounds here (far beyond any trainable size; a typo such
+# as an extra zero or a sign is an error before any rank starts).
+GPT_OVERRIDE_RULES = {
+    "vocab_size": Rule(gt=0, le=2**22), "block_size": Rule(gt=0, le=2**20), "n_layer": Rule(gt=0, le=1024),
+    "n_head": Rule(gt=0, le=1024), "n_embd": Rule(gt=0, le=2**16), "dropout": Rule(ge=0.0, lt=1.0),
+}
+
+
 def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
     from shardwise.models.gpt import GPT_PRESETS
 
     if mc.preset not in GPT_PRESETS:
         raise unknown_choice("GPT preset", mc.preset, GPT_PRESETS)
     base = GPT_PRESETS[mc.preset]
-    valid = {f.name for f in dataclasses.fields(base)}
-    for key in mc.overrides:
-        if key not in valid:
-            from shardwise.errors import did_you_mean
-
-            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, valid)} "
-                              f"Valid: {', '.join(sorted(valid))}.")
+    types = typing.get_type_hints(type(base))
+    values = {}
+    for key, value in mc.overrides.items():
+        if key not in types:
+            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)} "
+                              f"Valid: {', '.join(sorted(types))}.")
+        values[key] = check_value(f"model.overrides.{key}", value, types[key], GPT_OVERRIDE_RULES.get(key))
     # The data's vocabulary, unless model.overrides.vocab_size sets it (e.g. nanoGPT's padded 50304).
-    return dataclasses.replace(base, **{"vocab_size": vocab_size, **mc.overrides})
+    cfg = dataclasses.replace(base, **{"vocab_size": vocab_size, **values})
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"model.overrides: n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head} "
+                          "(each head gets n_embd / n_head dimensions).")
+    return cfg
 
 
 def block_size_of(mc: ModelConfig) -> int:
@@ -129,8 +164,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
             raise ConfigError("data.kind = 'custom' needs data.factory = 'module:function' returning "
                               "(train_dataset, val_dataset).")
         out = import_factory(dc.factory, "data.factory")()
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ConfigError(f"data.factory {dc.factory!r} must return (train_dataset, val_dataset).")
+        if not (isinstance(out, tuple) and len(out) == 2
+                and all(hasattr(d, "__len__") and hasattr(d, "__getitem__") for d in out)):
+            raise ConfigError(f"data.factory {dc.factory!r} must return (train_dataset, val_dataset), two "
+                              f"map-style datasets (with __len__ and __getitem__); it returned "
+                              f"{type(out).__name__}.")
         train, val = out
 
     family, flops, sample = "", None, None
@@ -156,7 +194,8 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
             raise ConfigError("model.kind = 'custom' needs model.factory = 'module:function' returning "
                               "an nn.Module.")
         factory = import_factory(mc.factory, "model.factory")
-        build = lambda: factory(**mc.overrides)  # noqa: E731
+        check_call(factory, mc.overrides, "model.overrides", mc.factory)
+        build = lambda: _module_from(factory, mc.overrides, mc.factory)  # noqa: E731
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
                     sample_text=sample, notes=notes)

@@ -63,7 +63,13 @@ def load_shakespeare(path: str, block_size: int, val_fraction: float
             f"data file {str(file)!r} does not exist. Set data.path to a text file, or leave it "
             "empty to use the Tiny Shakespeare copy bundled with shardwise."
         )
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data file {str(file)!r} is not UTF-8 text (byte at position {e.start}); "
+                          "data.kind = 'shakespeare' trains on a plain text file.") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read data file {str(file)!r}: {e.strerror or e}.") from None
     tok = CharTokenizer(text)
     ids = torch.tensor(tok.encode(text), dtype=torch.long)
     cut = int(len(ids) * (1 - val_fraction))

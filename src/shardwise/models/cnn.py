@@ -44,8 +44,8 @@ def cnn_config(**overrides: Any) -> CNNConfig:
         if key not in valid:
             raise ConfigError(f"unknown model.overrides key {key!r} for the CNN.{did_you_mean(key, valid)} "
                               f"Valid: {', '.join(valid)}.")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"model.overrides.{key} must be a positive integer, got {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 2**16:
+            raise ConfigError(f"model.overrides.{key} must be a positive integer (at most 65536), got {value!r}.")
     cfg = CNNConfig(**overrides)
     if cfg.channels % cfg.groups:
         raise ConfigError(f"model.overrides: groups={cfg.groups} must divide channels={cfg.channels} "

@@ -52,6 +52,31 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def check_rng_state(state: Any) -> None:
+    """Raise ValueError unless ``state`` (read from a checkpoint) is what ``capture_rng_state`` writes.
+
+    Each stream is set on a throwaway generator, so a damaged or forged file is refused before any
+    of this process's streams change.
+    """
+    try:
+        py = state["python"]
+        random.Random().setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        torch.Generator().set_state(_decode(state["torch_cpu"]))
+        if "numpy" in state:
+            with contextlib.suppress(ImportError):
+                import numpy as np
+
+                n = state["numpy"]
+                np.random.RandomState().set_state((n["kind"], np.array(n["keys"], dtype=np.uint32),
+                                                   n["pos"], n["has_gauss"], n["cached"]))
+        saved = state.get("accelerator")
+        if saved is not None:
+            for s in saved["states"]:
+                _decode(s)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError, AttributeError) as e:
+        raise ValueError(f"not a saved RNG state ({type(e).__name__}: {e})") from None
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Set every RNG stream captured by ``capture_rng_state`` back to the saved point."""
     py = state["python"]

@@ -45,6 +45,7 @@ from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.device import select_device
+from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.scheduler import prepare_scheduler, restore_scheduler, scheduler_state
@@ -79,7 +80,7 @@ class Session:
     def __init__(self, strategy: str = "auto", *, precision: str | None = None,
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
-                 collective_timeout_s: float = 1800.0) -> None:
+                 collective_timeout_s: float = 1800.0, launch_id: str | None = None) -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -89,6 +90,9 @@ class Session:
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
+        # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
+        # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
+        self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
@@ -120,6 +124,10 @@ class Session:
         # Whether checkpoints leave out frozen parameters (LoRA on a pretrained model: the base
         # comes from model.pretrained every time and is never saved again).
         self.trainable_only = False
+        # The last step's pre-clip gradient norm as a device tensor (reading it needs no host
+        # sync until someone asks), and whether that step was skipped as non-finite.
+        self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -150,6 +158,11 @@ class Session:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        """True under fp16-mixed: a loss scaler skips steps whose gradients overflow (by design)."""
+        return self._scaler is not None
 
     def _build_mesh(self) -> Any:
         if self.world_size == 1 and not dist.is_initialized():
@@ -399,12 +412,33 @@ class Session:
         # The strategy knows which ranks hold the other parts of the norm (TP shards, PP stages).
         return self.strategy.clip_grad_norm(self.model, max_norm, self.ctx)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0) -> float:
-        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm."""
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0, *,
+             skip_nonfinite: bool = False, loss: torch.Tensor | None = None) -> float:
+        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm.
+
+        ``skip_nonfinite=True``: when the gradient norm (or ``loss``, if given) is NaN/inf on any
+        rank, the optimizer step is skipped on every rank (``last_step_skipped``) and the gradients
+        are dropped. That decision costs one tiny all-reduce and a host sync per step. Under
+        fp16-mixed the loss scaler already skips steps with non-finite gradients (and lowers its
+        scale), so only ``loss`` decides there.
+        """
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
-        norm = float(self.clip_grad_norm(max_norm))
-        if self._scaler is not None:
+        norm_t = self.clip_grad_norm(max_norm)
+        self.last_grad_norm = (norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t).detach()
+        self.last_step_skipped = False
+        if skip_nonfinite:
+            bad = torch.zeros((), device=self.device)
+            if self._scaler is None:
+                bad = bad + (~torch.isfinite(self.last_grad_norm.to(self.device))).float()
+            if loss is not None:
+                bad = bad + (~torch.isfinite(loss.detach().to(self.device))).float()
+            # Every rank must take the same branch: ZeRO-1's step is a collective.
+            self.last_step_skipped = bool(self.all_reduce(bad, op="max") > 0)
+        if self.last_step_skipped:
+            if self._scaler is not None:
+                self._scaler.update()  # the unscale above is consumed; the next step unscales anew
+        elif self._scaler is not None:
             self._scaler.step(optimizer)
             self._scaler.update()
         else:
@@ -414,7 +448,7 @@ class Session:
         optimizer.zero_grad(set_to_none=True)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return norm
+        return float(norm_t)
 
     # ------------------------------------------------------------------ data
     def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool | None = None,
@@ -525,7 +559,7 @@ class Session:
                               world_size=self.world_size, state=state, loader=loader,
                               scaler=self._scaler, scheduler_state=sched_state, keep_last=keep_last,
                               on_written=on_written, trainable_only=self.trainable_only,
-                              export=self._export_info(model))
+                              export=self._export_info(model), job=self.launch_id)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return out
@@ -568,7 +602,8 @@ class Session:
         from shardwise.runtime.watchdog import Watchdog
 
         if self._watchdog is None:
-            self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt).start()
+            self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt,
+                                      launch_id=self.launch_id).start()
         return self._watchdog
 
     def heartbeat(self, step: int | None = None, phase: str | None = None) -> None:

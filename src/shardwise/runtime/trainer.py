@@ -6,6 +6,7 @@ AdamW with warmup + cosine decay, gradient clipping, gradient accumulation, peri
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -21,16 +22,25 @@ import torch
 from torch import nn
 
 from shardwise.config import RunConfig, TrainConfig
+from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.observe.hooks import RunHooks
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_run
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
-from shardwise.runtime.checkpoint import latest_checkpoint, truncate_metrics
+from shardwise.runtime.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    missing_latest_error,
+    truncate_metrics,
+)
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
 from shardwise.workloads import Workload, build_workload
+
+# "No non-finite step yet" in the device-side first-bad-step tensor (a min-reduce picks the first).
+_NO_BAD_STEP = 2**62
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -83,18 +93,25 @@ class Trainer:
     """Runs one training job on this rank; ``run()`` returns the summary dict."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path | None = None,
-                 session: Session | None = None, attempt: int = 0) -> None:
+                 session: Session | None = None, attempt: int = 0, launch_id: str | None = None) -> None:
         self.cfg = cfg
         # Elastic attempt (torchrun's restart count): a restarted attempt resumes by itself.
         self.attempt = attempt
         self.resumed_from: str | None = None
         self._stop_signal: int | None = None
         self._saved_step = -1
+        self._watchdog: Any = None
         t = cfg.train
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
-            collective_timeout_s=cfg.watchdog.collective_timeout_s,
+            collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
         )
+        # Non-finite losses/gradients. "stop": the first bad step is kept in a device tensor,
+        # updated every step without a host sync, and read at logging steps, before every save
+        # and at the end. "skip": the session decides per step (one sync) and this counts.
+        self._first_bad_step = torch.full((), _NO_BAD_STEP, dtype=torch.int64, device=self.session.device)
+        self.skipped_steps = 0
+        self._skips_in_a_row = 0
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
@@ -134,14 +151,92 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.state.step, t)
         loss_sum = torch.zeros((), device=s.device)
+        loss_fn = self._loss_fn()
         for _ in range(t.grad_accum_steps):
             x, y = next(batches)
             x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
-            loss = s.forward_backward(self.model, x, y, self.workload.loss_fn)
+            loss = s.forward_backward(self.model, x, y, loss_fn)
             loss_sum += loss.float()
-        grad_norm = s.step(self.optimizer, max_norm=t.grad_clip)
+        skip = t.nonfinite == "skip"
+        grad_norm = s.step(self.optimizer, max_norm=t.grad_clip, skip_nonfinite=skip, loss=loss_sum)
         self.state.step += 1
+        if skip:
+            self._count_skip(s.last_step_skipped)
+        else:
+            self._flag_nonfinite(loss_sum, s.last_grad_norm)
         return float(loss_sum) / t.grad_accum_steps, grad_norm
+
+    # -------------------------------------------------------------- non-finite losses
+    def _flag_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """Record the first step whose loss or gradient norm is NaN/inf, on the device (no sync)."""
+        bad = ~torch.isfinite(loss)
+        if grad_norm is not None and not self.session.uses_loss_scaling:
+            # Under fp16-mixed an overflowing gradient is the loss scaler's to skip, not an error.
+            bad = bad | ~torch.isfinite(grad_norm.to(bad.device))
+        first = self._first_bad_step
+        self._first_bad_step = torch.where(bad & (first == _NO_BAD_STEP), self.state.step, first)
+
+    def check_finite(self) -> None:
+        """Raise NonFiniteError (on every rank) if any step so far had a non-finite loss or gradient norm.
+
+        A collective: one tiny min-reduce, and the only host sync of the non-finite check.
+        """
+        if self.cfg.train.nonfinite != "stop":
+            return
+        first = int(self.session.all_reduce(self._first_bad_step, op="min"))
+        if first != _NO_BAD_STEP:
+            raise self._nonfinite_error(f"the loss or gradient norm became non-finite (NaN/inf) at step "
+                                        f"{first}", 'train.nonfinite = "stop"')
+
+    def _count_skip(self, skipped: bool) -> None:
+        st, t = self.state, self.cfg.train
+        if not skipped:
+            self._skips_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        self.session.log(f"step {st.step}: non-finite loss or gradient norm; optimizer step skipped "
+                         f"({self._skips_in_a_row} in a row, {self.skipped_steps} in all)")
+        if self._skips_in_a_row >= t.max_nonfinite_skips:
+            raise self._nonfinite_error(
+                f"{self._skips_in_a_row} optimizer steps in a row had a non-finite (NaN/inf) loss or "
+                f"gradient norm (steps {st.step - self._skips_in_a_row + 1}-{st.step}); skipping more "
+                "will not recover", f"train.max_nonfinite_skips = {t.max_nonfinite_skips}")
+
+    def _check_weights_finite(self) -> None:
+        """Raise NonFiniteError (on every rank) when any parameter holds NaN/inf: never save such weights."""
+        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+                 for p in self.model.parameters()]
+        ok = torch.stack(flags).all().float() if flags else torch.ones((), device=self.session.device)
+        if self.session.all_reduce(ok, op="min") < 1:
+            raise self._nonfinite_error(f"the model's weights hold NaN/inf values after step {self.state.step}",
+                                        "refusing to save them")
+
+    def _nonfinite_error(self, what: str, why: str) -> NonFiniteError:
+        latest = None
+        if self.session.is_main:
+            with contextlib.suppress(CheckpointError):  # a damaged pointer: say nothing about it
+                latest = latest_checkpoint(self.run_dir.checkpoints)
+        if latest is not None:
+            where = (f"The last good checkpoint is {latest}; after changing the settings, continue "
+                     f"from it with: shardwise train --out {self.run_dir.path} --resume.")
+        elif self.resumed_from:
+            where = f"No checkpoint was saved in this run; it started from {self.resumed_from}."
+        else:
+            where = "No checkpoint was saved before it."
+        return NonFiniteError(
+            f"training stopped: {what} ({why}). {where} Usual causes: a learning rate too high for "
+            "this model (train.lr), too short a warmup (train.warmup_steps), no gradient clipping "
+            "(train.grad_clip = 0) or fp16 overflow; train.nonfinite = \"skip\" skips such steps instead."
+        )
+
+    def _loss_fn(self) -> Any:
+        d, loss_fn = self.cfg.debug, self.workload.loss_fn
+        step = self.state.step + 1  # the step being computed
+        if (d.nan_loss_at_step and d.nan_loss_at_step <= step < d.nan_loss_at_step + d.nan_loss_steps
+                and d.nan_loss_rank in (-1, self.session.rank) and (self.attempt == 0 or d.every_attempt)):
+            return lambda output, target: loss_fn(output, target) * float("nan")
+        return loss_fn
 
     @property
     def global_batch(self) -> int:
@@ -157,8 +252,8 @@ class Trainer:
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
               f"global_batch={self.global_batch} "
               f"steps={t.steps} out={self.run_dir.path}\n{s.layout.describe()}")
-        watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
-        watchdog.beat(st.step, "resume")
+        self._watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
+        self._watchdog.beat(st.step, "resume")
         old_handlers = self._install_signal_handlers()
         try:
             rng = self.resume()
@@ -167,7 +262,7 @@ class Trainer:
             return self._loop(tokens_per_step, rng)
         finally:
             self.hooks.end(None, failed=True)  # a no-op after the loop's own end(summary)
-            watchdog.stop()
+            self._watchdog.stop()
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
 
@@ -193,12 +288,14 @@ class Trainer:
             st.tokens_per_s.append(tokens_per_step / step_time)
             last = st.step == t.steps
             if st.step % t.log_every == 0 or last or st.step == 1:
+                self.check_finite()
                 st.last_train_loss = s.all_reduce(local_loss, op="mean")
-                self.run_dir.log_metrics({
-                    "step": st.step, "loss": st.last_train_loss, "lr": lr_at(st.step - 1, t),
-                    "grad_norm": grad_norm, "step_time_s": step_time,
-                    "tokens_per_s": tokens_per_step / step_time,
-                })
+                record = {"step": st.step, "loss": st.last_train_loss, "lr": lr_at(st.step - 1, t),
+                          "grad_norm": grad_norm, "step_time_s": step_time,
+                          "tokens_per_s": tokens_per_step / step_time}
+                if t.nonfinite == "skip":
+                    record["skipped_steps"] = self.skipped_steps
+                self.run_dir.log_metrics(record)
             if (t.eval_every and st.step % t.eval_every == 0) or last:
                 st.last_val_loss = evaluate(s, self.model, self.workload, self.val_loader,
                                             t.eval_batches)
@@ -217,6 +314,7 @@ class Trainer:
                 self.save_checkpoint()
             self._inject_faults()
         bar.close()
+        self.check_finite()
         if not interrupted and ck.at_end and self._saved_step != st.step:
             self.save_checkpoint()
         s.heartbeat(st.step, "finish")
@@ -239,6 +337,9 @@ class Trainer:
         s.log("planner prediction vs measured (MiB)\n" + format_comparison(rows) + peak_note)
         self.run_dir.write_summary(summary)
         self.hooks.end(summary)
+        # Training and the final save are done: nothing left can hang the job's work, and a long
+        # text sample must not be reported as a hang.
+        self._watchdog.stop()
         s.print(f"final train loss {summary['final_train_loss']:.4f} | "
                 f"final val loss {summary['final_val_loss']:.4f} | "
                 f"{summary['tokens_per_s']:.0f} tokens/s | {wall_s:.1f}s")
@@ -252,9 +353,14 @@ class Trainer:
         resume, own = self.cfg.checkpoint.resume, self.run_dir.checkpoints
         if self.attempt > 0 or resume == "auto":
             # Elastic restart: continue from this run's newest checkpoint; before the first one
-            # was written, from the user's resume source, or else from scratch.
+            # was written, from the user's resume source, or else from scratch. Never from
+            # scratch over complete checkpoints whose 'latest' pointer is missing.
             if latest_checkpoint(own) is not None:
                 return str(own)
+            complete = complete_checkpoints(own)
+            if complete:
+                who = f"elastic restart {self.attempt}" if self.attempt > 0 else 'checkpoint.resume = "auto"'
+                raise missing_latest_error(own, complete, who)
             return resume if resume not in ("", "auto", "latest") else None
         if resume == "latest":
             return str(own)  # load raises a clear error when there is none
@@ -300,6 +406,9 @@ class Trainer:
                  "global_batch": self.global_batch,
                  "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
                            "overrides": self.cfg.model.overrides}}
+        # A checkpoint never holds NaN weights: check the flag and the weights first.
+        self.check_finite()
+        self._check_weights_finite()
         t0 = time.perf_counter()
         path = s.save(self.run_dir.checkpoints, self.model, self.optimizer, step=st.step,
                       state=state, loader=self.train_loader, keep_last=self.cfg.checkpoint.keep_last,
@@ -350,7 +459,7 @@ class Trainer:
             "final_train_loss": st.last_train_loss, "final_val_loss": st.last_val_loss,
             "tokens_per_s": statistics.median(st.tokens_per_s) if st.tokens_per_s else 0.0,
             "step_time_s": statistics.median(st.step_times_s) if st.step_times_s else 0.0,
-            "wall_s": wall_s, "device": str(s.device),
+            "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
         }
 
     def sample(self) -> str | None:
@@ -368,9 +477,10 @@ class Trainer:
         return text
 
 
-def train(cfg: RunConfig, out_dir: str | Path | None = None, attempt: int = 0) -> dict[str, Any]:
+def train(cfg: RunConfig, out_dir: str | Path | None = None, attempt: int = 0,
+          launch_id: str | None = None) -> dict[str, Any]:
     """Train ``cfg`` on this rank (inside torchrun, or as one process) and return the summary."""
-    trainer = Trainer(cfg, out_dir, attempt=attempt)
+    trainer = Trainer(cfg, out_dir, attempt=attempt, launch_id=launch_id)
     try:
         return trainer.run()
     finally:

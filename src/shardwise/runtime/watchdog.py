@@ -3,15 +3,19 @@
 Each rank runs a ``Watchdog``. The training loop calls ``beat(step, phase)`` whenever it makes
 progress (every optimizer step, every eval batch, around checkpoints); that only stores two
 values. A daemon thread checks the time since the last beat and, every poll, writes
-``<run>/heartbeat/rank{r}.json`` (pid, host, step, phase, seconds since progress) for people and
-tools watching the run. When the time since progress exceeds ``timeout_s`` the thread:
+``<run>/heartbeat/rank{r}.json`` (pid, its start time, host, launch id, attempt, step, phase,
+seconds since progress) for people and tools watching the run. When the time since progress
+exceeds ``timeout_s`` the thread:
 
 1. writes this rank's Python stack (every thread) to ``<run>/stacks/rank{r}.txt``;
 2. writes ``<run>/hang-rank{r}.json``: the step, the phase and the innermost frame of the main
    thread, i.e. where this rank is stuck (``shardwise train`` prints these);
-3. sends SIGUSR1 to the other ranks on this host (pids from their heartbeat files), whose
-   faulthandler then dumps their stacks into their own ``stacks/rank{r}.txt`` even when they are
-   blocked inside a collective;
+3. sends SIGUSR1 to the other ranks of this launch on this host, whose faulthandler then dumps
+   their stacks into their own ``stacks/rank{r}.txt`` even when they are blocked inside a
+   collective. A heartbeat file is only a claim: a PID is signalled only when its heartbeat has
+   this rank's launch id and attempt AND the process with that PID has the start time the
+   heartbeat recorded (so a stale heartbeat, a reused PID or a planted file never gets an
+   unrelated process signalled; where start times cannot be read, nobody is signalled);
 4. exits the process with ``HANG_EXIT_CODE``. torchrun then stops the other ranks, so the job
    ends non-zero instead of hanging (with ``--max-restarts`` it is restarted from the latest
    checkpoint, and ends non-zero once the restarts are used up).
@@ -33,7 +37,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -42,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.fsutil import atomic_write_json
+from shardwise.runtime.identity import launch_id as launch_id_from_env
+from shardwise.runtime.identity import process_record, same_process_alive
 
 HANG_EXIT_CODE = 3
 
@@ -50,11 +55,14 @@ class Watchdog:
     """One rank's hang detector; ``start()`` arms it, ``beat()`` records progress, ``stop()`` disarms."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, timeout_s: float,
-                 attempt: int = 0, poll_s: float | None = None, grace_s: float | None = None) -> None:
+                 attempt: int = 0, poll_s: float | None = None, grace_s: float | None = None,
+                 launch_id: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self.attempt = attempt
+        self.launch_id = launch_id or launch_id_from_env()
+        self._me = process_record()  # host, pid, start time, boot id: computed once
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, self.timeout_s / 20))
         self.grace_s = grace_s if grace_s is not None else max(5.0, 0.25 * self.timeout_s)
         self.step: int | None = None
@@ -126,7 +134,7 @@ class Watchdog:
         # A full or vanished disk must not kill training; the deadline still applies.
         with contextlib.suppress(OSError):
             atomic_write_json(self.heartbeat_path, {
-                "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "rank": self.rank, **self._me, "launch_id": self.launch_id,
                 "attempt": self.attempt, "step": self.step, "phase": self.phase,
                 "seconds_since_progress": round(stale_s, 3), "time": time.time(),
             })
@@ -162,16 +170,32 @@ class Watchdog:
     def _signal_peers(self) -> None:
         if not hasattr(signal, "SIGUSR1"):
             return
-        host = socket.gethostname()
-        for beat in self.heartbeat_path.parent.glob("rank*.json"):
+        for pid in self.peer_pids():
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.kill(pid, signal.SIGUSR1)
+
+    def peer_pids(self) -> list[int]:
+        """PIDs of the other ranks of this launch and attempt on this host, each proven alive and the same process.
+
+        A heartbeat counts only with this launch id and attempt, on this host, and when the process
+        with its PID has the start time it recorded (``identity.same_process_alive`` is True).
+        """
+        pids = []
+        for beat in sorted(self.heartbeat_path.parent.glob("rank*.json")):
             try:
                 info = json.loads(beat.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
+            except (OSError, ValueError):
                 continue
-            if info.get("rank") != self.rank and info.get("host") == host \
-                    and info.get("attempt") == self.attempt:
-                with contextlib.suppress(OSError, ValueError):  # already gone
-                    os.kill(int(info["pid"]), signal.SIGUSR1)
+            if not isinstance(info, dict) or info.get("rank") == self.rank:
+                continue
+            if info.get("launch_id") != self.launch_id or info.get("attempt") != self.attempt:
+                continue
+            pid = info.get("pid")
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
+                continue
+            if same_process_alive(info) is True:
+                pids.append(pid)
+        return pids
 
 
 def hang_reports(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -187,14 +211,15 @@ def hang_reports(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 def describe_hang(run_dir: str | os.PathLike) -> str | None:
     """One paragraph naming the stuck ranks, their step/phase and where; None when no hang."""
-    reports = hang_reports(run_dir)
+    reports = [r for r in hang_reports(run_dir) if isinstance(r, dict) and isinstance(r.get("attempt", 0), int)]
     if not reports:
         return None
     latest = max(r.get("attempt", 0) for r in reports)
     reports = [r for r in reports if r.get("attempt", 0) == latest]
-    parts = [f"rank {r['rank']} at step {r['step']} ({r['phase']}) in {r['where']}" for r in reports]
-    timeout = reports[0]["timeout_s"]
-    return (f"training hung: no progress for more than {timeout:g}s (watchdog.timeout_s) on "
+    parts = [f"rank {r.get('rank')} at step {r.get('step')} ({r.get('phase')}) in {r.get('where')}" for r in reports]
+    timeout = reports[0].get("timeout_s")
+    timeout = f"{timeout:g}" if isinstance(timeout, (int, float)) else "?"
+    return (f"training hung: no progress for more than {timeout}s (watchdog.timeout_s) on "
             f"{'; '.join(parts)}. Every rank's Python stack is in {Path(run_dir) / 'stacks'}. "
             "A rank waiting inside a collective is usually waiting for another rank that never "
             "reached it; set watchdog.debug_collectives=true to have PyTorch check collectives.")

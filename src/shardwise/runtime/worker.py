@@ -7,12 +7,12 @@ plain ``torchrun --nproc-per-node=N -m shardwise.runtime.worker gpt-shakespeare`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
+from shardwise.fsutil import atomic_write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,23 +43,46 @@ def main(argv: list[str] | None = None) -> int:
         args.out = out
         # torchrun's restart count: a restarted attempt resumes from the run's latest checkpoint.
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        train(cfg, out, attempt=attempt)
+        lock = _claim_without_launcher(cfg, out, rank)
+        try:
+            train(cfg, out, attempt=attempt)
+        finally:
+            if lock is not None:
+                lock.release()
         return 0
     except ShardwiseError as e:
-        _report_failure(args.out, rank, str(e))
+        _report_failure(args.out, rank, str(e), e.exit_code)
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return e.exit_code
 
 
-def _report_failure(out: str | None, rank: int, message: str) -> None:
-    # The launcher reads this to print one clear paragraph instead of torchrun's tracebacks.
+def _claim_without_launcher(cfg: object, out: str, rank: int) -> object | None:
+    """Under plain torchrun (no `shardwise train` holding the run directory), rank 0 claims it.
+
+    The job id is the derived launch id, the same for every attempt of this torchrun, so a
+    restarted rank 0 takes over its own job's lock (its holder, the previous attempt's rank 0,
+    is gone); a fresh run into another run's directory is refused as from the CLI. Returns the
+    lock to release, or None.
+    """
+    from shardwise.runtime.identity import LAUNCH_ID_ENV, launch_id
+    from shardwise.runtime.rundir import claim_run_dir
+
+    if rank != 0 or os.environ.get(LAUNCH_ID_ENV):
+        return None  # the launcher holds it (or rank 0 does)
+    return claim_run_dir(out, cfg, job_id=launch_id())  # type: ignore[arg-type]
+
+
+def _report_failure(out: str | None, rank: int, message: str, exit_code: int = 2) -> None:
+    # The launcher reads this to print one clear paragraph (and exit with this code) instead of
+    # torchrun's tracebacks.
     if not out:
         return
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"failure-rank{rank}.json").write_text(json.dumps({"rank": rank, "error": message}))
+        atomic_write_json(Path(out) / f"failure-rank{rank}.json",
+                          {"rank": rank, "error": message, "exit_code": exit_code})
     except OSError:
-        pass
+        pass  # a failure report that cannot be written must not hide the failure itself
 
 
 if __name__ == "__main__":

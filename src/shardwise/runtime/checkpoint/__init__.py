@@ -40,8 +40,10 @@ from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoi
 from shardwise.runtime.checkpoint.hf_export import export_hf, export_peft
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from shardwise.runtime.checkpoint.locate import (
+    checkpoint_job,
     complete_checkpoints,
     latest_checkpoint,
+    missing_latest_error,
     resolve_checkpoint,
     rotate,
 )
@@ -51,6 +53,7 @@ from shardwise.runtime.checkpoint.manifest import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    PARTIAL_OWNER,
     PARTIAL_PREFIX,
     body_checksum,
     fingerprint,
@@ -66,10 +69,10 @@ from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoa
 from shardwise.runtime.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_PREFIX", "LoadedCheckpoint",
-    "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "complete_checkpoints", "export_hf", "export_peft",
-    "export_weights",
-    "fingerprint", "inspect_checkpoint", "latest_checkpoint", "load_checkpoint", "preflight",
+    "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_OWNER", "PARTIAL_PREFIX",
+    "LoadedCheckpoint", "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "checkpoint_job",
+    "complete_checkpoints", "export_hf", "export_peft", "export_weights", "fingerprint", "inspect_checkpoint",
+    "latest_checkpoint", "load_checkpoint", "missing_latest_error", "preflight",
     "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "rotate",
     "save_checkpoint", "sha256_file", "shape_mismatch", "step_dir_name", "tensor_shapes", "truncate_metrics",
     "verify_files",

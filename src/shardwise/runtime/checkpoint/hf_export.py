@@ -84,6 +84,15 @@ class _Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path} was not trained from a Hugging Face model (model.kind = 'hf'), so it "
                 "has no Hugging Face config or names to export to. Use --format safetensors.")
+        # The manifest is checksummed but may come from someone else: its export fields are data
+        # with fixed types, never trusted to be well formed.
+        kinds = {"prefix": (str,), "config": (dict,), "lora": (dict, type(None)), "pretrained": (str, type(None))}
+        bad = [k for k, types in kinds.items() if not isinstance(info.get(k), types)]
+        if bad or not isinstance(info["config"].get("model_type"), str):
+            raise CheckpointError(
+                f"checkpoint {self.path} has a malformed 'export' entry in its manifest "
+                f"({', '.join(bad) or 'config.model_type'} missing or of the wrong type); it was not written by "
+                "shardwise's trainer. Use --format safetensors.")
         return info
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:

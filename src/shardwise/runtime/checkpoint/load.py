@@ -19,7 +19,9 @@ from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,
     corruption_error,
     incompatible_error,
+    open_regular,
     read_manifest,
+    removed_error,
     shape_mismatch,
     tensor_shapes,
     verify_files,
@@ -28,7 +30,7 @@ from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoa
 from shardwise.runtime.checkpoint.state import set_state_dicts, single_process_ok, state_dicts
 from shardwise.runtime.collective import barrier, distributed, first_error, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
-from shardwise.runtime.rng import restore_rng_state
+from shardwise.runtime.rng import check_rng_state, restore_rng_state
 
 
 @dataclass
@@ -73,14 +75,19 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     raise_on_every_rank(error, CheckpointError)
     assert manifest is not None
 
-    # Checksums: each rank verifies a disjoint share of the files; then every rank checks and
-    # safely unpickles the .metadata itself (as SafeFileSystemReader does again inside DCP).
+    # Checksums: each rank verifies a disjoint share of the files and records each file's
+    # identity; DCP then reads only files whose identity is unchanged (the very files verified).
+    # Every rank checks and safely unpickles the .metadata itself (as SafeFileSystemReader does
+    # again inside DCP, from the bytes it hashes).
     world = dist.get_world_size() if distributed() else 1
     names = sorted(manifest["files"])[rank::world]
-    problems = verify_files(path, manifest, names)
-    all_problems = [p for ps in gather(problems) for p in ps]
+    mine_ids: dict[str, list[int]] = {}
+    problems = verify_files(path, manifest, names, identities=mine_ids)
+    gathered = gather((problems, mine_ids))
+    all_problems = [p for ps, _ in gathered for p in ps]
+    identities = {k: v for _, ids in gathered for k, v in ids.items()}
     if all_problems:
-        raise corruption_error(path, all_problems)
+        raise removed_error(path) if not path.is_dir() else corruption_error(path, all_problems)
     saved_keys: set[str] = set()
     try:
         saved_keys = set(read_dcp_metadata(path, manifest).state_dict_metadata)
@@ -118,7 +125,8 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         kept = {k: v for k, v in optim_state.items()
                 if k.endswith(".initial_lr") and f"optim.{k}" not in saved_keys}
         payload["optim"] = {k: v for k, v in optim_state.items() if k not in kept}
-    reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"])
+    reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"], files=manifest["files"],
+                                  identities=identities)
     try:
         with single_process_ok():
             dcp.load(payload, storage_reader=reader, planner=SafeLoadPlanner(),
@@ -127,7 +135,7 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         raise
     except (Exception, dcp.api.CheckpointException) as e:
         # DCP gathers every rank's failure into one CheckpointException (a BaseException).
-        raise CheckpointError(f"could not read checkpoint {path}: {_dcp_failures(e)}") from None
+        raise dcp_error(path, e) from None
     if kept:
         payload["optim"].update(kept)
     set_state_dicts(model, optimizer if optim_state is not None else None, payload, trainable_only)
@@ -139,9 +147,16 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
             loader.load_state_dict(manifest["data"])
         except ValueError as e:
             raise CheckpointError(f"cannot continue the data order of {path}: {e}.") from None
-    rank_file = path / f"rng-rank{rank}.json"
-    if manifest["world_size"] == world_size and rank_file.is_file():
-        extra = json.loads(rank_file.read_text(encoding="utf-8"))
+    extra, extra0, error = None, None, None
+    try:
+        if manifest["world_size"] == world_size and f"rng-rank{rank}.json" in manifest["files"]:
+            extra = _read_rank_file(path, f"rng-rank{rank}.json")
+        elif scaler is not None and "rng-rank0.json" in manifest["files"]:
+            extra0 = _read_rank_file(path, "rng-rank0.json")
+    except CheckpointError as e:
+        error = str(e)
+    raise_on_every_rank(error, CheckpointError)
+    if extra is not None:
         loaded.rng = extra["rng"]
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
@@ -151,17 +166,35 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         loaded.notes.append(f"saved on {manifest['world_size']} ranks, loaded on {world_size}: "
                             "model, optimizer and data position are continued; per-rank RNG streams "
                             "(dropout) start afresh")
-        if scaler is not None:
-            rank0 = path / "rng-rank0.json"
-            extra0 = json.loads(rank0.read_text(encoding="utf-8")) if rank0.is_file() else {}
-            if extra0.get("scaler"):
-                scaler.load_state_dict(extra0["scaler"])
+        if scaler is not None and extra0 is not None and extra0.get("scaler"):
+            scaler.load_state_dict(extra0["scaler"])
     barrier()
     return loaded
 
 
-def _dcp_failures(e: BaseException) -> str:
+def _read_rank_file(path: Path, name: str) -> dict[str, Any]:
+    """A verified rng-rank<r>.json, checked to hold RNG streams (and scaler state) as shardwise writes them."""
+    fd = open_regular(path / name)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(1 << 24)
+    try:
+        extra = json.loads(raw.decode("utf-8"))
+        if not isinstance(extra, dict) or not isinstance(extra.get("scaler"), (dict, type(None))):
+            raise ValueError("not an object with 'rng' and 'scaler'")
+        check_rng_state(extra.get("rng"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path / name} does not hold saved RNG streams ({e}); the checkpoint "
+                              "was altered or is damaged.") from None
+    return extra
+
+
+def dcp_error(path: Path, e: BaseException) -> CheckpointError:
+    """One CheckpointError for a failed ``dcp.load``: a rank's own CheckpointError as it is, else the failures."""
     failures = getattr(e, "failures", None)
     if not failures:
-        return f"{type(e).__name__}: {e}"
-    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures.items())
+        return CheckpointError(f"could not read checkpoint {path}: {type(e).__name__}: {e}")
+    for exc, _ in failures.values():
+        if isinstance(exc, CheckpointError):
+            return CheckpointError(str(exc))
+    detail = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures.items())
+    return CheckpointError(f"could not read checkpoint {path}: {detail}")

@@ -1,22 +1,50 @@
-"""Finding checkpoints under a checkpoints root: complete ones, ``latest``, and rotation."""
+"""Finding checkpoints under a checkpoints root: complete ones, ``latest``, and rotation.
+
+Rotation only ever deletes what this job wrote: complete checkpoints whose manifest names this
+job, and partial directories of this job or of a writer that is provably gone. Checkpoints of
+earlier jobs (a run continued with ``--resume``) and partial directories a live job is writing
+are left alone.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 from shardwise.errors import CheckpointError
-from shardwise.runtime.checkpoint.manifest import LATEST, MANIFEST, PARTIAL_PREFIX
+from shardwise.runtime.checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    PARTIAL_OWNER,
+    PARTIAL_PREFIX,
+    is_step_dir_name,
+)
+from shardwise.runtime.identity import same_process_alive
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete (manifest-bearing) step-N checkpoints under ``root``, oldest first."""
+    """The complete (manifest-bearing) step-N checkpoints under ``root``, oldest first.
+
+    Symbolic links are not checkpoints of this root: a link to a checkpoint elsewhere is skipped.
+    """
+    root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
+    found = [p for p in root.iterdir() if is_step_dir_name(p.name) and not p.is_symlink() and p.is_dir()
              and (p / MANIFEST).is_file()]
     return sorted(found, key=lambda p: p.name)
+
+
+def missing_latest_error(root: Path, complete: list[Path], who: str) -> CheckpointError:
+    """The error for complete checkpoints without a ``latest`` pointer: never start fresh over them."""
+    return CheckpointError(
+        f"{who} found complete checkpoints in {root} but no '{LATEST}' pointer to the newest one, so "
+        f"it will not start fresh over them. Resume one explicitly, e.g. --resume {complete[-1]} "
+        f"(all: {', '.join(p.name for p in complete)}), or move them away to start over."
+    )
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -24,9 +52,12 @@ def latest_checkpoint(root: Path) -> Path | None:
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    name = pointer.read_text(encoding="utf-8").strip()
+    try:
+        name = pointer.read_text(encoding="utf-8")[:300].strip()
+    except (OSError, UnicodeDecodeError):
+        name = "?"
     target = Path(root) / name
-    if not name.startswith("step-") or "/" in name or not (target / MANIFEST).is_file():
+    if not is_step_dir_name(name) or target.is_symlink() or not (target / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint in "
                               f"{root}. Pass --resume with one of: "
                               f"{', '.join(p.name for p in complete_checkpoints(Path(root))) or 'none'}.")
@@ -39,6 +70,9 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     if not p.exists():
         raise CheckpointError(f"no checkpoint to resume: {str(p)!r} does not exist.")
     if (p / MANIFEST).is_file():
+        if p.is_symlink():
+            raise CheckpointError(f"{p} is a symbolic link; shardwise reads a checkpoint only from a real "
+                                  "directory (pass the link's target itself if you trust it).")
         return p
     if p.name.startswith(PARTIAL_PREFIX):
         raise CheckpointError(f"{p} is an incomplete checkpoint (its save was interrupted) and "
@@ -57,16 +91,53 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
                           "its checkpoints/ folder, or a step-N checkpoint folder.")
 
 
+def checkpoint_job(path: Path) -> str | None:
+    """The job id recorded in the manifest of ``path`` (None when unreadable or not recorded)."""
+    try:
+        job = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8")).get("job")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return job if isinstance(job, str) and job else None
 
-def rotate(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints and any stale partial ones."""
-    keep = complete_checkpoints(root)[-keep_last:]
-    latest = latest_checkpoint(root)
+
+def partial_owner(partial: Path) -> dict | None:
+    """The owner record of a partial directory (None when it has none or it is unreadable)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+        owner = json.loads((partial / PARTIAL_OWNER).read_text(encoding="utf-8"))
+        if isinstance(owner, dict):
+            return owner
+    return None
+
+
+def removable_partial(partial: Path, job: str) -> bool:
+    """True when ``partial`` was left by this job, or by a writer that is provably no longer running."""
+    owner = partial_owner(partial)
+    if owner is None:
+        return False  # being created right now, or from an older shardwise: not ours to judge
+    if owner.get("job") == job:
+        return True
+    return same_process_alive(owner) is False
+
+
+def rotate(root: Path, keep_last: int, job: str) -> list[Path]:
+    """Delete this job's complete checkpoints but its newest ``keep_last``, and stale partial ones.
+
+    Returns what was removed. Checkpoints of other jobs and the one ``latest`` names are never
+    deleted; a partial directory only when ``removable_partial`` says so.
+    """
+    own = [p for p in complete_checkpoints(root) if checkpoint_job(p) == job]
+    keep = set(own[-keep_last:]) if keep_last > 0 else set(own)
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointError:
+        latest = None
     removed = []
+    for p in own:
+        if p not in keep and p != latest:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
     for p in root.iterdir():
-        stale_partial = p.name.startswith(PARTIAL_PREFIX)
-        old_complete = p.name.startswith("step-") and p not in keep and p != latest
-        if p.is_dir() and (stale_partial or old_complete):
+        if p.name.startswith(PARTIAL_PREFIX) and not p.is_symlink() and p.is_dir() and removable_partial(p, job):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from pathlib import Path
 
+from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import (
@@ -14,26 +16,54 @@ from shardwise.runtime.checkpoint.manifest import (
     corruption_error,
     incompatible_error,
     read_manifest,
+    removed_error,
     shape_mismatch,
     verify_files,
 )
+
+# How often to follow 'latest' again when the checkpoint it named was rotated away meanwhile.
+_FOLLOW_ATTEMPTS = 3
 
 
 def preflight(source: str | os.PathLike, shapes: dict[str, list] | None = None) -> Path:
     """Resolve and check a resume source before any rank starts; return the checkpoint path.
 
-    Cheap checks only: the manifest (and its self-checksum), the .metadata checksum, that every
-    file exists with its recorded size, and, when ``shapes`` of the model to train are given, that
-    they match. The ranks verify every file's SHA-256 again at load.
+    Cheap checks only: the manifest (its self-checksum and schema), the .metadata checksum, that
+    every file is a regular file with its recorded size, and, when ``shapes`` of the model to train
+    are given, that they match. The ranks verify every file's SHA-256 again at load.
+
+    A checkpoint that disappears during the checks was rotated away by a run still writing next to
+    it: when ``source`` named it through ``latest``, the new ``latest`` is checked instead; when it
+    was named directly, the error says so (it is not "damaged").
     """
-    path = resolve_checkpoint(source)
+    for attempt in range(_FOLLOW_ATTEMPTS):
+        path = resolve_checkpoint(source)
+        try:
+            return _check(path, shapes)
+        except CheckpointError:
+            if path.is_dir():
+                raise
+            followed = Path(source).absolute() != path.absolute()
+            if not followed or attempt == _FOLLOW_ATTEMPTS - 1:
+                raise removed_error(path) from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check(path: Path, shapes: dict[str, list] | None) -> Path:
     manifest = read_manifest(path)
     problems = verify_files(path, manifest, [DCP_METADATA])
-    problems += [f"{n} is missing" for n in manifest["files"] if not (path / n).is_file()]
-    problems += [f"{n} has {(path / n).stat().st_size} bytes, the manifest says {i['bytes']} "
-                 "(truncated or overwritten)"
-                 for n, i in manifest["files"].items()
-                 if (path / n).is_file() and (path / n).stat().st_size != i["bytes"]]
+    for name, info in manifest["files"].items():
+        file = path / name
+        try:
+            st = os.lstat(file)
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{name} is not a regular file (a symlink, FIFO or device)")
+        elif st.st_size != info["bytes"]:
+            problems.append(f"{name} has {st.st_size} bytes, the manifest says {info['bytes']} "
+                            "(truncated or overwritten)")
     if problems:
         raise corruption_error(path, problems)
     if shapes is not None:

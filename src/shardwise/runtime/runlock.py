@@ -1,0 +1,173 @@
+"""The run-directory lock: one job owns a run directory at a time.
+
+``<run>/.shardwise.lock`` is a small JSON file naming the holder: host, PID, process start time,
+boot id, job id, the time and the command. The launching process (``shardwise train``, ``verify``,
+``bench``) takes it before writing anything and removes it when the job ends. Another launcher
+that finds it:
+
+* with the same job id **joins** (the nodes of one multi-node job share a directory; the lock's
+  job id is the rendezvous id there) and never removes it, unless the holder is provably gone
+  (an earlier attempt of this job): then it takes the lock over;
+* held by a live process on this host is **refused**, naming the holder;
+* held by a process that is gone (no such PID, or the PID was reused: its start time differs, or
+  the machine rebooted since) **takes it over**, with a log line: a killed job leaves its lock;
+* held on another host, whose liveness cannot be checked from here, is **refused** with how to
+  clear the lock by hand if that job is gone.
+
+Deciding and writing happen under an ``flock`` on ``<run>/.shardwise.lock.guard`` (taken for
+milliseconds), so two launchers racing for one directory cannot both win; the lock file itself is
+replaced atomically (write beside it, then rename), so readers never see half a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+from shardwise.fsutil import atomic_write_json
+from shardwise.runtime.identity import process_record, same_process_alive
+
+LOCK_FILE = ".shardwise.lock"
+GUARD_FILE = ".shardwise.lock.guard"
+
+
+def read_lock(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The lock record of ``run_dir``, None when unlocked; an unreadable lock reads as {}."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return {}
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+@contextlib.contextmanager
+def _guard(run_dir: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the atomic replace alone still keeps the file whole
+        yield
+        return
+    fd = os.open(run_dir / GUARD_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def describe_holder(record: dict[str, Any]) -> str:
+    """'pid P on host H (job J, since T)' for messages."""
+    since = record.get("time")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    return (f"pid {record.get('pid')} on host {record.get('host')} (job {record.get('job_id')}, "
+            f"{record.get('command') or 'shardwise'}, since {when})")
+
+
+class RunLock:
+    """Ownership of one run directory for one job; ``acquire()`` takes it, ``release()`` gives it back."""
+
+    def __init__(self, run_dir: str | os.PathLike, job_id: str, command: str = "shardwise train") -> None:
+        self.run_dir = Path(run_dir)
+        self.job_id = job_id
+        self.command = command
+        self.joined = False  # True: another launcher of the same job holds it
+        self.took_over: dict[str, Any] | None = None  # the stale lock replaced, if any
+        self._held = False
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / LOCK_FILE
+
+    def acquire(self) -> RunLock:
+        """Take (or join) the lock; raise ConfigError when a live job of another id holds it."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run directory {self.run_dir}: {e.strerror or e}.") from None
+        with _guard(self.run_dir):
+            held = read_lock(self.run_dir)
+            if held is not None:
+                self._check_holder(held)
+                if self.joined:
+                    return self
+            record = {**process_record(), "job_id": self.job_id, "time": time.time(),
+                      "command": self.command}
+            atomic_write_json(self.path, record, durable=True, indent=1)
+            self._held = True
+        if self.took_over is not None:
+            print(f"shardwise: took over the stale lock of {self.run_dir}: it was held by "
+                  f"{describe_holder(self.took_over)}, which is no longer running.", file=sys.stderr)
+        return self
+
+    def check(self) -> None:
+        """Raise as ``acquire()`` would, without taking the lock (a stale lock passes)."""
+        held = read_lock(self.run_dir)
+        if held is not None:
+            self._check_holder(held)
+            self.joined, self.took_over = False, None
+
+    def _check_holder(self, held: dict[str, Any]) -> None:
+        if not held:
+            # Unreadable: never written whole (writes are atomic), so damaged by hand or a disk
+            # fault. Nobody can be shown to hold it; say so rather than guess.
+            raise ConfigError(f"the lock file {self.path} is unreadable. If no job is running in "
+                              f"{self.run_dir}, delete {self.path} and retry.")
+        alive = same_process_alive(held)
+        if self.job_id and held.get("job_id") == self.job_id:
+            # Another launcher of this job (a node) joins; a dead holder of this job (an earlier
+            # elastic attempt's process) is simply replaced.
+            self.joined = alive is not False
+            return
+        if alive is False:
+            self.took_over = held
+            return
+        if alive is None and held.get("host") != process_record()["host"]:
+            raise ConfigError(
+                f"run directory {self.run_dir} is locked by {describe_holder(held)}; shardwise "
+                f"cannot check from this host whether that job is still running. If it is not, "
+                f"delete {self.path} and retry; otherwise choose another --out."
+            )
+        if alive is None:
+            raise ConfigError(
+                f"run directory {self.run_dir} is locked by {describe_holder(held)}, and this "
+                f"platform cannot tell whether that process is still the same job. If it is not, "
+                f"delete {self.path} and retry; otherwise choose another --out."
+            )
+        raise ConfigError(
+            f"run directory {self.run_dir} is in use by a running job: {describe_holder(held)}. "
+            "Wait for it to finish (or stop it), or choose another --out. Two jobs writing one run "
+            "directory would mix their metrics and delete each other's checkpoints."
+        )
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it (a joiner leaves it to its owner)."""
+        if not self._held:
+            return
+        self._held = False
+        with _guard(self.run_dir):
+            held = read_lock(self.run_dir)
+            mine = process_record()
+            if held and held.get("job_id") == self.job_id and held.get("pid") == mine["pid"] \
+                    and held.get("host") == mine["host"]:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
