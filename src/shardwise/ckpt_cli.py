@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--merge", action="store_true",
                    help="--format hf of a LoRA run: merge the adapters into the pretrained base (peft's "
                    "merge_and_unload; needs the base folder and the whole model in host memory)")
+    e.add_argument("--base", default=None, metavar="DIR",
+                   help="--format hf/peft: the pretrained folder the run started from (merge weights, tokenizer "
+                   "files to copy, the adapter's base); default: the path the checkpoint records")
     e.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="--format hf: largest weight file, e.g. 5GB (default), 500MB, 2GiB")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -98,8 +101,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"--adapter means --format peft; it contradicts --format {args.format}.")
     if fmt != "hf" and (args.merge or args.dtype or args.max_shard_size != "5GB"):
         raise ConfigError("--merge, --dtype and --max-shard-size apply to --format hf only.")
+    if fmt == "safetensors" and args.base:
+        raise ConfigError("--base applies to --format hf and --format peft only.")
     if fmt == "hf":
-        result: dict[str, Any] = export_hf(args.path, args.out, merge=args.merge,
+        result: dict[str, Any] = export_hf(args.path, args.out, merge=args.merge, base=args.base,
                                            max_shard_size=args.max_shard_size, dtype=args.dtype)
         extra = f"; copied {', '.join(result['companions'])}" if result["companions"] else ""
         print(f"wrote {result['out']}: {'merged ' if result['merged'] else ''}Hugging Face model, "
@@ -107,7 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"{result['dtype']}, step {result['step']}{extra}")
         return 0
     if fmt == "peft":
-        result = export_peft(args.path, args.out)
+        result = export_peft(args.path, args.out, base=args.base)
         print(f"wrote {result['out']}: PEFT adapter, {result['tensors']} tensors, {_size(result['bytes'])}, "
               f"step {result['step']}")
         return 0

@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
+from shardwise.runtime.checkpoint.export import _model_entries
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
 from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
@@ -72,10 +73,10 @@ class _Checkpoint:
         problems = verify_files(self.path, self.manifest)
         if problems:
             raise corruption_error(self.path, problems)
-        meta = read_dcp_metadata(self.path, self.manifest)
-        self.tensors: dict[str, TensorStorageMetadata] = {
-            k[len("model."):]: v for k, v in meta.state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+        # Shapes checked against the manifest before anything is allocated (a forged .metadata
+        # cannot make an export allocate more than the checkpoint's files hold).
+        self.tensors: dict[str, TensorStorageMetadata] = _model_entries(
+            self.path, self.manifest, read_dcp_metadata(self.path, self.manifest))
 
     @property
     def export(self) -> dict[str, Any]:
@@ -197,16 +198,19 @@ def _config_json(info: dict[str, Any], dtype: torch.dtype) -> str:
 
 
 def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False,
-              max_shard_size: str = DEFAULT_MAX_SHARD, dtype: str | None = None) -> dict[str, Any]:
+              max_shard_size: str = DEFAULT_MAX_SHARD, dtype: str | None = None,
+              base: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write a checkpoint's model as a Hugging Face folder ``out``; return what was written.
 
     ``merge``: a LoRA checkpoint's adapters merged into its pretrained base (needed for LoRA
     checkpoints, refused for others). ``dtype``: float32, bfloat16 or float16 (default: as trained).
+    ``base``: the pretrained folder (merge weights, tokenizer files to copy); default: the one the
+    run trained from, as its manifest records it.
     """
     from shardwise.models.pretrained import tensor_groups
 
     ck = _Checkpoint(source)
-    info = ck.export
+    info = _with_base(ck.export, base)
     max_bytes = parse_size(max_shard_size)
     lora = bool(ck.manifest.get("frozen_excluded"))
     if lora and not merge:
@@ -249,6 +253,15 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
                 "dtype": str(final_dtype).removeprefix("torch."), "merged": merge}
 
     return _publish(Path(out), write)
+
+
+def _with_base(info: dict[str, Any], base: str | os.PathLike | None) -> dict[str, Any]:
+    """The export info with the pretrained folder replaced by ``base`` (checked), when given."""
+    if base is None:
+        return info
+    from shardwise.models.pretrained import inspect_pretrained
+
+    return {**info, "pretrained": str(inspect_pretrained(str(base)).path.resolve())}
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -308,14 +321,19 @@ def _merged_state(ck: _Checkpoint, info: dict[str, Any]) -> dict[str, torch.Tens
     return {group[0]: params[group[0]].detach() for group in tensor_groups(merged)}
 
 
-def export_peft(source: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
-    """Write a LoRA checkpoint's adapters as a PEFT folder (``PeftModel.from_pretrained`` loads it)."""
+def export_peft(source: str | os.PathLike, out: str | os.PathLike,
+                base: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Write a LoRA checkpoint's adapters as a PEFT folder (``PeftModel.from_pretrained`` loads it).
+
+    ``base`` is written as the adapter's ``base_model_name_or_path`` (default: the folder the run
+    trained from).
+    """
     from safetensors.torch import save_file
 
     from shardwise.models.lora import lora_config_from_dict
 
     ck = _Checkpoint(source)
-    info = ck.export
+    info = _with_base(ck.export, base)
     if not info.get("lora"):
         raise CheckpointError(f"checkpoint {ck.path} has no LoRA adapters ([lora] rank = 0 when it was trained); "
                               "export the whole model with --format hf.")
