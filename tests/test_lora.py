@@ -66,6 +66,26 @@ def test_lora_matches_single_process_peft_and_keeps_the_base_frozen(folder, runs
         assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
 
 
+def test_planner_predicts_the_lora_runs_bytes(folder, runs):
+    """The planner counts no gradient or optimizer state for the frozen base, under every layout
+    (tensor parallel included): its prediction equals the ledger's measurement per rank."""
+    from shardwise.config import ParallelConfig
+    from shardwise.layout import resolve_layout
+    from shardwise.plan.predict import predict_run
+    from shardwise.plan.spec import from_module
+
+    with torch.device("meta"):
+        spec = from_module(build_hf_model(pretrained=str(folder), lora=LoraConfig(**LORA)), name="lora")
+    for strategy, measured in runs["results"].items():
+        tp = 2 if "tp" in strategy else 1
+        layout = resolve_layout(ParallelConfig(strategy=strategy, tp=tp), 2, n_blocks=2)
+        predicted = predict_run(spec, layout, precision="fp32", seq=RUN["seq"], micro_batch_size=2).ranks
+        for rank, (want, got) in enumerate(zip(predicted, measured)):
+            assert (want.param_bytes, want.grad_bytes, want.optim_bytes) == \
+                (got["param_bytes"], got["grad_bytes"], got["optim_bytes"]), (strategy, rank)
+        assert predicted[0].grad_bytes < predicted[0].param_bytes / 5  # adapters only
+
+
 def test_gpt2_lora_conv1d_matches_peft(tmp_path):
     gpt2 = save_tiny(tmp_path / "gpt2", "gpt2", seed=6)
     lora = {"rank": 2, "alpha": 4.0}  # peft's default target for gpt2: c_attn (a Conv1D)

@@ -91,7 +91,8 @@ def hf_case(rank: int, world_size: int, folder: str, strategy: str, steps: int =
     if ckpt_dir:
         session.save(ckpt_dir, model, opt, step=steps)
     result = {"losses": losses, "params": full_params(model), "in_optimizer": in_optimizer,
-              "param_bytes": ledger.param_bytes(model), "notes": list(session.notes),
+              "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
+              "optim_bytes": ledger.optimizer_bytes(opt), "notes": list(session.notes),
               "trainable_only": session.trainable_only}
     session.close()
     return result

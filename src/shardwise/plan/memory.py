@@ -153,7 +153,7 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
     if layout.tp > 1:
         # Matrices are split tp ways (column- or row-wise, vocab-parallel embeddings); vectors
         # (norm weights, most biases) are replicated. Modelled as a dim-0 split.
-        params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit)
+        params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit, p.trainable)
                   if len(p.shape) >= 2 else p for p in params]
     return params
 
