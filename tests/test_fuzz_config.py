@@ -354,7 +354,7 @@ def _meet_cross_field_rules(raw: dict, sets: list[str], pretrained: str) -> None
 
 
 @st.composite
-def cases(draw, data: Path, pretrained: str = "") -> Case:
+def cases(draw, data: Path, pretrained: str) -> Case:
     free = draw(st.booleans())
     raw = _base(data)
     sets, valid, all_free, notes = [], True, True, []
@@ -577,7 +577,7 @@ def test_fuzz_config_resolution_and_preflight(data, pretrained, tmp_path):
 
 
 @pytest.mark.slow
-def test_fuzz_real_train(data, tmp_path_factory, cli_env):
+def test_fuzz_real_train(data, pretrained, tmp_path_factory, cli_env):
     """Four fuzz cases through a real `shardwise train` subprocess (nano, 1-3 steps): valid ones of
     the free fields train and exit 0, invalid ones exit 2 with one paragraph."""
     from shardwise.testing import run_command
@@ -603,7 +603,7 @@ def test_fuzz_real_train(data, tmp_path_factory, cli_env):
 
     checks = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
     for wanted in (lambda c: c.free, lambda c: not c.valid):  # two of each
-        run = given(case=cases(data).filter(wanted).filter(encodable))(one)
+        run = given(case=cases(data, pretrained).filter(wanted).filter(encodable))(one)
         settings(max_examples=2, suppress_health_check=checks)(run)()
     print(f"\nfuzz (real train): {dict(ran)}", file=sys.stderr)
     assert ran["valid"] >= 1 and ran["invalid"] >= 1
