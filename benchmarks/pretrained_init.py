@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/pretrained_init.py load --hidden 1024 --layers 16 --nproc 2
     .venv/bin/python benchmarks/pretrained_init.py load --strategies fsdp --export
 
-``rss``: host peak RSS per rank (getrusage max RSS) when building the built-in GPT preset and
+``rss``: host peak RSS per rank (Linux VmHWM) when building the built-in GPT preset and
 applying the strategy, with ``model.init = "eager"`` (every rank builds the whole model, then
 shards it) and ``"meta"`` (built on the meta device, each rank allocates and initialises only its
 shards). Each init mode runs in fresh processes, so the peaks do not mix; the baseline is the RSS
@@ -12,10 +12,11 @@ after imports and the process group, before the model.
 
 ``load``: saves a random Llama of the given size with ``save_pretrained`` (sharded, 2GB files),
 then times ``Session.build`` + ``prepare`` from that folder under each strategy (slowest rank,
-page cache warm after the first) and the per-rank peak RSS. ``--export`` also trains one step
-under the first strategy, saves a checkpoint, exports it with ``ckpt export --format hf`` and
-prints the largest logit difference between ``AutoModelForCausalLM.from_pretrained`` of the
-export and shardwise's model.
+page cache warm after the first), the parameter bytes each rank holds, its private memory growth
+(RssAnon) and its peak RSS growth, which also counts the file pages safetensors maps while
+reading. ``--export`` also trains one step under the first strategy, saves a checkpoint,
+exports it with ``ckpt export --format hf`` and prints the largest logit difference between
+``AutoModelForCausalLM.from_pretrained`` of the export and shardwise's model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,33 @@ from pathlib import Path
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS in MiB since it started its program.
+
+    Linux: VmHWM, which starts afresh at exec. getrusage's ru_maxrss does not: a spawned rank
+    inherits its parent's peak (here the parent that saved the model), hiding the rank's own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass  # not Linux: ru_maxrss below (KiB on Linux, bytes on macOS)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _anon_mib() -> float:
+    """This process's private (anonymous) resident memory now, in MiB (Linux RssAnon; 0 elsewhere).
+
+    Unlike the peak RSS it leaves out file pages mapped by safetensors' ``safe_open`` (page cache,
+    shared by every rank reading the same file, released when the file is closed).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass  # not Linux
+    return 0.0
 
 
 def _gpt_rank(rank: int, world_size: int, preset: str, strategy: str, init: str) -> dict:
@@ -94,7 +121,7 @@ def _load_rank(rank: int, world_size: int, folder: str, strategy: str, tp: int, 
     from shardwise.runtime.session import Session
 
     session = Session(parallel=ParallelConfig(strategy=strategy, tp=tp), seed=0)
-    base = _rss_mib()
+    base, anon0 = _rss_mib(), _anon_mib()
     session.barrier()
     t0 = time.perf_counter()
     model = session.build(lambda: build_hf_model(pretrained=folder, block_size=64))
@@ -102,7 +129,10 @@ def _load_rank(rank: int, world_size: int, folder: str, strategy: str, tp: int, 
     model, opt = session.prepare(model, opt)
     session.barrier()
     seconds = time.perf_counter() - t0
-    out = {"s": seconds, "base": base, "peak": _rss_mib()}
+    from shardwise.runtime import ledger
+
+    out = {"s": seconds, "base": base, "peak": _rss_mib(), "anon": _anon_mib() - anon0,
+           "held": ledger.param_bytes(model) / 2**20}
     if export_dir:
         x = torch.randint(0, vocab, (2, 65), generator=torch.Generator().manual_seed(0))
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
@@ -130,18 +160,20 @@ def cmd_load(args: argparse.Namespace) -> None:
         print(f"Llama {n / 1e6:.0f}M parameters ({size / 2**30:.2f} GiB fp32 safetensors; hidden {args.hidden}, "
               f"{args.layers} layers, vocab {args.vocab}), saved in {time.perf_counter() - t0:.0f}s; "
               f"{args.nproc} ranks (CPU, gloo)")
-        print("| strategy | load s (slowest rank) | peak RSS MiB per rank | growth MiB per rank |")
-        print("|---|---|---|---|")
+        print("| strategy | load s (slowest rank) | parameters held MiB per rank | private memory growth MiB "
+              "per rank (RssAnon) | peak RSS growth MiB per rank (incl. mapped file pages) |")
+        print("|---|---|---|---|---|")
         for i, strategy in enumerate(args.strategies.split(",")):
             export_dir = str(root / "ckpt") if args.export and i == 0 else ""
             tp = args.nproc if "tp" in strategy else 1
             ranks = 1 if strategy == "single" else args.nproc
             results = run_distributed(_load_rank, ranks, timeout_s=1800, folder=str(root / "llama"),
                                       strategy=strategy, tp=tp, export_dir=export_dir, vocab=args.vocab)
-            peaks = " / ".join(f"{r['peak']:.0f}" for r in results)
+            held = " / ".join(f"{r['held']:.0f}" for r in results)
+            anon = " / ".join(f"{r['anon']:.0f}" for r in results)
             growth = " / ".join(f"{r['peak'] - r['base']:.0f}" for r in results)
             print(f"| {strategy} ({ranks} rank{'s' if ranks > 1 else ''}) | {max(r['s'] for r in results):.2f} | "
-                  f"{peaks} | {growth} |", flush=True)
+                  f"{held} | {anon} | {growth} |", flush=True)
             if export_dir:
                 from transformers import AutoModelForCausalLM
 
