@@ -154,8 +154,28 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         # Matrices are split tp ways (column- or row-wise, vocab-parallel embeddings); vectors
         # (norm weights, most biases) are replicated. Modelled as a dim-0 split.
         params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit, p.trainable)
-                  if len(p.shape) >= 2 else p for p in params]
+                  if _tp_split(p) else p for p in params]
     return params
+
+
+# The row-parallel linear layers of the tensor-parallel plans (``parallel/tp_plans.py``; the rest
+# are column-parallel), by their last name. Kept here as names: the planner does not import torch.
+ROWWISE_LAYERS = ("o_proj", "down_proj", "proj")
+
+
+def _tp_split(p: ParamInfo) -> bool:
+    """Whether tensor parallel splits ``p`` (else every TP rank holds it whole).
+
+    LoRA adapters follow their base layer (``tp_plans.with_lora``): a column-parallel base splits
+    ``lora_B`` and keeps ``lora_A`` whole, a row-parallel base splits ``lora_A`` and keeps ``lora_B``.
+    """
+    if len(p.shape) < 2:
+        return False
+    for adapter, split_under_rowwise in ((".lora_A.", True), (".lora_B.", False)):
+        if adapter in p.name:
+            layer = p.name.split(adapter)[0].rsplit(".", 1)[-1]
+            return (layer in ROWWISE_LAYERS) == split_under_rowwise
+    return True
 
 
 def _with_blocks(spec: ModelSpec, layout: Layout) -> Layout:
