@@ -17,7 +17,7 @@ from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
 from shardwise.runtime.checkpoint import complete_checkpoints, read_manifest  # noqa: E402
 from shardwise.testing import run_command, run_distributed  # noqa: E402
-from tests.helpers.hf import hf_case, hf_cases, reference_losses, reference_model, resume_lora, save_tiny  # noqa: E402
+from tests.helpers.hf import hf_case, hf_cases, reference_losses, reference_model, save_tiny  # noqa: E402
 
 # q/v are column-parallel under TP, o/down row-parallel: both adapter layouts are exercised.
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
@@ -31,12 +31,15 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(folder, tmp_path_factory):
-    """One spawn of 2 ranks: LoRA under ddp, fsdp, tp and fsdp+tp (fsdp saves a checkpoint)."""
+    """One spawn of 2 ranks: LoRA under ddp, fsdp, tp and fsdp+tp (fsdp saves a checkpoint), then
+    a fresh fsdp+tp LoRA model that resumes from fsdp's checkpoint."""
     ckpt = tmp_path_factory.mktemp("lora-ckpt") / "checkpoints"
     strategies = {"ddp": {}, "fsdp": {"ckpt_dir": str(ckpt)}, "tp": {"tp": 2}, "fsdp+tp": {"tp": 2}}
     cases = [{"folder": str(folder), "strategy": s, "lora": LORA, **RUN, **extra} for s, extra in strategies.items()]
+    cases.append({"resume": True, "folder": str(folder), "strategy": "fsdp+tp", "tp": 2, "ckpt_dir": str(ckpt),
+                  "lora": LORA})
     results = run_distributed(hf_cases, 2, timeout_s=600, cases=cases)
-    return {"results": dict(zip(strategies, zip(*results))), "ckpt": ckpt}
+    return {"results": dict(zip(strategies, zip(*results))), "ckpt": ckpt, "resumed": results[0][-1]}
 
 
 def _peft_name(name: str) -> str:
@@ -103,12 +106,11 @@ def test_checkpoints_hold_only_the_adapters_and_resume_elsewhere(folder, runs):
     assert manifest["model_tensors"] and all(".lora_" in n for n in manifest["model_tensors"])
     assert manifest["export"]["lora"]["r"] == 4 and manifest["export"]["pretrained"] == str(folder.resolve())
     # Saved by fsdp on 2 ranks, resumed by fsdp+tp: the adapters come back, the base from the folder.
-    resumed = run_distributed(resume_lora, 2, timeout_s=300, folder=str(folder), strategy="fsdp+tp", tp=2,
-                              ckpt_dir=str(runs["ckpt"]), lora=LORA)
+    resumed = runs["resumed"]
     trained = runs["results"]["fsdp"][0]["params"]
-    assert resumed[0]["step"] == RUN["steps"]
+    assert resumed["step"] == RUN["steps"]
     for name, value in trained.items():
-        assert torch.equal(resumed[0]["params"][name], value), name
+        assert torch.equal(resumed["params"][name], value), name
     # A model without adapters cannot take this checkpoint: one clear error.
     from shardwise.errors import CheckpointError
 

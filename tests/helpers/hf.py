@@ -99,11 +99,16 @@ def hf_case(rank: int, world_size: int, folder: str, strategy: str, steps: int =
 
 
 def hf_cases(rank: int, world_size: int, cases: list[dict]) -> list:
-    """Several ``hf_case`` runs in the same ranks (one spawn); an error is returned as its message."""
+    """Several ``hf_case`` runs in the same ranks (one spawn); an error is returned as its message.
+
+    A case with ``resume=True`` runs ``resume_lora`` instead (e.g. on a checkpoint an earlier case saved).
+    """
     out = []
     for case in cases:
+        case = dict(case)
+        run = resume_lora if case.pop("resume", False) else hf_case
         try:
-            out.append(hf_case(rank, world_size, **case))
+            out.append(run(rank, world_size, **case))
         except Exception as e:  # noqa: BLE001 - the test asserts on refusals case by case
             from shardwise.errors import ShardwiseError
 
