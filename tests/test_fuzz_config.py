@@ -125,11 +125,23 @@ def _valid_text(rule: Rule | None) -> st.SearchStrategy:
     return st.text(_SAFE_CHARS, max_size=40) | _ODD_TEXT
 
 
-def valid_value(spec: FieldSpec, free: bool = False) -> st.SearchStrategy:
-    """Values the schema accepts for ``spec`` (boundaries included)."""
+def valid_value(spec: FieldSpec, free: bool = False, pretrained: str = "") -> st.SearchStrategy:
+    """Values the schema accepts for ``spec`` (boundaries included).
+
+    ``pretrained``: a real Hugging Face folder, offered for model.pretrained beside arbitrary paths
+    (config validation takes any path; preflight must then load the folder or refuse the path).
+    """
     tp, rule = spec.tp, spec.rule
+    if spec.key == "model.pretrained" and pretrained:
+        return st.just(pretrained) | _valid_text(rule)
+    if spec.key == "lora.targets":  # names the tiny Llama has, or any words (refused by preflight)
+        return st.lists(st.sampled_from(["q_proj", "v_proj", "o_proj", "down_proj"]), min_size=1, max_size=3,
+                        unique=True) | _valid_text(rule)
     if spec.key == "parallel.wrap":  # a validate() rule beyond the schema: a word or a block count
         return st.sampled_from(["block", "model"]) | st.integers(1, 10**6).map(str)
+    if typing.get_origin(tp) is list:  # each item under the field's rule
+        (item,) = typing.get_args(tp)
+        return st.lists(valid_value(FieldSpec(spec.key, item, None, rule)), max_size=3)
     if tp is bool:
         return st.booleans()
     if tp is int:
@@ -192,6 +204,13 @@ def invalid_value(spec: FieldSpec) -> st.SearchStrategy:
                          st.lists(st.floats(0, 0.5), min_size=n + 1, max_size=n + 2),
                          st.tuples(invalid_value(FieldSpec(spec.key, float, 0.0, rule)), st.floats(0, 0.5)).map(list),
                          wrong_type.filter(lambda v: not isinstance(v, list)))
+    if typing.get_origin(tp) is list:  # a list holding one bad item, or no list at all
+        (item,) = typing.get_args(tp)
+        bad_item = invalid_value(FieldSpec(spec.key, item, None, rule))
+        if item is str:  # a string is read as a comma-separated list: keep it to the bad item
+            bad_item = bad_item.filter(lambda v: not (isinstance(v, list) and all(isinstance(x, str) for x in v)))
+        return st.one_of(st.lists(bad_item, min_size=1, max_size=2),
+                         st.sampled_from([True, 1.5, {"a": "b"}]))
     if typing.get_origin(tp) is dict:
         return st.one_of(
             st.dictionaries(st.sampled_from(["not an identifier", "1st", "a-b", ""]), st.integers(), min_size=1),
@@ -278,7 +297,7 @@ def toml_value(v: Any) -> str:
 
 
 @st.composite
-def mutation(draw, free: bool, structure: bool) -> tuple[str, Any, bool, bool]:
+def mutation(draw, free: bool, structure: bool, pretrained: str = "") -> tuple[str, Any, bool, bool]:
     """(key, value, valid, free) of one change; structural errors bring their own key path."""
     kind = "structure" if structure else draw(st.sampled_from(["valid", "valid", "invalid"]))
     if kind == "structure":
@@ -297,10 +316,10 @@ def mutation(draw, free: bool, structure: bool) -> tuple[str, Any, bool, bool]:
     spec = draw(st.sampled_from(pool))
     if kind == "invalid" and not free:
         return spec.key, draw(invalid_value(spec)), False, False
-    return spec.key, draw(valid_value(spec, free)), True, spec.key in FREE
+    return spec.key, draw(valid_value(spec, free, pretrained)), True, spec.key in FREE
 
 
-def _meet_cross_field_rules(raw: dict, sets: list[str]) -> None:
+def _meet_cross_field_rules(raw: dict, sets: list[str], pretrained: str) -> None:
     """Adjust a valid case to the rules config.validate() adds across fields, so that it stays valid.
 
     Each adjustment is appended to ``sets`` too, so every delivery (dict, TOML, --set) sees it.
@@ -324,16 +343,25 @@ def _meet_cross_field_rules(raw: dict, sets: list[str]) -> None:
     trackers = _get(raw, "log.trackers")
     if isinstance(trackers, list) and len(set(trackers)) != len(trackers):
         fix("log.trackers", list(dict.fromkeys(trackers)))
+    # Pretrained weights are a Hugging Face folder (model.kind = "hf"); LoRA trains adapters on
+    # one (a real folder here, so that preflight builds the peft model) and refuses sequence_parallel.
+    if _get(raw, "lora.rank") and not _get(raw, "model.pretrained"):
+        fix("model.pretrained", pretrained)
+    if _get(raw, "model.pretrained") and _get(raw, "model.kind") != "hf":
+        fix("model.kind", "hf")
+    if _get(raw, "lora.rank") and _get(raw, "parallel.sequence_parallel"):
+        fix("parallel.sequence_parallel", False)
 
 
 @st.composite
-def cases(draw, data: Path) -> Case:
+def cases(draw, data: Path, pretrained: str) -> Case:
     free = draw(st.booleans())
     raw = _base(data)
     sets, valid, all_free, notes = [], True, True, []
     # Up to three field changes (distinct keys), then at most one structural error, applied last
     # so that it can only spoil the case, never be masked by a later change.
-    changes = draw(st.lists(mutation(free, structure=False), min_size=1, max_size=3, unique_by=lambda m: m[0]))
+    changes = draw(st.lists(mutation(free, structure=False, pretrained=pretrained), min_size=1, max_size=3,
+                            unique_by=lambda m: m[0]))
     if not free and draw(st.integers(0, 3)) == 0:
         changes.append(draw(mutation(free, structure=True)))
     as_dict = True
@@ -348,7 +376,7 @@ def cases(draw, data: Path) -> Case:
         sets.append(f"{key}={toml_value(value)}")
         notes.append(f"{key} = {value!r}" + ("" if ok else "  (invalid)"))
     if valid:
-        _meet_cross_field_rules(raw, sets)
+        _meet_cross_field_rules(raw, sets, pretrained)
     bad_set = draw(st.sampled_from([None] * 9 + ["no-equals-sign", "=5", "train..lr=1", ".lr=1", "train.lr.x=1",
                                                  "train.steps=5\n[train]\nlr = 1", "train. lr=1", "träin.lr=1",
                                                  "train.lr=", "train.steps=[", "=", "name.x.y.z=1"]))
@@ -478,12 +506,22 @@ def data(tmp_path_factory) -> Path:
     return small_text(tmp_path_factory.mktemp("fuzzdata"))
 
 
-def test_fuzz_config_resolution_and_preflight(data, tmp_path):
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """A tiny Llama folder (save_pretrained) whose vocabulary holds the small text's characters."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.helpers.hf import save_tiny
+
+    return str(save_tiny(tmp_path_factory.mktemp("fuzzmodel") / "llama", "llama", vocab=128))
+
+
+def test_fuzz_config_resolution_and_preflight(data, pretrained, tmp_path):
     counts: Counter = Counter()
 
     @settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                              HealthCheck.function_scoped_fixture])
-    @given(case=cases(data), flags=st.none() | launch_flags())
+    @given(case=cases(data, pretrained), flags=st.none() | launch_flags())
     def run(case: Case, flags: tuple[list[str], bool] | None) -> None:
         counts["cases"] += 1
         counts[f"delivery:{case.delivery}"] += 1
@@ -505,6 +543,8 @@ def test_fuzz_config_resolution_and_preflight(data, tmp_path):
             for world in (1, 2, 4):
                 problem = _preflight(cfg, world)
                 counts["preflight ok" if problem is None else "preflight refused"] += 1
+                if cfg.model.pretrained == pretrained and problem is None:
+                    counts["pretrained ok" if not cfg.lora.rank else "lora ok"] += 1
                 if case.free and world == 1:
                     assert problem is None, f"free valid input refused by preflight:\n  {where}\n-> {problem}"
         if counts["cases"] % 4 == 0:
@@ -532,10 +572,12 @@ def test_fuzz_config_resolution_and_preflight(data, tmp_path):
     print(f"\nfuzz: {dict(sorted(counts.items()))}", file=sys.stderr)
     assert counts["cases"] >= min(EXAMPLES, 500)
     assert counts["refused"] and counts["resolved"] and counts["through main"]
+    # The real folder is reached: pretrained and LoRA cases get through preflight's meta build.
+    assert counts["pretrained ok"] and counts["lora ok"], counts
 
 
 @pytest.mark.slow
-def test_fuzz_real_train(data, tmp_path_factory, cli_env):
+def test_fuzz_real_train(data, pretrained, tmp_path_factory, cli_env):
     """Four fuzz cases through a real `shardwise train` subprocess (nano, 1-3 steps): valid ones of
     the free fields train and exit 0, invalid ones exit 2 with one paragraph."""
     from shardwise.testing import run_command
@@ -561,7 +603,7 @@ def test_fuzz_real_train(data, tmp_path_factory, cli_env):
 
     checks = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much]
     for wanted in (lambda c: c.free, lambda c: not c.valid):  # two of each
-        run = given(case=cases(data).filter(wanted).filter(encodable))(one)
+        run = given(case=cases(data, pretrained).filter(wanted).filter(encodable))(one)
         settings(max_examples=2, suppress_health_check=checks)(run)()
     print(f"\nfuzz (real train): {dict(ran)}", file=sys.stderr)
     assert ran["valid"] >= 1 and ran["invalid"] >= 1

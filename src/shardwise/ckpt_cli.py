@@ -1,4 +1,8 @@
-"""``shardwise ckpt inspect|export``: look into a sharded checkpoint and export plain weights.
+"""``shardwise ckpt inspect|export``: look into a sharded checkpoint and export its weights.
+
+``export --format safetensors`` (the default) writes one file with shardwise's own tensor names;
+``--format hf`` a Hugging Face model folder (``from_pretrained`` loads it; ``--merge`` folds LoRA
+adapters into their base); ``--format peft`` a LoRA checkpoint's adapter folder.
 
 Neither needs a process group or the ranks that wrote the checkpoint: DCP shards are read in
 this one process, after the manifest checksums are verified.
@@ -26,12 +30,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the SHA-256 check of every file (faster on very large checkpoints)")
     i.set_defaults(func=cmd_inspect)
 
-    e = cmds.add_parser("export", help="write consolidated full weights as safetensors",
-                        description="Gather the model's full weights from every shard into one "
-                        "safetensors file that loads into the plain single-process model with "
-                        "model.load_state_dict(safetensors.torch.load_file(PATH)).")
+    e = cmds.add_parser("export", help="write consolidated weights: safetensors, a Hugging Face or a PEFT folder",
+                        description="Gather the model's full weights from every shard. --format safetensors "
+                        "(default): one file that loads into the plain single-process model with "
+                        "model.load_state_dict(safetensors.torch.load_file(PATH)). --format hf: a Hugging Face "
+                        "folder (config.json, sharded safetensors with the original names, "
+                        "model.safetensors.index.json) for AutoModelForCausalLM.from_pretrained(DIR). "
+                        "--format peft: a LoRA run's adapter folder for PeftModel.from_pretrained(base, DIR). "
+                        "Folders are written aside and renamed into place when complete.")
     e.add_argument("path", help="a step-N checkpoint, a checkpoints/ folder or a run directory")
-    e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    e.add_argument("--out", required=True,
+                   help="output: a .safetensors file (--format safetensors) or a new folder (hf, peft)")
+    e.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
+                   help="what to write (default: safetensors, one file with shardwise's names)")
+    e.add_argument("--adapter", action="store_true", help="same as --format peft")
+    e.add_argument("--merge", action="store_true",
+                   help="--format hf of a LoRA run: merge the adapters into the pretrained base (peft's "
+                   "merge_and_unload; needs the base folder and the whole model in host memory)")
+    e.add_argument("--base", default=None, metavar="DIR",
+                   help="--format hf/peft: the pretrained folder the run started from (merge weights, tokenizer "
+                   "files to copy, the adapter's base); default: the path the checkpoint records")
+    e.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="--format hf: largest weight file, e.g. 5GB (default), 500MB, 2GiB")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="--format hf: element type of the written weights (default: as trained)")
     e.set_defaults(func=cmd_export)
 
 
@@ -71,9 +93,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardwise.runtime.checkpoint import export_weights
+    from shardwise.errors import ConfigError
+    from shardwise.runtime.checkpoint import export_hf, export_peft, export_weights
 
-    result: dict[str, Any] = export_weights(args.path, args.out)
+    fmt = "peft" if args.adapter else args.format
+    if args.adapter and args.format not in ("safetensors", "peft"):
+        raise ConfigError(f"--adapter means --format peft; it contradicts --format {args.format}.")
+    if fmt != "hf" and (args.merge or args.dtype or args.max_shard_size != "5GB"):
+        raise ConfigError("--merge, --dtype and --max-shard-size apply to --format hf only.")
+    if fmt == "safetensors" and args.base:
+        raise ConfigError("--base applies to --format hf and --format peft only.")
+    if fmt == "hf":
+        result: dict[str, Any] = export_hf(args.path, args.out, merge=args.merge, base=args.base,
+                                           max_shard_size=args.max_shard_size, dtype=args.dtype)
+        extra = f"; copied {', '.join(result['companions'])}" if result["companions"] else ""
+        print(f"wrote {result['out']}: {'merged ' if result['merged'] else ''}Hugging Face model, "
+              f"{result['tensors']} tensors in {result['files']} file(s), {_size(result['bytes'])} "
+              f"{result['dtype']}, step {result['step']}{extra}")
+        return 0
+    if fmt == "peft":
+        result = export_peft(args.path, args.out, base=args.base)
+        print(f"wrote {result['out']}: PEFT adapter, {result['tensors']} tensors, {_size(result['bytes'])}, "
+              f"step {result['step']}")
+        return 0
+    result = export_weights(args.path, args.out)
     print(f"wrote {result['out']}: {result['tensors']} tensors, {_size(result['bytes'])}, "
           f"step {result['step']}")
     return 0

@@ -34,6 +34,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
 GRAD_SYNC_MODES = ("step", "microbatch")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
+INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConfig.init)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("", "offline", "online", "disabled")
 NONFINITE_MODES = ("stop", "skip")
@@ -122,6 +123,26 @@ class ModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     factory: str = setting("", text="factory")
     hf_config: str = setting("", text="path")
+    # hf: a local Hugging Face model folder (config.json + safetensors, one file or sharded with
+    # model.safetensors.index.json) whose weights training starts from. Its config.json is the
+    # architecture unless hf_config names the same one. "" keeps a random initialisation.
+    pretrained: str = setting("", text="path")
+    # "meta": build on the meta device, apply the strategy, then allocate and initialise (or load)
+    # only each rank's shards; "eager": build the whole model on every rank first. Both give the
+    # same weights for a seed; a factory that cannot run on meta is built eagerly either way.
+    init: str = setting("meta", choices=INIT_MODES, label="model.init mode")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """``[lora]``: low-rank adapters (peft) on a frozen pretrained model; ``rank = 0`` turns them off."""
+
+    rank: int = setting(0, ge=0, le=4096)  # peft's ``r``: the adapters' inner dimension
+    alpha: float = setting(16.0, gt=0.0, le=1e6)  # peft's ``lora_alpha``: the update is scaled by alpha / rank
+    dropout: float = setting(0.0, ge=0.0, lt=1.0)  # peft's ``lora_dropout`` on the adapters' input
+    # Names of the modules that get adapters ("q_proj", "v_proj", ...); empty: peft's default for
+    # the model family (q_proj and v_proj for Llama, c_attn for GPT-2).
+    targets: list[str] = setting(default_factory=list, text="key")
 
 
 @dataclass(frozen=True)
@@ -273,6 +294,7 @@ class RunConfig:
     name: str = setting("gpt-shakespeare", text="name")
     out_dir: str = setting("", text="path")  # default: runs/<name>-<strategy>-<timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -648,3 +670,19 @@ def validate(cfg: RunConfig) -> None:
                           f"{t.steps}); profile steps inside 1..{t.steps}.")
     if len(set(cfg.log.trackers)) != len(cfg.log.trackers):
         raise ConfigError(f"log.trackers lists a tracker twice: {cfg.log.trackers}.")
+    _validate_model(cfg.model, cfg.lora)
+    if cfg.lora.rank and p.sequence_parallel:
+        raise ConfigError("LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
+                          "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel "
+                          "alone works with LoRA).")
+
+
+def _validate_model(mc: ModelConfig, lc: LoraConfig) -> None:
+    # Each value is checked against its field's rule already; these relate fields to each other.
+    if mc.pretrained and mc.kind != "hf":
+        raise ConfigError(f"model.pretrained = {mc.pretrained!r} loads a Hugging Face folder, which needs "
+                          f"model.kind = 'hf' (it is {mc.kind!r}).")
+    if lc.rank and not (mc.kind == "hf" and mc.pretrained):
+        raise ConfigError(
+            "lora.rank > 0 trains adapters on a frozen pretrained model: set model.kind = 'hf' and "
+            "model.pretrained = 'path/to/hf-folder' (or set lora.rank = 0 to train every weight).")

@@ -64,9 +64,13 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     strategy = get_strategy(layout)
     if workload is None:
         # Building the datasets reports a missing or malformed data file here, once.
-        workload = build_workload(cfg.model, cfg.data)
+        workload = build_workload(cfg.model, cfg.data, cfg.lora)
         meta = meta_model(workload, builtin=cfg.model.kind != "custom")
     if meta is not None:
+        pretrained_tensors = getattr(meta, "pretrained_tensors", None)
+        if pretrained_tensors is not None:
+            # Every weight the model needs is in the folder, with the shape its config builds.
+            pretrained_tensors()
         # Heads divisible by tp, no more stages than layers...; without a meta model the same
         # check still runs on every rank in ``Session.prepare``.
         strategy.check_model(meta)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardwise.config import DataConfig, ModelConfig, Rule, check_value
+from shardwise.config import DataConfig, LoraConfig, ModelConfig, Rule, check_value
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 
 MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
@@ -120,12 +120,15 @@ def block_size_of(mc: ModelConfig) -> int:
     return int(mc.overrides.get("block_size", mc.overrides.get("seq_len", 128)))
 
 
-def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
-    """Build the workload named by the model and data config sections."""
+def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = None) -> Workload:
+    """Build the workload named by the model and data config sections (and ``[lora]`` adapters)."""
     if mc.kind not in MODEL_KINDS:
         raise unknown_choice("model kind", mc.kind, MODEL_KINDS)
     if dc.kind not in DATA_KINDS:
         raise unknown_choice("data kind", dc.kind, DATA_KINDS)
+    if dc.kind == "text" and not dc.tokenizer and mc.pretrained:
+        # A model folder usually holds its tokenizer (save_pretrained of both): use it by default.
+        dc = dataclasses.replace(dc, tokenizer=mc.pretrained)
 
     tokens_per_sample, vocab_size, tokenizer = 1, None, None
     max_token_id: int | None = None
@@ -185,27 +188,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        from shardwise.models.hf import build_hf_model
-        from shardwise.models.hf_config import hf_family, load_hf_config_dict
-
-        if not mc.hf_config:
-            raise ConfigError("model.kind = 'hf' needs model.hf_config: a local config.json path, a folder "
-                              "holding one, or a bundled name such as 'llama-tiny' or 'llama-3-8b'.")
-        kwargs = dict(mc.overrides)
-        config_vocab = load_hf_config_dict(mc.hf_config).get("vocab_size")
-        # Shakespeare's characters or a tokenizer size the embedding only when the config's own
-        # (often padded) vocabulary cannot hold the data's ids: a model's vocabulary is kept, so a
-        # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as
-        # is. Bare token ids never resize it (they are checked below).
-        config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
-        if vocab_size is not None and "vocab_size" not in kwargs and dc.kind in ("shakespeare", "text") \
-                and not config_holds:
-            kwargs["vocab_size"] = vocab_size
-        model_vocab = kwargs.get("vocab_size", config_vocab)
-        if isinstance(model_vocab, int):
-            _check_token_ids(max_token_id, model_vocab, dc)
-        build = lambda: build_hf_model(mc.hf_config, **kwargs)  # noqa: E731
-        family = hf_family(mc.hf_config)
+        build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id)
     else:
         if not mc.factory:
             raise ConfigError("model.kind = 'custom' needs model.factory = 'module:function' returning "
@@ -216,6 +199,53 @@ def build_workload(mc: ModelConfig, dc: DataConfig) -> Workload:
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
                     sample_text=sample, notes=notes)
+
+
+def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_size: int | None,
+              max_token_id: int | None) -> tuple[Callable[[], nn.Module], str]:
+    """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front."""
+    from shardwise.models.hf import build_hf_model
+    from shardwise.models.hf_config import hf_family, load_hf_config_dict, resolve_hf_config
+
+    config_src = mc.hf_config
+    if mc.pretrained:
+        from shardwise.models.pretrained import inspect_pretrained
+
+        # Reads only config.json and the safetensors headers: a bad folder fails before any rank.
+        folder = inspect_pretrained(mc.pretrained)
+        own = (folder.path / "config.json").resolve()
+        if mc.hf_config and resolve_hf_config(mc.hf_config).resolve() != own:
+            raise ConfigError(
+                f"model.hf_config = {mc.hf_config!r} and model.pretrained = {mc.pretrained!r} name different "
+                "configs; a pretrained model is built from its own config.json. Leave model.hf_config empty.")
+        config_src = str(folder.path)
+    if not config_src:
+        raise ConfigError("model.kind = 'hf' needs model.hf_config (a local config.json path, a folder holding "
+                          "one, or a bundled name such as 'llama-tiny' or 'llama-3-8b') or model.pretrained (a "
+                          "folder with config.json and safetensors weights).")
+    kwargs = dict(mc.overrides)
+    config_vocab = load_hf_config_dict(config_src).get("vocab_size")
+    # Shakespeare's characters or a tokenizer size the embedding only when the config's own
+    # (often padded) vocabulary cannot hold the data's ids: a model's vocabulary is kept, so a
+    # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as
+    # is. Bare token ids never resize it (they are checked below).
+    config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
+    if vocab_size is not None and "vocab_size" not in kwargs and dc.kind in ("shakespeare", "text") \
+            and not config_holds:
+        if mc.pretrained:
+            source = f"the tokenizer {dc.tokenizer!r}" if dc.kind == "text" else "the Shakespeare characters"
+            raise ConfigError(
+                f"{source} needs a vocabulary of {vocab_size} ids, but the pretrained model "
+                f"{mc.pretrained!r} has {config_vocab} embedding rows, and its weights cannot be resized. "
+                "Tokenise the data with the model's own tokenizer (data.tokenizer = the model folder).")
+        kwargs["vocab_size"] = vocab_size
+    model_vocab = kwargs.get("vocab_size", config_vocab)
+    if isinstance(model_vocab, int):
+        _check_token_ids(max_token_id, model_vocab, dc)
+    lora = lora if lora is not None and lora.rank > 0 else None
+    if mc.pretrained:
+        return (lambda: build_hf_model(pretrained=mc.pretrained, lora=lora, **kwargs)), hf_family(config_src)
+    return (lambda: build_hf_model(config_src, **kwargs)), hf_family(config_src)
 
 
 def _check_token_ids(max_token_id: int | None, model_vocab: int, dc: DataConfig) -> None:

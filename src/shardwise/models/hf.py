@@ -5,13 +5,19 @@ out. The HF module itself sits under ``.hf`` with its own names intact, so tenso
 address it as ``hf.model.layers.0.self_attn.q_proj`` and checkpoints keep the HF parameter names
 behind an ``hf.`` prefix.
 
-Weights are freshly initialised by transformers from torch's global RNG (the runtime seeds it), in
-fp32: precision is the runtime's job (``parallel.precision``), not the config file's ``dtype``.
+Weights are freshly initialised by transformers from torch's global RNG (the runtime seeds it), or
+loaded from a pretrained folder (``pretrained=``), in fp32 either way: precision is the runtime's
+job (``parallel.precision``), not the config file's ``dtype``. ``lora=`` adds peft adapters and
+freezes the rest (``models.lora``).
+
+Built inside ``Session.build`` the model lives on the meta device and its pretrained weights are
+read later, each rank reading only its own shards (``Session.prepare``); built anywhere else it is
+a whole model with its weights already loaded.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,20 +33,55 @@ from shardwise.models.hf_config import (
     resolve_hf_config,
 )
 
+if TYPE_CHECKING:
+    from shardwise.config import LoraConfig
+    from shardwise.models.pretrained import PretrainedFolder
+
 __all__ = ["SEQ_LEN_KEYS", "SUPPORTED_FAMILIES", "HFCausalLM", "build_hf_model", "bundled_config_dir",
            "bundled_configs", "hf_family", "load_hf_config_dict", "resolve_hf_config"]
 
 
 class HFCausalLM(nn.Module):
-    """A transformers causal LM as ``input_ids (B, T) -> logits (B, T, vocab)``; the HF model is ``.hf``."""
+    """A transformers causal LM as ``input_ids (B, T) -> logits (B, T, vocab)``; the HF model is ``.hf``.
 
-    def __init__(self, hf: nn.Module) -> None:
+    Beside the module it keeps what an export back to Hugging Face needs: ``export_config`` (the
+    config.json it was built from, overrides applied, dropout as the user set it), ``pretrained``
+    (the checked folder its weights come from, or None) and ``lora`` (peft's adapter config as a
+    dict, or None).
+    """
+
+    def __init__(self, hf: nn.Module, *, export_config: dict[str, Any] | None = None,
+                 pretrained: PretrainedFolder | None = None, lora: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.hf = hf
+        self.export_config = export_config if export_config is not None else hf.config.to_dict()
+        self.pretrained = pretrained
+        self.lora = lora
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # No KV cache: training never reuses it, and it would hold activations across steps.
         return self.hf(input_ids=input_ids, use_cache=False).logits
+
+    # ------------------------------------------------------------------ pretrained weights
+    def pretrained_tensors(self) -> dict[str, str]:
+        """{name in this module: key in the pretrained files} of every tensor the folder provides."""
+        if self.pretrained is None:
+            return {}
+        from shardwise.models.pretrained import check_model_tensors
+
+        return {f"hf.{name}": key for name, key in check_model_tensors(self.pretrained, self.hf).items()}
+
+    def load_pretrained(self) -> None:
+        """Read the pretrained weights into this (possibly sharded) module; collective under a process group."""
+        if self.pretrained is not None:
+            from shardwise.models.pretrained import load_pretrained
+
+            load_pretrained(self.hf, self.pretrained)
+
+    def export_info(self) -> dict[str, Any]:
+        """What ``shardwise ckpt export --format hf/peft`` needs, as JSON data for the checkpoint manifest."""
+        return {"format": "hf", "prefix": "hf.", "config": self.export_config, "lora": self.lora,
+                "pretrained": str(self.pretrained.path.resolve()) if self.pretrained is not None else None}
 
 
 def _transformers() -> Any:
@@ -49,6 +90,15 @@ def _transformers() -> Any:
     except ImportError:
         raise ConfigError("model.kind = 'hf' needs the transformers package: pip install 'shardwise[hf]'.") from None
     return transformers
+
+
+def _no_init_weights(transformers: Any) -> Any:
+    """transformers' context that skips weight initialisation (moved between v4 and v5)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights
 
 
 def _config_kwargs(transformers: Any, raw: dict[str, Any], model_type: str,
@@ -68,14 +118,8 @@ def _config_kwargs(transformers: Any, raw: dict[str, Any], model_type: str,
     return {**raw, **no_dropout, **overrides}
 
 
-def build_hf_model(config_path: str, **overrides: Any) -> HFCausalLM:
-    """Return a freshly initialised HF causal LM from a local config, with ``overrides`` applied to it.
-
-    ``config_path``: a config.json, a folder holding one, or a bundled name (``bundled_configs()``).
-    ``block_size``/``seq_len`` overrides are the training sequence length: checked against the
-    model's position limit, not written into the config.
-    """
-    transformers = _transformers()
+def _build_config(transformers: Any, config_path: str, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(the transformers config to build, the config.json to export) from a config path and overrides."""
     raw = load_hf_config_dict(config_path)
     model_type = hf_family(config_path)
     raw.pop("model_type", None)
@@ -85,12 +129,58 @@ def build_hf_model(config_path: str, **overrides: Any) -> HFCausalLM:
     for key, seq in seq_lens.items():
         if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
             raise ConfigError(f"model.overrides.{key} must be a positive integer, got {seq!r}.")
-    config = transformers.AutoConfig.for_model(model_type, **_config_kwargs(transformers, raw, model_type, overrides))
+    kwargs = _config_kwargs(transformers, raw, model_type, overrides)
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
     max_pos = getattr(config, "max_position_embeddings", None)
     for key, seq in seq_lens.items():
         if max_pos is not None and seq > max_pos:
             raise ConfigError(f"model.overrides.{key}={seq} exceeds the model's max_position_embeddings={max_pos}; "
                               "lower it or raise max_position_embeddings in the overrides.")
-    # sdpa runs on CPU and CUDA alike with no extra package (flash-attention would need CUDA).
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return HFCausalLM(hf)
+    # The exported config.json: the user's config with their overrides, dropout as they set it
+    # (zeroed only for training, see _config_kwargs).
+    export = transformers.AutoConfig.for_model(model_type, **{**raw, **overrides}).to_dict()
+    return config, export
+
+
+def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraConfig | None = None,
+                   **overrides: Any) -> HFCausalLM:
+    """Return an HF causal LM from a local config, with ``overrides`` applied to it.
+
+    ``config_path``: a config.json, a folder holding one, or a bundled name (``bundled_configs()``);
+    the pretrained folder's own config.json when ``pretrained`` is given. ``pretrained``: a folder
+    (config.json + safetensors) whose weights the model gets (checked first, see
+    ``models.pretrained``); without it the weights are freshly initialised from torch's RNG.
+    ``lora``: peft adapters on the frozen model. ``block_size``/``seq_len`` overrides are the
+    training sequence length: checked against the model's position limit, not written into the config.
+    """
+    transformers = _transformers()
+    folder = None
+    if pretrained:
+        from shardwise.models.pretrained import inspect_pretrained
+
+        folder = inspect_pretrained(pretrained)
+        config_path = config_path or str(folder.path)
+    if not config_path:
+        raise ConfigError("build_hf_model needs a config (a config.json, a folder or a bundled name) or a "
+                          "pretrained folder.")
+    config, export = _build_config(transformers, config_path, dict(overrides))
+    if folder is None:
+        # sdpa runs on CPU and CUDA alike with no extra package (flash-attention would need CUDA).
+        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    else:
+        # Every weight comes from the folder: initialising them first would only waste time and
+        # random draws (and the draws would change what a LoRA adapter starts from).
+        with _no_init_weights(transformers)():
+            hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        hf.tie_weights()  # skipped with the init above; the files hold only one of tied tensors
+    model = HFCausalLM(hf, export_config=export, pretrained=folder)
+    if folder is not None and not any(p.is_meta for p in hf.parameters()):
+        # Built for real (outside Session.build, or with model.init = "eager"): load now, whole.
+        model.load_pretrained()
+    if lora is not None and lora.rank > 0:
+        if folder is None:
+            raise ConfigError("LoRA adapters train on a frozen pretrained model: pass pretrained=FOLDER.")
+        from shardwise.models.lora import apply_lora
+
+        model.lora = apply_lora(hf, lora)
+    return model

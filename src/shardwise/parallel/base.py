@@ -21,6 +21,8 @@ class ParallelContext:
 
     ``layout`` is the Session's layout, including the model's blocks once ``prepare`` found them;
     ``options`` the ``[parallel]`` section for what is not a degree (precision, wrap, AC mode).
+    ``materialize`` is set when the model was built on the meta device (``Session.build``): it
+    allocates a module's (local shards of) tensors and initialises or loads them.
     """
 
     world_size: int
@@ -29,6 +31,7 @@ class ParallelContext:
     options: ParallelConfig
     layout: Layout
     mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
+    materialize: Callable[[nn.Module], None] | None = None
 
 
 class Strategy:
@@ -56,7 +59,18 @@ class Strategy:
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         """Return the model to train (wrapped or sharded in place)."""
+        self.materialize(model, ctx)
         return model
+
+    def materialize(self, module: nn.Module, ctx: ParallelContext) -> None:
+        """Allocate and initialise (or load) a meta-device model's tensors; a no-op for a real model.
+
+        Every strategy calls it at its point of the meta-device flow (torchtitan's): after sharding
+        for FSDP and TP, so that each rank allocates and fills only its own shards; before wrapping
+        for DDP, which needs real tensors to start from. See ``runtime.meta_init``.
+        """
+        if ctx.materialize is not None:
+            ctx.materialize(module)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        ctx: ParallelContext) -> torch.optim.Optimizer:

@@ -98,12 +98,23 @@ class ModelParallelStrategy(Strategy):
         if pp > 1:
             ranges = list(layout.stage_ranges)
             stage_ids = layout.stage_ids(mesh["pp"].get_local_rank())  # type: ignore[index]
-            model = prune_to_stages(model, stage_ids, ranges).to(ctx.device)
+            model = prune_to_stages(model, stage_ids, ranges)
+            if ctx.materialize is None:  # a meta-device model is allocated below, stages only
+                model = model.to(ctx.device)
         if tp > 1:
             apply_tp(model, mesh["tp"], layout.sequence_parallel)  # type: ignore[index]
         apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
-        wrapped = [self._wrap_dp(part, ctx) for part in parts]
+        if self.dp_kind == "fsdp":
+            # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root
+            # (each stage), so that FSDP re-points its sharded parameters at the new storage.
+            wrapped = [self._wrap_dp(part, ctx) for part in parts]
+            for part in wrapped:
+                self.materialize(part, ctx)
+        else:
+            # DDP (or nothing) on top: the stage's or TP slice's tensors must be real first.
+            self.materialize(model, ctx)
+            wrapped = [self._wrap_dp(part, ctx) for part in parts]
         if pp == 1:
             return wrapped[0]
         if self.uses_autocast() and opts.precision == "bf16-mixed":  # fp16 is refused under PP

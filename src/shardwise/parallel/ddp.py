@@ -15,6 +15,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        self.materialize(model, ctx)  # every rank holds the whole model: allocate it before DDP
         if ctx.world_size == 1:
             return model  # DDP on one rank only adds overhead; the math is identical.
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

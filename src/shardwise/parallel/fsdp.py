@@ -120,8 +120,11 @@ class FSDPStrategy(Strategy):
         return True
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        return apply_fsdp(model, ctx.mesh, ctx.options,
-                          reshard_after_forward=self.reshard_after_forward, offload=self.offload)
+        model = apply_fsdp(model, ctx.mesh, ctx.options,
+                           reshard_after_forward=self.reshard_after_forward, offload=self.offload)
+        # A meta-device model is sharded first, then each rank allocates and fills its 1/N shards.
+        self.materialize(model, ctx)
+        return model
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from shardwise.errors import ConfigError
 from shardwise.parallel.blocks import tp_plan_family
 from shardwise.parallel.registry import LLAMA_LIKE
-from shardwise.parallel.tp_plans import PLANS, TPPlan
+from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
            "split_mixed_param_groups", "tp_loss_context", "tp_shape_sizes", "total_grad_norm"]
@@ -51,10 +51,16 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
     if tp == 1:
         return
     if not model_family(model):
+        from shardwise.parallel.blocks import model_family as family_of
+
+        family = family_of(model)
+        what = f"the {family} model" if family else type(model).__name__
+        why = (" (GPT-2 fuses q, k and v into one Conv1D, which a column split would cut across heads)"
+               if family == "gpt2" else "")
         raise ConfigError(
-            f"tensor parallel has no plan for {type(model).__name__}: plans exist for the built-in "
-            f"GPT and Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel "
-            "or sharded strategy (ddp, fsdp) or pipeline parallel for this model."
+            f"tensor parallel has no plan for {what}{why}: plans exist for the built-in GPT and "
+            f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
+            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
         )
     bad = {k: v for k, v in tp_shape_sizes(model).items() if v % tp}
     if bad:
@@ -84,15 +90,17 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     plan: TPPlan = PLANS[model_family(model)](sequence_parallel)
     top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
     if top:
-        parallelize_module(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, with_lora(top, model))
     blocks = _get(model, plan.blocks_path)
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
-        parallelize_module(block, tp_mesh, plan.block)
+        # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
+        parallelize_module(block, tp_mesh, with_lora(plan.block, block))
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.
     for p in model.parameters():
-        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+        # Frozen weights (a LoRA base) get no gradient, so nothing to re-shard.
+        if isinstance(p, DTensor) and p.requires_grad and any(pl.is_shard() for pl in p.placements):
             p.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
 

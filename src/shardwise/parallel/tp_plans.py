@@ -15,12 +15,16 @@ A plan maps a module path (relative to the model, or to one transformer block) t
   an all-gather (same bytes on the wire).
 
 Models use ``view(..., -1, head_dim)``, so a rank that holds fewer heads needs no code change.
+
+LoRA (peft) wraps a planned linear layer: ``with_lora`` moves its style onto the wrapped
+``base_layer`` and shards the adapters to match (see there), so the plans themselves stay the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -112,3 +116,34 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
 
 
 PLANS = {"gpt": gpt_plan, "llama": llama_plan}
+
+
+def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, ParallelStyle]:
+    """Return ``plan`` for ``root`` with every LoRA-wrapped layer's style moved onto its base layer.
+
+    A peft LoRA layer computes ``base(x) + B(A(x)) * scale``; the adapters must produce the same
+    layout as the base so the sum lines up, with one extra collective at most, on the rank-r side:
+
+    * column-wise base (output split over tp): ``A`` stays whole (replicated, r x in) and ``B`` is
+      column-wise too, so each rank computes the slice of ``B A x`` matching its slice of ``base(x)``;
+    * row-wise base (input split over tp): ``A`` is row-wise with a replicated (all-reduced) rank-r
+      output, and ``B`` stays whole, adding the full ``B A x`` to the reduced base output.
+    """
+    out: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        try:
+            layer = root.get_submodule(path)
+        except AttributeError:
+            out[path] = style
+            continue
+        base = getattr(layer, "base_layer", None)
+        if base is None or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            out[path] = style
+            continue
+        out[f"{path}.base_layer"] = style
+        for adapter in layer.lora_A:
+            if isinstance(style, ColwiseParallel):
+                out[f"{path}.lora_B.{adapter}"] = ColwiseParallel()
+            else:
+                out[f"{path}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Replicate())
+    return out

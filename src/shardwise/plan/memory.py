@@ -153,9 +153,29 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
     if layout.tp > 1:
         # Matrices are split tp ways (column- or row-wise, vocab-parallel embeddings); vectors
         # (norm weights, most biases) are replicated. Modelled as a dim-0 split.
-        params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit)
-                  if len(p.shape) >= 2 else p for p in params]
+        params = [ParamInfo(p.name, (math.ceil(p.shape[0] / layout.tp), *p.shape[1:]), p.unit, p.trainable)
+                  if _tp_split(p) else p for p in params]
     return params
+
+
+# The row-parallel linear layers of the tensor-parallel plans (``parallel/tp_plans.py``; the rest
+# are column-parallel), by their last name. Kept here as names: the planner does not import torch.
+ROWWISE_LAYERS = ("o_proj", "down_proj", "proj")
+
+
+def _tp_split(p: ParamInfo) -> bool:
+    """Whether tensor parallel splits ``p`` (else every TP rank holds it whole).
+
+    LoRA adapters follow their base layer (``tp_plans.with_lora``): a column-parallel base splits
+    ``lora_B`` and keeps ``lora_A`` whole, a row-parallel base splits ``lora_A`` and keeps ``lora_B``.
+    """
+    if len(p.shape) < 2:
+        return False
+    for adapter, split_under_rowwise in ((".lora_A.", True), (".lora_B.", False)):
+        if adapter in p.name:
+            layer = p.name.split(adapter)[0].rsplit(".", 1)[-1]
+            return (layer in ROWWISE_LAYERS) == split_under_rowwise
+    return True
 
 
 def _with_blocks(spec: ModelSpec, layout: Layout) -> Layout:
@@ -163,6 +183,14 @@ def _with_blocks(spec: ModelSpec, layout: Layout) -> Layout:
     if layout.n_blocks is None:
         return layout.with_blocks(spec.n_layers or 1)
     return layout
+
+
+def _zero1_owned(params: list[ParamInfo], numels: list[int], world: int) -> list[list[int]]:
+    """ZeRO-1's partition of the trainable tensors (the optimizer's), as indices into ``params``."""
+    trainable = [i for i, p in enumerate(params) if p.trainable]
+    if len(trainable) == len(params):
+        return zero1_partition(numels, world)
+    return [[trainable[j] for j in owned] for owned in zero1_partition([numels[i] for i in trainable], world)]
 
 
 def zero1_partition(numels: list[int], world: int) -> list[list[int]]:
@@ -203,7 +231,7 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
         for stage in range(layout.pp):
             params = _local_params(spec, layout, stage)
             numels = [p.numel for p in params]
-            owned = zero1_partition(numels, layout.dp) if layout.sharding == "zero1" else None
+            owned = _zero1_owned(params, numels, layout.dp) if layout.sharding == "zero1" else None
             for r in candidates:
                 sb = _state_bytes_one(spec, layout, prec, optimizer, r, params, owned, numels)
                 if sb.total > best.total:
@@ -221,7 +249,7 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         numels = numels if numels is not None else [p.numel for p in params]
         total = sum(numels)
         out.params = prec.param * total
-        out.grads = prec.grad * total
+        out.grads = prec.grad * sum(n for n, p in zip(numels, params) if p.trainable)
         if layout.sharding == "zero1" and not spec.params:
             # Bare count: no tensor boundaries known, so assume an even split of the flat state.
             share = math.ceil(numels[0] / layout.dp)
@@ -229,9 +257,9 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             out.master = prec.master * share
             return out
         if layout.sharding == "replicate":
-            owned: range | list[int] = range(len(params))
+            owned: range | list[int] = [i for i, p in enumerate(params) if p.trainable]
         else:
-            owned = (zero1_owned or zero1_partition(numels, layout.dp))[rank]
+            owned = (zero1_owned or _zero1_owned(params, numels, layout.dp))[rank]
         for i in owned:
             out.optimizer += optimizer_state_bytes(params[i].shape, optimizer) + step
             out.master += prec.master * numels[i]
@@ -241,6 +269,8 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         padded, actual = _chunk_rows(p.shape[0], n, rank)
         rest = math.prod(p.shape[1:])
         out.params += prec.param * padded * rest  # FSDP2 pads parameter and gradient storage
+        if not p.trainable:
+            continue  # frozen (LoRA base): no gradient, no optimizer state, no master copy
         out.grads += prec.grad * padded * rest
         local_shape = (actual, *p.shape[1:])
         out.optimizer += optimizer_state_bytes(local_shape, optimizer) + step

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.layout import Layout
@@ -229,7 +230,7 @@ def model_name(m: Any) -> str:
     if m.kind == "gpt":
         return f"gpt-{m.preset}"
     if m.kind == "hf":
-        return str(m.hf_config)
+        return str(m.hf_config or Path(m.pretrained).name)
     return m.factory or m.kind
 
 

@@ -33,6 +33,8 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     unit: int
+    # False for a frozen tensor (a LoRA base weight): it has no gradient and no optimizer state.
+    trainable: bool = True
     # Element count, computed once: the planner sums it over every tensor of every candidate.
     numel: int = field(init=False, repr=False, compare=False)
 
@@ -300,7 +302,7 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
     params: list[ParamInfo] = []
     for pname, p in module.named_parameters():
         unit = next((u for pre, u in unit_of.items() if pname.startswith(pre)), ROOT_UNIT)
-        params.append(ParamInfo(pname, tuple(p.shape), unit))
+        params.append(ParamInfo(pname, tuple(p.shape), unit, trainable=bool(p.requires_grad)))
     n_params = sum(p.numel for p in params)
     cfg = getattr(module, "config", None) or getattr(getattr(module, "hf", None), "config", None)
     structure: dict[str, Any] = {}

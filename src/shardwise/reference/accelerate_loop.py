@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                               mixed_precision="bf16" if cfg.parallel.precision == "bf16-mixed" else "no")
     device = accelerator.device
     torch.manual_seed(t.seed)
-    workload = build_workload(cfg.model, cfg.data)
+    workload = build_workload(cfg.model, cfg.data, cfg.lora)
     model = workload.build_model()
     model = common.compile_blocks(model, t)
     optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas)

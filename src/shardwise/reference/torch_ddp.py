@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=cfg.watchdog.collective_timeout_s))
     torch.manual_seed(t.seed)
-    workload = build_workload(cfg.model, cfg.data)
+    workload = build_workload(cfg.model, cfg.data, cfg.lora)
     model = workload.build_model().to(device)
     model = common.compile_blocks(model, t)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=cfg.watchdog.collective_timeout_s))
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(t.seed)
-    workload = build_workload(cfg.model, cfg.data)
+    workload = build_workload(cfg.model, cfg.data, cfg.lora)
     model = workload.build_model().to(device)
     model = common.compile_blocks(model, t)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -5,8 +5,10 @@ runs as a single process when there is none; picks device and backend; seeds eve
 the parallel strategy in ``prepare``; and offers ``backward``, gradient accumulation, rank-0
 printing/logging/progress, and metric all-reduces. The built-in trainer uses only this API.
 
-    session = Session(strategy="ddp")
-    model, optimizer, scheduler = session.prepare(model, optimizer, scheduler)
+    session = Session(strategy="fsdp")
+    model = session.build(make_model)          # on the meta device: no memory used yet
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer, scheduler = session.prepare(model, optimizer, scheduler)  # shards, then fills them
     loader = session.dataloader(dataset, batch_size=32)
     for x, y in loader:
         with session.accumulate(model):
@@ -115,6 +117,13 @@ class Session:
         self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
+        # What build() recorded: (the meta model, its init program); None for an eager build.
+        self._built: tuple[nn.Module, Any] | None = None
+        # Notes for the run's log (e.g. why a model could not be built on the meta device).
+        self.notes: list[str] = []
+        # Whether checkpoints leave out frozen parameters (LoRA on a pretrained model: the base
+        # comes from model.pretrained every time and is never saved again).
+        self.trainable_only = False
         # The last step's pre-clip gradient norm as a device tensor (reading it needs no host
         # sync until someone asks), and whether that step was skipped as non-finite.
         self.last_grad_norm: torch.Tensor | None = None
@@ -163,6 +172,64 @@ class Session:
         return init_device_mesh(self.device.type, self.layout.mesh_shape,
                                 mesh_dim_names=self.layout.mesh_dim_names)
 
+    # ------------------------------------------------------------------ build
+    def build(self, factory: Callable[[], nn.Module], *, init: str = "meta") -> nn.Module:
+        """Return the model ``factory()`` builds, on the meta device unless ``init="eager"``.
+
+        With ``init="meta"`` nothing is allocated yet: the construction is recorded, and
+        ``prepare`` applies the strategy to the meta model, then allocates only this rank's shards
+        and fills them by replaying the recorded initialisation (the same random draws as an eager
+        build, so the same weights for the same seed), or by reading a pretrained model's files
+        (``build_hf_model(pretrained=...)``). Build the optimizer on the returned model's
+        parameters as usual; ``prepare`` re-points it. A factory that cannot run on the meta
+        device (it reads tensor values while building) is built eagerly instead; ``notes`` says why.
+        """
+        from shardwise.config import INIT_MODES
+        from shardwise.runtime.meta_init import MetaInitUnsupported, record_build
+
+        if init not in INIT_MODES:
+            raise ConfigError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}.")
+        if self._prepared:
+            raise ShardwiseError("session.build() comes before session.prepare().")
+        if init == "eager":
+            return factory()
+        try:
+            model, program = record_build(factory)
+        except ShardwiseError:
+            raise  # a config mistake (bad pretrained folder, LoRA targets...): the same on any device
+        except Exception as e:  # noqa: BLE001 - any factory that fails on meta is built eagerly instead
+            reason = str(e) if isinstance(e, MetaInitUnsupported) else f"{type(e).__name__}: {e}"
+            self.notes.append(f"the model cannot be built on the meta device ({reason}); every rank builds "
+                              "it whole instead (as with model.init = 'eager')")
+            return factory()
+        self._built = (model, program)
+        return model
+
+    def _materializer(self, model: nn.Module) -> Callable[[nn.Module], None] | None:
+        """The strategy's hook that allocates and fills a meta model's (shards of) tensors, or None."""
+        from shardwise.runtime.meta_init import is_meta_module
+
+        if self._built is None or self._built[0] is not model:
+            if is_meta_module(model):
+                raise ShardwiseError(
+                    "the model passed to prepare() is on the meta device but was not built by "
+                    "session.build(factory): shardwise cannot know its initial values. Build it with "
+                    "model = session.build(factory), or pass a model with real tensors.")
+            return None
+        program = self._built[1]
+        # Pretrained tensors are read from their files after the replay, which leaves them out.
+        loaded = set(model.pretrained_tensors()) if hasattr(model, "pretrained_tensors") else set()
+        # fsdp-offload keeps its shards in host memory.
+        device = torch.device("cpu") if self.layout.offload else self.device
+
+        def materialize(module: nn.Module) -> None:
+            program.materialize(module, device, skip=loaded, name_of=clean_name)
+            load = getattr(module, "load_pretrained", None)
+            if loaded and load is not None:
+                load()
+
+        return materialize
+
     # ------------------------------------------------------------------ prepare
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
                 scheduler: Any = None) -> tuple[Any, ...]:
@@ -197,11 +264,17 @@ class Session:
         # The same model, and so the same error, on every rank: a shape that does not fit the
         # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
         self.strategy.check_model(model)
+        self.check_lora(model)
+        materialize = self._materializer(model)
         blocks = find_blocks(model)
         if blocks is not None:
             self.layout = self.layout.with_blocks(len(blocks), blocks.path)
-            self.ctx = dataclasses.replace(self.ctx, layout=self.layout)
-        if not self.strategy.partitions_parameters:
+        self.ctx = dataclasses.replace(self.ctx, layout=self.layout, materialize=materialize)
+        # A pretrained model's frozen base is read from its folder at every start: checkpoints
+        # hold only what trains (the adapters).
+        self.trainable_only = (getattr(model, "pretrained", None) is not None
+                               and any(not p.requires_grad for p in model.parameters()))
+        if materialize is None and not self.strategy.partitions_parameters:
             # Pipeline stages move only their own layers, after the strategy drops the rest, so a
             # model larger than one device's memory never has to fit on it whole.
             model = model.to(self.device)
@@ -214,6 +287,8 @@ class Session:
             model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
                                                    self.options.ac_every)
         prepared = self.strategy.apply(model, self.ctx)
+        self.ctx = dataclasses.replace(self.ctx, materialize=None)
+        self._built = None  # the program held CPU constants; the model is real now
         if isinstance(optimizer, torch.optim.Optimizer):
             self._repoint_optimizer(optimizer, names, prepared,
                                     allow_missing=self.strategy.partitions_parameters)
@@ -238,6 +313,14 @@ class Session:
             raise ShardwiseError(error)
         self.scheduler = scheduler
         return prepared, optimizer, scheduler
+
+    def check_lora(self, model: nn.Module) -> None:
+        """Raise ConfigError where LoRA adapters cannot run under this layout."""
+        if getattr(model, "lora", None) and self.layout.sequence_parallel:
+            raise ConfigError(
+                "LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
+                "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel alone "
+                "works with LoRA).")
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -475,7 +558,8 @@ class Session:
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
                               world_size=self.world_size, state=state, loader=loader,
                               scaler=self._scaler, scheduler_state=sched_state, keep_last=keep_last,
-                              on_written=on_written, job=self.launch_id)
+                              on_written=on_written, trainable_only=self.trainable_only,
+                              export=self._export_info(model), job=self.launch_id)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return out
@@ -495,12 +579,18 @@ class Session:
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
         loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
-                                 scaler=self._scaler, restore_rng=restore_rng)
+                                 scaler=self._scaler, restore_rng=restore_rng,
+                                 trainable_only=self.trainable_only)
         if scheduler is not None:
             note = restore_scheduler(scheduler, loaded.manifest.get("scheduler"), str(loaded.path))
             if note:
                 loaded.notes.append(note)
         return loaded
+
+    def _export_info(self, model: nn.Module) -> dict[str, Any] | None:
+        """What ``ckpt export --format hf/peft`` needs from the model (Hugging Face models only)."""
+        info = getattr(self.unwrap(model), "export_info", None)
+        return info() if callable(info) else None
 
     # ------------------------------------------------------------------ hang detection
     def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0) -> Any:

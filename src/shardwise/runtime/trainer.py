@@ -114,16 +114,24 @@ class Trainer:
         self._skips_in_a_row = 0
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
-        self.workload = build_workload(cfg.model, cfg.data)
+        self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
         for note in self.workload.notes:
             self.session.log(note)
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
         self.state = TrainState()
-        model = self.workload.build_model()
+        # On the meta device (model.init = "meta"): prepare() shards it, then allocates and fills
+        # only this rank's shards (random init replayed, or pretrained weights read).
+        t0 = time.perf_counter()
+        model = self.session.build(self.workload.build_model, init=cfg.model.init)
         # The model's shapes for the planner's prediction, taken before the strategy shards or
         # prunes it (a pipeline rank deletes the stages it does not run).
         spec = from_module(model, name=model_name(cfg.model))
         self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t))
+        for note in self.session.notes:
+            self.session.log(note)
+        self.session.log(f"model ready in {time.perf_counter() - t0:.2f}s (model.init = {cfg.model.init!r}"
+                         f"{', pretrained: ' + cfg.model.pretrained if cfg.model.pretrained else ''}"
+                         f"{f', LoRA rank {cfg.lora.rank}' if cfg.lora.rank else ''})")
         # What the planner predicts this run holds per rank; the summary sets it next to the
         # ledger's measurements, so every job checks the planner.
         self.prediction = predict_run(

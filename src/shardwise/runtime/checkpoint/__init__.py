@@ -32,10 +32,12 @@ SHA-256 against the manifest and then unpickles it with an allow-list of DCP's o
 Modules, one job each: ``manifest`` (names, the manifest, checksums, the model fingerprint),
 ``safe_read`` (DCP metadata and entries read without running code), ``locate`` (finding complete
 checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state dicts), ``save``,
-``load``, ``export`` (inspect, consolidate, write weights) and ``preflight`` (checks before launch).
+``load``, ``export`` (inspect, consolidate, write weights), ``hf_export`` (Hugging Face and PEFT
+folders) and ``preflight`` (checks before launch).
 """
 
 from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoint, read_full_model_state
+from shardwise.runtime.checkpoint.hf_export import export_hf, export_peft
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from shardwise.runtime.checkpoint.locate import (
     checkpoint_job,
@@ -69,8 +71,8 @@ from shardwise.runtime.checkpoint.save import save_checkpoint
 __all__ = [
     "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "LATEST", "MANIFEST", "PARTIAL_OWNER", "PARTIAL_PREFIX",
     "LoadedCheckpoint", "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "checkpoint_job",
-    "complete_checkpoints", "export_weights", "fingerprint", "inspect_checkpoint", "latest_checkpoint",
-    "load_checkpoint", "missing_latest_error", "preflight",
+    "complete_checkpoints", "export_hf", "export_peft", "export_weights", "fingerprint", "inspect_checkpoint",
+    "latest_checkpoint", "load_checkpoint", "missing_latest_error", "preflight",
     "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "rotate",
     "save_checkpoint", "sha256_file", "shape_mismatch", "step_dir_name", "tensor_shapes", "truncate_metrics",
     "verify_files",

@@ -48,11 +48,13 @@ class LoadedCheckpoint:
 
 def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, world_size: int, loader: Any = None, scaler: Any = None,
-                    restore_rng: bool = True) -> LoadedCheckpoint:
+                    restore_rng: bool = True, trainable_only: bool = False) -> LoadedCheckpoint:
     """Restore model, optimizer, data position, scaler (and RNG) from ``source`` on every rank.
 
     Collective. Verifies the manifest and every file's checksum (split across ranks) and the model
     shapes before DCP reads anything; raises CheckpointError, on every rank alike, when a check fails.
+    ``trainable_only``: the model's frozen parameters are not in the checkpoint (LoRA on a pretrained
+    model) and are left as they are.
     """
     rank = global_rank()
     # Rank 0 resolves 'latest' once, so all ranks read the same checkpoint even if a save lands now.
@@ -94,7 +96,14 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         error = str(e)
     raise_on_every_rank(error, CheckpointError)
 
-    model_state, optim_state = state_dicts(model, optimizer)
+    saved_trainable_only = bool(manifest.get("frozen_excluded", False))
+    if saved_trainable_only != trainable_only:  # read from the manifest: every rank raises alike
+        what = ("holds only the LoRA adapters (its frozen base comes from model.pretrained), but the model "
+                "to load it into trains every weight" if saved_trainable_only else
+                "holds every weight, but the model to load it into trains LoRA adapters on a frozen base")
+        raise CheckpointError(f"checkpoint {path} {what}. Load it with the [lora] and model.pretrained "
+                              "settings it was trained with.")
+    model_state, optim_state = state_dicts(model, optimizer, trainable_only)
     mine = tensor_shapes(model_state)
     saved = manifest["model_tensors"]
     local_diffs = shape_mismatch({k: v for k, v in saved.items() if k in mine}, mine)
@@ -129,7 +138,7 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         raise dcp_error(path, e) from None
     if kept:
         payload["optim"].update(kept)
-    set_state_dicts(model, optimizer if optim_state is not None else None, payload)
+    set_state_dicts(model, optimizer if optim_state is not None else None, payload, trainable_only)
 
     loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),
                               manifest=manifest)

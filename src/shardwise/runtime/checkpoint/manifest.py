@@ -154,6 +154,10 @@ def schema_problem(manifest: dict[str, Any]) -> str | None:
         return "the field 'has_optimizer' is not true/false"
     if not isinstance(manifest.get("job", ""), str):
         return "the field 'job' is not a string"
+    if not isinstance(manifest.get("frozen_excluded", False), bool):
+        return "the field 'frozen_excluded' is not true/false"
+    if not isinstance(manifest.get("export"), (dict, type(None))):
+        return "the field 'export' is not an object"
     data = manifest.get("data")
     if data is not None:
         if not isinstance(data, dict):

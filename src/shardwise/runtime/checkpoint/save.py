@@ -60,6 +60,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
                     *, step: int, strategy: str, world_size: int, state: dict[str, Any] | None = None,
                     loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
                     keep_last: int = 0, on_written: Callable[[Path], None] | None = None,
+                    trainable_only: bool = False, export: dict[str, Any] | None = None,
                     job: str | None = None) -> Path:
     """Write a sharded checkpoint of ``step`` under ``root`` on every rank; return its final path.
 
@@ -67,9 +68,11 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
     ``loader`` is a ShardedLoader whose position is recorded; ``scheduler_state`` is the LR
     scheduler's state_dict as JSON data (kept in the manifest, never pickled); ``keep_last`` > 0
     removes this job's older checkpoints; ``on_written(partial_dir)`` runs on each rank after its
-    files are on disk and before the checkpoint is published (fault-injection tests use it). ``job``
-    names the job (default: ``identity.launch_id()``); only checkpoints of the same job are ever
-    rotated away.
+    files are on disk and before the checkpoint is published (fault-injection tests use it).
+    ``trainable_only`` leaves frozen parameters out (LoRA: the base comes from model.pretrained);
+    ``export`` is what ``ckpt export --format hf/peft`` needs to write the model back (JSON data,
+    rank 0's is kept). ``job`` names the job (default: ``identity.launch_id()``); only checkpoints
+    of the same job are ever rotated away.
     """
     root = Path(root)
     rank = global_rank()
@@ -85,7 +88,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
     # Rank 0's job names the directory (ranks on other hosts may derive other launch ids).
     partial = Path(gather(str(partial) if rank == 0 else None)[0])
 
-    model_state, optim_state = state_dicts(model, optimizer)
+    model_state, optim_state = state_dicts(model, optimizer, trainable_only)
     payload: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         payload["optim"] = optim_state
@@ -122,6 +125,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
             "data": loader.state_dict() if loader is not None else None,
             "scheduler": scheduler_state,
             "state": state or {}, "files": files, "job": job,
+            "frozen_excluded": trainable_only, "export": export,
         }
         manifest["checksum"] = body_checksum(manifest)
         atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)

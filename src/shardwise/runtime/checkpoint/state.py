@@ -41,17 +41,32 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-    """(model state, optimizer state or None), name-keyed, as this rank holds them."""
+# LoRA on a pretrained model: the frozen base is read from model.pretrained at every start, so
+# checkpoints hold only the trainable tensors (and loading leaves the frozen ones as they are).
+_TRAINABLE = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    return _TRAINABLE if trainable_only else _OPTIONS
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                trainable_only: bool = False) -> tuple[dict, dict | None]:
+    """(model state, optimizer state or None), name-keyed, as this rank holds them.
+
+    ``trainable_only`` leaves frozen parameters out of the model state.
+    """
+    options = _options(trainable_only)
     if optimizer is None:
-        return get_model_state_dict(model, options=_OPTIONS), None
-    return get_state_dict(model, _local_optimizer(optimizer), options=_OPTIONS)
+        return get_model_state_dict(model, options=options), None
+    return get_state_dict(model, _local_optimizer(optimizer), options=options)
 
 
 def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     payload: dict[str, Any]) -> None:
+                    payload: dict[str, Any], trainable_only: bool = False) -> None:
+    options = _options(trainable_only)
     if optimizer is None:
-        set_model_state_dict(model, payload["model"], options=_OPTIONS)
+        set_model_state_dict(model, payload["model"], options=options)
         return
     local = _local_optimizer(optimizer)
     # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
@@ -61,7 +76,7 @@ def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     local.param_groups = [g for g in groups if g["params"]]
     try:
         set_state_dict(model, local, model_state_dict=payload["model"],
-                       optim_state_dict=payload["optim"], options=_OPTIONS)
+                       optim_state_dict=payload["optim"], options=options)
     finally:
         loaded = iter(local.param_groups)
         local.param_groups = [next(loaded) if g["params"] else g for g in groups]

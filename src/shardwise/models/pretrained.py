@@ -1,0 +1,357 @@
+"""Pretrained Hugging Face folders: checked before any rank starts, then read shard by shard.
+
+A folder as ``save_pretrained`` writes it: ``config.json`` plus either one ``model.safetensors`` or
+several ``model-0000i-of-0000N.safetensors`` named by ``model.safetensors.index.json``.
+``inspect_pretrained`` reads only the JSON and each file's safetensors header (a few KiB, torch-free):
+it finds a folder without weights, an index naming absent files or keys, truncated files,
+dtypes that contradict ``config.json`` and, with ``check_model_tensors``, names and shapes that do
+not match the model built from the config -- each as one ConfigError naming the file and what to
+do. The pre-launch check runs it, so bad input never starts a rank.
+
+``load_pretrained`` then fills a model that the strategy has already sharded (FSDP2, DTensor TP) or
+kept whole (ddp): PyTorch DCP's ``HuggingFaceStorageReader`` plans which slice of which tensor each
+rank needs from the parameters' own placements, and reads only those bytes with safetensors'
+``get_slice``, so no rank ever reads or holds the whole model. We use DCP rather than our own
+``get_slice`` arithmetic because its planner already knows every DTensor placement, FSDP2's
+strided TP+FSDP shards included, and is the same code that reshards shardwise checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_model_tensors", "hf_name",
+           "inspect_pretrained", "load_pretrained", "read_safetensors_header", "tensor_groups"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# safetensors dtype codes shardwise loads (floating point only: quantised weights are refused).
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4,
+               "U32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a pretrained folder: the file holding it, its dtype code and shape."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PretrainedFolder:
+    """What ``inspect_pretrained`` found: the config, the weight files and every tensor's entry."""
+
+    path: Path
+    config: dict[str, Any]
+    files: tuple[str, ...]
+    tensors: dict[str, TensorEntry] = field(repr=False)
+    index: bool  # sharded with model.safetensors.index.json
+    total_bytes: int
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+
+def _where(path: Path) -> str:
+    return f"model.pretrained {str(path)!r}"
+
+
+def read_safetensors_header(file: Path) -> dict[str, Any]:
+    """Return the tensor entries of a safetensors file's header; ConfigError if it is not one or is cut short.
+
+    Checks, without reading any tensor data, that the header parses and that every tensor's bytes
+    lie inside the file with the size its dtype and shape imply (a truncated download fails here).
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"{file} is not a safetensors file (it has {size} bytes): a truncated "
+                                  "download or an empty file. Download or copy it again.")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER_BYTES, size - 8):
+                raise ConfigError(f"{file} is not a valid safetensors file (its header claims {n} bytes, "
+                                  f"the file has {size}): truncated or not safetensors. Download or copy it again.")
+            raw = f.read(n)
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(f"{file} has a damaged safetensors header (not JSON); download or copy it again.") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file} has a damaged safetensors header; download or copy it again.")
+    data_bytes = size - 8 - n
+    out: dict[str, Any] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{file}: the header entry of {name!r} is malformed; download or copy it "
+                              "again.") from None
+        if end > data_bytes:
+            raise ConfigError(
+                f"{file} is truncated: tensor {name!r} ends at byte {end} of the data, but the file holds "
+                f"only {data_bytes} bytes of data. Download or copy the file again.")
+        item = _ITEM_BYTES.get(dtype)
+        if item is not None and end - begin != math.prod(shape) * item:
+            raise ConfigError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {list(shape)} of "
+                              f"{dtype}; the file is damaged. Download or copy it again.")
+        out[name] = {"dtype": dtype, "shape": shape}
+    return out
+
+
+def _read_json(file: Path, what: str) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {what} {str(file)!r} as JSON ({e}).") from None
+
+
+def _config_dtype(config: dict[str, Any]) -> str | None:
+    value = config.get("dtype", config.get("torch_dtype"))
+    return value.removeprefix("torch.") if isinstance(value, str) else None
+
+
+def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
+    """Return the checked contents of a pretrained folder; ConfigError with one clear paragraph otherwise."""
+    from shardwise.models.hf_config import hf_family
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        what = "a file" if path.exists() else "missing"
+        raise ConfigError(f"{_where(path)} must be a folder as save_pretrained writes it (config.json + "
+                          f"*.safetensors); the path is {what}.")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{_where(path)} has no config.json: it is not a Hugging Face model folder "
+                          "(save_pretrained writes config.json next to the weights).")
+    config = _read_json(path / "config.json", "the model config")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path / 'config.json'} holds JSON that is not an object.")
+    hf_family(path)  # the architecture must be one shardwise supports
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        index = _read_json(index_file, "the index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index_file} has no weight_map; the folder is damaged. Save the model again.")
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (path / f).is_file()]
+        if absent:
+            raise ConfigError(
+                f"{index_file} names {len(absent)} weight file(s) that are not in the folder: "
+                f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''}. The download or copy is "
+                "incomplete; fetch the missing shards.")
+        headers = {f: read_safetensors_header(path / f) for f in files}
+        tensors: dict[str, TensorEntry] = {}
+        for name, file in weight_map.items():
+            entry = headers[file].get(name)
+            if entry is None:
+                raise ConfigError(f"{index_file} says {name!r} is in {file}, but that file does not hold it: "
+                                  "the index and the shards come from different saves. Save the model again.")
+            tensors[name] = TensorEntry(file, entry["dtype"], entry["shape"])
+    elif (path / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+        tensors = {name: TensorEntry(SINGLE_FILE, e["dtype"], e["shape"])
+                   for name, e in read_safetensors_header(path / SINGLE_FILE).items()}
+    else:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+        if pickles:
+            raise ConfigError(
+                f"{_where(path)} holds only PyTorch pickle weights ({', '.join(pickles[:3])}), which shardwise "
+                "does not load: unpickling can run code. Convert them once with transformers: "
+                "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) writes model.safetensors.")
+        others = sorted(p.name for p in path.glob("*.safetensors"))
+        hint = (f" It has {', '.join(others[:3])} but no {INDEX_FILE} naming them." if others else "")
+        raise ConfigError(f"{_where(path)} has no weights: neither {SINGLE_FILE} nor {INDEX_FILE}.{hint} "
+                          "Point it at a folder written by save_pretrained.")
+    if not tensors:
+        raise ConfigError(f"{_where(path)}: the weight files hold no tensors.")
+    _check_dtypes(path, config, tensors)
+    total = sum((path / f).stat().st_size for f in files)
+    return PretrainedFolder(path, config, tuple(files), tensors, index_file.is_file(), total)
+
+
+def _check_dtypes(path: Path, config: dict[str, Any], tensors: dict[str, TensorEntry]) -> None:
+    bad = {n: e.dtype for n, e in tensors.items() if e.dtype not in FLOAT_DTYPES}
+    if bad:
+        name, dtype = next(iter(bad.items()))
+        raise ConfigError(
+            f"{_where(path)} holds {len(bad)} non-floating-point tensor(s), e.g. {name!r} in {dtype}: "
+            "quantised weights are not supported. Use the model's float16/bfloat16/float32 release.")
+    declared = _config_dtype(config)
+    if declared in FLOAT_DTYPES.values():
+        off = {n: FLOAT_DTYPES[e.dtype] for n, e in tensors.items() if FLOAT_DTYPES[e.dtype] != declared}
+        if off:
+            name, dtype = next(iter(off.items()))
+            raise ConfigError(
+                f"{_where(path)}: config.json says the weights are {declared}, but {len(off)} tensor(s) are "
+                f"not, e.g. {name!r} is {dtype} in {tensors[name].file}. The folder mixes files of different "
+                "saves, or config.json is wrong; fix its 'dtype' (or 'torch_dtype') or save the model again.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Names: the model's tensors as Hugging Face names them (what the files hold).
+
+LORA_WRAPPED = ".base_layer"  # peft keeps the module it wraps under this name
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a registered tensor name (peft's ``.base_layer`` removed)."""
+    return name.replace(LORA_WRAPPED, "")
+
+
+def tensor_groups(hf: nn.Module) -> list[list[str]]:
+    """Registered names of each parameter and persistent buffer of ``hf``, tied names grouped.
+
+    LoRA adapters are left out (they are not in the pretrained files); within a group the first
+    name is the one ``named_parameters`` keeps, the others alias the same tensor (tied weights).
+    """
+    groups: dict[int, list[str]] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        if ".lora_" not in name:
+            groups.setdefault(id(p), []).append(name)
+    persistent = set(hf.state_dict().keys())
+    for name, b in hf.named_buffers(remove_duplicate=False):
+        if name in persistent:
+            groups.setdefault(id(b), []).append(name)
+    return list(groups.values())
+
+
+def file_key(aliases: list[str], tensors: dict[str, Any], base_prefix: str) -> str | None:
+    """The key under which the files hold a tensor registered as ``aliases``, or None.
+
+    Older saves leave out the base model's prefix (``h.0.attn...`` for ``transformer.h.0.attn...``);
+    transformers accepts both, and so do we.
+    """
+    for candidate in map(hf_name, aliases):
+        if candidate in tensors:
+            return candidate
+        if base_prefix and candidate.startswith(base_prefix + ".") and candidate[len(base_prefix) + 1:] in tensors:
+            return candidate[len(base_prefix) + 1:]
+    return None
+
+
+def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, str]:
+    """Return {registered tensor name of ``hf``: file key}; ConfigError on any mismatch.
+
+    ``hf`` may be a meta-device model, sharded or not. Every parameter and persistent buffer must
+    be in the files with the model's shape (tied aliases map to the one key the files hold);
+    tensors the files hold beyond those are ignored, as transformers does.
+    """
+    base_prefix = getattr(hf, "base_model_prefix", "")
+    tensors = dict(hf.named_parameters(remove_duplicate=False))
+    tensors.update(hf.named_buffers(remove_duplicate=False))
+    mapping: dict[str, str] = {}
+    missing, wrong = [], []
+    for group in tensor_groups(hf):
+        key = file_key(group, folder.tensors, base_prefix)
+        if key is None:
+            missing.append(hf_name(group[0]))
+            continue
+        want, have = tuple(tensors[group[0]].shape), tuple(folder.tensors[key].shape)
+        if want != have:
+            wrong.append(f"{key} is {list(have)} in {folder.tensors[key].file}, the config builds {list(want)}")
+        mapping.update(dict.fromkeys(group, key))
+    where = _where(folder.path)
+    if missing:
+        raise ConfigError(
+            f"{where} lacks {len(missing)} tensor(s) the model built from its config.json needs, e.g. "
+            f"{', '.join(missing[:4])}. The weights belong to another architecture or the save is incomplete; "
+            "use the folder's own config.json (no model.overrides that change shapes).")
+    if wrong:
+        raise ConfigError(
+            f"{where}: {len(wrong)} tensor(s) do not have the shape the config builds: {'; '.join(wrong[:3])}"
+            f"{' ...' if len(wrong) > 3 else ''}. model.overrides must not change the architecture of a "
+            "pretrained model (hidden size, layers, heads, vocab_size), and config.json must be the one saved "
+            "with these weights.")
+    return mapping
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading into a (sharded) model.
+
+
+def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
+    """Fill ``hf``'s pretrained tensors from the folder, each rank reading only its own shards.
+
+    ``hf`` is the Hugging Face module inside the model the strategy prepared (FSDP2, TP or plain
+    modules; not yet wrapped in DDP), its tensors already allocated. Collective when a process group
+    exists: DCP plans the reads of all ranks together.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    mapping = check_model_tensors(folder, hf)
+    tensors = dict(hf.named_parameters(remove_duplicate=False))
+    tensors.update(hf.named_buffers(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = {}
+    for name, key in mapping.items():
+        # One destination per key: tied aliases share it. detach() keeps the storage (a DTensor's
+        # local shard), so DCP writes straight into the parameter.
+        state.setdefault(key, tensors[name].detach())
+    distributed = dist.is_available() and dist.is_initialized()
+    with torch.no_grad(), warnings.catch_warnings():
+        # One process without a process group is intended here; DCP would warn that it "assumes" so.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, storage_reader=_make_reader(folder), no_dist=not distributed)
+
+
+def _make_reader(folder: PretrainedFolder) -> Any:
+    import torch
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    class FolderReader(HuggingFaceStorageReader):
+        """DCP's Hugging Face reader, limited to the files and keys the checked index names.
+
+        The stock reader lists every ``*.safetensors`` in the folder; a folder may also hold other
+        files (an adapter, a consolidated copy with other names), so the metadata is built from the
+        already verified index instead.
+        """
+
+        def read_metadata(self) -> Metadata:
+            sd_meta: dict[str, TensorStorageMetadata] = {}
+            storage: dict[MetadataIndex, Any] = {}
+            for name, entry in folder.tensors.items():
+                dtype = getattr(torch, FLOAT_DTYPES[entry.dtype])
+                size = torch.Size(entry.shape)
+                zeros = torch.Size([0] * len(entry.shape))
+                sd_meta[name] = TensorStorageMetadata(TensorProperties(dtype=dtype), size,
+                                                      [ChunkStorageMetadata(offsets=zeros, sizes=size)])
+                storage[MetadataIndex(fqn=name, offset=zeros)] = _HFStorageInfo(
+                    relative_path=str(folder.path / entry.file), shape=size, dtype=dtype)
+            meta = Metadata(state_dict_metadata=sd_meta, storage_data=storage)  # type: ignore[arg-type]
+            meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return FolderReader(str(folder.path))
