@@ -1,0 +1,167 @@
+"""Two "nodes" on this machine: two `shardwise train --nnodes 2` launchers on loopback, 1 rank each.
+
+They start seconds apart from different working directories without --out, so they only meet
+through the rendezvous endpoint: one run directory, parameters equal to the same job on one node.
+The second test loses a node (SIGKILL of its launcher, torchrun agent and rank) and starts it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, small_text
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(argv: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:  # noqa: PTH123 - the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "shardwise", *argv], env=env, cwd=cwd, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a node: its launcher, torchrun agent and ranks at once, as a machine failure would."""
+    for pid in _descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                _kill_tree(q)
+            raise
+
+
+def _common(data: Path, steps: int, every: int) -> list[str]:
+    return ["--nproc", "1", "--strategy", "ddp", *cli_args(fast_overrides(data, steps=steps, every=every))]
+
+
+def test_two_nodes_meet_without_out_and_match_one_node(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    common = _common(data, steps=6, every=3)
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in node_dirs:
+        d.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    multi = ["train", *common, "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log", tmp_path / "ref.log"]
+    # The same job on one node with the same world size, alongside.
+    ref = _start(["train", *common, "--nproc", "2", "--out", str(tmp_path / "ref")], cli_env, tmp_path, logs[2])
+    n0 = _start([*multi, "--node-rank", "0"], cli_env, node_dirs[0], logs[0])
+    time.sleep(2.0)  # the second node starts later, with another clock second
+    n1 = _start([*multi, "--node-rank", "1"], cli_env, node_dirs[1], logs[1])
+    _wait([n0, n1, ref])
+    out0, out1 = logs[0].read_text(), logs[1].read_text()
+    assert (n0.returncode, n1.returncode, ref.returncode) == (0, 0, 0), out0 + out1 + logs[2].read_text()
+
+    runs = list((node_dirs[0] / "runs").iterdir())
+    assert len(runs) == 1 and not (node_dirs[1] / "runs").exists(), runs  # ONE run directory
+    run = runs[0]
+    assert f"joined the run directory {run}" in out1 and f"chose the run directory {run}" in out0
+    assert "node_rank is only used for static" not in out0 + out1  # no --node-rank passed to c10d
+    assert "Traceback" not in out0 + out1
+    assert sorted(p.name for p in run.glob("metrics.jsonl*")) == ["metrics.jsonl"]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert "final train loss" in (run / "logs" / "rank-0.log").read_text()
+    assert not (run / ".shardwise.lock").exists()  # the last node to leave unlocked it
+    assert losses(run) == losses(tmp_path / "ref")
+    ref_w, run_w = final_weights(tmp_path / "ref"), final_weights(run)
+    assert all(torch.equal(ref_w[k], run_w[k]) for k in ref_w)
+
+
+def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    common = _common(data, steps=40, every=5)
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in node_dirs:
+        d.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    multi = ["train", *common, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1"]
+    logs = [tmp_path / "n0.log", tmp_path / "n1.log", tmp_path / "n1-again.log", tmp_path / "ref.log"]
+    ref = _start(["train", *common, "--nproc", "2", "--out", str(tmp_path / "ref")], cli_env, tmp_path, logs[3])
+    n0 = _start(multi, cli_env, node_dirs[0], logs[0])
+    time.sleep(2.0)
+    n1 = _start(multi, cli_env, node_dirs[1], logs[1])
+    try:
+        deadline = time.monotonic() + 240
+        metrics = None
+        while time.monotonic() < deadline:
+            found = list((node_dirs[0] / "runs").glob("*/metrics.jsonl"))
+            if found and '"step": 12,' in found[0].read_text():
+                metrics = found[0]
+                break
+            assert n0.poll() is None and n1.poll() is None, logs[0].read_text() + logs[1].read_text()
+            time.sleep(0.1)
+        assert metrics is not None, "the two nodes never reached step 12"
+        run = metrics.parent
+        _kill_tree(n1)
+        lost_at = time.monotonic()
+        time.sleep(1.0)
+        n1 = _start(multi, cli_env, node_dirs[1], logs[2])
+        restarted = time.monotonic()
+        resumed_at = None
+        while resumed_at is None and time.monotonic() < deadline:
+            if any("resumed from" in log.read_text() for log in (logs[0], logs[2])):
+                resumed_at = time.monotonic()
+            elif n0.poll() is not None and n1.poll() is not None:
+                break
+            time.sleep(0.05)
+        _wait([n0, n1, ref])
+    except BaseException:
+        _wait([n0, n1, ref], timeout=1)
+        raise
+    out0, out1 = logs[0].read_text(), logs[2].read_text()
+    assert (n0.returncode, n1.returncode, ref.returncode) == (0, 0, 0), out0 + out1 + logs[3].read_text()
+    assert resumed_at is not None, out0 + out1
+    print(f"\ntwo-node restart: node lost -> resumed {resumed_at - lost_at:.1f}s, "
+          f"node restarted -> resumed {resumed_at - restarted:.1f}s (loopback)")
+    assert f"joined the run directory {run}" in out1
+    resumed = [line for line in (out0 + out1).splitlines() if "resumed from" in line]
+    assert any("step-0000001" in line for line in resumed), resumed  # step 10 or 15
+    assert not (node_dirs[1] / "runs").exists()
+    assert losses(run) == losses(tmp_path / "ref")
+    ref_w, run_w = final_weights(tmp_path / "ref"), final_weights(run)
+    assert all(torch.equal(ref_w[k], run_w[k]) for k in ref_w)
+    assert not (run / ".shardwise.lock").exists()
