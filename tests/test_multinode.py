@@ -1,8 +1,9 @@
 """Two "nodes" on this machine: two `shardwise train --nnodes 2` launchers on loopback, 1 rank each.
 
 They start seconds apart from different working directories without --out, so they only meet
-through the rendezvous endpoint: one run directory, parameters equal to the same job on one node.
-The second test loses a node (SIGKILL of its launcher, torchrun agent and rank) and starts it again.
+through the rendezvous endpoint: one run directory, parameters equal to the same job on one node;
+mid-run the second node is lost (SIGKILL of its launcher, torchrun agent and rank) and started again.
+A fake Slurm allocation (sbatch/srun/scontrol stubs) runs the script `shardwise slurm` writes.
 """
 
 from __future__ import annotations
@@ -78,37 +79,55 @@ def _common(data: Path, steps: int, every: int) -> list[str]:
     return ["--nproc", "1", "--strategy", "ddp", *cli_args(fast_overrides(data, steps=steps, every=every))]
 
 
-def test_two_nodes_meet_without_out_and_match_one_node(tmp_path, cli_env):
-    data = small_text(tmp_path)
-    common = _common(data, steps=6, every=3)
-    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
-    for d in node_dirs:
-        d.mkdir()
-    endpoint = f"127.0.0.1:{free_port()}"
-    multi = ["train", *common, "--nnodes", "2", "--rdzv-endpoint", endpoint]
-    logs = [tmp_path / "n0.log", tmp_path / "n1.log", tmp_path / "ref.log"]
-    # The same job on one node with the same world size, alongside.
-    ref = _start(["train", *common, "--nproc", "2", "--out", str(tmp_path / "ref")], cli_env, tmp_path, logs[2])
-    n0 = _start([*multi, "--node-rank", "0"], cli_env, node_dirs[0], logs[0])
-    time.sleep(2.0)  # the second node starts later, with another clock second
-    n1 = _start([*multi, "--node-rank", "1"], cli_env, node_dirs[1], logs[1])
-    _wait([n0, n1, ref])
-    out0, out1 = logs[0].read_text(), logs[1].read_text()
-    assert (n0.returncode, n1.returncode, ref.returncode) == (0, 0, 0), out0 + out1 + logs[2].read_text()
+SBATCH_STUB = """#!/bin/bash
+# sbatch of a 2-node allocation on this machine: runs the script at once.
+export SLURM_JOB_ID=4242 SLURM_JOB_NAME=fake SLURM_JOB_NODELIST=localhost SLURM_NNODES=2 SLURM_JOB_NUM_NODES=2
+exec bash "$1"
+"""
+SRUN_STUB = """#!/bin/bash
+# srun: one task per node, each with its node's SLURM_NODEID, a second apart.
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" > "task-$i.log" 2>&1 &
+  pids+=($!)
+  sleep 1
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+SCONTROL_STUB = """#!/bin/bash
+printf 'localhost\\nlocalhost\\n'
+"""
 
-    runs = list((node_dirs[0] / "runs").iterdir())
-    assert len(runs) == 1 and not (node_dirs[1] / "runs").exists(), runs  # ONE run directory
-    run = runs[0]
-    assert f"joined the run directory {run}" in out1 and f"chose the run directory {run}" in out0
-    assert "node_rank is only used for static" not in out0 + out1  # no --node-rank passed to c10d
-    assert "Traceback" not in out0 + out1
-    assert sorted(p.name for p in run.glob("metrics.jsonl*")) == ["metrics.jsonl"]
+
+def test_fake_slurm_allocation_trains_end_to_end(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("sbatch", SBATCH_STUB), ("srun", SRUN_STUB), ("scontrol", SCONTROL_STUB)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {**cli_env, "PATH": f"{stubs}{os.pathsep}{cli_env['PATH']}"}
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        del env[key]
+    port = free_port()
+    argv = [sys.executable, "-m", "shardwise", "slurm", "--nodes", "2", "--gpus-per-node", "1", "--strategy",
+            "ddp", "--port", str(port), "--job-name", "tiny", "--submit",
+            *cli_args(fast_overrides(data, steps=4, every=2))]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    tasks = "".join((tmp_path / f"task-{i}.log").read_text() for i in range(2)
+                    if (tmp_path / f"task-{i}.log").exists())
+    assert done.returncode == 0, done.stdout + done.stderr + tasks
+    script = (tmp_path / "tiny.sbatch").read_text()
+    assert script.strip() == done.stdout.strip()  # printed as written
+    run = tmp_path / "runs" / "tiny-4242"  # named after the job id: a requeued job continues it
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["tiny-4242"]
+    assert "multi-node job 4242 (--rdzv-id)" in tasks and "joined the run directory" in tasks
+    assert '"step": 4,' in (run / "metrics.jsonl").read_text()
+    assert (run / "checkpoints" / "latest").exists() and (run / "summary.json").exists()
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
-    assert "final train loss" in (run / "logs" / "rank-0.log").read_text()
-    assert not (run / ".shardwise.lock").exists()  # the last node to leave unlocked it
-    assert losses(run) == losses(tmp_path / "ref")
-    ref_w, run_w = final_weights(tmp_path / "ref"), final_weights(run)
-    assert all(torch.equal(ref_w[k], run_w[k]) for k in ref_w)
 
 
 def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cli_env):
@@ -157,7 +176,11 @@ def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cl
     assert resumed_at is not None, out0 + out1
     print(f"\ntwo-node restart: node lost -> resumed {resumed_at - lost_at:.1f}s, "
           f"node restarted -> resumed {resumed_at - restarted:.1f}s (loopback)")
-    assert f"joined the run directory {run}" in out1
+    first = logs[1].read_text()
+    assert f"chose the run directory {run}" in out0 and f"joined the run directory {run}" in first + out1
+    assert "node_rank is only used for static" not in out0 + first + out1  # no --node-rank given to c10d
+    assert sorted(p.name for p in run.glob("metrics.jsonl*")) == ["metrics.jsonl"]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
     resumed = [line for line in (out0 + out1).splitlines() if "resumed from" in line]
     assert any("step-0000001" in line for line in resumed), resumed  # step 10 or 15
     assert not (node_dirs[1] / "runs").exists()

@@ -119,7 +119,7 @@ class Agreement:
 
     run_dir: Path
     launch_id: str
-    first: bool  # this launcher proposed the run directory (the others adopted it)
+    first: bool  # this launcher arrived first: its proposal is the run directory
     key: str = ""  # the job's key prefix in the store
     store: Any = None  # the TCPStore (server on the endpoint's host); kept alive with this object
 
@@ -168,9 +168,18 @@ def agree(endpoint: str, rdzv_id: str, proposal: Path, launch_id: str,
             ) from None
     key = f"shardwise/{rdzv_id}"
     proposed = str(proposal.resolve())
-    run_dir = store.compare_set(f"{key}/run_dir", "", proposed).decode()
-    job = store.compare_set(f"{key}/launch_id", "", launch_id).decode()
-    return Agreement(Path(run_dir), job, first=run_dir == proposed, key=key, store=store)
+    # The first launcher to arrive decides; the others (and a node rejoining later) read it.
+    first = store.add(f"{key}/arrivals", 1) == 1
+    if first:
+        store.set(f"{key}/launch_id", launch_id)
+        store.set(f"{key}/run_dir", proposed)  # set last: once readable, both are
+    try:
+        run_dir = store.get(f"{key}/run_dir").decode()
+        job = store.get(f"{key}/launch_id").decode()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        raise ConfigError(f"the first node of the job never published its run directory ({e}); "
+                          "see its output.") from None
+    return Agreement(Path(run_dir), job, first=first, key=key, store=store)
 
 
 def default_multinode_out(name: str, strategy: str) -> Path:
