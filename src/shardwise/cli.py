@@ -331,9 +331,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str) -> tuple[Any, str]:
     """Find the job's rendezvous id and agree with the other nodes on run directory and launch id."""
     from shardwise.config import replace_in, to_toml
-    from shardwise.runtime.multinode import agree, check_endpoint_resolves, rendezvous_id
+    from shardwise.runtime.multinode import agree, rendezvous_id
 
-    check_endpoint_resolves(args.rdzv_endpoint)
     # What every node's command has in common: not --out (the first node's one is used anyway).
     common = to_toml(replace_in(run.config, out_dir=""))
     rdzv_id, source = rendezvous_id(args.rdzv_id, args.rdzv_endpoint, str(args.nnodes), common)
@@ -394,7 +393,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from shardwise.config import check_text
     from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
     from shardwise.runtime.device import default_nproc
-    from shardwise.runtime.multinode import check_endpoint_resolves, rendezvous_id
+    from shardwise.runtime.multinode import rendezvous_id
 
     apply_scheduler_defaults(args)
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
@@ -406,12 +405,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                       max_restarts=args.max_restarts)
     extra = list(args.torchrun_extra)
-    if spec.multi_node:
-        check_endpoint_resolves(spec.rdzv_endpoint)
-        if not any(o.split("=")[0] in ("--rdzv-id", "--rdzv_id") for o in extra):
-            # torchrun's default id is "none" for every job: derive one all nodes share instead.
-            spec.run_id = rendezvous_id("", spec.rdzv_endpoint, str(spec.nnodes),
-                                        " ".join([str(script), *args.script_args]))[0]
+    if spec.multi_node and not any(o.split("=")[0] in ("--rdzv-id", "--rdzv_id") for o in extra):
+        # torchrun's default id is "none" for every job: use the scheduler's job id, else derive
+        # one all nodes share from their common command.
+        spec.run_id = rendezvous_id("", spec.rdzv_endpoint, str(spec.nnodes),
+                                    " ".join([str(script), *args.script_args]))[0]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *extra,

@@ -44,7 +44,7 @@ def check_launch_flags(nproc: int | None, nnodes: int | str, node_rank: int, rdz
     needs ``--rdzv-endpoint HOST:PORT`` (without one every node would wait for the others on its
     own localhost forever), and ``--node-rank`` must lie in ``[0, max nodes)``.
     """
-    from shardwise.runtime.multinode import parse_nnodes
+    from shardwise.runtime.multinode import check_endpoint_resolves, parse_nnodes
 
     if nproc is not None and not 1 <= nproc <= MAX_NPROC:
         raise ConfigError(f"--nproc must be at least 1 (and at most {MAX_NPROC}), got {nproc}.")
@@ -62,6 +62,8 @@ def check_launch_flags(nproc: int | None, nnodes: int | str, node_rank: int, rdz
                 or not host.isprintable() or " " in host:
             raise ConfigError(f"--rdzv-endpoint must be HOST:PORT (e.g. node0:29500, port 1-65535), "
                               f"got {rdzv_endpoint!r}.")
+        if high > 1:
+            check_endpoint_resolves(rdzv_endpoint)
     elif high > 1:
         raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the first "
                           "node (the same on every node), e.g. --rdzv-endpoint node0:29500; without it "
