@@ -125,11 +125,12 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigError(f"cannot write the sbatch script {script}: {e.strerror or e}.") from None
     print(text)
-    print(f"wrote {script}" + ("" if args.submit else f"; submit it with: sbatch {script}"), file=sys.stderr)
     if not args.submit:
+        print(f"wrote {script}; submit it with: sbatch {script}", file=sys.stderr)
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         raise ConfigError(f"--submit needs Slurm's `sbatch`, which is not on PATH here; the script is in "
                           f"{script}: copy it to a Slurm login node and run `sbatch {script}` there.")
+    print(f"wrote {script}; submitting it", file=sys.stderr, flush=True)
     return subprocess.call([sbatch, str(script)])
