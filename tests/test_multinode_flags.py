@@ -77,7 +77,7 @@ def test_slurm_script_content_and_its_errors(tmp_path, capsys, monkeypatch):
                           "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                           "#SBATCH --time=04:00:00", "#SBATCH --account=proj1", "#SBATCH --requeue",
                           "#SBATCH --open-mode=append", "#SBATCH --output=gpt-shakespeare-fsdp-%j.out", ""]
-    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in lines
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in lines
     assert "export MASTER_PORT=29500" in lines
     assert 'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\' in lines
     train = lines[-1].strip()

@@ -97,7 +97,8 @@ def sbatch_script(args: argparse.Namespace, name: str, python: str = sys.executa
              f"# Written by `shardwise slurm` ({args.nodes} nodes x {args.gpus_per_node} GPUs). Each node runs",
              "# `shardwise train`, which starts torchrun; the nodes meet at the first node of the allocation.",
              "set -euo pipefail",
-             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             # sed reads every line: `head -n 1` could end the pipe early (SIGPIPE fails under pipefail).
+             'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
              f"export MASTER_PORT={args.port}",
              "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
              "    " + " ".join(train), ""]
