@@ -463,6 +463,10 @@ def launch_flags(draw) -> tuple[list[str], bool]:
         argv += ["--rdzv-id", rdzv_id]
         ok &= rdzv_id in ("job-1", "4242", "")
     if draw(st.booleans()):
+        local_addr = draw(st.sampled_from(["10.0.0.2", "node1", "", "a b", "x\ty"]))
+        argv += ["--local-addr", local_addr]
+        ok &= local_addr in ("10.0.0.2", "node1", "")
+    if draw(st.booleans()):
         restarts = draw(st.integers(-1, 3) | st.just(10**5))
         argv += ["--max-restarts", str(restarts)]
         ok &= 0 <= restarts <= 1000

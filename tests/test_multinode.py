@@ -1,4 +1,5 @@
-"""Two "nodes" on this machine: two `shardwise train --nnodes 2` launchers on loopback, 1 rank each.
+"""Two "nodes" on this machine: two `shardwise train --nnodes 2` launchers, 1 rank each, on two
+addresses (a veth pair into a network namespace) where the test may create one, else on loopback.
 
 They start seconds apart from different working directories without --out, so they only meet
 through the rendezvous endpoint: one run directory, parameters equal to the same job on one node;
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,9 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(argv: list[str], env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+def _start(argv: list[str], env: dict, cwd: Path, log: Path, prefix: list[str] = ()) -> subprocess.Popen:
     with open(log, "w") as f:  # noqa: PTH123 - the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, "-m", "shardwise", *argv], env=env, cwd=cwd, stdout=f,
+        return subprocess.Popen([*prefix, sys.executable, "-m", "shardwise", *argv], env=env, cwd=cwd, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -73,6 +77,43 @@ def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> None:
             for q in procs:
                 _kill_tree(q)
             raise
+
+
+@dataclass
+class Nodes:
+    """Where the two nodes run: two addresses (a veth pair into a network namespace) or loopback."""
+
+    addresses: tuple[str, str]
+    prefixes: tuple[list[str], list[str]]  # command prefix per node (``ip netns exec NS`` or nothing)
+    envs: tuple[dict, dict]  # per-node environment (gloo's interface)
+    network: str
+
+
+@pytest.fixture
+def nodes() -> Iterator[Nodes]:
+    """Two addresses on a veth pair (node 1 in a network namespace) when this user may create them,
+    else loopback. Only the namespace and addresses created here are touched, and removed after."""
+    loopback = Nodes(("127.0.0.1", "127.0.0.1"), ([], []), ({}, {}), "loopback")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield loopback
+        return
+    tag = os.getpid() % 100000
+    ns, a, b, net = f"swtest{tag}", f"swa{tag}", f"swb{tag}", f"10.213.{tag % 250}"
+    steps = [["ip", "netns", "add", ns], ["ip", "link", "add", a, "type", "veth", "peer", "name", b],
+             ["ip", "link", "set", b, "netns", ns], ["ip", "addr", "add", f"{net}.1/24", "dev", a],
+             ["ip", "link", "set", a, "up"], ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{net}.2/24", "dev", b],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", b, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    made = all(subprocess.run(cmd, capture_output=True).returncode == 0 for cmd in steps)
+    try:
+        if made:
+            yield Nodes((f"{net}.1", f"{net}.2"), ([], ["ip", "netns", "exec", ns]),
+                        ({"GLOO_SOCKET_IFNAME": a}, {"GLOO_SOCKET_IFNAME": b}), f"veth pair {net}.1 <-> {net}.2")
+        else:
+            yield loopback
+    finally:
+        subprocess.run(["ip", "link", "del", a], capture_output=True)  # gone with the namespace anyway
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _common(data: Path, steps: int, every: int) -> list[str]:
@@ -130,19 +171,27 @@ def test_fake_slurm_allocation_trains_end_to_end(tmp_path, cli_env):
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
 
 
-def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cli_env):
+def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cli_env, nodes):
     data = small_text(tmp_path)
     common = _common(data, steps=24, every=4)
     node_dirs = [tmp_path / "node0", tmp_path / "node1"]
     for d in node_dirs:
         d.mkdir()
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"{nodes.addresses[0]}:{free_port()}"
     multi = ["train", *common, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--max-restarts", "1"]
+    # Each node tells the others its own address (torchrun's --local-addr): its host name resolves
+    # to loopback here.
+    argv = [[*multi, "--local-addr", address] for address in nodes.addresses]
+    envs = [{**cli_env, **extra} for extra in nodes.envs]
+
+    def start_node(i: int, log: Path) -> subprocess.Popen:
+        return _start(argv[i], envs[i], node_dirs[i], log, nodes.prefixes[i])
+
     logs = [tmp_path / "n0.log", tmp_path / "n1.log", tmp_path / "n1-again.log", tmp_path / "ref.log"]
     ref = _start(["train", *common, "--nproc", "2", "--out", str(tmp_path / "ref")], cli_env, tmp_path, logs[3])
-    n0 = _start(multi, cli_env, node_dirs[0], logs[0])
+    n0 = start_node(0, logs[0])
     time.sleep(2.0)
-    n1 = _start(multi, cli_env, node_dirs[1], logs[1])
+    n1 = start_node(1, logs[1])
     try:
         deadline = time.monotonic() + 240
         metrics = None
@@ -158,7 +207,7 @@ def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cl
         _kill_tree(n1)
         lost_at = time.monotonic()
         time.sleep(1.0)
-        n1 = _start(multi, cli_env, node_dirs[1], logs[2])
+        n1 = start_node(1, logs[2])
         restarted = time.monotonic()
         resumed_at = None
         while resumed_at is None and time.monotonic() < deadline:
@@ -175,7 +224,7 @@ def test_a_lost_node_rejoins_and_the_job_resumes_to_the_same_result(tmp_path, cl
     assert (n0.returncode, n1.returncode, ref.returncode) == (0, 0, 0), out0 + out1 + logs[3].read_text()
     assert resumed_at is not None, out0 + out1
     print(f"\ntwo-node restart: node lost -> resumed {resumed_at - lost_at:.1f}s, "
-          f"node restarted -> resumed {resumed_at - restarted:.1f}s (loopback)")
+          f"node restarted -> resumed {resumed_at - restarted:.1f}s ({nodes.network})")
     first = logs[1].read_text()
     assert f"chose the run directory {run}" in out0 and f"joined the run directory {run}" in first + out1
     assert "node_rank is only used for static" not in out0 + first + out1  # no --node-rank given to c10d

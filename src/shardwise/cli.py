@@ -71,6 +71,9 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
                    help="address of the first node, the same on every node (multi-node runs; in a Slurm "
                    "job: the first node of the allocation, port $MASTER_PORT or 29500)")
+    p.add_argument("--local-addr", "--local_addr", dest="local_addr", default="", metavar="ADDR",
+                   help="this node's address as the other nodes reach it (torchrun's --local-addr; for "
+                   "hosts whose name resolves to a loopback or an unreachable address)")
     p.add_argument("--rdzv-id", "--rdzv_id", "--job-id", dest="rdzv_id", default="", metavar="ID",
                    help="the job's rendezvous id, the same on every node (default: the scheduler's job id, "
                    "e.g. $SLURM_JOB_ID, else derived from the endpoint, node count and config)")
@@ -241,6 +244,8 @@ def _check_train_flags(args: argparse.Namespace) -> None:
         from shardwise.runtime.multinode import check_rdzv_id
 
         check_rdzv_id(args.rdzv_id)
+    if args.local_addr and (not args.local_addr.isprintable() or " " in args.local_addr):
+        raise ConfigError(f"--local-addr must be a host name or IP address, got {args.local_addr!r}.")
     if args.overwrite and args.resume == "latest":
         raise ConfigError("--overwrite starts a fresh run (moving the old one aside) and --resume alone "
                           "continues the run in --out: choose one. To continue the old run somewhere "
@@ -285,7 +290,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         out, launch_id = agreement.run_dir, agreement.launch_id
         cfg = replace_in(cfg, out_dir=str(out))
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, run_id=rdzv_id, max_restarts=args.max_restarts)
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=rdzv_id, max_restarts=args.max_restarts,
+                      local_addr=args.local_addr)
     # The nodes of one multi-node job share the rendezvous id: they join one lock (each node a
     # member; the last to leave unlocks). A single-node job is this invocation alone.
     job_id = rdzv_id or launch_id

@@ -30,6 +30,7 @@ class LaunchSpec:
     rdzv_endpoint: str = ""  # "host:port" for multi-node; empty means --standalone
     max_restarts: int = 0
     run_id: str = ""
+    local_addr: str = ""  # this node's address for the others (torchrun --local-addr)
 
     @property
     def multi_node(self) -> bool:
@@ -83,6 +84,8 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
                  f"--rdzv-endpoint={spec.rdzv_endpoint or 'localhost:29500'}"]
         if spec.run_id:
             args.append(f"--rdzv-id={spec.run_id}")
+        if spec.local_addr:
+            args.append(f"--local-addr={spec.local_addr}")
     else:
         # A free port on localhost, chosen by torchrun: two jobs on one machine never collide.
         args.append("--standalone")

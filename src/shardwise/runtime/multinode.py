@@ -107,10 +107,25 @@ def check_endpoint_resolves(endpoint: str) -> None:
 
 
 def is_local_host(host: str) -> bool:
-    """True when ``host`` names this machine (one of its addresses), as torchrun decides who hosts."""
+    """True when ``host`` names this machine: torchrun's test (its host name, loopback), or one of
+    the host's addresses can be bound here (an address on a second interface, which torchrun's
+    name-based test misses)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    return bool(_matches_machine_hostname(host))
+    if _matches_machine_hostname(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0))  # only an address of this machine can be bound
+            return True
+        except OSError:
+            continue
+    return False
 
 
 @dataclass
