@@ -146,6 +146,9 @@ def valid_value(spec: FieldSpec, free: bool = False) -> st.SearchStrategy:
         low, high, ex_low, ex_high = _bounds(rule, float)
         item = st.floats(low, high, exclude_min=ex_low, exclude_max=ex_high, allow_nan=False, allow_infinity=False)
         return st.tuples(*[item for _ in typing.get_args(tp)]).map(list)
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):  # e.g. profile.ranks
+        low, high, _, _ = _bounds(rule, int)
+        return st.lists(st.integers(low, high), max_size=3)
     if typing.get_origin(tp) is dict:
         if free:  # options the nano GPT takes, in range
             return st.fixed_dictionaries({}, optional={"n_layer": st.integers(1, 3), "dropout": st.floats(0, 0.5)})
