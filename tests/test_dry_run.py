@@ -49,7 +49,7 @@ def test_pipeline_dry_run_shows_stages_and_microbatches(capsys):
     (["--nproc", "2", "--strategy", "tp", "--set", "model.overrides={n_head = 3, n_embd = 48}"],
      "n_head=3"),
     (["--nproc", "2", "--strategy", "ddp", "--set", "parallel.tp=2"], "is pure data parallel"),
-    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "--out RUN_DIR"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0.invalid:1"], "does not resolve"),
     (["--nproc", "2", "--nnodes", "2", "--out", "x"], "--rdzv-endpoint HOST:PORT"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--out", "x", "--rdzv-endpoint", "h:1"],
      "--node-rank must be between 0 and --nnodes - 1 = 1"),

@@ -158,6 +158,9 @@ def valid_value(spec: FieldSpec, free: bool = False, pretrained: str = "") -> st
         low, high, ex_low, ex_high = _bounds(rule, float)
         item = st.floats(low, high, exclude_min=ex_low, exclude_max=ex_high, allow_nan=False, allow_infinity=False)
         return st.tuples(*[item for _ in typing.get_args(tp)]).map(list)
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):  # e.g. profile.ranks
+        low, high, _, _ = _bounds(rule, int)
+        return st.lists(st.integers(low, high), max_size=3)
     if typing.get_origin(tp) is dict:
         if free:  # options the nano GPT takes, in range
             return st.fixed_dictionaries({}, optional={"n_layer": st.integers(1, 3), "dropout": st.floats(0, 0.5)})
@@ -465,20 +468,35 @@ def launch_flags(draw) -> tuple[list[str], bool]:
         argv += ["--nproc", str(nproc)]
         ok &= 1 <= nproc <= 4096
     if draw(st.booleans()):
-        nnodes = draw(st.integers(-1, 3) | st.just(10**6))
-        argv += ["--nnodes", str(nnodes)]
-        ok &= 1 <= nnodes <= 4096
-    endpoint = draw(st.none() | st.sampled_from(["node0:29500", "[::1]:29400", "host", "host:0", "host:70000",
-                                                 ":29500", "h o:1", "node\n0:1"]))
+        # A count, or an elastic range MIN:MAX (torchrun's), well- and ill-formed.
+        low = draw(st.integers(-1, 3) | st.just(10**6))
+        high = draw(st.none() | st.integers(0, 4))
+        argv += ["--nnodes", str(low) if high is None else f"{low}:{high}"]
+        ok &= 1 <= low <= 4096 and (high is None or low <= high)
+        nnodes = low if high is None else max(low, high)
+    if draw(st.booleans()):
+        argv += ["--nnodes", draw(st.sampled_from(["two", "2:", ":2", "1:2:3"]))]
+        ok = False
+    # node0.invalid never resolves (RFC 6761): several nodes need an endpoint that does.
+    endpoint = draw(st.none() | st.sampled_from(["localhost:29500", "[::1]:29400", "node0.invalid:29500", "host",
+                                                 "host:0", "host:70000", ":29500", "h o:1", "node\n0:1"]))
     if endpoint is not None:
         argv += ["--rdzv-endpoint", endpoint]
-        ok &= endpoint in ("node0:29500", "[::1]:29400")
+        ok &= endpoint in ("localhost:29500", "[::1]:29400") or (endpoint == "node0.invalid:29500" and nnodes <= 1)
     elif nnodes > 1:
         ok = False  # several nodes need an endpoint
     if draw(st.booleans()):
         rank = draw(st.integers(-1, 4))
         argv += ["--node-rank", str(rank)]
         ok &= 0 <= rank < max(nnodes, 1)
+    if draw(st.booleans()):
+        rdzv_id = draw(st.sampled_from(["job-1", "4242", "a" * 129, "x y", "-x", ""]))
+        argv += ["--rdzv-id", rdzv_id]
+        ok &= rdzv_id in ("job-1", "4242", "")
+    if draw(st.booleans()):
+        local_addr = draw(st.sampled_from(["10.0.0.2", "node1", "", "a b", "x\ty"]))
+        argv += ["--local-addr", local_addr]
+        ok &= local_addr in ("10.0.0.2", "node1", "")
     if draw(st.booleans()):
         restarts = draw(st.integers(-1, 3) | st.just(10**5))
         argv += ["--max-restarts", str(restarts)]

@@ -30,7 +30,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="built-in recipe name (default: gpt-shakespeare) or a TOML file")
     p.add_argument("--strategy", default=None,
                    help="parallel strategy (default: ddp on several ranks, single on one)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
                    help="ranks per node (default: one per GPU, or 2 CPU processes without GPUs)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=100 (repeatable)")
@@ -41,11 +41,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train a built-in recipe or a TOML config. Without arguments: "
                        "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.")
     _add_run_options(p)
-    p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node runs)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node runs)")
-    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
-                   help="rendezvous address shared by all nodes (multi-node runs)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>; "
+                   "on several nodes the first node to start chooses it and the others adopt it)")
+    _add_node_options(p)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from a checkpoint: alone, the latest one of the run in --out (whose "
                    "config.toml is reused unless a recipe is given); or a checkpoint, checkpoints/ "
@@ -63,6 +61,49 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _add_node_options(p: argparse.ArgumentParser) -> None:
+    """Multi-node flags (torchrun's names); inside a Slurm allocation they default to the allocation's."""
+    p.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                   help="number of nodes, or an elastic range MIN:MAX (default 1; in a Slurm job: its nodes)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                   help="this node's rank, 0 .. nnodes-1 (optional: the c10d rendezvous numbers nodes "
+                   "in the order they join; checked against --nnodes)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT",
+                   help="address of the first node, the same on every node (multi-node runs; in a Slurm "
+                   "job: the first node of the allocation, port $MASTER_PORT or 29500)")
+    p.add_argument("--local-addr", "--local_addr", dest="local_addr", default="", metavar="ADDR",
+                   help="this node's address as the other nodes reach it (torchrun's --local-addr; for "
+                   "hosts whose name resolves to a loopback or an unreachable address)")
+    p.add_argument("--rdzv-id", "--rdzv_id", "--job-id", dest="rdzv_id", default="", metavar="ID",
+                   help="the job's rendezvous id, the same on every node (default: the scheduler's job id, "
+                   "e.g. $SLURM_JOB_ID, else derived from the endpoint, node count and config)")
+
+
+def apply_scheduler_defaults(args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
+    """Fill --nnodes/--node-rank/--rdzv-endpoint from a Slurm allocation of several nodes; flags win.
+
+    Outside such an allocation: one node, node rank 0.
+    """
+    import os
+
+    from shardwise.runtime.multinode import slurm_environment
+
+    env = dict(os.environ) if env is None else env
+    slurm = slurm_environment(env) if args.nnodes is None else None
+    if slurm is not None and slurm.nnodes > 1:
+        args.nnodes = str(slurm.nnodes)
+        if args.node_rank is None:
+            args.node_rank = slurm.node_rank
+        if not args.rdzv_endpoint:
+            args.rdzv_endpoint = f"{slurm.master_addr}:{env.get('MASTER_PORT') or 29500}"
+        print(f"shardwise: Slurm job {slurm.job_id}: node {args.node_rank} of {args.nnodes}, rendezvous at "
+              f"{args.rdzv_endpoint}", file=sys.stderr, flush=True)
+    if args.nnodes is None:
+        args.nnodes = "1"
+    if args.node_rank is None:
+        args.node_rank = 0
+
+
 @dataclass(frozen=True)
 class ResolvedRun:
     """Everything a run needs before any process starts (``train`` and ``train --dry-run``)."""
@@ -70,8 +111,13 @@ class ResolvedRun:
     config: RunConfig  # resolved: canonical strategy, ranks per node, run directory (a new object)
     checked: Preflight  # the layout (with the model's blocks), strategy, workload, meta model
     nproc: int
-    nnodes: int
+    nnodes: int  # the minimum node count (the count itself unless an elastic range MIN:MAX was given)
     out: Path
+    nnodes_range: str = ""  # "MIN:MAX" for an elastic run
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1 or bool(self.nnodes_range)
 
     @property
     def layout(self) -> Layout:
@@ -94,19 +140,16 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
         check_text("--strategy", args.strategy)
         overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
     cfg = load_config(args.recipe, overrides)
-    nnodes = getattr(args, "nnodes", 1)
-    check_launch_flags(args.nproc, nnodes, getattr(args, "node_rank", 0), getattr(args, "rdzv_endpoint", ""),
-                       getattr(args, "max_restarts", 0))
-    if nnodes > 1 and not (getattr(args, "out", None) or cfg.out_dir):
-        # The run directory names the rendezvous (torchrun's --rdzv-id): a default one carries
-        # the time, which differs between nodes, so they would never meet.
-        raise ConfigError(f"--nnodes {nnodes} needs --out RUN_DIR, the same path on every node: it "
-                          "names the job's rendezvous.")
+    nnodes_text = str(getattr(args, "nnodes", None) or 1)
+    nnodes, most = check_launch_flags(args.nproc, nnodes_text, getattr(args, "node_rank", None) or 0,
+                                      getattr(args, "rdzv_endpoint", ""), getattr(args, "max_restarts", 0))
     nproc = args.nproc or cfg.parallel.nproc or default_nproc()
     checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
     cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
-    return ResolvedRun(cfg, checked, nproc, nnodes, out)
+    # A multi-node run without --out proposes this default; the first node's proposal wins
+    # (runtime.multinode.agree), so the nodes' clocks never need to agree.
+    return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "")
 
 
 def _use_run_config_for_resume(args: argparse.Namespace) -> None:
@@ -151,7 +194,7 @@ def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
     from shardwise.plan.predict import predict_for_model
 
     cfg, layout, checked = run.config, run.layout, run.checked
-    nodes = f" ({run.nnodes} nodes x {run.nproc})" if run.nnodes > 1 else ""
+    nodes = f" ({run.nnodes_range or run.nnodes} nodes x {run.nproc})" if run.multi_node else ""
     lines = [f"dry run of `shardwise {what}`: every check passed; no rank was started, nothing was written.",
              f"run: {cfg.name}, {layout.world_size} rank(s){nodes}, run directory {run.out}",
              layout.describe()]
@@ -197,6 +240,12 @@ def _check_train_flags(args: argparse.Namespace) -> None:
         if value:
             check_text(flag, value, kind="path")
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    if args.rdzv_id:
+        from shardwise.runtime.multinode import check_rdzv_id
+
+        check_rdzv_id(args.rdzv_id)
+    if args.local_addr and (not args.local_addr.isprintable() or " " in args.local_addr):
+        raise ConfigError(f"--local-addr must be a host name or IP address, got {args.local_addr!r}.")
     if args.overwrite and args.resume == "latest":
         raise ConfigError("--overwrite starts a fresh run (moving the old one aside) and --resume alone "
                           "continues the run in --out: choose one. To continue the old run somewhere "
@@ -217,13 +266,15 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardwise.config import to_toml
+    from shardwise.config import replace_in, to_toml
     from shardwise.fsutil import atomic_write_text
-    from shardwise.launch import LaunchSpec, run_torchrun
+    from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, run_torchrun
+    from shardwise.runtime.device import accelerator_count
     from shardwise.runtime.identity import LAUNCH_ID_ENV, new_launch_id
     from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
 
+    apply_scheduler_defaults(args)
     _check_train_flags(args)
     _use_run_config_for_resume(args)
     if args.resume is not None:
@@ -231,27 +282,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     run = resolve_run(args)
     if args.dry_run:
         return _dry_run(run, args)
-    nproc, out = run.nproc, run.out
+    nproc, out, cfg = run.nproc, run.out, run.config
     launch_id = new_launch_id()
+    agreement, rdzv_id = None, ""
+    if run.multi_node:
+        agreement, rdzv_id = _meet_other_nodes(args, run, launch_id)
+        out, launch_id = agreement.run_dir, agreement.launch_id
+        cfg = replace_in(cfg, out_dir=str(out))
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, run_id=out.name,
-                      max_restarts=args.max_restarts)
-    # The nodes of one multi-node job share the rendezvous id: they join one lock. A single-node
-    # job is this invocation alone.
-    job_id = f"rdzv-{spec.run_id}" if args.nnodes > 1 else launch_id
+                      rdzv_endpoint=args.rdzv_endpoint, run_id=rdzv_id, max_restarts=args.max_restarts,
+                      local_addr=args.local_addr)
+    # The nodes of one multi-node job share the rendezvous id: they join one lock (each node a
+    # member; the last to leave unlocks). A single-node job is this invocation alone.
+    job_id = rdzv_id or launch_id
     # Lock first: a live run in --out is reported as such, before its checkpoints are read.
     lock = lock_run_dir(out, job_id)
     try:
-        cfg = _preflight_resume(run.config, out, run.checked.meta_model, out_given=bool(args.out))
-        admit_run(lock, cfg, overwrite=args.overwrite)
-        if not lock.joined:
-            clear_launch_reports(out)  # heartbeats and reports of earlier launches
-            atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)
+        try:
+            cfg = _preflight_resume(cfg, out, run.checked.meta_model, out_given=bool(args.out))
+            admit_run(lock, cfg, overwrite=args.overwrite)
+            if not lock.joined:
+                clear_launch_reports(out)  # heartbeats and reports of earlier launches
+                atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)
+        except ShardwiseError as e:
+            if agreement is not None and not lock.joined:
+                agreement.publish_ready(error=str(e))
+            raise
+        if agreement is not None:
+            # A joining node starts its ranks only once the first one has set the directory up.
+            agreement.wait_ready() if lock.joined else agreement.publish_ready()
         started = time.time() - 1.0
-        if nproc == 1 and args.nnodes == 1 and not args.max_restarts:
+        if nproc == 1 and not run.multi_node and not args.max_restarts:
             train(cfg, out, launch_id=launch_id)
             return _report_interrupt(out, started) or 0
         env = {LAUNCH_ID_ENV: launch_id}
+        if accelerator_count():
+            # NCCL's flight recorder dumps the last collectives of every rank on a timeout.
+            env.update(nccl_flight_recorder_env(out))
+            (out / "nccl-trace").mkdir(exist_ok=True)
         if cfg.watchdog.debug_collectives:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         if args.max_restarts:
@@ -263,7 +331,23 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  "--out", str(out)], env=env)
         return _report_interrupt(out, started) or _report_ranks(rc, out)
     finally:
-        lock.release()
+        lock.release()  # (the rendezvous store this launcher may serve lives as long as `agreement`)
+
+
+def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str) -> tuple[Any, str]:
+    """Find the job's rendezvous id and agree with the other nodes on run directory and launch id."""
+    from shardwise.config import replace_in, to_toml
+    from shardwise.runtime.multinode import agree, rendezvous_id
+
+    # What every node's command has in common: not --out (the first node's one is used anyway).
+    common = to_toml(replace_in(run.config, out_dir=""))
+    rdzv_id, source = rendezvous_id(args.rdzv_id, args.rdzv_endpoint, str(args.nnodes), common)
+    agreement = agree(args.rdzv_endpoint, rdzv_id, run.out, launch_id)
+    how = "chose" if agreement.first else "joined"
+    print(f"shardwise: multi-node job {rdzv_id} ({source}), {args.nnodes} nodes, rendezvous at "
+          f"{args.rdzv_endpoint}; this node {how} the run directory {agreement.run_dir}",
+          file=sys.stderr, flush=True)
+    return agreement, rdzv_id
 
 
 def _report_ranks(rc: int, out: Path) -> int:
@@ -294,23 +378,30 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch", help="run your own script on N ranks through torchrun",
         description="Run a user script written against shardwise.Session on N ranks via "
-        "torch.distributed.run. Extra torchrun options go before the script as --opt=value.",
+        "torch.distributed.run. Any other torchrun option goes before the script, as --opt value or "
+        "--opt=value (e.g. --master-port 29501, --log-dir logs --tee 3); the script's own after it.",
     )
-    p.add_argument("--nproc", type=int, default=None, help="ranks per node (default as for train)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT")
-    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=None,
+                   help="ranks per node (default as for train)")
+    p.add_argument("--nnodes", default=None, metavar="N|MIN:MAX")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None)
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", metavar="HOST:PORT")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0)
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=cmd_launch)
+    p.set_defaults(func=cmd_launch, rdzv_id="", torchrun_extra=[])
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
     from shardwise.config import check_text
     from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
     from shardwise.runtime.device import default_nproc
+    from shardwise.runtime.multinode import rendezvous_id
 
+    apply_scheduler_defaults(args)
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     check_text("the script", args.script, kind="path")
     script = Path(args.script)
@@ -319,13 +410,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(nproc=args.nproc or default_nproc(), nnodes=args.nnodes,
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                       max_restarts=args.max_restarts)
-    import os
-    import subprocess
-
+    extra = list(args.torchrun_extra)
+    if spec.multi_node and not any(o.split("=")[0] in ("--rdzv-id", "--rdzv_id") for o in extra):
+        # torchrun's default id is "none" for every job: use the scheduler's job id, else derive
+        # one all nodes share from their common command.
+        spec.run_id = rendezvous_id("", spec.rdzv_endpoint, str(spec.nnodes),
+                                    " ".join([str(script), *args.script_args]))[0]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec),
-           *args.torchrun_extra, str(script), *args.script_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *extra,
+           str(script), *args.script_args]
     return subprocess.call(cmd, env=env)
 
 
@@ -396,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env_parser(sub)
     # Commands that live in their own modules; each exposes register(subparsers).
     for module in ("shardwise.plan.cli", "shardwise.verify", "shardwise.ckpt_cli", "shardwise.bench",
-                   "shardwise.observe.cli"):
+                   "shardwise.observe.cli", "shardwise.slurm"):
         _register_optional(module, sub)
     return parser
 
@@ -415,15 +509,22 @@ def _register_optional(module: str, sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    if args.command == "launch":
-        args.torchrun_extra = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["launch"]:
+            # torchrun's options may take their value as the next word: split them off first, or
+            # argparse would take `29501` in `--master-port 29501 train.py` for the script.
+            from shardwise.launch import split_launch_argv
+
+            own, passthrough, rest = split_launch_argv(argv[1:])
+            args = parser.parse_args(["launch", *own, *(["--"] if rest[:1] and rest[0].startswith("-") else []),
+                                      *rest])
+            args.torchrun_extra = passthrough
+        else:
+            args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
         return int(args.func(args) or 0)
     except ShardwiseError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,6 +26,14 @@ from typing import Any
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+# The names Lightning Fabric (precision="bf16-mixed", "16-mixed", "32-true", ...) and Accelerate
+# (mixed_precision="bf16", "fp16", "no") users already type; they become the canonical name when
+# the config is loaded. Plain "bf16" means bf16 autocast there, hence bf16-mixed here.
+PRECISION_ALIASES = (
+    ("bf16", "bf16-mixed"), ("bf16_mixed", "bf16-mixed"), ("16-mixed", "fp16-mixed"), ("16", "fp16-mixed"),
+    ("fp16", "fp16-mixed"), ("fp16_mixed", "fp16-mixed"), ("32-true", "fp32"), ("32", "fp32"),
+    ("no", "fp32"), ("float32", "fp32"), ("bf16_true", "bf16-true"),
+)
 # "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
 AC_MODES = ("none", "full", "selective", "selective-op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -69,6 +77,13 @@ class Rule:
     choices: tuple[str, ...] | str | None = None
     label: str = ""  # what the choices are, for "unknown <label> 'x'" messages
     text: str = "word"
+    aliases: tuple[tuple[str, str], ...] = ()  # (other name, canonical choice), applied at load time
+
+    def canonical(self, value: Any) -> Any:
+        """``value`` with an alias replaced by its canonical choice (case-insensitively); else unchanged."""
+        if isinstance(value, str) and self.aliases:
+            return dict(self.aliases).get(value.strip().lower(), value)
+        return value
 
     def resolved_choices(self) -> tuple[str, ...] | None:
         """The valid names (resolving a ``"module:attr"`` reference), or None when any value goes."""
@@ -195,7 +210,7 @@ class ParallelConfig:
     strategy: str = setting("auto", choices="shardwise.parallel.registry:strategy_names",
                             label="strategy")  # auto: ddp when more than one rank, else single
     nproc: int = setting(0, ge=0, le=MAX_RANKS)  # 0: one per GPU, or 2 CPU processes when there is none
-    precision: str = setting("fp32", choices=PRECISIONS, label="precision")
+    precision: str = setting("fp32", choices=PRECISIONS, label="precision", aliases=PRECISION_ALIASES)
     activation_checkpointing: str = setting("none", choices=AC_MODES, label="activation_checkpointing mode")
     ac_every: int = setting(2, gt=0, le=10**4)  # with "selective": checkpoint every k-th block (not "selective-op")
     # Sharded strategies: "block" (one unit per transformer block), "model" (one unit), or an int
@@ -447,7 +462,9 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
                 raise ConfigError(f"{full!r} is a section; set its keys, e.g. {full}.<key>=value.")
             kwargs[key] = _build(tp, value, f"{full}.")
         else:
-            kwargs[key] = _coerce(value, tp, full)
+            value = _coerce(value, tp, full)
+            rule = rule_of(fields[key])
+            kwargs[key] = rule.canonical(value) if rule is not None else value
     return cls(**kwargs)
 
 
@@ -586,7 +603,7 @@ def _check_scalar(key: str, value: Any, rule: Rule | None) -> None:
         check_text(key, value, rule.text if rule else "word")
         choices = rule.resolved_choices() if rule else None
         if choices is not None and value not in choices:
-            raise unknown_choice(rule.label or key, value, choices)
+            raise unknown_choice(rule.label or key, value, choices, aliases=rule.aliases)
 
 
 def check_value(key: str, value: Any, tp: type, rule: Rule | None = None) -> Any:

@@ -50,14 +50,18 @@ def plural(noun: str) -> str:
     return noun + "s"
 
 
-def unknown_choice(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
+def unknown_choice(kind: str, name: str, choices: Iterable[str],
+                   aliases: Iterable[tuple[str, str]] = ()) -> ConfigError:
     """Build the standard 'unknown X' error that lists every valid choice.
 
     ``kind`` is a noun ('strategy') or a config key ('data.token_dtype'); a key gets "valid
-    values", since the plural of a key is not a word.
+    values", since the plural of a key is not a word. ``aliases`` (other name, canonical choice)
+    are listed too, and a name close to an alias suggests the choice it stands for.
     """
     valid = sorted(choices)
     what = f"values of {kind}" if "." in kind else plural(kind)
-    return ConfigError(
-        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {what}: {', '.join(valid)}."
-    )
+    alias_map = dict(aliases)
+    close = difflib.get_close_matches(name, [*valid, *alias_map], n=1, cutoff=0.5)
+    hint = f" Did you mean {alias_map.get(close[0], close[0])!r}?" if close else ""
+    also = f" (also accepted: {', '.join(alias_map)})" if alias_map else ""
+    return ConfigError(f"unknown {kind} {name!r}.{hint} Valid {what}: {', '.join(valid)}{also}.")

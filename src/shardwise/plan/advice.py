@@ -394,8 +394,9 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
 def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name: str = "") -> list[str]:
     """`shardwise train` and the equivalent plain torchrun command, with every flag they need.
 
-    Multi-node commands run on every node, with ``$NODE_RANK`` (0 .. nodes-1) and ``$MASTER_ADDR``
-    (node 0's address) set by the user or the scheduler. Empty when ``work`` names no runnable model.
+    Multi-node commands run on every node, with ``$MASTER_ADDR`` (the first node's address) set
+    by the user (``shardwise train`` inside a Slurm job finds it, and the node count, by itself).
+    Empty when ``work`` names no runnable model.
     """
     if not work.recipe:
         return []
@@ -406,11 +407,13 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     if n == 1:
         return [f"shardwise train {args} --nproc {g}",
                 f"torchrun --standalone --nproc-per-node={g} -m shardwise.runtime.worker {args}"]
+    # `shardwise train`: the nodes agree on the run directory through the endpoint. Plain torchrun
+    # ranks name it themselves, so every node is given the same --out (on a shared file system).
+    # The c10d rendezvous numbers the nodes itself: no --node-rank.
     out = shlex.quote(f"runs/{run_name or 'plan'}-{lay.strategy.replace('+', '_')}")
     return [
-        f"shardwise train {args} --nproc {g} --nnodes {n} --node-rank $NODE_RANK "
-        f"--rdzv-endpoint $MASTER_ADDR:29500 --out {out}",
-        f"torchrun --nproc-per-node={g} --nnodes={n} --node-rank=$NODE_RANK --rdzv-backend=c10d "
+        f"shardwise train {args} --nproc {g} --nnodes {n} --rdzv-endpoint $MASTER_ADDR:29500",
+        f"torchrun --nproc-per-node={g} --nnodes={n} --rdzv-backend=c10d "
         f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.runtime.worker {args} --out {out}",
     ]
 

@@ -6,8 +6,9 @@ boot id, job id, the time and the command. The launching process (``shardwise tr
 that finds it:
 
 * with the same job id **joins** (the nodes of one multi-node job share a directory; the lock's
-  job id is the rendezvous id there) and never removes it, unless the holder is provably gone
-  (an earlier attempt of this job): then it takes the lock over;
+  job id is the rendezvous id there): it is added to the lock's ``members``, and the last member
+  to leave removes the lock; members that are provably gone (an earlier attempt, a lost node) are
+  dropped;
 * held by a live process on this host is **refused**, naming the holder;
 * held by a process that is gone (no such PID, or the PID was reused: its start time differs, or
   the machine rebooted since) **takes it over**, with a log line: a killed job leaves its lock;
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,16 +79,31 @@ def describe_holder(record: dict[str, Any]) -> str:
             f"{record.get('command') or 'shardwise'}, since {when})")
 
 
+def lock_members(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The launchers holding a lock record: its ``members`` (one per node of a multi-node job), else its writer."""
+    members = record.get("members")
+    if isinstance(members, list) and members:
+        return [m for m in members if isinstance(m, dict)]
+    return [record]
+
+
 class RunLock:
-    """Ownership of one run directory for one job; ``acquire()`` takes it, ``release()`` gives it back."""
+    """Ownership of one run directory for one job; ``acquire()`` takes it, ``release()`` gives it back.
+
+    The launchers of one job (the nodes of a multi-node job, which share the run directory and
+    the job id) are the lock's *members*: each adds itself on ``acquire()`` and removes itself on
+    ``release()``; the last one to leave removes the lock, so a node that finishes (or is lost)
+    first never unlocks the directory under the nodes still running.
+    """
 
     def __init__(self, run_dir: str | os.PathLike, job_id: str, command: str = "shardwise train") -> None:
         self.run_dir = Path(run_dir)
         self.job_id = job_id
         self.command = command
-        self.joined = False  # True: another launcher of the same job holds it
+        self.joined = False  # True: another launcher of the same job holds it (this one joined)
         self.took_over: dict[str, Any] | None = None  # the stale lock replaced, if any
         self._held = False
+        self._member_id = uuid.uuid4().hex  # names this launcher among the lock's members
 
     @property
     def path(self) -> Path:
@@ -100,12 +117,15 @@ class RunLock:
             raise ConfigError(f"cannot create the run directory {self.run_dir}: {e.strerror or e}.") from None
         with _guard(self.run_dir):
             held = read_lock(self.run_dir)
+            live: list[dict[str, Any]] = []
             if held is not None:
-                self._check_holder(held)
-                if self.joined:
-                    return self
-            record = {**process_record(), "job_id": self.job_id, "time": time.time(),
-                      "command": self.command}
+                live = self._check_holder(held)
+            me = {**process_record(), "member_id": self._member_id}
+            if self.joined:
+                record = {**held, "members": [*live, me]}  # type: ignore[dict-item]
+            else:
+                record = {**me, "job_id": self.job_id, "time": time.time(), "command": self.command,
+                          "members": [me]}
             atomic_write_json(self.path, record, durable=True, indent=1)
             self._held = True
         if self.took_over is not None:
@@ -120,49 +140,58 @@ class RunLock:
             self._check_holder(held)
             self.joined, self.took_over = False, None
 
-    def _check_holder(self, held: dict[str, Any]) -> None:
+    def _check_holder(self, held: dict[str, Any]) -> list[dict[str, Any]]:
+        """Decide join / take over / refuse for the lock ``held``; return its members still running."""
         if not held:
             # Unreadable: never written whole (writes are atomic), so damaged by hand or a disk
             # fault. Nobody can be shown to hold it; say so rather than guess.
             raise ConfigError(f"the lock file {self.path} is unreadable. If no job is running in "
                               f"{self.run_dir}, delete {self.path} and retry.")
-        alive = same_process_alive(held)
+        members = lock_members(held)
+        states = [(m, same_process_alive(m)) for m in members]
+        live = [m for m, alive in states if alive is not False]
         if self.job_id and held.get("job_id") == self.job_id:
-            # Another launcher of this job (a node) joins; a dead holder of this job (an earlier
-            # elastic attempt's process) is simply replaced.
-            self.joined = alive is not False
-            return
-        if alive is False:
+            # Another launcher of this job (a node) joins; when every earlier member is gone (an
+            # earlier attempt of this job) the lock is simply taken again.
+            self.joined = bool(live)
+            return live
+        if not live:
             self.took_over = held
-            return
-        if alive is None and held.get("host") != process_record()["host"]:
+            return []
+        holder = {**held, **live[0]}
+        if any(alive is True for _, alive in states):
             raise ConfigError(
-                f"run directory {self.run_dir} is locked by {describe_holder(held)}; shardwise "
+                f"run directory {self.run_dir} is in use by a running job: {describe_holder(holder)}. "
+                "Wait for it to finish (or stop it), or choose another --out. Two jobs writing one run "
+                "directory would mix their metrics and delete each other's checkpoints."
+            )
+        if live[0].get("host") != process_record()["host"]:
+            raise ConfigError(
+                f"run directory {self.run_dir} is locked by {describe_holder(holder)}; shardwise "
                 f"cannot check from this host whether that job is still running. If it is not, "
                 f"delete {self.path} and retry; otherwise choose another --out."
             )
-        if alive is None:
-            raise ConfigError(
-                f"run directory {self.run_dir} is locked by {describe_holder(held)}, and this "
-                f"platform cannot tell whether that process is still the same job. If it is not, "
-                f"delete {self.path} and retry; otherwise choose another --out."
-            )
         raise ConfigError(
-            f"run directory {self.run_dir} is in use by a running job: {describe_holder(held)}. "
-            "Wait for it to finish (or stop it), or choose another --out. Two jobs writing one run "
-            "directory would mix their metrics and delete each other's checkpoints."
+            f"run directory {self.run_dir} is locked by {describe_holder(holder)}, and this "
+            f"platform cannot tell whether that process is still the same job. If it is not, "
+            f"delete {self.path} and retry; otherwise choose another --out."
         )
 
     def release(self) -> None:
-        """Remove the lock if this process holds it (a joiner leaves it to its owner)."""
+        """Leave the lock; the last member of the job removes it."""
         if not self._held:
             return
         self._held = False
         with _guard(self.run_dir):
             held = read_lock(self.run_dir)
-            mine = process_record()
-            if held and held.get("job_id") == self.job_id and held.get("pid") == mine["pid"] \
-                    and held.get("host") == mine["host"]:
+            if not held or held.get("job_id") != self.job_id:
+                return  # not ours (any more): leave it alone
+            rest = [m for m in lock_members(held)
+                    if m.get("member_id") != self._member_id and same_process_alive(m) is not False]
+            if rest:
+                first = {k: rest[0].get(k) for k in ("host", "pid", "start_time", "boot_id")}
+                atomic_write_json(self.path, {**held, **first, "members": rest}, durable=True, indent=1)
+            else:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
 

@@ -86,7 +86,9 @@ class Session:
         if parallel is None or strategy != "auto":
             options = dataclasses.replace(options, strategy=strategy)
         if precision is not None:
-            options = dataclasses.replace(options, precision=precision)
+            # Fabric/Accelerate spellings ("bf16", "16-mixed", "32-true", ...) as in a config file.
+            rule = next(f for f in dataclasses.fields(ParallelConfig) if f.name == "precision").metadata["rule"]
+            options = dataclasses.replace(options, precision=rule.canonical(precision))
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options

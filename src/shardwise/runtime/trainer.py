@@ -34,6 +34,7 @@ from shardwise.runtime.checkpoint import (
     missing_latest_error,
     truncate_metrics,
 )
+from shardwise.runtime.collective import gather
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
@@ -106,6 +107,10 @@ class Trainer:
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
         )
+        # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
+        # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
+        # rank decides the same way whether to resume.
+        self.attempt = max(gather(attempt))
         # Non-finite losses/gradients. "stop": the first bad step is kept in a device tensor,
         # updated every step without a host sync, and read at logging steps, before every save
         # and at the end. "skip": the session decides per step (one sync) and this counts.

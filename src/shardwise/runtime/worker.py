@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         out = args.out or cfg.out_dir or f"runs/{cfg.name}-{cfg.parallel.strategy.replace('+', '_')}-{run_id}"
         args.out = out
+        _tee_to_rank_log(Path(out), rank)
         # torchrun's restart count: a restarted attempt resumes from the run's latest checkpoint.
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         lock = _claim_without_launcher(cfg, out, rank)
@@ -54,6 +56,55 @@ def main(argv: list[str] | None = None) -> int:
         _report_failure(args.out, rank, str(e), e.exit_code)
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+class _Tee:
+    """A text stream writing to this rank's log file and, optionally, to the console stream."""
+
+    def __init__(self, log: TextIO, console: TextIO | None) -> None:
+        self._log, self._console = log, console
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        if self._console is not None:
+            self._console.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+        if self._console is not None:
+            self._console.flush()
+
+    def isatty(self) -> bool:
+        return self._console is not None and self._console.isatty()
+
+    def fileno(self) -> int:
+        # faulthandler and subprocesses need a real descriptor: the console's, else the log's.
+        return (self._console or self._log).fileno()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._console or self._log, name)
+
+
+def _tee_to_rank_log(out: Path, rank: int) -> None:
+    """Copy this rank's Python output to ``<out>/logs/rank-N.log``; only rank 0 prints to the console.
+
+    Every rank's stderr (warnings, errors) still reaches the console too, so a failing rank is
+    never silent; its stdout (progress, results) goes to its log alone. Appended to, so the log
+    keeps every elastic attempt.
+    """
+    logs = out / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"rank-{rank}.log", "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives with the process
+    except OSError as e:
+        print(f"shardwise: cannot write the rank log in {logs}: {e.strerror or e}; output goes to the "
+              "console only", file=sys.stderr, flush=True)
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log.write(f"--- rank {rank}, pid {os.getpid()}, attempt {attempt} ---\n")
+    sys.stdout = _Tee(log, sys.stdout if rank == 0 else None)  # type: ignore[assignment]
+    sys.stderr = _Tee(log, sys.stderr)  # type: ignore[assignment]
 
 
 def _claim_without_launcher(cfg: object, out: str, rank: int) -> object | None:
