@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shardwise.cli import main
@@ -158,9 +158,6 @@ def valid_value(spec: FieldSpec, free: bool = False, pretrained: str = "") -> st
         low, high, ex_low, ex_high = _bounds(rule, float)
         item = st.floats(low, high, exclude_min=ex_low, exclude_max=ex_high, allow_nan=False, allow_infinity=False)
         return st.tuples(*[item for _ in typing.get_args(tp)]).map(list)
-    if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):  # e.g. profile.ranks
-        low, high, _, _ = _bounds(rule, int)
-        return st.lists(st.integers(low, high), max_size=3)
     if typing.get_origin(tp) is dict:
         if free:  # options the nano GPT takes, in range
             return st.fixed_dictionaries({}, optional={"n_layer": st.integers(1, 3), "dropout": st.floats(0, 0.5)})
@@ -356,6 +353,18 @@ def _meet_cross_field_rules(raw: dict, sets: list[str], pretrained: str) -> None
         fix("parallel.sequence_parallel", False)
 
 
+def _pretrained_case(data: Path, pretrained: str, lora: bool) -> Case:
+    """A valid case fine-tuning the real folder (with LoRA adapters when ``lora``)."""
+    raw = _base(data)
+    changes: dict[str, Any] = {"model.kind": "hf", "model.pretrained": pretrained}
+    if lora:
+        changes.update({"lora.rank": 4, "lora.targets": ["q_proj", "v_proj"]})
+    for key, value in changes.items():
+        _set(raw, key, value)
+    return Case(raw, [f"{k}={toml_value(v)}" for k, v in changes.items()], None, True, False, "dict",
+                [f"{k} = {v!r}" for k, v in changes.items()])
+
+
 @st.composite
 def cases(draw, data: Path, pretrained: str) -> Case:
     free = draw(st.booleans())
@@ -540,6 +549,9 @@ def test_fuzz_config_resolution_and_preflight(data, pretrained, tmp_path):
     @settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                              HealthCheck.function_scoped_fixture])
     @given(case=cases(data, pretrained), flags=st.none() | launch_flags())
+    # Always, whatever the draws: the real folder reaches preflight's meta build, with and without LoRA.
+    @example(case=_pretrained_case(data, pretrained, lora=False), flags=None)
+    @example(case=_pretrained_case(data, pretrained, lora=True), flags=None)
     def run(case: Case, flags: tuple[list[str], bool] | None) -> None:
         counts["cases"] += 1
         counts[f"delivery:{case.delivery}"] += 1
