@@ -14,7 +14,8 @@ are kept, so the code never branches on the mesh's shape.
 
 Order of application, as in torchtitan's ``parallelize``: pipeline split (each rank keeps only its
 stages' parts) -> TP (the plan paths name the plain modules) -> activation checkpointing ->
-data parallel (DDP or FSDP2 over the ``dp`` sub-mesh) -> pipeline stages and schedule.
+``torch.compile`` per block (``train.compile``) -> data parallel (DDP or FSDP2 over the ``dp``
+sub-mesh) -> pipeline stages and schedule.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
@@ -102,6 +104,8 @@ class ModelParallelStrategy(Strategy):
         if tp > 1:
             apply_tp(model, mesh["tp"], layout.sequence_parallel)  # type: ignore[index]
         apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
+        if ctx.compile:
+            apply_compile(model)  # after AC, before DDP/FSDP (torchtitan's order)
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         wrapped = [self._wrap_dp(part, ctx) for part in parts]
         if pp == 1:

@@ -39,6 +39,7 @@ from shardwise.layout import Layout, resolve_layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
+from shardwise.parallel.compile import apply_compile, check_compile_toolchain, compile_loss
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
@@ -78,7 +79,8 @@ class Session:
     def __init__(self, strategy: str = "auto", *, precision: str | None = None,
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
-                 collective_timeout_s: float = 1800.0, launch_id: str | None = None) -> None:
+                 collective_timeout_s: float = 1800.0, launch_id: str | None = None,
+                 compile: bool = False) -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -88,6 +90,8 @@ class Session:
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
+        # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
+        self.compile = bool(compile)
         # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
@@ -134,7 +138,8 @@ class Session:
             )
             self._owns_group = True
         self.mesh = self._build_mesh()
-        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh)
+        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
+                                   compile=self.compile)
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
@@ -197,6 +202,8 @@ class Session:
         # The same model, and so the same error, on every rank: a shape that does not fit the
         # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
         self.strategy.check_model(model)
+        if self.compile:
+            self._check_compile()
         blocks = find_blocks(model)
         if blocks is not None:
             self.layout = self.layout.with_blocks(len(blocks), blocks.path)
@@ -210,9 +217,11 @@ class Session:
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
         if not self.strategy.applies_activation_checkpointing():
-            # From outside and before any wrapper (torchtitan order: AC, then DDP/FSDP).
+            # From outside and before any wrapper (torchtitan order: AC, compile, then DDP/FSDP).
             model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
                                                    self.options.ac_every)
+            if self.compile:
+                model = apply_compile(model)
         prepared = self.strategy.apply(model, self.ctx)
         if isinstance(optimizer, torch.optim.Optimizer):
             self._repoint_optimizer(optimizer, names, prepared,
@@ -238,6 +247,17 @@ class Session:
             raise ShardwiseError(error)
         self.scheduler = scheduler
         return prepared, optimizer, scheduler
+
+    def _check_compile(self) -> None:
+        reason = self.strategy.compile_unsupported()
+        if reason:
+            raise ConfigError(f"train.compile = true cannot run under strategy {self.strategy_name!r}: "
+                              f"{reason}. Set train.compile = false, or choose another strategy.")
+        check_compile_toolchain(self.device.type)
+
+    def compile_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Return ``loss_fn`` compiled when this session compiles (``compile=True``), else as is."""
+        return compile_loss(loss_fn) if self.compile else loss_fn
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
