@@ -111,7 +111,7 @@ def test_bench_refuses_bad_input_before_running(capsys, tmp_path):
                           (["--strategies", "ddp,torch-ddp", "--set", "parallel.precision=fp16-mixed"],
                            "the reference loop 'torch-ddp' does not implement parallel.precision='fp16-mixed'"),
                           (["--strategies", "ddp,ddp"], "more than once"),
-                          (["--strategies", "ddp", "--repeat", "0"], "--repeat must be at least 1")]:
+                          (["--strategies", "ddp", "--repeat", "0"], "--repeat must be between 1 and 1000")]:
         code = main(["bench", *argv, "--out", str(tmp_path)])
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)

@@ -34,7 +34,7 @@ def test_wrong_type_names_key_and_value():
 
 
 def test_unknown_strategy_lists_valid_ones():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'ddpp'.*Did you mean 'ddp'.*Valid strategys?: .*single"):
+    with pytest.raises(ConfigError, match=r"unknown strategy 'ddpp'.*Did you mean 'ddp'.*Valid strategies: .*single"):
         load_config(None, ["parallel.strategy=ddpp"])
 
 

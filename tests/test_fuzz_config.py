@@ -84,7 +84,7 @@ SECTIONS = sorted({f.key.split(".")[0] for f in FIELDS if "." in f.key})
 # with exit 0, and (test_fuzz_real_train) train.
 FREE = {f.key for f in FIELDS if f.key.split(".")[0] in ("train", "checkpoint", "watchdog")
         and f.key != "checkpoint.resume"} | {"name", "data.num_workers", "parallel.activation_checkpointing",
-                                             "parallel.ac_every", "parallel.sequence_parallel", "model.overrides"}
+                                             "parallel.ac_every", "model.overrides"}
 # Valid ranges narrowed for FREE fields, where the whole schema range would make the small job
 # fail or run long for reasons that are not config errors (a batch larger than the tiny dataset,
 # a billion steps, a watchdog shorter than a step, 256 loader processes).
@@ -120,6 +120,8 @@ def _valid_text(rule: Rule | None) -> st.SearchStrategy:
     if kind == "factory":
         return st.just("") | st.from_regex(r"[a-z_][a-z0-9_]{0,8}(\.[a-z_][a-z0-9_]{0,8}){0,2}:[a-z_][a-z0-9_]{0,8}",
                                            fullmatch=True)
+    if kind == "key":
+        return st.text(_SAFE_CHARS, min_size=1, max_size=40) | _ODD_TEXT
     return st.text(_SAFE_CHARS, max_size=40) | _ODD_TEXT
 
 
@@ -208,6 +210,8 @@ def invalid_value(spec: FieldSpec) -> st.SearchStrategy:
         out.append(st.just("x" * (TEXT_LIMITS.get(kind, 1024) + 1)))
         if kind == "name":
             out.append(st.sampled_from(["", "   ", ".", "..", "a/b", "..\\up", "/abs"]))
+        if kind == "key":
+            out.append(st.just(""))
         if kind == "factory":
             out.append(st.sampled_from(["nocolon", "a:b:c", "1mod:f", "mod:", ":f", "mod:f()"]))
     return st.one_of(out)
@@ -296,6 +300,32 @@ def mutation(draw, free: bool, structure: bool) -> tuple[str, Any, bool, bool]:
     return spec.key, draw(valid_value(spec, free)), True, spec.key in FREE
 
 
+def _meet_cross_field_rules(raw: dict, sets: list[str]) -> None:
+    """Adjust a valid case to the rules config.validate() adds across fields, so that it stays valid.
+
+    Each adjustment is appended to ``sets`` too, so every delivery (dict, TOML, --set) sees it.
+    """
+    def fix(key: str, value: Any) -> None:
+        _set(raw, key, value)
+        sets.append(f"{key}={toml_value(value)}")
+
+    lr, min_lr = _get(raw, "train.lr"), _get(raw, "train.min_lr")
+    if isinstance(lr, (int, float)) and isinstance(min_lr, (int, float)) and min_lr > lr:
+        fix("train.min_lr", float(lr))  # the schedule decays from lr down to min_lr
+    steps = _get(raw, "train.steps")
+    start, end = _get(raw, "profile.start_step"), _get(raw, "profile.end_step")
+    start = 3 if start is None else start
+    end = 5 if end is None else end
+    if _get(raw, "profile.enabled") and isinstance(steps, int) and end > steps:
+        end = steps  # the profiled window lies inside the run
+        fix("profile.end_step", end)
+    if start > end:
+        fix("profile.start_step", end)
+    trackers = _get(raw, "log.trackers")
+    if isinstance(trackers, list) and len(set(trackers)) != len(trackers):
+        fix("log.trackers", list(dict.fromkeys(trackers)))
+
+
 @st.composite
 def cases(draw, data: Path) -> Case:
     free = draw(st.booleans())
@@ -317,11 +347,8 @@ def cases(draw, data: Path) -> Case:
             as_dict = False
         sets.append(f"{key}={toml_value(value)}")
         notes.append(f"{key} = {value!r}" + ("" if ok else "  (invalid)"))
-    lr, min_lr = _get(raw, "train.lr"), _get(raw, "train.min_lr")
-    if valid and isinstance(lr, (int, float)) and isinstance(min_lr, (int, float)) and min_lr > lr:
-        # The one cross-field rule (min_lr <= lr: the schedule decays from lr to min_lr).
-        _set(raw, "train.min_lr", float(lr))
-        sets.append(f"train.min_lr={toml_value(float(lr))}")
+    if valid:
+        _meet_cross_field_rules(raw, sets)
     bad_set = draw(st.sampled_from([None] * 9 + ["no-equals-sign", "=5", "train..lr=1", ".lr=1", "train.lr.x=1",
                                                  "train.steps=5\n[train]\nlr = 1", "train. lr=1", "träin.lr=1",
                                                  "train.lr=", "train.steps=[", "=", "name.x.y.z=1"]))

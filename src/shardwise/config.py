@@ -54,9 +54,10 @@ class Rule:
     Numbers: ``ge``/``le`` inclusive and ``gt``/``lt`` exclusive bounds (floats must also be finite,
     always). Strings: ``choices`` (a tuple, or ``"module:attr"`` naming a tuple or a function that
     returns the names, resolved when validating, so a registry can grow without editing this file)
-    and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty)
-    or "word". Every string is checked to be UTF-8 text without control characters. Tuples apply
-    the rule to each element. Fields without a rule still get the type, finiteness and text checks.
+    and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty),
+    "key" (a non-empty word, e.g. a JSONL field name) or "word". Every string is checked to be
+    UTF-8 text without control characters. Tuples apply the rule to each element. Fields without
+    a rule still get the type, finiteness and text checks.
     Config validation, the CLI's messages and the fuzzer (tests/test_fuzz_config.py) all read these.
     """
 
@@ -138,7 +139,7 @@ class DataConfig:
     val_path: str = setting("", text="path")  # text/tokens: a separate validation file or folder
     # text: a local tokenizer folder (save_pretrained layout) or a tokenizer.json
     tokenizer: str = setting("", text="path")
-    text_field: str = setting("text", text="word")  # text: the JSONL field holding each document
+    text_field: str = setting("text", text="key")  # text: the JSONL field holding each document
     # tokens: element type of .bin files (nanoGPT: uint16)
     token_dtype: str = setting("uint16", choices=TOKEN_DTYPES, label="data.token_dtype")
     cache_dir: str = setting("", text="path")  # text/tokens: the tokenised-data cache ("": ~/.cache/shardwise)
@@ -526,8 +527,8 @@ def check_text(key: str, value: str, kind: str = "word") -> None:
     Every kind: valid UTF-8 (no lone surrogates from undecodable command-line bytes) without
     control characters (a newline in a name or path is a mistake, and no file system tool shows
     it). ``kind`` adds: "name" (a run name, used in directory names: no separators, not '.'/'..'),
-    "path", "factory" ('package.module:function' or empty), "word"; "text" (values passed on to a
-    model builder) may hold control characters: ``to_toml`` escapes them.
+    "path", "factory" ('package.module:function' or empty), "key" (a non-empty word), "word";
+    "text" (values passed on to a model builder) may hold control characters: ``to_toml`` escapes them.
     """
     try:
         value.encode("utf-8")
@@ -543,6 +544,8 @@ def check_text(key: str, value: str, kind: str = "word") -> None:
     if kind == "name" and (not value.strip() or value in (".", "..") or "/" in value or "\\" in value):
         raise ConfigError(f"{key} = {_show(value)} cannot name a run directory: use a non-empty name "
                           "without '/' or '\\' (and not '.' or '..').")
+    if kind == "key" and not value:
+        raise ConfigError(f"{key} must not be empty.")
     if kind == "factory" and value and not _FACTORY_RE.fullmatch(value):
         raise ConfigError(f"{key} must look like 'package.module:function', got {_show(value)}.")
 
@@ -636,8 +639,6 @@ def validate(cfg: RunConfig) -> None:
 
     check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts
     canonical_strategy(p.strategy)  # raises with the list of valid names; resolve_layout picks the one
-    if not cfg.data.text_field:
-        raise ConfigError("data.text_field must name the JSONL field holding each document's text, got ''.")
     pc = cfg.profile
     if pc.end_step < pc.start_step:
         raise ConfigError(f"profile.end_step ({pc.end_step}) must be >= profile.start_step "

@@ -41,9 +41,23 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def plural(noun: str) -> str:
+    """English plural of the last word of ``noun`` ('strategy' -> 'strategies', 'GPU kind' -> 'GPU kinds')."""
+    if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u", ""):
+        return noun[:-1] + "ies"
+    if noun.endswith(("s", "x", "z", "ch", "sh")):
+        return noun + "es"
+    return noun + "s"
+
+
 def unknown_choice(kind: str, name: str, choices: Iterable[str]) -> ConfigError:
-    """Build the standard 'unknown X' error that lists every valid choice."""
+    """Build the standard 'unknown X' error that lists every valid choice.
+
+    ``kind`` is a noun ('strategy') or a config key ('data.token_dtype'); a key gets "valid
+    values", since the plural of a key is not a word.
+    """
     valid = sorted(choices)
+    what = f"values of {kind}" if "." in kind else plural(kind)
     return ConfigError(
-        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {kind}s: {', '.join(valid)}."
+        f"unknown {kind} {name!r}.{did_you_mean(name, valid)} Valid {what}: {', '.join(valid)}."
     )
