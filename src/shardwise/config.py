@@ -167,6 +167,9 @@ class TrainConfig:
     # gives up after ``max_nonfinite_skips`` skips in a row.
     nonfinite: str = setting("stop", choices=NONFINITE_MODES, label="train.nonfinite mode")
     max_nonfinite_skips: int = setting(10, gt=0, le=10**6)
+    # torch.compile each transformer block (and the loss), after TP and activation checkpointing,
+    # before DDP/FSDP (torchtitan's order; see shardwise.parallel.compile). CPU: inductor's C++.
+    compile: bool = False
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,8 @@ class Strategy:
         before calling ``apply``."""
         return False
 
-    def compile_unsupported(self) -> str | None:
-        """Why ``train.compile`` cannot run under this strategy's layout, or None when it can."""
+    def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        """Why ``train.compile`` cannot run under this layout with ``options``, or None when it can."""
         return None
 
     def check_model(self, model: nn.Module) -> None:

@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.config import ParallelConfig
+    from shardwise.parallel.base import Strategy
 
 COMPILED_PREFIX = "_orig_mod."
 
@@ -51,6 +55,16 @@ def check_compile_toolchain(device_type: str) -> None:
             "train.compile = true on the CPU needs a C/C++ compiler (inductor generates C++ kernels), "
             "but none of cc, gcc, clang, c++, g++ is on PATH. Install one (e.g. apt-get install g++), "
             "or set train.compile = false.")
+
+
+def check_compile(strategy: Strategy, options: ParallelConfig, device_type: str) -> None:
+    """Raise ConfigError when ``train.compile`` cannot run under ``strategy`` with ``options``, or on
+    this machine (``device_type``)."""
+    reason = strategy.compile_unsupported(options)
+    if reason:
+        raise ConfigError(f"train.compile = true cannot run under strategy {strategy.name!r}: {reason}. "
+                          "Set train.compile = false, or choose another strategy.")
+    check_compile_toolchain(device_type)
 
 
 def apply_compile(model: nn.Module) -> nn.Module:

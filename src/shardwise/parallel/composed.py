@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
@@ -79,6 +80,17 @@ class ModelParallelStrategy(Strategy):
 
     def applies_activation_checkpointing(self) -> bool:
         return True  # after TP (its plan names the plain blocks' submodules), before FSDP
+
+    def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        if self.layout.tp > 1 and options.activation_checkpointing != "none":
+            # torch 2.13's AOT autograd cannot save a checkpointed region's DTensor metadata (it
+            # stores the DeviceMesh among the saved tensors and asserts); TP + compile and
+            # AC + compile each work.
+            return (f"tensor parallel (tp={self.layout.tp}) with activation checkpointing "
+                    f"({options.activation_checkpointing!r}) does not compile in this PyTorch "
+                    "(AOT autograd cannot save a checkpointed DTensor region); set "
+                    "parallel.activation_checkpointing = \"none\" to compile under TP")
+        return None
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # fp16 (refused under PP): gradients are DTensor shards under TP/FSDP, so an inf found on one

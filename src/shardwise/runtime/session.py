@@ -39,7 +39,7 @@ from shardwise.layout import Layout, resolve_layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
-from shardwise.parallel.compile import apply_compile, check_compile_toolchain, compile_loss
+from shardwise.parallel.compile import apply_compile, check_compile, compile_loss
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
@@ -203,7 +203,7 @@ class Session:
         # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
         self.strategy.check_model(model)
         if self.compile:
-            self._check_compile()
+            check_compile(self.strategy, self.options, self.device.type)
         blocks = find_blocks(model)
         if blocks is not None:
             self.layout = self.layout.with_blocks(len(blocks), blocks.path)
@@ -248,16 +248,16 @@ class Session:
         self.scheduler = scheduler
         return prepared, optimizer, scheduler
 
-    def _check_compile(self) -> None:
-        reason = self.strategy.compile_unsupported()
-        if reason:
-            raise ConfigError(f"train.compile = true cannot run under strategy {self.strategy_name!r}: "
-                              f"{reason}. Set train.compile = false, or choose another strategy.")
-        check_compile_toolchain(self.device.type)
-
     def compile_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """Return ``loss_fn`` compiled when this session compiles (``compile=True``), else as is."""
-        return compile_loss(loss_fn) if self.compile else loss_fn
+        """Return ``loss_fn`` compiled when this session compiles (``compile=True``), else as is.
+
+        Under tensor parallelism the loss stays eager: it runs on vocabulary-sharded DTensor logits
+        inside ``loss_parallel``, whose tracing in torch 2.13 fails a stride check on the sharded
+        logits' fake tensors (the blocks, where the time goes, are still compiled).
+        """
+        if not self.compile or self.layout.tp > 1:
+            return loss_fn
+        return compile_loss(loss_fn)
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],

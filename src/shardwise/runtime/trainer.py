@@ -105,6 +105,7 @@ class Trainer:
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
+            compile=t.compile,
         )
         # Non-finite losses/gradients. "stop": the first bad step is kept in a device tensor,
         # updated every step without a host sync, and read at logging steps, before every save
@@ -115,6 +116,8 @@ class Trainer:
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data)
+        # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
+        self._train_loss_fn = self.session.compile_loss(self.workload.loss_fn)
         for note in self.workload.notes:
             self.session.log(note)
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
@@ -223,7 +226,7 @@ class Trainer:
         )
 
     def _loss_fn(self) -> Any:
-        d, loss_fn = self.cfg.debug, self.workload.loss_fn
+        d, loss_fn = self.cfg.debug, self._train_loss_fn
         step = self.state.step + 1  # the step being computed
         if (d.nan_loss_at_step and d.nan_loss_at_step <= step < d.nan_loss_at_step + d.nan_loss_steps
                 and d.nan_loss_rank in (-1, self.session.rank) and (self.attempt == 0 or d.every_attempt)):
