@@ -350,8 +350,20 @@ class Session:
         return self.strategy.clip_grad_norm(self.model, max_norm, self.ctx)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0, *,
-             skip_nonfinite: bool = False, loss: torch.Tensor | None = None) -> float:
-        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm.
+             skip_nonfinite: bool = False, loss: torch.Tensor | None = None,
+             measure_grad_bytes: bool = True) -> torch.Tensor:
+        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm as a
+        0-dim tensor on the device.
+
+        Nothing here waits for the device (except what the options below say): the norm stays a
+        tensor, so a loop that does not log this step queues its work and moves on. Call
+        ``float(norm)`` when you log it; that is a host-device sync. (Before issue 10 this returned
+        a float, i.e. synchronised every step.)
+
+        ``measure_grad_bytes``: record the gradients' bytes for the memory ledger
+        (``last_grad_bytes``, read by ``ledger.collect``); a walk over the parameters in Python, so
+        a loop that cares about per-step overhead passes True only on the steps it logs (the
+        built-in trainer does), and always on its last step.
 
         ``skip_nonfinite=True``: when the gradient norm (or ``loss``, if given) is NaN/inf on any
         rank, the optimizer step is skipped on every rank (``last_step_skipped``) and the gradients
@@ -380,12 +392,12 @@ class Session:
             self._scaler.update()
         else:
             optimizer.step()
-        if self.model is not None:
+        if self.model is not None and measure_grad_bytes:
             self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return float(norm_t)
+        return self.last_grad_norm
 
     # ------------------------------------------------------------------ data
     def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool | None = None,
