@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
 import random
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise import logs
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.layout import Layout, resolve_layout
+from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
@@ -96,6 +98,8 @@ class Session:
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if not logs.is_configured():  # the application's (or the trainer's) own setup wins
+            logs.configure(self.rank)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
@@ -460,11 +464,10 @@ class Session:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
-    def log(self, message: str) -> None:
-        """A timestamped log line on rank 0 (stderr), so stdout stays for results."""
-        if self.is_main:
-            stamp = datetime.datetime.now().strftime("%H:%M:%S")
-            print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        """Log ``message`` on the ``shardwise`` logger (``shardwise.logs``): rank 0 only unless
+        ``[log] all_ranks``; by default a ``[HH:MM:SS]`` line on stderr, so stdout stays for results."""
+        logging.getLogger(LOGGER_NAME).log(level, message)
 
     def progress(self, total: int, desc: str = "", enabled: bool = True,
                  initial: int = 0) -> ProgressBar:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.observe.hooks import RunHooks
@@ -123,6 +124,7 @@ class Trainer:
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
             compile=t.compile,
         )
+        logs.configure(self.session.rank, level=cfg.log.level, all_ranks=cfg.log.all_ranks)
         # Non-finite losses/gradients. "stop": the first bad step is kept in a device tensor,
         # updated every step without a host sync, and read at logging steps, before every save
         # and at the end. "skip": the session decides per step (one sync) and this counts.
