@@ -82,6 +82,7 @@ class TrainState:
     """What advances as training goes; all of it is checkpointed."""
 
     step: int = 0
+    # One value per logging window (observe.throughput: only logging steps wait for the device).
     step_times_s: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     last_train_loss: float = float("nan")
