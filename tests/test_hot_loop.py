@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import load_config
-from shardwise.runtime.trainer import Trainer, adamw_implementation
+from shardwise.runtime.optim import adamw_implementation
+from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed
 
 STEPS, LOG_EVERY = 7, 3

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
 
     from shardwise.runtime.device import select_device
-    from shardwise.runtime.trainer import adamw_implementation
+    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     rank, world, local_rank = common.dist_env()

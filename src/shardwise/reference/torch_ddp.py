@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import sys
 import time
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     rank, world, local_rank = common.dist_env()
     from shardwise.runtime.device import backend_for, select_device
-    from shardwise.runtime.trainer import adamw_implementation
+    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)
@@ -76,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             record.val_loss = common.evaluate(model, val, t.eval_batches, device)
 
     record.write(out, record.summary())
+    # Drop DDP's Reducer (and the Logger holding it) before the group: freed later, at interpreter
+    # exit with the GIL held, it would be the group's last holder and deadlock joining gloo's
+    # threads (pytorch/pytorch#56297; Session._release_reducers does the same).
+    for attr in ("reducer", "logger"):
+        model.__dict__.pop(attr, None)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

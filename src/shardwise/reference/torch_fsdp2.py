@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, local_rank = common.dist_env()
     from shardwise.parallel.fsdp import transformer_blocks
     from shardwise.runtime.device import backend_for, select_device
-    from shardwise.runtime.trainer import adamw_implementation
+    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)
