@@ -13,13 +13,14 @@ from shardwise.testing import run_command
 @pytest.fixture
 def clean_logger():
     logger = logging.getLogger(logs.LOGGER_NAME)
-    saved = (logger.level, list(logger.filters), list(logger.handlers))
+    saved = (logger.level, list(logger.filters), list(logger.handlers), logger.propagate)
     logger.filters.clear()
     logger.handlers.clear()
     yield logger
     logger.setLevel(saved[0])
     logger.filters[:] = saved[1]
     logger.handlers[:] = saved[2]
+    logger.propagate = saved[3]
 
 
 class Records(logging.Handler):
@@ -48,8 +49,7 @@ def test_rank_filter_routing_and_silencing(clean_logger, capsys):
     assert capsys.readouterr().err == ""  # an application handler means no shardwise stderr handler
 
 
-def test_default_handler_writes_timestamped_lines_to_the_current_stderr(clean_logger, capsys, monkeypatch):
-    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # no application logging setup (pytest has one)
+def test_default_handler_writes_timestamped_lines_to_the_current_stderr(clean_logger, capsys):
     logs.configure(0)
     logging.getLogger("shardwise").info("hello")
     logs.configure(3, all_ranks=True)
@@ -58,6 +58,7 @@ def test_default_handler_writes_timestamped_lines_to_the_current_stderr(clean_lo
     assert err[0].startswith("[") and err[0].endswith("] hello")
     assert err[1].endswith("] [rank 3] child logger")
     assert [h.get_name() for h in clean_logger.handlers] == ["shardwise-stderr"]  # added once
+    assert not clean_logger.propagate  # a root handler (basicConfig) does not print each line twice
 
 
 def test_log_level_from_the_recipe_silences_the_trainer(tmp_path, cli_env):

@@ -11,9 +11,10 @@ Route or silence the lines like any library's:
     logging.getLogger("shardwise").addHandler(logging.FileHandler("train.log"))
 
 or ``[log] level = "warning"`` in a recipe. shardwise adds its own stderr handler (``[HH:MM:SS]
-message``) only when neither the ``shardwise`` logger nor the root logger has a handler, so an
-application that configures logging (``logging.basicConfig(...)`` before the Session is created)
-gets the records through its own handlers, once.
+message``) only when the ``shardwise`` logger has no handler; while that handler is attached the
+records do not propagate to the root logger (no double lines under ``logging.basicConfig``). To
+route them yourself, add your handler to ``logging.getLogger("shardwise")`` before the Session is
+created (then shardwise adds none and leaves propagation alone).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def configure(rank: int, *, level: str | None = None, all_ranks: bool = False) -
 
     Replaces an earlier rank filter (one per process); ``level`` (one of ``LEVELS``) sets the
     logger's level, None keeps a level the application set (INFO when none is). Adds the stderr
-    handler only when no handler is configured (see the module docstring).
+    handler only when the logger has no handler (see the module docstring).
     """
     logger = logging.getLogger(LOGGER_NAME)
     for old in [f for f in logger.filters if isinstance(f, RankFilter)]:
@@ -85,9 +86,10 @@ def configure(rank: int, *, level: str | None = None, all_ranks: bool = False) -
     elif logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     ours = [h for h in logger.handlers if h.get_name() == "shardwise-stderr"]
-    if not ours and not logger.handlers and not logging.getLogger().handlers:
+    if not logger.handlers:
         ours = [_shardwise_handler()]
         logger.addHandler(ours[0])
+        logger.propagate = False  # the root's handlers (basicConfig) would print each line again
     for handler in ours:
         # Records of child loggers ("shardwise.x") skip the parent's filters; the handler's own
         # copy tags and filters them too.
