@@ -46,6 +46,7 @@ INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConf
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("", "offline", "online", "disabled")
 NONFINITE_MODES = ("stop", "skip")
+LOG_LEVELS = ("debug", "info", "warning", "error")  # shardwise.logs.LEVELS
 
 # Sane upper bounds: far beyond any real job, small enough that a typo (an extra dozen zeros)
 # is an error instead of a job that never ends.
@@ -203,6 +204,9 @@ class TrainConfig:
     # gives up after ``max_nonfinite_skips`` skips in a row.
     nonfinite: str = setting("stop", choices=NONFINITE_MODES, label="train.nonfinite mode")
     max_nonfinite_skips: int = setting(10, gt=0, le=10**6)
+    # torch.compile each transformer block (and the loss), after TP and activation checkpointing,
+    # before DDP/FSDP (torchtitan's order; see shardwise.parallel.compile). CPU: inductor's C++.
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,8 @@ class ProfileConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    """``[log]``: experiment trackers fed by rank 0, beside the always-on metrics.jsonl."""
+    """``[log]``: experiment trackers fed by rank 0, beside the always-on metrics.jsonl; the level
+    and ranks of shardwise's own log lines."""
 
     trackers: list[str] = setting(default_factory=list, choices=TRACKERS, label="tracker")
     project: str = setting("", text="word")  # W&B project / MLflow experiment name (default: the run's name)
@@ -302,6 +307,10 @@ class LogConfig:
     wandb_mode: str = setting("", choices=WANDB_MODES, label="log.wandb_mode")
     # "" follows MLFLOW_TRACKING_URI when set, else a file store in <run dir>/mlruns.
     mlflow_tracking_uri: str = setting("", text="path")
+    # shardwise's log lines (stdlib logging, logger "shardwise"; see shardwise.logs): the level,
+    # and whether every rank logs (each line tagged [rank R]) or rank 0 only.
+    level: str = setting("info", choices=LOG_LEVELS, label="log.level")
+    all_ranks: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,12 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     resolved, layout = resolve_config(cfg, world_size, ranks_per_node=ranks_per_node)
     check_observability(resolved, world_size)
     strategy = get_strategy(layout)
+    if cfg.train.compile:
+        import torch
+
+        from shardwise.parallel.compile import check_compile
+
+        check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
     if workload is None:
         # Building the datasets reports a missing or malformed data file here, once.
         workload = build_workload(cfg.model, cfg.data, cfg.lora)

@@ -25,7 +25,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 5,
              global_batch: int = 8, accum: int = 1, preset: str = "nano", clip: float = 1.0,
              evaluate: bool = False, overrides: dict | None = None, ckpt_dir: str = "",
-             **options: object) -> dict:
+             compile: bool = False, **options: object) -> dict:
     """Train the GPT preset on fixed batches through session.forward_backward; report results.
 
     Every rank of one data-parallel replica reads the same slice of each global batch (TP ranks
@@ -37,7 +37,11 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
 
         cfg = dataclasses.replace(cfg, **overrides)
     parallel = ParallelConfig(strategy=strategy, **options)  # type: ignore[arg-type]
-    session = Session(parallel=parallel, grad_accum_steps=accum, seed=0)
+    if compile:
+        # A fresh dynamo cache per case: one process running several cases would otherwise pile
+        # guards of every strategy onto the same Block.forward code object.
+        torch._dynamo.reset()
+    session = Session(parallel=parallel, grad_accum_steps=accum, seed=0, compile=compile)
     model = GPT(cfg)
     # foreach=True: the multi-tensor kernels CUDA uses by default, which refuse mixed tensor kinds.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
@@ -50,7 +54,8 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
         if step == 4:  # the state after 5 steps, for runs that go on past it
             params5.update(full_params(model))
 
-    run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot)
+    run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot,
+                              loss_fn=session.compile_loss(lm_loss))
     losses, norms = run["losses"], run["norms"]
     if ckpt_dir:
         from shardwise.runtime.checkpoint import save_checkpoint
@@ -61,7 +66,8 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
     result = {"losses": losses, "norms": norms, "params": full_params(model), "params5": params5,
               "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
               "dp_rank": session.dp_rank, "layout_microbatches": session.layout.pp_microbatches,
-              "run_microbatches": pipeline.n_microbatches if pipeline is not None else None}
+              "run_microbatches": pipeline.n_microbatches if pipeline is not None else None,
+              "compiled_blocks": sum(hasattr(m, "_orig_mod") for m in model.modules())}
     if evaluate:
         x = data[0, :per_replica]
         model.eval()

@@ -32,6 +32,9 @@ class ParallelContext:
     layout: Layout
     mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
     materialize: Callable[[nn.Module], None] | None = None
+    # torch.compile each transformer block after activation checkpointing, before DDP/FSDP
+    # (``parallel/compile.py``): the Session does it, or ``apply`` where it places AC itself.
+    compile: bool = False
 
 
 class Strategy:
@@ -115,9 +118,14 @@ class Strategy:
         return torch.amp.GradScaler(device.type)
 
     def applies_activation_checkpointing(self) -> bool:
-        """True when ``apply`` places activation checkpointing itself (e.g. between TP and FSDP);
-        otherwise the Session wraps the blocks before calling ``apply``."""
+        """True when ``apply`` places activation checkpointing and compile (which follows it)
+        itself (e.g. between TP and FSDP); otherwise the Session wraps and compiles the blocks
+        before calling ``apply``."""
         return False
+
+    def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        """Why ``train.compile`` cannot run under this layout with ``options``, or None when it can."""
+        return None
 
     def check_model(self, model: nn.Module) -> None:
         """Raise ConfigError when ``model``'s shape does not fit the layout (a meta model works).

@@ -35,7 +35,9 @@ class Blocks:
 
 
 def _unwrapped_type(module: nn.Module) -> type:
-    # A checkpoint-wrapped block counts as the block it wraps.
+    # A compiled (torch.compile's OptimizedModule) or checkpoint-wrapped block counts as the
+    # block it wraps.
+    module = getattr(module, "_orig_mod", module)
     return type(getattr(module, "_checkpoint_wrapped_module", module))
 
 

@@ -14,7 +14,8 @@ are kept, so the code never branches on the mesh's shape.
 
 Order of application, as in torchtitan's ``parallelize``: pipeline split (each rank keeps only its
 stages' parts) -> TP (the plan paths name the plain modules) -> activation checkpointing ->
-data parallel (DDP or FSDP2 over the ``dp`` sub-mesh) -> pipeline stages and schedule.
+``torch.compile`` per block (``train.compile``) -> data parallel (DDP or FSDP2 over the ``dp``
+sub-mesh) -> pipeline stages and schedule.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
@@ -78,6 +81,17 @@ class ModelParallelStrategy(Strategy):
     def applies_activation_checkpointing(self) -> bool:
         return True  # after TP (its plan names the plain blocks' submodules), before FSDP
 
+    def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        if self.layout.tp > 1 and options.activation_checkpointing != "none":
+            # torch 2.13's AOT autograd cannot save a checkpointed region's DTensor metadata (it
+            # stores the DeviceMesh among the saved tensors and asserts); TP + compile and
+            # AC + compile each work.
+            return (f"tensor parallel (tp={self.layout.tp}) with activation checkpointing "
+                    f"({options.activation_checkpointing!r}) does not compile in this PyTorch "
+                    "(AOT autograd cannot save a checkpointed DTensor region); set "
+                    "parallel.activation_checkpointing = \"none\" to compile under TP")
+        return None
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # fp16 (refused under PP): gradients are DTensor shards under TP/FSDP, so an inf found on one
         # rank must skip the step everywhere; the sharded scaler all-reduces its found-inf flag.
@@ -104,6 +118,8 @@ class ModelParallelStrategy(Strategy):
         if tp > 1:
             apply_tp(model, mesh["tp"], layout.sequence_parallel)  # type: ignore[index]
         apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
+        if ctx.compile:
+            apply_compile(model)  # after AC, before DDP/FSDP (torchtitan's order)
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         if self.dp_kind == "fsdp":
             # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root

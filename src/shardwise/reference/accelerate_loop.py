@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
 
     from shardwise.runtime.device import select_device
+    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     rank, world, local_rank = common.dist_env()
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(cfg.model, cfg.data, cfg.lora)
     model = workload.build_model()
     model = common.compile_blocks(model, t)
-    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas)
+    # The kernel shardwise's trainer picks for this device (fused on CUDA and the CPU), so the
+    # comparison measures the loop, not two AdamW implementations.
+    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
+                                  **adamw_implementation(device))
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, common.lr_factor(t))
     train = common.loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,

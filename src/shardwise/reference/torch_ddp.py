@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import sys
 import time
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     rank, world, local_rank = common.dist_env()
     from shardwise.runtime.device import backend_for, select_device
+    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)
@@ -31,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     model = workload.build_model().to(device)
     model = common.compile_blocks(model, t)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas)
+    # The kernel shardwise's trainer picks for this device (fused on CUDA and the CPU), so the
+    # comparison measures the loop, not two AdamW implementations.
+    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
+                                  **adamw_implementation(device))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(t))
     train = common.loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,
                           num_workers=cfg.data.num_workers)
@@ -72,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             record.val_loss = common.evaluate(model, val, t.eval_batches, device)
 
     record.write(out, record.summary())
+    # Drop DDP's Reducer (and the Logger holding it) before the group: freed later, at interpreter
+    # exit with the GIL held, it would be the group's last holder and deadlock joining gloo's
+    # threads (pytorch/pytorch#56297; Session._release_reducers does the same).
+    for attr in ("reducer", "logger"):
+        model.__dict__.pop(attr, None)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

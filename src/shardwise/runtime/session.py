@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
 import random
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,12 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise import logs
 from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.layout import Layout, resolve_layout
+from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
+from shardwise.parallel.compile import apply_compile, check_compile, compile_loss
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
@@ -80,7 +83,8 @@ class Session:
     def __init__(self, strategy: str = "auto", *, precision: str | None = None,
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
-                 collective_timeout_s: float = 1800.0, launch_id: str | None = None) -> None:
+                 collective_timeout_s: float = 1800.0, launch_id: str | None = None,
+                 compile: bool = False) -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -92,10 +96,14 @@ class Session:
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
+        # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
+        self.compile = bool(compile)
         # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if not logs.is_configured():  # the application's (or the trainer's) own setup wins
+            logs.configure(self.rank)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
@@ -145,7 +153,8 @@ class Session:
             )
             self._owns_group = True
         self.mesh = self._build_mesh()
-        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh)
+        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
+                                   compile=self.compile)
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
@@ -267,6 +276,8 @@ class Session:
         # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
         self.strategy.check_model(model)
         self.check_lora(model)
+        if self.compile:
+            check_compile(self.strategy, self.options, self.device.type)
         materialize = self._materializer(model)
         blocks = find_blocks(model)
         if blocks is not None:
@@ -285,9 +296,11 @@ class Session:
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
         if not self.strategy.applies_activation_checkpointing():
-            # From outside and before any wrapper (torchtitan order: AC, then DDP/FSDP).
+            # From outside and before any wrapper (torchtitan order: AC, compile, then DDP/FSDP).
             model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
                                                    self.options.ac_every)
+            if self.compile:
+                model = apply_compile(model)
         prepared = self.strategy.apply(model, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
@@ -323,6 +336,17 @@ class Session:
                 "LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
                 "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel alone "
                 "works with LoRA).")
+
+    def compile_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Return ``loss_fn`` compiled when this session compiles (``compile=True``), else as is.
+
+        Under tensor parallelism the loss stays eager: it runs on vocabulary-sharded DTensor logits
+        inside ``loss_parallel``, whose tracing in torch 2.13 fails a stride check on the sharded
+        logits' fake tensors (the blocks, where the time goes, are still compiled).
+        """
+        if not self.compile or self.layout.tp > 1:
+            return loss_fn
+        return compile_loss(loss_fn)
 
     @staticmethod
     def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -415,8 +439,20 @@ class Session:
         return self.strategy.clip_grad_norm(self.model, max_norm, self.ctx)
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float = 0.0, *,
-             skip_nonfinite: bool = False, loss: torch.Tensor | None = None) -> float:
-        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm.
+             skip_nonfinite: bool = False, loss: torch.Tensor | None = None,
+             measure_grad_bytes: bool = True) -> torch.Tensor:
+        """Unscale (fp16), clip, step and zero the gradients; return the pre-clip gradient norm as a
+        0-dim tensor on the device.
+
+        Nothing here waits for the device (except what the options below say): the norm stays a
+        tensor, so a loop that does not log this step queues its work and moves on. Call
+        ``float(norm)`` when you log it; that is a host-device sync. (Before issue 10 this returned
+        a float, i.e. synchronised every step.)
+
+        ``measure_grad_bytes``: record the gradients' bytes for the memory ledger
+        (``last_grad_bytes``, read by ``ledger.collect``); a walk over the parameters in Python, so
+        a loop that cares about per-step overhead passes True only on the steps it logs (the
+        built-in trainer does), and always on its last step.
 
         ``skip_nonfinite=True``: when the gradient norm (or ``loss``, if given) is NaN/inf on any
         rank, the optimizer step is skipped on every rank (``last_step_skipped``) and the gradients
@@ -445,12 +481,12 @@ class Session:
             self._scaler.update()
         else:
             optimizer.step()
-        if self.model is not None:
+        if self.model is not None and measure_grad_bytes:
             self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return float(norm_t)
+        return self.last_grad_norm
 
     # ------------------------------------------------------------------ data
     def dataloader(self, dataset: Any, batch_size: int, *, shuffle: bool | None = None,
@@ -513,11 +549,10 @@ class Session:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
-    def log(self, message: str) -> None:
-        """A timestamped log line on rank 0 (stderr), so stdout stays for results."""
-        if self.is_main:
-            stamp = datetime.datetime.now().strftime("%H:%M:%S")
-            print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        """Log ``message`` on the ``shardwise`` logger (``shardwise.logs``): rank 0 only unless
+        ``[log] all_ranks``; by default a ``[HH:MM:SS]`` line on stderr, so stdout stays for results."""
+        logging.getLogger(LOGGER_NAME).log(level, message)
 
     def progress(self, total: int, desc: str = "", enabled: bool = True,
                  initial: int = 0) -> ProgressBar:

@@ -11,7 +11,6 @@ import itertools
 import math
 import os
 import signal
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,9 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.observe.hooks import RunHooks
+from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
+from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_run
 from shardwise.plan.spec import from_module
@@ -35,6 +37,7 @@ from shardwise.runtime.checkpoint import (
     truncate_metrics,
 )
 from shardwise.runtime.collective import gather
+from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
@@ -53,13 +56,14 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, norms' scales or 1-d params)."""
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, norms' scales or 1-d params); fused
+    where ``device`` has a fused kernel (``adamw_implementation``)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, **adamw_implementation(device))
 
 
 @dataclass
@@ -67,6 +71,7 @@ class TrainState:
     """What advances as training goes; all of it is checkpointed."""
 
     step: int = 0
+    # One value per logging window (observe.throughput: only logging steps wait for the device).
     step_times_s: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     last_train_loss: float = float("nan")
@@ -102,15 +107,18 @@ class Trainer:
         self._stop_signal: int | None = None
         self._saved_step = -1
         self._watchdog: Any = None
+        self.data_wait_s = 0.0  # time this step waited on the data loader (train_step adds to it)
         t = cfg.train
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
+            compile=t.compile,
         )
         # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
         # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
         # rank decides the same way whether to resume.
         self.attempt = max(gather(attempt))
+        logs.configure(self.session.rank, level=cfg.log.level, all_ranks=cfg.log.all_ranks)
         # Non-finite losses/gradients. "stop": the first bad step is kept in a device tensor,
         # updated every step without a host sync, and read at logging steps, before every save
         # and at the end. "skip": the session decides per step (one sync) and this counts.
@@ -120,6 +128,8 @@ class Trainer:
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
+        # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
+        self._train_loss_fn = self.session.compile_loss(self.workload.loss_fn)
         for note in self.workload.notes:
             self.session.log(note)
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
@@ -131,7 +141,9 @@ class Trainer:
         # The model's shapes for the planner's prediction, taken before the strategy shards or
         # prunes it (a pipeline rank deletes the stages it does not run).
         spec = from_module(model, name=model_name(cfg.model))
-        self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t))
+        # Model FLOPs per token by the planner's own counting, for MFU (observe.throughput).
+        self.flops_per_token = flops_per_token(spec, self.workload.tokens_per_sample)
+        self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t, self.session.device))
         for note in self.session.notes:
             self.session.log(note)
         self.session.log(f"model ready in {time.perf_counter() - t0:.2f}s (model.init = {cfg.model.init!r}"
@@ -150,26 +162,34 @@ class Trainer:
                                                   shuffle=False)
 
     # -------------------------------------------------------------- one optimizer step
-    def train_step(self, batches: Any) -> tuple[float, float]:
-        """Run grad_accum_steps micro-batches and one optimizer step; return (loss, grad_norm)."""
+    def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run grad_accum_steps micro-batches and one optimizer step; return (mean loss, pre-clip grad
+        norm) as device tensors: nothing here waits for the device (``float()`` them to log).
+
+        ``measure``: take the memory ledger's gradient walk (a logging step). The time spent
+        waiting on the data loader is added to ``self.data_wait_s``.
+        """
         s, t = self.session, self.cfg.train
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.state.step, t)
         loss_sum = torch.zeros((), device=s.device)
         loss_fn = self._loss_fn()
         for _ in range(t.grad_accum_steps):
+            t0 = time.perf_counter()
             x, y = next(batches)
+            self.data_wait_s += time.perf_counter() - t0
             x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
             loss = s.forward_backward(self.model, x, y, loss_fn)
             loss_sum += loss.float()
         skip = t.nonfinite == "skip"
-        grad_norm = s.step(self.optimizer, max_norm=t.grad_clip, skip_nonfinite=skip, loss=loss_sum)
+        grad_norm = s.step(self.optimizer, max_norm=t.grad_clip, skip_nonfinite=skip, loss=loss_sum,
+                           measure_grad_bytes=measure)
         self.state.step += 1
         if skip:
             self._count_skip(s.last_step_skipped)
         else:
-            self._flag_nonfinite(loss_sum, s.last_grad_norm)
-        return float(loss_sum) / t.grad_accum_steps, grad_norm
+            self._flag_nonfinite(loss_sum, grad_norm)
+        return loss_sum / t.grad_accum_steps, grad_norm
 
     # -------------------------------------------------------------- non-finite losses
     def _flag_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
@@ -236,7 +256,7 @@ class Trainer:
         )
 
     def _loss_fn(self) -> Any:
-        d, loss_fn = self.cfg.debug, self.workload.loss_fn
+        d, loss_fn = self.cfg.debug, self._train_loss_fn
         step = self.state.step + 1  # the step being computed
         if (d.nan_loss_at_step and d.nan_loss_at_step <= step < d.nan_loss_at_step + d.nan_loss_steps
                 and d.nan_loss_rank in (-1, self.session.rank) and (self.attempt == 0 or d.every_attempt)):
@@ -262,6 +282,7 @@ class Trainer:
         old_handlers = self._install_signal_handlers()
         try:
             rng = self.resume()
+            self.meter = self._throughput_meter(tokens_per_step)
             self.hooks.start(self.run_dir.path, first_step=st.step + 1)
             self.run_dir.sinks.append(self.hooks.log)
             return self._loop(tokens_per_step, rng)
@@ -285,19 +306,30 @@ class Trainer:
         wall0 = time.perf_counter()
         interrupted = False
         while st.step < t.steps:
+            step = st.step + 1  # the step about to run
+            last = step == t.steps
+            log_step = step % t.log_every == 0 or last or step == 1
+            save_step = bool(ck.every) and step % ck.every == 0
+            # Only logging and checkpoint steps wait for the device: the loss, the non-finite
+            # flag and the stop signal are settled there in one all-reduce (``_agree``). Other
+            # steps only queue work, so the host runs ahead of the device.
             t0 = time.perf_counter()
-            local_loss, grad_norm = self.train_step(batches)
-            step_time = time.perf_counter() - t0
+            self.data_wait_s = 0.0
+            loss, grad_norm = self.train_step(batches, measure=log_step)
+            if log_step or save_step:
+                mean_loss, stop = self._agree(loss)
+            else:  # one process needs no agreement: its own flag is the answer
+                stop = not s.is_distributed and self._stop_signal is not None
+            self.meter.add_step(time.perf_counter() - t0, self.data_wait_s)
             self.hooks.step(st.step)
-            st.step_times_s.append(step_time)
-            st.tokens_per_s.append(tokens_per_step / step_time)
-            last = st.step == t.steps
-            if st.step % t.log_every == 0 or last or st.step == 1:
-                self.check_finite()
-                st.last_train_loss = s.all_reduce(local_loss, op="mean")
+            if log_step:
+                st.last_train_loss = mean_loss
+                window = self.meter.window()
+                st.step_times_s.append(window.get("step_time_s", 0.0))
+                st.tokens_per_s.append(window.get("tokens_per_s", 0.0))
+                # The per-logging-step record: metrics.jsonl, then every RunDir sink (trackers).
                 record = {"step": st.step, "loss": st.last_train_loss, "lr": lr_at(st.step - 1, t),
-                          "grad_norm": grad_norm, "step_time_s": step_time,
-                          "tokens_per_s": tokens_per_step / step_time}
+                          "grad_norm": float(grad_norm), **window}
                 if t.nonfinite == "skip":
                     record["skipped_steps"] = self.skipped_steps
                 self.run_dir.log_metrics(record)
@@ -309,13 +341,13 @@ class Trainer:
                     s.log(f"step {st.step}: val_loss {st.last_val_loss:.4f}")
             bar.update(1, loss=st.last_train_loss, val=st.last_val_loss)
             s.heartbeat(st.step, "train")
-            if self._stop_requested():
+            if stop:
                 s.log(f"interrupted by signal {self._stop_signal or 'on another rank'}: saving a "
                       f"checkpoint at step {st.step} and stopping")
                 self.save_checkpoint()
                 interrupted = True
                 break
-            if ck.every and st.step % ck.every == 0:
+            if save_step:
                 self.save_checkpoint()
             self._inject_faults()
         bar.close()
@@ -433,10 +465,39 @@ class Trainer:
 
         return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def _stop_requested(self) -> bool:
-        # All ranks must agree, or one would save (a collective) while the others train on.
-        flag = 1.0 if self._stop_signal is not None else 0.0
-        return self.session.all_reduce(flag, op="max") > 0 if self.session.is_distributed else flag > 0
+    def _agree(self, loss: torch.Tensor) -> tuple[float, bool]:
+        """Return (this step's loss averaged over ranks, whether any rank was asked to stop).
+
+        One all-reduce of [loss, stop flag, non-finite flag] and one host sync: the only ones of a
+        logging or checkpoint step. All ranks must agree on stopping, or one would save (a
+        collective) while the others train on; so a signal is acted on at the next logging or
+        checkpoint step. Raises NonFiniteError (on every rank) when any step so far was non-finite.
+        """
+        s = self.session
+        bad = (self._first_bad_step != _NO_BAD_STEP) if self.cfg.train.nonfinite == "stop" else torch.zeros(
+            (), dtype=torch.bool, device=s.device)
+        flags = torch.stack([loss.detach().to(s.device, torch.float64),
+                             torch.full((), float(self._stop_signal is not None), dtype=torch.float64,
+                                        device=s.device),
+                             bad.to(torch.float64)])
+        total = s.all_reduce(flags, op="sum")
+        # float() per element (item(): the first waits for the device, the others are free) rather
+        # than tolist(), whose host copy the sync-count test could not see on the CPU.
+        total_loss, stops, bads = float(total[0]), float(total[1]), float(total[2])
+        if bads > 0:
+            self.check_finite()  # a min-reduce names the first bad step, then raises everywhere
+        return total_loss / s.world_size, stops > 0
+
+    def _throughput_meter(self, tokens_per_step: int) -> ThroughputMeter:
+        """The MFU/throughput meter; rank 0 (which writes the metrics) looks up or measures the peak."""
+        s = self.session
+        peak = device_peak(s.device, self.cfg.parallel.precision) if s.is_main else Peak(None, "rank 0 reports")
+        if s.is_main:
+            where = (f"{peak.tflops:.4g} TFLOP/s per device ({peak.source})" if peak.tflops
+                     else f"no peak: {peak.source}")
+            s.log(f"MFU: {self.flops_per_token:.4g} model FLOPs/token (planner's count) against {where}")
+        return ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=self.flops_per_token,
+                               devices=s.world_size, peak=peak)
 
     def _fault_active(self, rank: int, step: int) -> bool:
         d = self.cfg.debug
@@ -462,9 +523,11 @@ class Trainer:
             "strategy": s.strategy_name, "world_size": s.world_size, "layout": s.layout.to_dict(),
             "precision": self.cfg.parallel.precision, "steps": st.step,
             "final_train_loss": st.last_train_loss, "final_val_loss": st.last_val_loss,
-            "tokens_per_s": statistics.median(st.tokens_per_s) if st.tokens_per_s else 0.0,
-            "step_time_s": statistics.median(st.step_times_s) if st.step_times_s else 0.0,
+            # tokens_per_s, step_time_s, tflops_per_device, mfu, data_fraction, flops_per_token,
+            # peak_tflops_per_device, peak_source, devices (observe.throughput)
+            **self.meter.summary(),
             "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
+            "compile": self.cfg.train.compile,
         }
 
     def sample(self) -> str | None:
