@@ -50,6 +50,10 @@ def test_rank_filter_routing_and_silencing(clean_logger, capsys):
 
 
 def test_default_handler_writes_timestamped_lines_to_the_current_stderr(clean_logger, capsys):
+    # pytest attaches its log-capture handlers to a logger that does not propagate (as ours does
+    # after an earlier test configured it) when the test's call starts, after the fixture ran:
+    # a logger without handlers is the case under test.
+    clean_logger.handlers.clear()
     logs.configure(0)
     logging.getLogger("shardwise").info("hello")
     logs.configure(3, all_ranks=True)

@@ -120,6 +120,13 @@ def block_size_of(mc: ModelConfig) -> int:
     return int(mc.overrides.get("block_size", mc.overrides.get("seq_len", 128)))
 
 
+def _is_dataset(d: Any) -> bool:
+    """True for what ``Session.dataloader`` takes: a map-style dataset or a torch IterableDataset."""
+    from torch.utils.data import IterableDataset
+
+    return isinstance(d, IterableDataset) or (hasattr(d, "__len__") and hasattr(d, "__getitem__"))
+
+
 def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = None) -> Workload:
     """Build the workload named by the model and data config sections (and ``[lora]`` adapters)."""
     if mc.kind not in MODEL_KINDS:
@@ -164,11 +171,12 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
             raise ConfigError("data.kind = 'custom' needs data.factory = 'module:function' returning "
                               "(train_dataset, val_dataset).")
         out = import_factory(dc.factory, "data.factory")()
-        if not (isinstance(out, tuple) and len(out) == 2
-                and all(hasattr(d, "__len__") and hasattr(d, "__getitem__") for d in out)):
-            raise ConfigError(f"data.factory {dc.factory!r} must return (train_dataset, val_dataset), two "
-                              f"map-style datasets (with __len__ and __getitem__); it returned "
-                              f"{type(out).__name__}.")
+        if not (isinstance(out, tuple) and len(out) == 2 and all(_is_dataset(d) for d in out)):
+            what = (f"({', '.join(type(d).__name__ for d in out)})" if isinstance(out, tuple)
+                    else type(out).__name__)
+            raise ConfigError(f"data.factory {dc.factory!r} must return (train_dataset, val_dataset), each a "
+                              f"map-style dataset (with __len__ and __getitem__) or a torch IterableDataset; "
+                              f"it returned {what}.")
         train, val = out
 
     family, flops, sample = "", None, None
