@@ -25,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
 
     from shardwise.runtime.device import select_device
-    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     rank, world, local_rank = common.dist_env()
@@ -37,18 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(cfg.model, cfg.data, cfg.lora)
     model = workload.build_model()
     model = common.compile_blocks(model, t)
-    # The kernel shardwise's trainer picks for this device (fused on CUDA and the CPU), so the
-    # comparison measures the loop, not two AdamW implementations.
-    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
-                                  **adamw_implementation(device))
+    optimizer = common.adamw(model, t, device)
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, common.lr_factor(t))
-    train = common.loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,
-                          num_workers=cfg.data.num_workers)
-    val = common.loader(workload.val_set, t.micro_batch_size, rank, world, shuffle=False)
-    record = common.Record("accelerate", cfg, t.micro_batch_size * t.grad_accum_steps * world
-                           * workload.tokens_per_sample, device)
-    batches = common.forever(train)
+    batches, val = common.data(workload, cfg, rank, world)
+    record = common.Record.for_run("accelerate", cfg, workload, world, device)
     max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
 
     # ------------------------------------------------------------------ the loop

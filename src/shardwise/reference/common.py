@@ -72,6 +72,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+def adamw(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW on ``param_groups`` with the kernel shardwise's trainer picks for ``device`` (fused on
+    CUDA and the CPU), so the comparison measures the loop, not two AdamW implementations."""
+    from shardwise.runtime.optim import adamw_implementation
+
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
+                             **adamw_implementation(device))
+
+
 def lr_factor(t: TrainConfig) -> Any:
     """LambdaLR factor after ``step`` optimizer steps: linear warmup, then cosine to min_lr."""
     def factor(step: int) -> float:
@@ -88,6 +97,14 @@ def loader(dataset: Dataset, batch_size: int, rank: int, world: int, *, shuffle:
                                  drop_last=True)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers)
+
+
+def data(workload: Any, cfg: RunConfig, rank: int, world: int) -> tuple[Iterator[Any], DataLoader]:
+    """(endless training batches, validation loader) of this rank, in the built-in trainer's order."""
+    t = cfg.train
+    train = loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,
+                   num_workers=cfg.data.num_workers)
+    return forever(train), loader(workload.val_set, t.micro_batch_size, rank, world, shuffle=False)
 
 
 def forever(data: DataLoader) -> Iterator[Any]:
@@ -120,6 +137,13 @@ def evaluate(model: nn.Module, data: DataLoader, batches: int, device: torch.dev
 
 class Record:
     """Step times, the last logged loss, and the summary.json the bench table reads."""
+
+    @classmethod
+    def for_run(cls, impl: str, cfg: RunConfig, workload: Any, world: int, device: torch.device) -> Record:
+        """The record of ``impl`` running ``workload`` on ``world`` ranks (tokens per optimizer step)."""
+        t = cfg.train
+        return cls(impl, cfg, t.micro_batch_size * t.grad_accum_steps * world * workload.tokens_per_sample,
+                   device)
 
     def __init__(self, impl: str, cfg: RunConfig, tokens_per_step: int, device: torch.device) -> None:
         self.impl, self.cfg, self.tokens_per_step, self.device = impl, cfg, tokens_per_step, device

@@ -21,7 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     rank, world, local_rank = common.dist_env()
     from shardwise.runtime.device import backend_for, select_device
-    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)
@@ -33,19 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     model = workload.build_model().to(device)
     model = common.compile_blocks(model, t)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The kernel shardwise's trainer picks for this device (fused on CUDA and the CPU), so the
-    # comparison measures the loop, not two AdamW implementations.
-    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
-                                  **adamw_implementation(device))
+    optimizer = common.adamw(model, t, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(t))
-    train = common.loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,
-                          num_workers=cfg.data.num_workers)
-    val = common.loader(workload.val_set, t.micro_batch_size, rank, world, shuffle=False)
+    batches, val = common.data(workload, cfg, rank, world)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.parallel.precision == "bf16-mixed"
                 else contextlib.nullcontext())
-    record = common.Record("torch-ddp", cfg, t.micro_batch_size * t.grad_accum_steps * world
-                           * workload.tokens_per_sample, device)
-    batches = common.forever(train)
+    record = common.Record.for_run("torch-ddp", cfg, workload, world, device)
     max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
 
     # ------------------------------------------------------------------ the loop

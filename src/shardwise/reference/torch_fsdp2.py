@@ -26,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, local_rank = common.dist_env()
     from shardwise.parallel.fsdp import transformer_blocks
     from shardwise.runtime.device import backend_for, select_device
-    from shardwise.runtime.optim import adamw_implementation
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)
@@ -45,17 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # The kernel shardwise's trainer picks for this device (fused on CUDA and the CPU), so the
-    # comparison measures the loop, not two AdamW implementations.
-    optimizer = torch.optim.AdamW(common.param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
-                                  **adamw_implementation(device))
+    optimizer = common.adamw(model, t, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(t))
-    train = common.loader(workload.train_set, t.micro_batch_size, rank, world, shuffle=True, seed=t.seed,
-                          num_workers=cfg.data.num_workers)
-    val = common.loader(workload.val_set, t.micro_batch_size, rank, world, shuffle=False)
-    record = common.Record("torch-fsdp2", cfg, t.micro_batch_size * t.grad_accum_steps * world
-                           * workload.tokens_per_sample, device)
-    batches = common.forever(train)
+    batches, val = common.data(workload, cfg, rank, world)
+    record = common.Record.for_run("torch-fsdp2", cfg, workload, world, device)
     max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
 
     # ------------------------------------------------------------------ the loop
