@@ -22,20 +22,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import PP_SCHEDULES
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.parallel.registry import (
+from shardwise.strategies import (
     COMPOSED_MESH,
+    NOT_IMPLEMENTED_DEGREES,
+    PP_SCHEDULES,
     REGISTRY,
     StrategyInfo,
     canonical_strategy,
     composition_for,
+    strategy_for_degrees,
 )
 
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
 
-__all__ = ["Layout", "local_stage_ids", "resolve_layout", "stage_layer_ranges"]
+__all__ = ["Layout", "check_tp_heads", "local_stage_ids", "ranks_per_node", "resolve_layout", "stage_layer_ranges"]
 
 
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
@@ -94,6 +96,9 @@ class Layout:
     pp: int = 1
     shard: int = 0
     offload: bool | None = None
+    # Context and expert parallel: accepted and validated, refused > 1 until implemented.
+    cp: int = 1
+    ep: int = 1
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
@@ -125,10 +130,15 @@ class Layout:
         if self.strategy == "auto":
             raise ConfigError("a Layout needs a concrete strategy; resolve 'auto' with resolve_layout().")
         info = self.info
-        for key in ("dp", "tp", "pp", "pp_stages_per_rank"):
+        for key in ("dp", "tp", "pp", "cp", "ep", "pp_stages_per_rank"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {key} must be an integer >= 1, got {value!r}.")
+        for key, what in NOT_IMPLEMENTED_DEGREES.items():
+            if getattr(self, key) > 1:
+                raise ConfigError(
+                    f"{what} = {getattr(self, key)}: this degree is not implemented yet in shardwise; the "
+                    f"layout accepts only parallel.{key} = 1 for now. Unset it (or set it to 1).")
         for dim in ("dp", "tp", "pp"):
             if getattr(self, dim) > 1 and dim not in info.degrees:
                 raise ConfigError(
@@ -217,7 +227,8 @@ class Layout:
     # ------------------------------------------------------------------ degrees
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        # dp_replicate x dp_shard x cp x tp x pp; ep is borrowed from dp_shard x cp, not multiplied.
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def world(self) -> int:
@@ -433,6 +444,65 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
     return degrees
 
 
+def ranks_per_node(world_size: int, *, nproc: int = 0, local_world_size: int = 0) -> int:
+    """Ranks on one node, the one rule for it: torchrun's ``LOCAL_WORLD_SIZE`` when launched by it,
+    else ``parallel.nproc`` (``--nproc``), else every rank (one node). HSDP's default shard group
+    and the planner's intra-node links read it."""
+    return local_world_size or nproc or world_size
+
+
+def check_tp_heads(tp: int, n_head: int, n_kv_head: int | None = None, *, what: str = "the model") -> None:
+    """Raise ConfigError unless ``tp`` divides the attention heads (and the key/value heads): the
+    one tensor-parallel divisibility rule (the runtime's TP check and the planner both ask it)."""
+    if tp <= 1:
+        return
+    kv = n_kv_head or n_head
+    if n_head % tp or kv % tp:
+        heads = f"{n_head} attention heads" + (f" and {kv} key/value heads" if kv != n_head else "")
+        valid = [d for d in range(2, n_head + 1) if n_head % d == 0 and kv % d == 0]
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide {what}'s {heads}: each tensor-parallel rank must hold "
+            f"whole heads. Valid tp degrees: {', '.join(map(str, valid)) or 'none above 1'}.")
+
+
+def _from_degrees(options: ParallelConfig) -> ParallelConfig:
+    """``options`` with ``parallel.dp_replicate`` / ``parallel.dp_shard`` turned into the strategy
+    and the dp sizes they stand for (unchanged when neither is given)."""
+    r, s = options.dp_replicate, options.dp_shard
+    if not (r or s):
+        return options
+    if options.dp:
+        raise ConfigError(
+            f"parallel.dp={options.dp} and parallel.dp_replicate/dp_shard ({r}/{s}) are both set: give "
+            "the data-parallel degree one way (dp_replicate x dp_shard, or dp for the tp/pp compositions).")
+    name = canonical_strategy(options.strategy)
+    if name == "auto":
+        name = strategy_for_degrees(r or 1, s or 1, options.tp, options.pp)
+    changes: dict[str, Any] = {"strategy": name}
+    info = REGISTRY[name]
+    if info.model_parallel:
+        changes["dp"] = (r or 1) * (s or 1)
+    if info.hybrid and s:
+        if options.hsdp_shard_size not in (0, s):
+            raise ConfigError(f"parallel.hsdp_shard_size={options.hsdp_shard_size} and parallel.dp_shard={s} "
+                              "disagree: both size hsdp's shard groups; set one.")
+        changes["hsdp_shard_size"] = s
+    return dataclasses.replace(options, **changes)
+
+
+def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
+    """The layout must have exactly the dp_replicate / dp_shard the config gave."""
+    for key in ("dp_replicate", "dp_shard"):
+        given = getattr(options, key)
+        if given and getattr(layout, key) != given:
+            raise ConfigError(
+                f"parallel.{key}={given}, but strategy {layout.strategy!r} on {layout.world_size} rank(s) has "
+                f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp} x "
+                f"tp={layout.tp} x pp={layout.pp}. The degrees must multiply to the world size, and a "
+                f"strategy name stands for one split ({layout.strategy!r}: {layout.info.description}); "
+                "leave parallel.strategy at 'auto' to let the degrees pick it, or change them.")
+
+
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
                    n_blocks: int | None = None, block_path: str = "") -> Layout:
     """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
@@ -443,6 +513,8 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
+    given = options
+    options = _from_degrees(options)
     name = _resolve_strategy(options, world_size)
     info = REGISTRY[name]
     if info.max_world is not None and world_size > info.max_world:
@@ -473,9 +545,11 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         raise ConfigError(
             "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
             "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'.")
-    return Layout(
-        name, dp=dp, tp=tp, pp=pp, shard=shard, pp_schedule=options.pp_schedule,
+    layout = Layout(
+        name, dp=dp, tp=tp, pp=pp, shard=shard, cp=options.cp, ep=options.ep, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
         n_blocks=n_blocks, block_path=block_path,
     )
+    _check_given_degrees(layout, given)
+    return layout

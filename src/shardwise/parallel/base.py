@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from shardwise.config import ParallelConfig
+from shardwise.device import backend_for
 from shardwise.layout import Layout
-from shardwise.parallel.registry import StrategyInfo, strategy_info
+from shardwise.strategies import StrategyInfo
 
 
 @dataclass(frozen=True)
@@ -40,21 +41,24 @@ class ParallelContext:
 class Strategy:
     """Base strategy: plain single-process training. Subclasses override what differs.
 
-    An instance is bound to one run's layout (``get_strategy(layout)``): every degree it needs comes
-    from there, none is worked out here.
+    One class per data-parallel kind (``impl``), not per name: an instance is bound to one run's
+    layout (``get_strategy(layout)``), whose table row (``layout.info``) says what the name adds
+    (offload, reshard-after-forward, hybrid mesh) and whose degrees it uses; none is worked out here.
     """
 
-    name = "single"
+    impl = "single"
 
     def __init__(self, layout: Layout) -> None:
-        if layout.strategy != self.name:
-            raise ValueError(f"{type(self).__name__} runs strategy {self.name!r}, not {layout.strategy!r}")
+        if layout.info.impl != self.impl:
+            raise ValueError(f"{type(self).__name__} runs the {self.impl!r} strategies, not {layout.strategy!r} "
+                             f"(implemented by {layout.info.impl!r})")
         self.layout = layout
+        self.name = layout.strategy
 
     @property
     def info(self) -> StrategyInfo:
-        """The registry entry: mesh dims, what it shards, which models it supports."""
-        return strategy_info(self.name)
+        """The table row: mesh dims, what it shards, which models it supports."""
+        return self.layout.info
 
     @property
     def description(self) -> str:
@@ -109,8 +113,6 @@ class Strategy:
 
     def process_group_backend(self, device: torch.device) -> str:
         """Return the torch.distributed backend string for ranks on ``device``."""
-        from shardwise.runtime.device import backend_for
-
         return backend_for(device)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:

@@ -40,7 +40,6 @@ from shardwise.parallel.pp import (
     prune_to_stages,
     stage_view,
 )
-from shardwise.parallel.registry import COMPOSED_MESH as MESH_DIMS
 from shardwise.parallel.tp import (
     apply_tp,
     check_tp_model,
@@ -49,19 +48,21 @@ from shardwise.parallel.tp import (
     split_mixed_param_groups,
     tp_loss_context,
 )
+from shardwise.strategies import COMPOSED_MESH as MESH_DIMS
 
-__all__ = ["MESH_DIMS", "DDPPPStrategy", "FSDPPPStrategy", "FSDPTPPPStrategy", "FSDPTPStrategy",
-           "ModelParallelStrategy", "PPStrategy", "TPStrategy"]
+__all__ = ["MESH_DIMS", "ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(Strategy):
-    """Base of every TP/PP composition; subclasses name their data-parallel flavour."""
+    """Every TP/PP composition; the table row's dp kind picks the data-parallel flavour."""
 
-    name = "model-parallel"
-    dp_kind = ""  # "", "ddp" or "fsdp"
+    impl = "model-parallel"
 
     def __init__(self, layout: Layout) -> None:
         super().__init__(layout)
+        # FSDP2 over the dp dim for the sharding rows; DDP for the replicating ones (a no-op
+        # while dp == 1, as under "tp" and "pp").
+        self.dp_kind = "fsdp" if layout.info.dp_kind == "fsdp" else "ddp"
         self.pipeline: Pipeline | None = None
 
     # ------------------------------------------------------------ up-front checks
@@ -210,31 +211,3 @@ class ModelParallelStrategy(Strategy):
         if self.layout.tp > 1:
             return "the tensor-parallel output head returns vocabulary-sharded logits"
         return None
-
-
-class TPStrategy(ModelParallelStrategy):
-    name = "tp"
-
-
-class PPStrategy(ModelParallelStrategy):
-    name = "pp"
-
-
-class DDPPPStrategy(ModelParallelStrategy):
-    name = "ddp+pp"
-    dp_kind = "ddp"
-
-
-class FSDPPPStrategy(ModelParallelStrategy):
-    name = "fsdp+pp"
-    dp_kind = "fsdp"
-
-
-class FSDPTPStrategy(ModelParallelStrategy):
-    name = "fsdp+tp"
-    dp_kind = "fsdp"
-
-
-class FSDPTPPPStrategy(ModelParallelStrategy):
-    name = "fsdp+tp+pp"
-    dp_kind = "fsdp"

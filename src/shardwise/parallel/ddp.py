@@ -12,7 +12,7 @@ from shardwise.parallel.base import ParallelContext, Strategy
 
 
 class DDPStrategy(Strategy):
-    name = "ddp"
+    impl = "ddp"
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         self.materialize(model, ctx)  # every rank holds the whole model: allocate it before DDP

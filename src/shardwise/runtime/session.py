@@ -37,8 +37,9 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import ParallelConfig
+from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.layout import Layout, resolve_layout
+from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
@@ -47,7 +48,6 @@ from shardwise.parallel.compile import apply_compile, check_compile, compile_los
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
-from shardwise.runtime.device import select_device
 from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
@@ -107,10 +107,12 @@ class Session:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
-        # Ranks per node (torchrun's LOCAL_WORLD_SIZE): HSDP's default shard group.
-        ranks_per_node = _env_int("LOCAL_WORLD_SIZE", 0) or options.nproc or self.world_size
+        # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
+        # shard group, and the planner's intra-node links in the trainer's prediction.
+        self.ranks_per_node = ranks_per_node(self.world_size, nproc=options.nproc,
+                                             local_world_size=_env_int("LOCAL_WORLD_SIZE", 0))
         # Every degree of this run, resolved once; the strategy, the mesh and the data loader read it.
-        self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=ranks_per_node)
+        self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=self.ranks_per_node)
         self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
         self.backend = self.strategy.process_group_backend(self.device)

@@ -27,7 +27,7 @@ from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
-from shardwise.plan.predict import format_comparison, model_name, predict_run
+from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import (
@@ -151,11 +151,9 @@ class Trainer:
                          f"{f', LoRA rank {cfg.lora.rank}' if cfg.lora.rank else ''})")
         # What the planner predicts this run holds per rank; the summary sets it next to the
         # ledger's measurements, so every job checks the planner.
-        self.prediction = predict_run(
-            spec, self.session.layout, precision=cfg.parallel.precision, seq=self.workload.tokens_per_sample,
-            micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-            activation_checkpointing=cfg.parallel.activation_checkpointing,
-            ranks_per_node=cfg.parallel.nproc or self.session.world_size)
+        # The same call as --dry-run's (predict_for_spec): the two predictions cannot drift.
+        self.prediction = predict_for_spec(spec, self.session.layout, cfg, seq=self.workload.tokens_per_sample,
+                                           ranks_per_node=self.session.ranks_per_node)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
         self.val_loader = self.session.dataloader(self.workload.val_set, t.micro_batch_size,
