@@ -13,6 +13,7 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.device import backend_for
 from shardwise.layout import Layout
+from shardwise.parallel.parallelize import parallelize
 from shardwise.strategies import StrategyInfo
 
 
@@ -34,7 +35,7 @@ class ParallelContext:
     mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
     materialize: Callable[[nn.Module], None] | None = None
     # torch.compile each transformer block after activation checkpointing, before DDP/FSDP
-    # (``parallel/compile.py``): the Session does it, or ``apply`` where it places AC itself.
+    # (``parallel/compile.py``), in ``parallelize``'s order.
     compile: bool = False
 
 
@@ -65,7 +66,19 @@ class Strategy:
         return self.info.description
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        """Return the model to train (wrapped or sharded in place)."""
+        """Return the model to train, parallelised in the one order (``parallel/parallelize.py``)."""
+        return parallelize(model, self, ctx)
+
+    # The steps ``parallelize`` runs, in its order; a strategy overrides the ones it has.
+    def split(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        """Pipeline parallel: return the part of ``model`` this rank runs (the whole model here)."""
+        return model
+
+    def apply_tp(self, model: nn.Module, ctx: ParallelContext) -> None:
+        """Tensor (and sequence) parallel, in place (nothing here)."""
+
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        """Data parallel and meta-device materialisation: the last step (nothing to wrap here)."""
         self.materialize(model, ctx)
         return model
 
@@ -118,12 +131,6 @@ class Strategy:
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """Return the fp16 loss scaler (sharded strategies all-reduce its found-inf flag)."""
         return torch.amp.GradScaler(device.type)
-
-    def applies_activation_checkpointing(self) -> bool:
-        """True when ``apply`` places activation checkpointing and compile (which follows it)
-        itself (e.g. between TP and FSDP); otherwise the Session wraps and compiles the blocks
-        before calling ``apply``."""
-        return False
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         """Why ``train.compile`` cannot run under this layout with ``options``, or None when it can."""

@@ -12,10 +12,10 @@ and backward); ``dp`` is next (one gradient reduction per step); ``pp`` is outer
 link, because it only moves one activation tensor per microbatch between neighbours. Dims of size 1
 are kept, so the code never branches on the mesh's shape.
 
-Order of application, as in torchtitan's ``parallelize``: pipeline split (each rank keeps only its
-stages' parts) -> TP (the plan paths name the plain modules) -> activation checkpointing ->
-``torch.compile`` per block (``train.compile``) -> data parallel (DDP or FSDP2 over the ``dp``
-sub-mesh) -> pipeline stages and schedule.
+Order of application: ``parallel/parallelize.py`` (the one order for every strategy); this class
+fills in its steps: ``split`` (each rank keeps only its stages' parts), ``apply_tp`` (the plan
+paths name the plain modules) and ``wrap`` (DDP or FSDP2 over the ``dp`` sub-mesh, then the
+pipeline stages and schedule).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
-from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
@@ -79,9 +77,6 @@ class ModelParallelStrategy(Strategy):
     def uses_autocast(self) -> bool:
         return self.dp_kind != "fsdp"  # FSDP2 casts through its MixedPrecisionPolicy
 
-    def applies_activation_checkpointing(self) -> bool:
-        return True  # after TP (its plan names the plain blocks' submodules), before FSDP
-
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         if self.layout.tp > 1 and options.activation_checkpointing != "none":
             # torch 2.13's AOT autograd cannot save a checkpointed region's DTensor metadata (it
@@ -100,27 +95,31 @@ class ModelParallelStrategy(Strategy):
 
         return ShardedGradScaler(device=device.type)
 
-    # ------------------------------------------------------------ apply
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        opts, mesh = ctx.options, ctx.mesh
+    # ------------------------------------------------------------ parallelize's steps
+    def split(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         # Same model and layout on every rank, so a bad shape raises the same error everywhere.
         self.check_model(model)
         layout = ctx.layout
         if layout.pp > 1 and layout.n_blocks != len(model.blocks):
             layout = layout.with_blocks(len(model.blocks), "blocks")
-        pp, tp = layout.pp, layout.tp
-        stage_ids, ranges = [0], [range(0)]
-        if pp > 1:
-            ranges = list(layout.stage_ranges)
-            stage_ids = layout.stage_ids(mesh["pp"].get_local_rank())  # type: ignore[index]
-            model = prune_to_stages(model, stage_ids, ranges)
-            if ctx.materialize is None:  # a meta-device model is allocated below, stages only
-                model = model.to(ctx.device)
-        if tp > 1:
-            apply_tp(model, mesh["tp"], layout.sequence_parallel)  # type: ignore[index]
-        apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
-        if ctx.compile:
-            apply_compile(model)  # after AC, before DDP/FSDP (torchtitan's order)
+        self._stage_ids, self._ranges = [0], [range(0)]
+        self._stage_layout = layout
+        if layout.pp == 1:
+            return model
+        self._ranges = list(layout.stage_ranges)
+        self._stage_ids = layout.stage_ids(ctx.mesh["pp"].get_local_rank())  # type: ignore[index]
+        model = prune_to_stages(model, self._stage_ids, self._ranges)
+        if ctx.materialize is None:  # a meta-device model is allocated in wrap(), stages only
+            model = model.to(ctx.device)
+        return model
+
+    def apply_tp(self, model: nn.Module, ctx: ParallelContext) -> None:
+        if self.layout.tp > 1:
+            apply_tp(model, ctx.mesh["tp"], self.layout.sequence_parallel)  # type: ignore[index]
+
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        opts, layout = ctx.options, self._stage_layout
+        pp, stage_ids, ranges = layout.pp, self._stage_ids, self._ranges
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         if self.dp_kind == "fsdp":
             # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root
@@ -137,7 +136,7 @@ class ModelParallelStrategy(Strategy):
         if self.uses_autocast() and opts.precision == "bf16-mixed":  # fp16 is refused under PP
             for part in parts:
                 autocast_forward(part, ctx.device.type, torch.bfloat16)
-        self.pipeline = Pipeline(wrapped, stage_ids, layout, mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
+        self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model

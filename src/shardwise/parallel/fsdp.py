@@ -130,7 +130,7 @@ class FSDPStrategy(Strategy):
         # DTensor shards need a mesh even on one rank (e.g. fsdp-offload on a single GPU).
         return True
 
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         model = apply_fsdp(model, ctx.mesh, ctx.options,
                            reshard_after_forward=self.reshard_after_forward, offload=self.offload)
         # A meta-device model is sharded first, then each rank allocates and fills its 1/N shards.

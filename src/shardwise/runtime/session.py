@@ -28,7 +28,7 @@ import datetime
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,8 +43,9 @@ from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
-from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
-from shardwise.parallel.compile import apply_compile, check_compile, compile_loss
+from shardwise.parallel.checkpointing import clean_name
+from shardwise.parallel.compile import check_compile, compile_loss
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
@@ -297,13 +298,8 @@ class Session:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
-        if not self.strategy.applies_activation_checkpointing():
-            # From outside and before any wrapper (torchtitan order: AC, compile, then DDP/FSDP).
-            model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
-                                                   self.options.ac_every)
-            if self.compile:
-                model = apply_compile(model)
-        prepared = self.strategy.apply(model, self.ctx)
+        # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
+        prepared = parallelize(model, self.strategy, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -694,8 +690,3 @@ class Session:
         model = model or self.model
         assert model is not None
         return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
-
-
-def iter_device(batch: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move each tensor of a batch to ``device`` (non-blocking from pinned memory on CUDA)."""
-    return [t.to(device, non_blocking=True) for t in batch]
