@@ -169,11 +169,13 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     from shardwise.config import replace_in
     from shardwise.errors import CheckpointError
     from shardwise.runtime.checkpoint import preflight, tensor_shapes
+    from shardwise.runtime.checkpoint.locate import resume_source
+    from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
     ck = cfg.checkpoint
     if ck.resume in ("", "auto"):
         return cfg
-    source = out / "checkpoints" if ck.resume == "latest" else Path(ck.resume)
+    source = Path(resume_source(ck.resume, out / CHECKPOINTS_DIR) or "")
     # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
     shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
     try:

@@ -31,9 +31,8 @@ from shardwise.plan.predict import format_comparison, model_name, predict_for_sp
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import (
-    complete_checkpoints,
     latest_checkpoint,
-    missing_latest_error,
+    resume_source,
     truncate_metrics,
 )
 from shardwise.runtime.collective import gather
@@ -384,22 +383,9 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints and faults
     def _resume_source(self) -> str | None:
-        """Where this attempt resumes from (None: a fresh start)."""
-        resume, own = self.cfg.checkpoint.resume, self.run_dir.checkpoints
-        if self.attempt > 0 or resume == "auto":
-            # Elastic restart: continue from this run's newest checkpoint; before the first one
-            # was written, from the user's resume source, or else from scratch. Never from
-            # scratch over complete checkpoints whose 'latest' pointer is missing.
-            if latest_checkpoint(own) is not None:
-                return str(own)
-            complete = complete_checkpoints(own)
-            if complete:
-                who = f"elastic restart {self.attempt}" if self.attempt > 0 else 'checkpoint.resume = "auto"'
-                raise missing_latest_error(own, complete, who)
-            return resume if resume not in ("", "auto", "latest") else None
-        if resume == "latest":
-            return str(own)  # load raises a clear error when there is none
-        return resume or None
+        """Where this attempt resumes from (None: a fresh start); see ``resume_source``."""
+        restart = f"elastic restart {self.attempt}" if self.attempt > 0 else ""
+        return resume_source(self.cfg.checkpoint.resume, self.run_dir.checkpoints, restart=restart)
 
     def resume(self) -> dict[str, Any] | None:
         """Load the resume checkpoint, if any; return this rank's saved RNG streams (or None)."""
