@@ -19,6 +19,7 @@ messages that name the config keys.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from shardwise.strategies import (
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
 
-__all__ = ["Layout", "check_tp_heads", "local_stage_ids", "ranks_per_node", "resolve_layout", "stage_layer_ranges"]
+__all__ = ["Layout", "local_stage_ids", "ranks_per_node", "resolve_layout", "stage_layer_ranges", "tp_indivisible"]
 
 
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
@@ -263,10 +264,6 @@ class Layout:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self.tp * self.pp
-
     # ------------------------------------------------------------------ the device mesh
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -310,16 +307,6 @@ class Layout:
     @property
     def n_stages(self) -> int:
         return self.pp * self.pp_stages_per_rank
-
-    @property
-    def pipeline_schedule(self) -> str:
-        """Alias of ``pp_schedule`` (the planner's name)."""
-        return self.pp_schedule
-
-    @property
-    def virtual_stages(self) -> int:
-        """Alias of ``pp_stages_per_rank`` (the planner's name)."""
-        return self.pp_stages_per_rank
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The pipeline stages ``pp_rank`` runs."""
@@ -451,18 +438,13 @@ def ranks_per_node(world_size: int, *, nproc: int = 0, local_world_size: int = 0
     return local_world_size or nproc or world_size
 
 
-def check_tp_heads(tp: int, n_head: int, n_kv_head: int | None = None, *, what: str = "the model") -> None:
-    """Raise ConfigError unless ``tp`` divides the attention heads (and the key/value heads): the
-    one tensor-parallel divisibility rule (the runtime's TP check and the planner both ask it)."""
+def tp_indivisible(tp: int, sizes: Mapping[str, int | None]) -> dict[str, int]:
+    """The sizes that tensor parallel of degree ``tp`` cannot split evenly (empty when all can):
+    the one TP divisibility rule. The runtime passes a model's real split sizes (attention heads,
+    key/value heads, matrix rows), the planner a spec's heads; each words its own message."""
     if tp <= 1:
-        return
-    kv = n_kv_head or n_head
-    if n_head % tp or kv % tp:
-        heads = f"{n_head} attention heads" + (f" and {kv} key/value heads" if kv != n_head else "")
-        valid = [d for d in range(2, n_head + 1) if n_head % d == 0 and kv % d == 0]
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide {what}'s {heads}: each tensor-parallel rank must hold "
-            f"whole heads. Valid tp degrees: {', '.join(map(str, valid)) or 'none above 1'}.")
+        return {}
+    return {name: size for name, size in sizes.items() if size and size % tp}
 
 
 def _from_degrees(options: ParallelConfig) -> ParallelConfig:
