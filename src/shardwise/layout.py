@@ -369,7 +369,8 @@ class Layout:
         """JSON-ready fields, derived ones included (for summary.json and ``plan --json``)."""
         return {
             "strategy": self.strategy, "world_size": self.world_size, "dp": self.dp,
-            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp, "pp": self.pp,
+            "ep": self.ep,
             "sequence_parallel": self.sequence_parallel, "offload": self.offload,
             "mesh_dim_names": list(self.mesh_dim_names), "mesh_shape": list(self.mesh_shape),
             "pp_schedule": self.pp_schedule, "pp_stages_per_rank": self.pp_stages_per_rank,
