@@ -97,7 +97,8 @@ class Layout:
     pp: int = 1
     shard: int = 0
     offload: bool | None = None
-    # Context and expert parallel: accepted and validated, refused > 1 until implemented.
+    # Context and expert parallel: accepted and validated, refused > 1 until implemented. cp ranks
+    # are a factor of ``dp`` (the mesh's data dim); ep groups are carved out of the dp shard ranks.
     cp: int = 1
     ep: int = 1
     pp_schedule: str = "1f1b"
@@ -228,8 +229,10 @@ class Layout:
     # ------------------------------------------------------------------ degrees
     @property
     def world_size(self) -> int:
-        # dp_replicate x dp_shard x cp x tp x pp; ep is borrowed from dp_shard x cp, not multiplied.
-        return self.dp * self.cp * self.tp * self.pp
+        # ``dp`` is the whole data dimension of the mesh, cp ranks included (torchtitan flattens
+        # dp_shard x cp for FSDP the same way): dp_replicate x dp_shard x cp x tp x pp. ep is
+        # borrowed from dp_shard x cp, not multiplied.
+        return self.dp * self.tp * self.pp
 
     @property
     def world(self) -> int:

@@ -9,6 +9,9 @@ A run's shape is a data-parallel kind (how data-parallel ranks hold model state)
 
     dp_replicate x dp_shard x cp x tp x pp = world size      (ep is borrowed from dp_shard x cp)
 
+``Layout.dp`` is the mesh's whole data dimension, dp_replicate x dp_shard x cp: cp ranks share a
+data index and FSDP shards over dp_shard x cp, as torchtitan flattens them.
+
 ``shardwise.layout.Layout`` owns the degrees of one run; this module owns the names. Each row
 carries what the one implementation of its data-parallel kind needs (``parallel/``): the dp kind,
 offload, reshard-after-forward, the degrees it uses, the mesh dims and the model families it runs.
