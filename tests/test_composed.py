@@ -9,6 +9,7 @@ user-facing check: its fp32 tolerance is 1e-5 + 1e-4 |loss| and 5e-3 on paramete
 import sys
 
 import pytest
+import torch
 
 from shardwise.config import ParallelConfig, load_config
 from shardwise.errors import ConfigError
@@ -21,8 +22,10 @@ from tests.test_tp import assert_parity
 
 @pytest.fixture(scope="module")
 def four_rank_pipelines():
-    """ddp+pp (pp=2) and plain pp with parallel.pp unset, in one 4-rank spawn."""
-    cases = [dict(strategy="ddp+pp", pp=2), dict(strategy="pp", overrides={"n_layer": 4})]
+    """ddp+pp (pp=2), plain pp with parallel.pp unset, and fsdp+tp named by its alias and by its
+    degrees (parallel.dp_shard=2, parallel.tp=2), in one 4-rank spawn."""
+    cases = [dict(strategy="ddp+pp", pp=2), dict(strategy="pp", overrides={"n_layer": 4}),
+             dict(strategy="fsdp+tp", tp=2), dict(strategy="auto", dp_shard=2, tp=2)]
     ranks = run_distributed(mp_cases, 4, timeout_s=300, cases=cases)
     return [[r[i] for r in ranks] for i in range(len(cases))]
 
@@ -44,6 +47,17 @@ def test_pp_on_four_ranks_with_pp_unset_runs_the_microbatches_it_was_checked_wit
     assert resolve_layout(ParallelConfig(strategy="pp"), 4).pp_microbatches == 8
     assert {r["run_microbatches"] for r in ranks} == {r["layout_microbatches"] for r in ranks} == {8}
     assert_parity(mp_train(0, 1, "single", overrides={"n_layer": 4}), ranks)
+
+
+def test_degrees_given_directly_train_exactly_as_their_alias(four_rank_pipelines):
+    # --set parallel.dp_shard=2 --set parallel.tp=2 is the alias fsdp+tp: same layout, same run.
+    alias, degrees = four_rank_pipelines[2], four_rank_pipelines[3]
+    for a, d in zip(alias, degrees):
+        assert a["losses"] == d["losses"]  # bit for bit
+        assert a["params"].keys() == d["params"].keys()
+        for name, p in a["params"].items():
+            assert torch.equal(p, d["params"][name]), name
+    assert_parity(mp_train(0, 1, "single"), degrees)
 
 
 def test_fsdp_tp_on_four_ranks_matches_and_its_checkpoint_resumes_under_fsdp_on_two(tmp_path):

@@ -78,3 +78,24 @@ def test_train_an_architecture_by_preset_name(capsys):
     # The published architecture, vocabulary included (it covers the data's 65 characters).
     assert "model: llama-3-70b, 70,553.71M parameters" in out
     assert "blocks: 80 at hf.model.layers" in out and "layout: fsdp+tp on 8 rank(s)" in out
+
+
+def test_summary_json_predicts_what_the_dry_run_predicts(capsys, tmp_path):
+    """Regression (issue 18): the trainer called the planner without ac_every/grad_sync, so
+    summary.json's prediction drifted from --dry-run's. Both make the same call now."""
+    import json
+
+    from shardwise.cli import build_parser, dry_run_prediction, resolve_run
+
+    out_dir = tmp_path / "run"
+    argv = ["train", "--nproc", "1", "--out", str(out_dir), *NANO, "--set", "train.steps=2",
+            "--set", "train.grad_accum_steps=2", "--set", "parallel.activation_checkpointing=selective",
+            "--set", "parallel.ac_every=1", "--set", "parallel.grad_sync=microbatch"]
+    predicted = dry_run_prediction(resolve_run(build_parser().parse_args(argv)))
+    default_every = dry_run_prediction(resolve_run(build_parser().parse_args(argv[:-4])))
+    # The knobs matter to the prediction, so a trainer that dropped them would disagree below.
+    assert predicted.ranks[0].activation_bytes != default_every.ranks[0].activation_bytes
+    code, _, err = run_main(capsys, *argv)
+    assert code == 0, err
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["memory"]["ranks"][0]["predicted"] == predicted.ranks[0].to_dict()

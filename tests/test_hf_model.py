@@ -58,7 +58,7 @@ def test_overrides_apply_and_are_validated():
 def test_config_path_forms_and_family(tmp_path):
     assert {"llama-tiny", "gpt2-tiny"} <= set(bundled_configs())
     assert hf_family("llama-tiny") == "llama" and hf_family("gpt2-tiny.json") == "gpt2"
-    for model_type in ("mistral", "qwen2"):
+    for model_type in ("mistral", "qwen2", "qwen3"):  # qwen3: one family list (shardwise.families)
         folder = tmp_path / model_type
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({
@@ -67,7 +67,7 @@ def test_config_path_forms_and_family(tmp_path):
         assert hf_family(str(folder)) == hf_family(str(folder / "config.json")) == model_type
         assert build_hf_model(str(folder))(torch.randint(0, 30, (1, 5))).shape == (1, 5, 30)
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ConfigError, match="'bert' is not supported; supported: llama, mistral, qwen2, gpt2"):
+    with pytest.raises(ConfigError, match="'bert' is not supported; supported: llama, mistral, qwen2, qwen3, gpt2"):
         hf_family(str(tmp_path / "bert.json"))
 
 

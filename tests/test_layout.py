@@ -7,7 +7,6 @@ checked against 8 micro-batches but ran 2) shares a spawn in tests/test_composed
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import subprocess
 import sys
 
@@ -30,10 +29,11 @@ def test_layout_and_registry_import_without_torch(cli_env):
 
 def test_registry_is_the_single_list_of_strategies():
     assert set(strategy_names()) == {*REGISTRY, *ALIASES, "auto"}
-    for name, info in REGISTRY.items():
-        module, _, cls = info.impl.partition(":")
-        impl = getattr(importlib.import_module(module), cls)
-        assert impl.name == name, info.impl  # the class and its registry entry agree
+    from shardwise.parallel.implementations import IMPLEMENTATIONS
+
+    for info in REGISTRY.values():
+        impl = IMPLEMENTATIONS[info.impl]  # one implementation per data-parallel kind, no class per name
+        assert impl.impl == info.impl, info.impl  # the class and its registry entry agree
         assert set(info.degrees) <= {"dp", "tp", "pp"} and info.dp_kind in ("replicate", "zero1", "zero2", "fsdp")
     # Which models each strategy runs: TP needs a plan, PP the built-in GPT.
     assert REGISTRY["fsdp+tp"].supports("llama") and not REGISTRY["fsdp+tp"].supports("gpt2")
@@ -155,3 +155,85 @@ def test_session_leaves_the_callers_config_alone():
         assert s.options.strategy == "single" and s.options.precision == "bf16-mixed"
         assert s.layout.strategy == "single" and get_strategy(s.layout).name == "single"
     assert options == ParallelConfig(strategy="auto", precision="fp32")
+
+
+# ----------------------------------------------------------------- degrees, not names (issue 18)
+@pytest.mark.parametrize("name, world, options", [
+    ("single", 1, {}), ("ddp", 4, {}), ("zero1", 4, {}), ("zero2", 4, {}), ("fsdp", 4, {}),
+    ("hsdp", 8, dict(hsdp_shard_size=4)), ("fsdp-offload", 2, {}), ("tp", 2, dict(tp=2)), ("pp", 2, dict(pp=2)),
+    ("ddp+pp", 4, dict(pp=2)), ("fsdp+pp", 4, dict(pp=2)), ("fsdp+tp", 8, dict(tp=2)),
+    ("fsdp+tp+pp", 8, dict(tp=2, pp=2)),
+])
+def test_every_alias_expands_to_its_degree_set_and_back(name, world, options):
+    from shardwise.strategies import degree_set, strategy_for_degrees
+
+    layout = resolve_layout(ParallelConfig(strategy=name, **options), world)
+    degrees = degree_set(name, layout.dp, tp=layout.tp, pp=layout.pp, shard=layout.dp_shard)
+    # The table's expansion is the layout's: one owner, the same numbers.
+    assert degrees == {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
+                       "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
+    prod = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+    assert prod == world == layout.world_size
+    # Back: the degree set (plus the row's dp kind where several rows share one) names the alias.
+    kind = {"zero1": "zero1", "zero2": "zero2"}.get(name, "")
+    back = strategy_for_degrees(degrees["dp_replicate"], degrees["dp_shard"], degrees["tp"], degrees["pp"],
+                                dp_kind=kind)
+    assert back == ("fsdp" if name == "fsdp-offload" else name)  # offload is a flag on fsdp's degrees
+    # And given directly as degrees, they resolve to the same layout (offload stays the alias' flag).
+    if name not in ("fsdp-offload", "zero1", "zero2"):
+        direct = resolve_layout(ParallelConfig(dp_replicate=degrees["dp_replicate"], dp_shard=degrees["dp_shard"],
+                                               tp=degrees["tp"], pp=degrees["pp"]), world)
+        assert direct == layout
+
+
+def test_degrees_given_directly_pick_the_strategy_and_must_agree_with_a_named_one():
+    layout = resolve_layout(ParallelConfig(dp_shard=2, tp=2), 4)
+    assert (layout.strategy, layout.dp, layout.dp_shard, layout.tp) == ("fsdp+tp", 2, 2, 2)
+    assert resolve_layout(ParallelConfig(dp_replicate=2, dp_shard=2), 4).strategy == "hsdp"
+    assert resolve_layout(ParallelConfig(strategy="ddp", dp_replicate=4), 4).strategy == "ddp"
+    with pytest.raises(ConfigError, match="must multiply to the world size"):
+        resolve_layout(ParallelConfig(dp_shard=2), 4)
+    with pytest.raises(ConfigError, match="parallel.dp_shard=4, but strategy 'ddp'"):
+        resolve_layout(ParallelConfig(strategy="ddp", dp_shard=4), 4)
+    with pytest.raises(ConfigError, match="DDP over tensor-parallel"):
+        resolve_layout(ParallelConfig(dp_replicate=2, tp=2), 4)
+    with pytest.raises(ConfigError, match="both set"):
+        resolve_layout(ParallelConfig(strategy="fsdp+tp", dp=2, dp_shard=2, tp=2), 4)
+
+
+@pytest.mark.parametrize("key", ["cp", "ep"])
+def test_cp_and_ep_are_validated_and_refused_until_implemented(key):
+    assert getattr(resolve_layout(ParallelConfig(), 2), key) == 1
+    with pytest.raises(ConfigError, match=f"not implemented yet.*parallel.{key} = 1"):
+        resolve_layout(ParallelConfig(**{key: 2}), 4)
+    with pytest.raises(ConfigError, match=f"parallel.{key} must be > 0"):
+        load_config(overrides=[f"parallel.{key}=0"])
+
+
+def test_config_layout_and_table_import_no_torch_and_reach_each_other_directly(cli_env):
+    """The owner of the run's shape is torch-free and imports its neighbours at module level only:
+    no function-local shardwise import and no "module:attr" import string (issue 18)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import shardwise
+
+    code = ("import sys, shardwise.config, shardwise.layout, shardwise.strategies, shardwise.families; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    root = Path(shardwise.__file__).parent
+    for name in ("config.py", "layout.py", "strategies.py", "families.py"):
+        tree = ast.parse((root / name).read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardwise"):
+                    raise AssertionError(f"{name}:{node.lineno} imports {node.module} inside {fn.name}()")
+                if isinstance(node, ast.Import) and any(a.name.startswith("shardwise") for a in node.names):
+                    raise AssertionError(f"{name}:{node.lineno} imports shardwise inside {fn.name}()")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not re.fullmatch(r"shardwise(\.\w+)+:\w+", node.value), f"{name}: import string {node.value!r}"
+        assert "import_module" not in (root / name).read_text(), f"{name} imports modules by name"

@@ -219,7 +219,7 @@ def test_interleaved_pipeline_from_the_plan_cli():
                                          "--global-batch", "8", "--pp-schedule", "interleaved-1f1b",
                                          "--pp-stages-per-rank", "3"))
     lay = plan.recommended.layout
-    assert (lay.pp_schedule, lay.pp_stages_per_rank, lay.virtual_stages, lay.n_stages) == ("interleaved-1f1b", 3, 3, 6)
+    assert (lay.pp_schedule, lay.pp_stages_per_rank, lay.n_stages) == ("interleaved-1f1b", 3, 6)
     assert [len(r) for r in lay.stage_ranges] == [1] * 6
     assert "--set parallel.pp_stages_per_rank=3" in plan.commands[0]
     assert dry_run_train(plan.commands[0]) == ("pp", 2)

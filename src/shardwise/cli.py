@@ -130,9 +130,9 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     ``workload``/``meta``: see ``preflight.check_run`` (the planner's grid test reuses them).
     """
     from shardwise.config import check_text, load_config, replace_in
+    from shardwise.device import default_nproc
     from shardwise.launch import check_launch_flags
     from shardwise.preflight import check_run
-    from shardwise.runtime.device import default_nproc
     from shardwise.runtime.rundir import default_run_dir
 
     overrides = list(args.overrides)
@@ -169,11 +169,13 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     from shardwise.config import replace_in
     from shardwise.errors import CheckpointError
     from shardwise.runtime.checkpoint import preflight, tensor_shapes
+    from shardwise.runtime.checkpoint.locate import resume_source
+    from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
     ck = cfg.checkpoint
     if ck.resume in ("", "auto"):
         return cfg
-    source = out / "checkpoints" if ck.resume == "latest" else Path(ck.resume)
+    source = Path(resume_source(ck.resume, out / CHECKPOINTS_DIR) or "")
     # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
     shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
     try:
@@ -189,10 +191,19 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     return cfg
 
 
-def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
-    """What ``--dry-run`` prints: the resolved run, its layout and the planner's per-rank memory."""
+def dry_run_prediction(run: ResolvedRun) -> Any:
+    """The planner's per-rank prediction ``--dry-run`` prints (None without a meta model); the
+    trainer's summary.json makes the same ``predict_for_spec`` call on the same config."""
     from shardwise.plan.predict import predict_for_model
 
+    if run.checked.meta_model is None:
+        return None
+    return predict_for_model(run.checked.meta_model, run.layout, run.config,
+                             seq=run.checked.workload.tokens_per_sample, ranks_per_node=run.nproc)
+
+
+def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
+    """What ``--dry-run`` prints: the resolved run, its layout and the planner's per-rank memory."""
     cfg, layout, checked = run.config, run.layout, run.checked
     nodes = f" ({run.nnodes_range or run.nnodes} nodes x {run.nproc})" if run.multi_node else ""
     lines = [f"dry run of `shardwise {what}`: every check passed; no rank was started, nothing was written.",
@@ -203,8 +214,7 @@ def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
         lines.append("memory: no prediction (the model factory cannot build on the meta device; "
                      "the ranks check the model's shape when they start)")
         return "\n".join(lines)
-    prediction = predict_for_model(model, layout, cfg, seq=checked.workload.tokens_per_sample,
-                                   ranks_per_node=run.nproc)
+    prediction = dry_run_prediction(run)
     lines += [
         f"model: {prediction.model}, {prediction.n_params / 1e6:,.2f}M parameters; {cfg.parallel.precision}, "
         f"{prediction.micro_batches} micro-batch(es) of {prediction.micro_batch} x {prediction.seq} tokens per "
@@ -267,9 +277,9 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.config import replace_in, to_toml
+    from shardwise.device import accelerator_count
     from shardwise.fsutil import atomic_write_text
     from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, run_torchrun
-    from shardwise.runtime.device import accelerator_count
     from shardwise.runtime.identity import LAUNCH_ID_ENV, new_launch_id
     from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
@@ -397,8 +407,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import subprocess
 
     from shardwise.config import check_text
+    from shardwise.device import default_nproc
     from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
-    from shardwise.runtime.device import default_nproc
     from shardwise.runtime.multinode import rendezvous_id
 
     apply_scheduler_defaults(args)
@@ -435,7 +445,7 @@ def env_report() -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from shardwise.runtime.device import accelerator_count, backend_for, cpu_count, default_nproc
+    from shardwise.device import accelerator_count, backend_for, cpu_count, default_nproc
 
     n_gpu = accelerator_count()
     default_device = "cuda" if n_gpu else "cpu"

@@ -24,6 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
+from shardwise.families import DATA_KINDS, MODEL_KINDS
+from shardwise.strategies import (  # modes live with the degrees (re-exported)
+    AC_MODES,
+    GRAD_SYNC_MODES,
+    PP_SCHEDULES,
+    canonical_strategy,
+    strategy_names,
+)
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 # The names Lightning Fabric (precision="bf16-mixed", "16-mixed", "32-true", ...) and Accelerate
@@ -34,13 +42,6 @@ PRECISION_ALIASES = (
     ("fp16", "fp16-mixed"), ("fp16_mixed", "fp16-mixed"), ("32-true", "fp32"), ("32", "fp32"),
     ("no", "fp32"), ("float32", "fp32"), ("bf16_true", "bf16-true"),
 )
-# "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
-AC_MODES = ("none", "full", "selective", "selective-op")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-# When gradients are reduced under accumulation: "step" skips the sync on all but the last
-# micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
-# hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
-GRAD_SYNC_MODES = ("step", "microbatch")
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConfig.init)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
@@ -62,8 +63,7 @@ class Rule:
     """Where a config value may lie, declared next to its field (``field(metadata={"rule": ...})``).
 
     Numbers: ``ge``/``le`` inclusive and ``gt``/``lt`` exclusive bounds (floats must also be finite,
-    always). Strings: ``choices`` (a tuple, or ``"module:attr"`` naming a tuple or a function that
-    returns the names, resolved when validating, so a registry can grow without editing this file)
+    always). Strings: ``choices`` (a tuple of the valid names, imported from the module that owns them)
     and ``text``: "name" (a file-name-safe word), "path", "factory" (``module:function`` or empty),
     "key" (a non-empty word, e.g. a JSONL field name) or "word". Every string is checked to be
     UTF-8 text without control characters. Tuples apply the rule to each element. Fields without
@@ -75,7 +75,7 @@ class Rule:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
-    choices: tuple[str, ...] | str | None = None
+    choices: tuple[str, ...] | None = None
     label: str = ""  # what the choices are, for "unknown <label> 'x'" messages
     text: str = "word"
     aliases: tuple[tuple[str, str], ...] = ()  # (other name, canonical choice), applied at load time
@@ -87,14 +87,8 @@ class Rule:
         return value
 
     def resolved_choices(self) -> tuple[str, ...] | None:
-        """The valid names (resolving a ``"module:attr"`` reference), or None when any value goes."""
-        if self.choices is None or isinstance(self.choices, tuple):
-            return self.choices
-        import importlib
-
-        module, _, attr = self.choices.partition(":")
-        found = getattr(importlib.import_module(module), attr)
-        return tuple(found() if callable(found) else found)
+        """The valid names, or None when any value goes."""
+        return self.choices
 
     def describe(self) -> str:
         """'between 0 and 1 (exclusive)', '> 0 and <= 10', ... for messages."""
@@ -132,7 +126,7 @@ EVERY = {"ge": 0, "le": MAX_STEPS}  # an interval in steps, 0 meaning "off"
 class ModelConfig:
     # gpt: the built-in character GPT; cnn: the small CIFAR CNN; hf: a transformers model built
     # from a local config.json; custom: ``factory = "module:function"`` returning an nn.Module.
-    kind: str = setting("gpt", choices="shardwise.workloads:MODEL_KINDS", label="model kind")
+    kind: str = setting("gpt", choices=MODEL_KINDS, label="model kind")
     preset: str = setting("tiny", text="word")
     # Overrides on top of the preset, e.g. {n_layer = 2}. For ``hf``/``custom`` they are passed to
     # the builder as keyword arguments (checked against its signature before any rank starts).
@@ -167,7 +161,7 @@ class DataConfig:
     # text: a text/JSONL file or folder in ``path``, tokenised with ``tokenizer`` and cached;
     # tokens: a pre-tokenised .bin/.npy file (or a folder holding train.bin) in ``path``;
     # custom: ``factory = "module:function"`` returning (train_dataset, val_dataset).
-    kind: str = setting("shakespeare", choices="shardwise.workloads:DATA_KINDS", label="data kind")
+    kind: str = setting("shakespeare", choices=DATA_KINDS, label="data kind")
     path: str = setting("", text="path")
     factory: str = setting("", text="factory")
     # text/tokens without val_path: the last fraction of the tokens
@@ -211,7 +205,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: str = setting("auto", choices="shardwise.parallel.registry:strategy_names",
+    strategy: str = setting("auto", choices=tuple(strategy_names()),
                             label="strategy")  # auto: ddp when more than one rank, else single
     nproc: int = setting(0, ge=0, le=MAX_RANKS)  # 0: one per GPU, or 2 CPU processes when there is none
     precision: str = setting("fp32", choices=PRECISIONS, label="precision", aliases=PRECISION_ALIASES)
@@ -230,6 +224,13 @@ class ParallelConfig:
     # Data-parallel degree of the model-parallel compositions (0: world / (tp x pp)). Mesh order
     # is ("pp", "dp", "tp"): tp innermost, on consecutive ranks, i.e. the fastest link.
     dp: int = setting(0, ge=0, le=MAX_RANKS)
+    # The degrees directly (torchtitan's ParallelDims): 0 = not given. With strategy 'auto' they
+    # select the strategy (dp_shard=2, tp=2 is 'fsdp+tp'); with a named strategy they must agree
+    # with it. shardwise.layout owns every rule on them (products, divisibility, order).
+    dp_replicate: int = setting(0, ge=0, le=MAX_RANKS)
+    dp_shard: int = setting(0, ge=0, le=MAX_RANKS)
+    cp: int = setting(1, gt=0, le=MAX_RANKS)  # context parallel: not implemented yet (> 1 refused)
+    ep: int = setting(1, gt=0, le=MAX_RANKS)  # expert parallel: not implemented yet (> 1 refused)
     # Under tp: run norms/dropout on a sequence shard (activations tp x smaller between matmuls).
     sequence_parallel: bool = False
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
@@ -674,8 +675,6 @@ def validate(cfg: RunConfig) -> None:
     the strategy 'auto' stands for, pipeline micro-batches) is resolved by
     ``shardwise.layout.resolve_layout``, which returns a new object.
     """
-    from shardwise.parallel.registry import canonical_strategy
-
     check_section(cfg)
     t, p = cfg.train, cfg.parallel
     if t.min_lr > t.lr:
@@ -683,9 +682,6 @@ def validate(cfg: RunConfig) -> None:
                           "decays from lr down to min_lr.")
     if p.wrap not in ("block", "model") and not (str(p.wrap).isdigit() and 1 <= int(p.wrap) <= 10**6):
         raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
-    from shardwise.parallel.precision import check_precision
-
-    check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts
     canonical_strategy(p.strategy)  # raises with the list of valid names; resolve_layout picks the one
     pc = cfg.profile
     if pc.end_step < pc.start_step:

@@ -19,23 +19,26 @@ messages that name the config keys.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import PP_SCHEDULES
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.parallel.registry import (
+from shardwise.strategies import (
     COMPOSED_MESH,
+    NOT_IMPLEMENTED_DEGREES,
+    PP_SCHEDULES,
     REGISTRY,
     StrategyInfo,
     canonical_strategy,
     composition_for,
+    strategy_for_degrees,
 )
 
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
 
-__all__ = ["Layout", "local_stage_ids", "resolve_layout", "stage_layer_ranges"]
+__all__ = ["Layout", "local_stage_ids", "ranks_per_node", "resolve_layout", "stage_layer_ranges", "tp_indivisible"]
 
 
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
@@ -94,6 +97,10 @@ class Layout:
     pp: int = 1
     shard: int = 0
     offload: bool | None = None
+    # Context and expert parallel: accepted and validated, refused > 1 until implemented. cp ranks
+    # are a factor of ``dp`` (the mesh's data dim); ep groups are carved out of the dp shard ranks.
+    cp: int = 1
+    ep: int = 1
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
@@ -125,10 +132,15 @@ class Layout:
         if self.strategy == "auto":
             raise ConfigError("a Layout needs a concrete strategy; resolve 'auto' with resolve_layout().")
         info = self.info
-        for key in ("dp", "tp", "pp", "pp_stages_per_rank"):
+        for key in ("dp", "tp", "pp", "cp", "ep", "pp_stages_per_rank"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {key} must be an integer >= 1, got {value!r}.")
+        for key, what in NOT_IMPLEMENTED_DEGREES.items():
+            if getattr(self, key) > 1:
+                raise ConfigError(
+                    f"{what} = {getattr(self, key)}: this degree is not implemented yet in shardwise; the "
+                    f"layout accepts only parallel.{key} = 1 for now. Unset it (or set it to 1).")
         for dim in ("dp", "tp", "pp"):
             if getattr(self, dim) > 1 and dim not in info.degrees:
                 raise ConfigError(
@@ -217,6 +229,9 @@ class Layout:
     # ------------------------------------------------------------------ degrees
     @property
     def world_size(self) -> int:
+        # ``dp`` is the whole data dimension of the mesh, cp ranks included (torchtitan flattens
+        # dp_shard x cp for FSDP the same way): dp_replicate x dp_shard x cp x tp x pp. ep is
+        # borrowed from dp_shard x cp, not multiplied.
         return self.dp * self.tp * self.pp
 
     @property
@@ -251,10 +266,6 @@ class Layout:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
-
-    @property
-    def non_data_parallel_size(self) -> int:
-        return self.tp * self.pp
 
     # ------------------------------------------------------------------ the device mesh
     @property
@@ -299,16 +310,6 @@ class Layout:
     @property
     def n_stages(self) -> int:
         return self.pp * self.pp_stages_per_rank
-
-    @property
-    def pipeline_schedule(self) -> str:
-        """Alias of ``pp_schedule`` (the planner's name)."""
-        return self.pp_schedule
-
-    @property
-    def virtual_stages(self) -> int:
-        """Alias of ``pp_stages_per_rank`` (the planner's name)."""
-        return self.pp_stages_per_rank
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The pipeline stages ``pp_rank`` runs."""
@@ -371,7 +372,8 @@ class Layout:
         """JSON-ready fields, derived ones included (for summary.json and ``plan --json``)."""
         return {
             "strategy": self.strategy, "world_size": self.world_size, "dp": self.dp,
-            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp, "pp": self.pp,
+            "ep": self.ep,
             "sequence_parallel": self.sequence_parallel, "offload": self.offload,
             "mesh_dim_names": list(self.mesh_dim_names), "mesh_shape": list(self.mesh_shape),
             "pp_schedule": self.pp_schedule, "pp_stages_per_rank": self.pp_stages_per_rank,
@@ -433,6 +435,60 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
     return degrees
 
 
+def ranks_per_node(world_size: int, *, nproc: int = 0, local_world_size: int = 0) -> int:
+    """Ranks on one node, the one rule for it: torchrun's ``LOCAL_WORLD_SIZE`` when launched by it,
+    else ``parallel.nproc`` (``--nproc``), else every rank (one node). HSDP's default shard group
+    and the planner's intra-node links read it."""
+    return local_world_size or nproc or world_size
+
+
+def tp_indivisible(tp: int, sizes: Mapping[str, int | None]) -> dict[str, int]:
+    """The sizes that tensor parallel of degree ``tp`` cannot split evenly (empty when all can):
+    the one TP divisibility rule. The runtime passes a model's real split sizes (attention heads,
+    key/value heads, matrix rows), the planner a spec's heads; each words its own message."""
+    if tp <= 1:
+        return {}
+    return {name: size for name, size in sizes.items() if size and size % tp}
+
+
+def _from_degrees(options: ParallelConfig) -> ParallelConfig:
+    """``options`` with ``parallel.dp_replicate`` / ``parallel.dp_shard`` turned into the strategy
+    and the dp sizes they stand for (unchanged when neither is given)."""
+    r, s = options.dp_replicate, options.dp_shard
+    if not (r or s):
+        return options
+    if options.dp:
+        raise ConfigError(
+            f"parallel.dp={options.dp} and parallel.dp_replicate/dp_shard ({r}/{s}) are both set: give "
+            "the data-parallel degree one way (dp_replicate x dp_shard, or dp for the tp/pp compositions).")
+    name = canonical_strategy(options.strategy)
+    if name == "auto":
+        name = strategy_for_degrees(r or 1, s or 1, options.tp, options.pp)
+    changes: dict[str, Any] = {"strategy": name}
+    info = REGISTRY[name]
+    if info.model_parallel:
+        changes["dp"] = (r or 1) * (s or 1)
+    if info.hybrid and s:
+        if options.hsdp_shard_size not in (0, s):
+            raise ConfigError(f"parallel.hsdp_shard_size={options.hsdp_shard_size} and parallel.dp_shard={s} "
+                              "disagree: both size hsdp's shard groups; set one.")
+        changes["hsdp_shard_size"] = s
+    return dataclasses.replace(options, **changes)
+
+
+def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
+    """The layout must have exactly the dp_replicate / dp_shard the config gave."""
+    for key in ("dp_replicate", "dp_shard"):
+        given = getattr(options, key)
+        if given and getattr(layout, key) != given:
+            raise ConfigError(
+                f"parallel.{key}={given}, but strategy {layout.strategy!r} on {layout.world_size} rank(s) has "
+                f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp} x "
+                f"tp={layout.tp} x pp={layout.pp}. The degrees must multiply to the world size, and a "
+                f"strategy name stands for one split ({layout.strategy!r}: {layout.info.description}); "
+                "leave parallel.strategy at 'auto' to let the degrees pick it, or change them.")
+
+
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
                    n_blocks: int | None = None, block_path: str = "") -> Layout:
     """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
@@ -443,6 +499,8 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
+    given = options
+    options = _from_degrees(options)
     name = _resolve_strategy(options, world_size)
     info = REGISTRY[name]
     if info.max_world is not None and world_size > info.max_world:
@@ -473,9 +531,11 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         raise ConfigError(
             "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
             "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'.")
-    return Layout(
-        name, dp=dp, tp=tp, pp=pp, shard=shard, pp_schedule=options.pp_schedule,
+    layout = Layout(
+        name, dp=dp, tp=tp, pp=pp, shard=shard, cp=options.cp, ep=options.ep, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
         n_blocks=n_blocks, block_path=block_path,
     )
+    _check_given_degrees(layout, given)
+    return layout

@@ -56,9 +56,13 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     them once); by default both are built here.
     """
     from shardwise.parallel.blocks import find_blocks
+    from shardwise.parallel.precision import check_precision
     from shardwise.parallel.registry import get_strategy
     from shardwise.workloads import build_workload
 
+    # This machine's accelerator (bf16 on a GPU without bfloat16), before any rank starts; config
+    # validation stays torch-free, so the hardware check lives here with the other pre-launch ones.
+    check_precision(cfg.parallel.precision)
     resolved, layout = resolve_config(cfg, world_size, ranks_per_node=ranks_per_node)
     check_observability(resolved, world_size)
     strategy = get_strategy(layout)

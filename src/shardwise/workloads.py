@@ -22,9 +22,7 @@ from torch.utils.data import Dataset
 
 from shardwise.config import DataConfig, LoraConfig, ModelConfig, Rule, check_value
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-
-MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
-DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "custom")
+from shardwise.families import DATA_KINDS, MODEL_KINDS
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

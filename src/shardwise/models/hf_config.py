@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.families import HF_FAMILIES
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED_FAMILIES = HF_FAMILIES  # the one family list: shardwise.families
 # Overrides that size the data, not the model (see ``workloads.block_size_of``); checked against
 # the model's position limit, then dropped.
 SEQ_LEN_KEYS = ("block_size", "seq_len")
@@ -62,7 +63,7 @@ def load_hf_config_dict(config_path: str | Path) -> dict[str, Any]:
 
 
 def hf_family(config_path: str | Path) -> str:
-    """Return the config's model family ("llama", "mistral", "qwen2", "gpt2"); ConfigError otherwise."""
+    """Return the config's model family (one of ``shardwise.families.HF_FAMILIES``); ConfigError otherwise."""
     model_type = str(load_hf_config_dict(config_path).get("model_type", "")).lower()
     if model_type not in SUPPORTED_FAMILIES:
         raise ConfigError(

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from shardwise.config import ParallelConfig
+from shardwise.device import backend_for
 from shardwise.layout import Layout
-from shardwise.parallel.registry import StrategyInfo, strategy_info
+from shardwise.parallel.parallelize import parallelize
+from shardwise.strategies import StrategyInfo
 
 
 @dataclass(frozen=True)
@@ -33,35 +35,50 @@ class ParallelContext:
     mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
     materialize: Callable[[nn.Module], None] | None = None
     # torch.compile each transformer block after activation checkpointing, before DDP/FSDP
-    # (``parallel/compile.py``): the Session does it, or ``apply`` where it places AC itself.
+    # (``parallel/compile.py``), in ``parallelize``'s order.
     compile: bool = False
 
 
 class Strategy:
     """Base strategy: plain single-process training. Subclasses override what differs.
 
-    An instance is bound to one run's layout (``get_strategy(layout)``): every degree it needs comes
-    from there, none is worked out here.
+    One class per data-parallel kind (``impl``), not per name: an instance is bound to one run's
+    layout (``get_strategy(layout)``), whose table row (``layout.info``) says what the name adds
+    (offload, reshard-after-forward, hybrid mesh) and whose degrees it uses; none is worked out here.
     """
 
-    name = "single"
+    impl = "single"
 
     def __init__(self, layout: Layout) -> None:
-        if layout.strategy != self.name:
-            raise ValueError(f"{type(self).__name__} runs strategy {self.name!r}, not {layout.strategy!r}")
+        if layout.info.impl != self.impl:
+            raise ValueError(f"{type(self).__name__} runs the {self.impl!r} strategies, not {layout.strategy!r} "
+                             f"(implemented by {layout.info.impl!r})")
         self.layout = layout
+        self.name = layout.strategy
 
     @property
     def info(self) -> StrategyInfo:
-        """The registry entry: mesh dims, what it shards, which models it supports."""
-        return strategy_info(self.name)
+        """The table row: mesh dims, what it shards, which models it supports."""
+        return self.layout.info
 
     @property
     def description(self) -> str:
         return self.info.description
 
     def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        """Return the model to train (wrapped or sharded in place)."""
+        """Return the model to train, parallelised in the one order (``parallel/parallelize.py``)."""
+        return parallelize(model, self, ctx)
+
+    # The steps ``parallelize`` runs, in its order; a strategy overrides the ones it has.
+    def split(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        """Pipeline parallel: return the part of ``model`` this rank runs (the whole model here)."""
+        return model
+
+    def apply_tp(self, model: nn.Module, ctx: ParallelContext) -> None:
+        """Tensor (and sequence) parallel, in place (nothing here)."""
+
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        """Data parallel and meta-device materialisation: the last step (nothing to wrap here)."""
         self.materialize(model, ctx)
         return model
 
@@ -109,19 +126,11 @@ class Strategy:
 
     def process_group_backend(self, device: torch.device) -> str:
         """Return the torch.distributed backend string for ranks on ``device``."""
-        from shardwise.runtime.device import backend_for
-
         return backend_for(device)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """Return the fp16 loss scaler (sharded strategies all-reduce its found-inf flag)."""
         return torch.amp.GradScaler(device.type)
-
-    def applies_activation_checkpointing(self) -> bool:
-        """True when ``apply`` places activation checkpointing and compile (which follows it)
-        itself (e.g. between TP and FSDP); otherwise the Session wraps and compiles the blocks
-        before calling ``apply``."""
-        return False
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         """Why ``train.compile`` cannot run under this layout with ``options``, or None when it can."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardwise.parallel.registry import LLAMA_LIKE
+from shardwise.families import LLAMA_LIKE
 
 # Where known model families keep their repeated blocks (checked in this order); anything else is
 # found by the generic search for a container of same-class children.

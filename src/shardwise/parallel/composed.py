@@ -12,10 +12,10 @@ and backward); ``dp`` is next (one gradient reduction per step); ``pp`` is outer
 link, because it only moves one activation tensor per microbatch between neighbours. Dims of size 1
 are kept, so the code never branches on the mesh's shape.
 
-Order of application, as in torchtitan's ``parallelize``: pipeline split (each rank keeps only its
-stages' parts) -> TP (the plan paths name the plain modules) -> activation checkpointing ->
-``torch.compile`` per block (``train.compile``) -> data parallel (DDP or FSDP2 over the ``dp``
-sub-mesh) -> pipeline stages and schedule.
+Order of application: ``parallel/parallelize.py`` (the one order for every strategy); this class
+fills in its steps: ``split`` (each rank keeps only its stages' parts), ``apply_tp`` (the plan
+paths name the plain modules) and ``wrap`` (DDP or FSDP2 over the ``dp`` sub-mesh, then the
+pipeline stages and schedule).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
-from shardwise.parallel.checkpointing import apply_activation_checkpointing
-from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pp import (
     Pipeline,
@@ -40,7 +38,6 @@ from shardwise.parallel.pp import (
     prune_to_stages,
     stage_view,
 )
-from shardwise.parallel.registry import COMPOSED_MESH as MESH_DIMS
 from shardwise.parallel.tp import (
     apply_tp,
     check_tp_model,
@@ -49,19 +46,21 @@ from shardwise.parallel.tp import (
     split_mixed_param_groups,
     tp_loss_context,
 )
+from shardwise.strategies import COMPOSED_MESH as MESH_DIMS
 
-__all__ = ["MESH_DIMS", "DDPPPStrategy", "FSDPPPStrategy", "FSDPTPPPStrategy", "FSDPTPStrategy",
-           "ModelParallelStrategy", "PPStrategy", "TPStrategy"]
+__all__ = ["MESH_DIMS", "ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(Strategy):
-    """Base of every TP/PP composition; subclasses name their data-parallel flavour."""
+    """Every TP/PP composition; the table row's dp kind picks the data-parallel flavour."""
 
-    name = "model-parallel"
-    dp_kind = ""  # "", "ddp" or "fsdp"
+    impl = "model-parallel"
 
     def __init__(self, layout: Layout) -> None:
         super().__init__(layout)
+        # FSDP2 over the dp dim for the sharding rows; DDP for the replicating ones (a no-op
+        # while dp == 1, as under "tp" and "pp").
+        self.dp_kind = "fsdp" if layout.info.dp_kind == "fsdp" else "ddp"
         self.pipeline: Pipeline | None = None
 
     # ------------------------------------------------------------ up-front checks
@@ -77,9 +76,6 @@ class ModelParallelStrategy(Strategy):
 
     def uses_autocast(self) -> bool:
         return self.dp_kind != "fsdp"  # FSDP2 casts through its MixedPrecisionPolicy
-
-    def applies_activation_checkpointing(self) -> bool:
-        return True  # after TP (its plan names the plain blocks' submodules), before FSDP
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         if self.layout.tp > 1 and options.activation_checkpointing != "none":
@@ -99,27 +95,31 @@ class ModelParallelStrategy(Strategy):
 
         return ShardedGradScaler(device=device.type)
 
-    # ------------------------------------------------------------ apply
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        opts, mesh = ctx.options, ctx.mesh
+    # ------------------------------------------------------------ parallelize's steps
+    def split(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         # Same model and layout on every rank, so a bad shape raises the same error everywhere.
         self.check_model(model)
         layout = ctx.layout
         if layout.pp > 1 and layout.n_blocks != len(model.blocks):
             layout = layout.with_blocks(len(model.blocks), "blocks")
-        pp, tp = layout.pp, layout.tp
-        stage_ids, ranges = [0], [range(0)]
-        if pp > 1:
-            ranges = list(layout.stage_ranges)
-            stage_ids = layout.stage_ids(mesh["pp"].get_local_rank())  # type: ignore[index]
-            model = prune_to_stages(model, stage_ids, ranges)
-            if ctx.materialize is None:  # a meta-device model is allocated below, stages only
-                model = model.to(ctx.device)
-        if tp > 1:
-            apply_tp(model, mesh["tp"], layout.sequence_parallel)  # type: ignore[index]
-        apply_activation_checkpointing(model, opts.activation_checkpointing, opts.ac_every)
-        if ctx.compile:
-            apply_compile(model)  # after AC, before DDP/FSDP (torchtitan's order)
+        self._stage_ids, self._ranges = [0], [range(0)]
+        self._stage_layout = layout
+        if layout.pp == 1:
+            return model
+        self._ranges = list(layout.stage_ranges)
+        self._stage_ids = layout.stage_ids(ctx.mesh["pp"].get_local_rank())  # type: ignore[index]
+        model = prune_to_stages(model, self._stage_ids, self._ranges)
+        if ctx.materialize is None:  # a meta-device model is allocated in wrap(), stages only
+            model = model.to(ctx.device)
+        return model
+
+    def apply_tp(self, model: nn.Module, ctx: ParallelContext) -> None:
+        if self.layout.tp > 1:
+            apply_tp(model, ctx.mesh["tp"], self.layout.sequence_parallel)  # type: ignore[index]
+
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+        opts, layout = ctx.options, self._stage_layout
+        pp, stage_ids, ranges = layout.pp, self._stage_ids, self._ranges
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         if self.dp_kind == "fsdp":
             # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root
@@ -136,7 +136,7 @@ class ModelParallelStrategy(Strategy):
         if self.uses_autocast() and opts.precision == "bf16-mixed":  # fp16 is refused under PP
             for part in parts:
                 autocast_forward(part, ctx.device.type, torch.bfloat16)
-        self.pipeline = Pipeline(wrapped, stage_ids, layout, mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
+        self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model
@@ -210,31 +210,3 @@ class ModelParallelStrategy(Strategy):
         if self.layout.tp > 1:
             return "the tensor-parallel output head returns vocabulary-sharded logits"
         return None
-
-
-class TPStrategy(ModelParallelStrategy):
-    name = "tp"
-
-
-class PPStrategy(ModelParallelStrategy):
-    name = "pp"
-
-
-class DDPPPStrategy(ModelParallelStrategy):
-    name = "ddp+pp"
-    dp_kind = "ddp"
-
-
-class FSDPPPStrategy(ModelParallelStrategy):
-    name = "fsdp+pp"
-    dp_kind = "fsdp"
-
-
-class FSDPTPStrategy(ModelParallelStrategy):
-    name = "fsdp+tp"
-    dp_kind = "fsdp"
-
-
-class FSDPTPPPStrategy(ModelParallelStrategy):
-    name = "fsdp+tp+pp"
-    dp_kind = "fsdp"

@@ -12,9 +12,9 @@ from shardwise.parallel.base import ParallelContext, Strategy
 
 
 class DDPStrategy(Strategy):
-    name = "ddp"
+    impl = "ddp"
 
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         self.materialize(model, ctx)  # every rank holds the whole model: allocate it before DDP
         if ctx.world_size == 1:
             return model  # DDP on one rank only adds overhead; the math is identical.

@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from shardwise.config import ParallelConfig
+from shardwise.device import backend_for
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import BLOCK_PATHS, find_blocks, transformer_blocks
 from shardwise.parallel.precision import fsdp_mp_policy
-from shardwise.runtime.device import backend_for
 
 __all__ = ["BLOCK_PATHS", "apply_fsdp", "find_blocks", "reshard_all", "transformer_blocks", "wrap_units"]
 
@@ -111,15 +111,26 @@ def reshard_all(model: nn.Module) -> None:
 
 
 class FSDPStrategy(Strategy):
-    name = "fsdp"
-    reshard_after_forward = True
-    offload = False
+    """FSDP2 for every sharded row of the table: fsdp (ZeRO-3), zero2 (``reshard_after_forward``
+    False), fsdp-offload (``offload``) and hsdp (the layout's 2-D ("replicate", "shard") mesh, which
+    FSDP2 reads as HSDP: ``Replicate()`` on dim 0, ``Shard(0)`` on dim 1; the shard group size is
+    ``layout.dp_shard``, i.e. ``parallel.hsdp_shard_size``, 0 = ranks per node)."""
+
+    impl = "fsdp"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.info.reshard_after_forward
+
+    @property
+    def offload(self) -> bool:
+        return self.info.offload
 
     def needs_process_group(self) -> bool:
         # DTensor shards need a mesh even on one rank (e.g. fsdp-offload on a single GPU).
         return True
 
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         model = apply_fsdp(model, ctx.mesh, ctx.options,
                            reshard_after_forward=self.reshard_after_forward, offload=self.offload)
         # A meta-device model is sharded first, then each rank allocates and fills its 1/N shards.
@@ -156,27 +167,11 @@ class FSDPStrategy(Strategy):
 
         return ShardedGradScaler(device=device.type)
 
-
-class ZeRO2Strategy(FSDPStrategy):
-    name = "zero2"
-    reshard_after_forward = False
-
-
-class FSDPOffloadStrategy(FSDPStrategy):
-    name = "fsdp-offload"
-    offload = True
-
     def process_group_backend(self, device: torch.device) -> str:
+        if not self.offload:
+            return backend_for(device)
         # Offloaded gradients are DTensors on the CPU: clip_grad_norm_'s norm all-reduce runs on
         # CPU tensors, which NCCL cannot carry, so CPU tensors get a gloo backend beside NCCL.
         if device.type == "cuda":
             return "cpu:gloo,cuda:nccl"
         return backend_for(device)
-
-
-class HSDPStrategy(FSDPStrategy):
-    """FSDP2 on the layout's 2-D ("replicate", "shard") mesh: FSDP2 reads a 2-D mesh as HSDP
-    (parameters ``Replicate()`` on dim 0, ``Shard(0)`` on dim 1); the shard group size is
-    ``layout.dp_shard`` (``parallel.hsdp_shard_size``, 0 = ranks per node)."""
-
-    name = "hsdp"

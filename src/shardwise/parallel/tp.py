@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardwise.errors import ConfigError
+from shardwise.families import LLAMA_LIKE
+from shardwise.layout import tp_indivisible
 from shardwise.parallel.blocks import tp_plan_family
-from shardwise.parallel.registry import LLAMA_LIKE
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
@@ -62,7 +63,7 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
             f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
             "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
         )
-    bad = {k: v for k, v in tp_shape_sizes(model).items() if v % tp}
+    bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
         raise ConfigError(

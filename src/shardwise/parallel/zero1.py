@@ -23,7 +23,7 @@ from shardwise.parallel.ddp import DDPStrategy
 
 
 class ZeRO1Strategy(DDPStrategy):
-    name = "zero1"
+    impl = "zero1"
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        ctx: ParallelContext) -> torch.optim.Optimizer:

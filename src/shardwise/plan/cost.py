@@ -296,10 +296,9 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         p2p = grad_accum * 2 * (act / (fabric.collective_gbs(pp, tp * dp) * 1e9) + alpha)
         exposed += p2p
         total += p2p
-        # 1F1B / GPipe idle fraction (p-1)/(m+p-1) of the step; interleaved with v stages per rank:
-        # (p-1)/(v*m+p-1). Equivalently, idle time = compute * (p-1)/(v*m).
-        v = max(1, int(getattr(layout, "pp_stages_per_rank", getattr(layout, "virtual_stages", 1)) or 1))
-        bubble = compute * (pp - 1) / (v * grad_accum)
+        # The idle fraction f of the step (bubble_fraction) on top of the compute: f / (1 - f) of it.
+        f = bubble_fraction(pp, grad_accum, layout.pp_stages_per_rank)
+        bubble = compute * f / (1 - f)
     tokens_per_step = tokens_micro * grad_accum * dp
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
@@ -316,5 +315,6 @@ def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:
 
 
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(v*m+p-1) (v=1: GPipe and 1F1B)."""
+    """Idle fraction of a pipeline step: (p-1)/(v*m+p-1) (v=1: GPipe and 1F1B), i.e. idle time =
+    compute * (p-1)/(v*m) with m micro-batches and v stages per rank (interleaved 1F1B)."""
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)

@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass, field
 
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.layout import Layout
+from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
+from shardwise.strategies import AC_MODES, GRAD_SYNC_MODES
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,9 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
-# The runtime's parallel.activation_checkpointing modes (parallel/checkpointing.py): "selective"
-# checkpoints every ac_every-th block, "selective-op" is torchtitan's per-op policy on every block.
-CHECKPOINT_MODES = ("none", "selective", "selective-op", "full")
-# "step": gradients are reduced once per optimizer step (shardwise's no_sync under accumulation:
-# FSDP keeps unsharded fp32 gradients until the last micro-batch); "microbatch": reduced after
-# every micro-batch (FSDP1 in Composer/llm-foundry, torchtitan).
-GRAD_SYNC_MODES = ("step", "microbatch")
+# The runtime's parallel.activation_checkpointing and parallel.grad_sync modes, defined once in
+# shardwise.strategies (the planner plans exactly what the runtime runs).
+CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused")
 NORM_KINDS = ("eager", "fused")
 
@@ -529,12 +526,13 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
     reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
     """
-    if layout.tp > 1 and spec.n_heads and spec.n_heads % layout.tp:
+    if tp_indivisible(layout.tp, {"heads": spec.n_heads, "kv": spec.n_kv_heads}):
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {spec.n_heads} attention "
-                          f"heads of {spec.name}; use a divisor of {spec.n_heads}.")
-    if layout.pp > 1 and spec.n_layers and layout.pp > spec.n_layers:
-        raise ConfigError(f"{layout.pp} pipeline stages but {spec.name} has only {spec.n_layers} layers; "
-                          f"use at most {spec.n_layers} stages.")
+                          f"heads ({spec.n_kv_heads or spec.n_heads} key/value heads) of {spec.name}; use a "
+                          "divisor of both.")
+    if layout.pp > 1 and spec.n_layers:
+        stage_layer_ranges(spec.n_layers, layout.n_stages)  # the layout's rule: stages <= layers
+
     if grad_sync not in GRAD_SYNC_MODES:
         raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
     state = state_bytes(spec, layout, prec, optimizer)
@@ -575,8 +573,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
-        schedule = getattr(layout, "pp_schedule", getattr(layout, "pipeline_schedule", "1f1b"))
-        in_flight = min(layout.pp, grad_accum) if schedule != "gpipe" else grad_accum
+        in_flight = min(layout.pp, grad_accum) if layout.pp_schedule != "gpipe" else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
     if spec.has_structure and spec.vocab and kernels.loss == "torch":

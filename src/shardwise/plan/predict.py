@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.layout import Layout
+from shardwise.layout import ranks_per_node as rank_count_per_node
 from shardwise.plan.memory import (
     Precision,
     StateBytes,
@@ -212,17 +213,25 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
                          checkpoint, tuple(ranks), tuple(notes))
 
 
-def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",
-                      ranks_per_node: int | None = None) -> RunPrediction:
-    """``predict_run`` for an ``nn.Module`` (a meta-device copy is enough) and a ``RunConfig``."""
-    from shardwise.plan.spec import from_module
-
-    spec = from_module(model, name=name or model_name(cfg.model))
+def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
+                     ranks_per_node: int | None = None) -> RunPrediction:
+    """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
+    arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes."""
     return predict_run(spec, layout, precision=cfg.parallel.precision, seq=seq,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
-                       ranks_per_node=ranks_per_node or cfg.parallel.nproc or layout.world_size)
+                       ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
+                                                                            nproc=cfg.parallel.nproc))
+
+
+def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",
+                      ranks_per_node: int | None = None) -> RunPrediction:
+    """``predict_for_spec`` for an ``nn.Module`` (a meta-device copy is enough)."""
+    from shardwise.plan.spec import from_module
+
+    spec = from_module(model, name=name or model_name(cfg.model))
+    return predict_for_spec(spec, layout, cfg, seq=seq, ranks_per_node=ranks_per_node)
 
 
 def model_name(m: Any) -> str:

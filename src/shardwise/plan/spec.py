@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.families import HF_FAMILIES, LLAMA_LIKE
 
 # Architecture families the activation model knows (see memory.activation_bytes):
 #   "gpt"   LayerNorm, GELU MLP, learned positions (our GPT and GPT-2);
@@ -141,9 +142,10 @@ def _check_positive(name: str, what: str, **values: Any) -> None:
 
 def llama_params(
     *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_hidden: int, vocab: int,
-    tied: bool, qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+    tied: bool, qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False, qk_norm: bool = False,
 ) -> tuple[ParamInfo, ...]:
-    """Parameters of ``transformers`` LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM."""
+    """Parameters of ``transformers`` LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+    Qwen3ForCausalLM (``qk_norm``: Qwen3's per-head RMSNorm on queries and keys)."""
     out = [ParamInfo("model.embed_tokens.weight", (vocab, hidden), ROOT_UNIT)]
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     for i in range(n_layers):
@@ -160,6 +162,8 @@ def llama_params(
         shapes.append(("self_attn.o_proj.weight", (hidden, q)))
         if o_bias:
             shapes.append(("self_attn.o_proj.bias", (hidden,)))
+        if qk_norm:
+            shapes += [("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,))]
         for proj, shape in (("gate_proj", (ffn_hidden, hidden)), ("up_proj", (ffn_hidden, hidden)),
                             ("down_proj", (hidden, ffn_hidden))):
             shapes.append((f"mlp.{proj}.weight", shape))
@@ -193,6 +197,7 @@ def from_llama_like(
     name: str, *, n_layers: int, hidden: int, n_heads: int, ffn_hidden: int, vocab: int,
     n_kv_heads: int | None = None, head_dim: int | None = None, max_seq: int = 4096, tied: bool = False,
     qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False, family: str = "llama",
+    qk_norm: bool = False,
 ) -> ModelSpec:
     """A Llama/Mistral/Qwen2-family spec from its hyper-parameters (``family``: the HF model_type)."""
     n_kv_heads = n_kv_heads or n_heads
@@ -204,7 +209,7 @@ def from_llama_like(
                           f"num_key_value_heads={n_kv_heads}.")
     params = llama_params(n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads,
                           head_dim=head_dim, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
-                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
+                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm)
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="llama", n_layers=n_layers,
                      hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      ffn_hidden=ffn_hidden, vocab=vocab, max_seq=max_seq, tied_embeddings=tied, params=params,
@@ -229,9 +234,9 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
 
 
 def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
-    """Spec from a parsed ``config.json`` of the Llama, Mistral, Qwen2 or GPT-2 families."""
+    """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``)."""
     model_type = str(cfg.get("model_type", "")).lower()
-    if model_type in ("llama", "mistral", "qwen2") or (not model_type and "hidden_size" in cfg):
+    if model_type in LLAMA_LIKE or (not model_type and "hidden_size" in cfg):
         try:
             return from_llama_like(
                 name,
@@ -242,7 +247,7 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
                 # Qwen2 has q/k/v biases and no o_proj bias; Llama exposes both switches.
                 qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                family=model_type or "llama",
+                family=model_type or "llama", qk_norm=model_type == "qwen3",
             )
         except KeyError as e:
             raise ConfigError(
@@ -252,7 +257,7 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
                               n_heads=cfg.get("n_head", 12), vocab=cfg.get("vocab_size", 50257),
                               n_positions=cfg.get("n_positions", 1024), ffn_hidden=cfg.get("n_inner"))
     raise ConfigError(f"{name}: model_type {model_type or '(missing)'!r} is not supported by the planner; "
-                      "supported: llama, mistral, qwen2, gpt2. Use --model-factory module:function to count "
+                      f"supported: {', '.join(HF_FAMILIES)}. Use --model-factory module:function to count "
                       "any nn.Module on the meta device, or --params N for a bare count.")
 
 

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.train
     from accelerate import Accelerator
 
-    from shardwise.runtime.device import select_device
+    from shardwise.device import select_device
     from shardwise.workloads import build_workload
 
     rank, world, local_rank = common.dist_env()

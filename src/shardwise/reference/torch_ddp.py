@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, out = common.parse_args("torch-ddp", argv)
     t = cfg.train
     rank, world, local_rank = common.dist_env()
-    from shardwise.runtime.device import backend_for, select_device
+    from shardwise.device import backend_for, select_device
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)

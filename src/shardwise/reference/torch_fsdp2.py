@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, out = common.parse_args("torch-fsdp2", argv)
     t = cfg.train
     rank, world, local_rank = common.dist_env()
+    from shardwise.device import backend_for, select_device
     from shardwise.parallel.fsdp import transformer_blocks
-    from shardwise.runtime.device import backend_for, select_device
     from shardwise.workloads import build_workload
 
     device = select_device(local_rank)

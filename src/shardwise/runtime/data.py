@@ -14,7 +14,6 @@ gets the same number of batches, so no rank leaves a collective waiting for a ba
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -243,8 +242,3 @@ def _refuse_self_splitting_stream(dataset: Any, num_workers: int) -> None:
             "data. Use num_workers=0 with it (its own reading is already parallel), or wrap it in a "
             "torch IterableDataset that yields the full stream in every worker."
         )
-
-
-def split_sizes(total: int, val_fraction: float) -> tuple[int, int]:
-    val = max(1, math.floor(total * val_fraction))
-    return total - val, val

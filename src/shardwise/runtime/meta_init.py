@@ -26,7 +26,6 @@ A factory that cannot run on meta (it reads values, e.g. ``.item()`` or numpy) r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -427,8 +426,3 @@ def record_build(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgr
                 targets.setdefault(f"{mod_name}.{attr}" if mod_name else attr, recorder.ref(value))
     tied = [names for names in by_param.values() if len(names) > 1]
     return model, InitProgram(recorder.ops, dict(recorder.nbytes), targets, tied)
-
-
-def largest_tensor_bytes(model: nn.Module) -> int:
-    """Bytes of the largest parameter or buffer of ``model`` (what the replay holds at a time)."""
-    return max((math.prod(t.shape) * t.element_size() for t in _tensors(model)), default=0)

@@ -22,7 +22,6 @@ connect to it. Keys are namespaced by the rendezvous id.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import re
@@ -195,12 +194,6 @@ def agree(endpoint: str, rdzv_id: str, proposal: Path, launch_id: str,
         raise ConfigError(f"the first node of the job never published its run directory ({e}); "
                           "see its output.") from None
     return Agreement(Path(run_dir), job, first=first, key=key, store=store)
-
-
-def default_multinode_out(name: str, strategy: str) -> Path:
-    """The run directory a multi-node job proposes without ``--out`` (the first node's one wins)."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{name}-{strategy.replace('+', '_')}-{stamp}"
 
 
 # ------------------------------------------------------------------------------ Slurm

@@ -25,7 +25,9 @@ from shardwise.fsutil import atomic_write_text
 from shardwise.runtime.runlock import GUARD_FILE, LOCK_FILE, RunLock
 
 # What makes a directory "hold a run": any of these written by an earlier job.
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "checkpoints")
+# The one name of a run's checkpoint directory (the launcher, the trainer and checkpoint lookup ask here).
+CHECKPOINTS_DIR = "checkpoints"
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", CHECKPOINTS_DIR)
 
 
 def default_run_dir(name: str, strategy: str) -> Path:
@@ -111,7 +113,7 @@ def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
     if not holds_run(out):
         return
     resume = cfg.checkpoint.resume
-    root = out / "checkpoints"
+    root = out / CHECKPOINTS_DIR
     if resume == "latest":
         return  # continues this run (its checkpoint was checked before)
     if resume == "auto":
@@ -229,7 +231,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     def write_config(self, cfg: RunConfig) -> None:
         if self.enabled:

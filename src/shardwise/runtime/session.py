@@ -28,7 +28,7 @@ import datetime
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,17 +37,18 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import ParallelConfig
+from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.layout import Layout, resolve_layout
+from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
-from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
-from shardwise.parallel.compile import apply_compile, check_compile, compile_loss
+from shardwise.parallel.checkpointing import clean_name
+from shardwise.parallel.compile import check_compile, compile_loss
+from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
-from shardwise.runtime.device import select_device
 from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
@@ -107,10 +108,12 @@ class Session:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
-        # Ranks per node (torchrun's LOCAL_WORLD_SIZE): HSDP's default shard group.
-        ranks_per_node = _env_int("LOCAL_WORLD_SIZE", 0) or options.nproc or self.world_size
+        # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
+        # shard group, and the planner's intra-node links in the trainer's prediction.
+        self.ranks_per_node = ranks_per_node(self.world_size, nproc=options.nproc,
+                                             local_world_size=_env_int("LOCAL_WORLD_SIZE", 0))
         # Every degree of this run, resolved once; the strategy, the mesh and the data loader read it.
-        self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=ranks_per_node)
+        self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=self.ranks_per_node)
         self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
         self.backend = self.strategy.process_group_backend(self.device)
@@ -295,13 +298,8 @@ class Session:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
-        if not self.strategy.applies_activation_checkpointing():
-            # From outside and before any wrapper (torchtitan order: AC, compile, then DDP/FSDP).
-            model = apply_activation_checkpointing(model, self.options.activation_checkpointing,
-                                                   self.options.ac_every)
-            if self.compile:
-                model = apply_compile(model)
-        prepared = self.strategy.apply(model, self.ctx)
+        # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
+        prepared = parallelize(model, self.strategy, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -692,8 +690,3 @@ class Session:
         model = model or self.model
         assert model is not None
         return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
-
-
-def iter_device(batch: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move each tensor of a batch to ``device`` (non-blocking from pinned memory on CUDA)."""
-    return [t.to(device, non_blocking=True) for t in batch]

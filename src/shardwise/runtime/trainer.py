@@ -27,13 +27,12 @@ from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
-from shardwise.plan.predict import format_comparison, model_name, predict_run
+from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import (
-    complete_checkpoints,
     latest_checkpoint,
-    missing_latest_error,
+    resume_source,
     truncate_metrics,
 )
 from shardwise.runtime.collective import gather
@@ -151,11 +150,9 @@ class Trainer:
                          f"{f', LoRA rank {cfg.lora.rank}' if cfg.lora.rank else ''})")
         # What the planner predicts this run holds per rank; the summary sets it next to the
         # ledger's measurements, so every job checks the planner.
-        self.prediction = predict_run(
-            spec, self.session.layout, precision=cfg.parallel.precision, seq=self.workload.tokens_per_sample,
-            micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-            activation_checkpointing=cfg.parallel.activation_checkpointing,
-            ranks_per_node=cfg.parallel.nproc or self.session.world_size)
+        # The same call as --dry-run's (predict_for_spec): the two predictions cannot drift.
+        self.prediction = predict_for_spec(spec, self.session.layout, cfg, seq=self.workload.tokens_per_sample,
+                                           ranks_per_node=self.session.ranks_per_node)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
         self.val_loader = self.session.dataloader(self.workload.val_set, t.micro_batch_size,
@@ -386,22 +383,9 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints and faults
     def _resume_source(self) -> str | None:
-        """Where this attempt resumes from (None: a fresh start)."""
-        resume, own = self.cfg.checkpoint.resume, self.run_dir.checkpoints
-        if self.attempt > 0 or resume == "auto":
-            # Elastic restart: continue from this run's newest checkpoint; before the first one
-            # was written, from the user's resume source, or else from scratch. Never from
-            # scratch over complete checkpoints whose 'latest' pointer is missing.
-            if latest_checkpoint(own) is not None:
-                return str(own)
-            complete = complete_checkpoints(own)
-            if complete:
-                who = f"elastic restart {self.attempt}" if self.attempt > 0 else 'checkpoint.resume = "auto"'
-                raise missing_latest_error(own, complete, who)
-            return resume if resume not in ("", "auto", "latest") else None
-        if resume == "latest":
-            return str(own)  # load raises a clear error when there is none
-        return resume or None
+        """Where this attempt resumes from (None: a fresh start); see ``resume_source``."""
+        restart = f"elastic restart {self.attempt}" if self.attempt > 0 else ""
+        return resume_source(self.cfg.checkpoint.resume, self.run_dir.checkpoints, restart=restart)
 
     def resume(self) -> dict[str, Any] | None:
         """Load the resume checkpoint, if any; return this rank's saved RNG streams (or None)."""

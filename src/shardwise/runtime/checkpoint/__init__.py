@@ -45,6 +45,7 @@ from shardwise.runtime.checkpoint.locate import (
     latest_checkpoint,
     missing_latest_error,
     resolve_checkpoint,
+    resume_source,
     rotate,
 )
 from shardwise.runtime.checkpoint.manifest import (
@@ -73,7 +74,7 @@ __all__ = [
     "LoadedCheckpoint", "SafeFileSystemReader", "SafeLoadPlanner", "body_checksum", "checkpoint_job",
     "complete_checkpoints", "export_hf", "export_peft", "export_weights", "fingerprint", "inspect_checkpoint",
     "latest_checkpoint", "load_checkpoint", "missing_latest_error", "preflight",
-    "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "rotate",
+    "read_dcp_metadata", "read_full_model_state", "read_manifest", "resolve_checkpoint", "resume_source", "rotate",
     "save_checkpoint", "sha256_file", "shape_mismatch", "step_dir_name", "tensor_shapes", "truncate_metrics",
     "verify_files",
 ]

@@ -23,6 +23,7 @@ from shardwise.runtime.checkpoint.manifest import (
     is_step_dir_name,
 )
 from shardwise.runtime.identity import same_process_alive
+from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -77,7 +78,7 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     if p.name.startswith(PARTIAL_PREFIX):
         raise CheckpointError(f"{p} is an incomplete checkpoint (its save was interrupted) and "
                               "cannot be loaded; use the checkpoint named in 'latest' next to it.")
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    root = p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
     found = latest_checkpoint(root)
     if found is not None:
         return found
@@ -141,3 +142,24 @@ def rotate(root: Path, keep_last: int, job: str) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def resume_source(resume: str, checkpoints: Path, *, restart: str = "") -> str | None:
+    """Where a run resumes from: the one reading of ``checkpoint.resume`` (the launcher's preflight
+    and every rank of the trainer ask it). None: a fresh start.
+
+    ``checkpoints``: this run's own checkpoint directory. ``restart``: set (e.g. "elastic restart
+    2") when this attempt restarts after a failure: it continues from the run's newest checkpoint,
+    like ``resume = "auto"``; before the first one was written, from the user's resume source, or
+    else from scratch -- never from scratch over complete checkpoints whose 'latest' is missing.
+    """
+    if restart or resume == "auto":
+        if latest_checkpoint(checkpoints) is not None:
+            return str(checkpoints)
+        complete = complete_checkpoints(checkpoints)
+        if complete:
+            raise missing_latest_error(checkpoints, complete, restart or 'checkpoint.resume = "auto"')
+        return resume if resume not in ("", "auto", "latest") else None
+    if resume == "latest":
+        return str(checkpoints)  # loading raises a clear error when there is none
+    return resume or None

@@ -1,0 +1,53 @@
+"""The one list of model families and what shardwise can do with each (torch-free).
+
+A family is ``ModelSpec.family`` / ``Workload.family``: "gpt" is shardwise's built-in GPT, the
+others are Hugging Face ``model_type`` values. Everything that asks "can this model be
+tensor-parallelised / cut into pipeline stages / built from a Hugging Face config?" reads this
+table: the strategy table (``shardwise.strategies``), the TP plans, the block finder, the Hugging
+Face config reader and the planner's spec reader. Adding a family is one row here (plus its TP
+plan in ``parallel/tp_plans.py`` when ``tp_plan`` is set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "PP_FAMILIES", "TP_FAMILIES", "Family"]
+
+# What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
+# builds each).
+MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
+DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "custom")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's capabilities.
+
+    ``hf``: built from a Hugging Face ``config.json`` (``model.kind = 'hf'``). ``llama_like``: its
+    layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
+    ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
+    ``moe``: has mixture-of-experts layers (expert parallel applies).
+    """
+
+    name: str
+    hf: bool = True
+    llama_like: bool = False
+    tp_plan: bool = False
+    pp_split: bool = False
+    moe: bool = False
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("gpt", hf=False, tp_plan=True, pp_split=True),
+    Family("llama", llama_like=True, tp_plan=True),
+    Family("mistral", llama_like=True, tp_plan=True),
+    Family("qwen2", llama_like=True, tp_plan=True),
+    Family("qwen3", llama_like=True, tp_plan=True),
+    Family("gpt2"),
+)}
+
+LLAMA_LIKE: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.llama_like)
+TP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.tp_plan)
+PP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.pp_split)
+HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)

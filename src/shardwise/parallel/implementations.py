@@ -1,0 +1,17 @@
+"""One implementation per data-parallel kind; ``StrategyInfo.impl`` names the one a row runs."""
+
+from __future__ import annotations
+
+from shardwise.parallel.base import Strategy
+from shardwise.parallel.composed import ModelParallelStrategy
+from shardwise.parallel.ddp import DDPStrategy
+from shardwise.parallel.fsdp import FSDPStrategy
+from shardwise.parallel.zero1 import ZeRO1Strategy
+
+IMPLEMENTATIONS: dict[str, type[Strategy]] = {
+    "single": Strategy,
+    "ddp": DDPStrategy,
+    "zero1": ZeRO1Strategy,
+    "fsdp": FSDPStrategy,  # fsdp, zero2, hsdp, fsdp-offload: the row's flags differ
+    "model-parallel": ModelParallelStrategy,  # tp, pp and every composition with data parallel
+}
