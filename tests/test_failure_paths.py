@@ -1,0 +1,96 @@
+"""Every failure path ends with one clean paragraph, a documented exit code and no lost work.
+
+Disk full during a save (fault-injected: ``runtime.faults``) on 1 and 2 ranks, a rank that crashes
+with an unexpected error, SIGINT to the launcher alone: the console shows our message and never a
+``Traceback``; the rank log keeps the traceback; the previous checkpoint stays intact and resumes
+bit-exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from tests.helpers.ckpt import cli_args, fast_overrides, losses, run_cli, small_text
+
+ONE = ["--nproc", "1", "--strategy", "single"]
+TWO = ["--nproc", "2", "--strategy", "ddp"]
+
+
+def _checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def _assert_disk_full_refusal(err: str, step: int, previous: int) -> None:
+    assert "Traceback" not in err and "sys.excepthook" not in err, err
+    assert f"no space left on the device while saving checkpoint step-{step:08d}" in err, err
+    assert f"the previous checkpoint step-{previous:08d} is intact" in err, err
+    assert "--resume" in err
+
+
+def test_disk_full_on_one_rank_keeps_the_previous_checkpoint_and_resumes_bit_exact(tmp_path, monkeypatch,
+                                                                                    capsys):
+    data = small_text(tmp_path)
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    overrides = cli_args(fast_overrides(data, steps=5, every=2))
+    assert main(["train", *ONE, "--out", str(ref), *overrides]) == 0
+    for stage in ("shards", "manifest"):
+        run = out / stage
+        monkeypatch.setenv("SHARDWISE_DEBUG_DISK_FULL", f"step=4,stage={stage}")
+        capsys.readouterr()
+        code = main(["train", *ONE, "--out", str(run), *overrides])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        _assert_disk_full_refusal(err, 4, 2)
+        # The partial save is gone at once; 'latest' untouched.
+        assert _checkpoints(run) == ["latest", "step-00000002"]
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+        monkeypatch.delenv("SHARDWISE_DEBUG_DISK_FULL")
+        assert main(["train", *ONE, "--out", str(run), "--resume"]) == 0, capsys.readouterr().err
+        want = losses(ref)
+        got = losses(run)
+        assert got == want, (stage, got, want)
+
+
+@pytest.mark.slow
+def test_disk_full_on_two_ranks_is_one_clean_paragraph_and_resumes_bit_exact(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    run = tmp_path / "run"
+    overrides = cli_args(fast_overrides(data, steps=5, every=2))
+    # Rank 1's shard write runs out of space; DCP reports it on every rank.
+    env = dict(cli_env, SHARDWISE_DEBUG_DISK_FULL="step=4,rank=1")
+    proc = run_cli(["train", *TWO, "--out", str(run), *overrides], env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _assert_disk_full_refusal(proc.stderr, 4, 2)
+    assert "rank 1: [Errno 28]" in proc.stderr
+    assert _checkpoints(run) == ["latest", "step-00000002"]
+    before = losses(run)  # steps 1-4 of the failed run
+    proc = run_cli(["train", *TWO, "--out", str(run), "--resume"], cli_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = losses(run)
+    assert {s: after[s] for s in (3, 4)} == {s: before[s] for s in (3, 4)}
+    assert sorted(after) == [1, 2, 3, 4, 5]
+
+
+def test_a_retried_resume_on_a_full_disk_is_refused_cleanly(tmp_path, monkeypatch, capsys):
+    """The launcher's own writes (config.toml) on a full disk: a clear message, nothing started."""
+    from shardwise import fsutil
+
+    data = small_text(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", *ONE, "--out", str(run), *cli_args(fast_overrides(data, steps=2, every=1))]) == 0
+    capsys.readouterr()
+    real = fsutil.atomic_write_text
+
+    def full(path, text, **kw):
+        if Path(path).name == "config.toml":
+            raise OSError(28, os.strerror(28), str(path))
+        return real(path, text, **kw)
+
+    monkeypatch.setattr(fsutil, "atomic_write_text", full)
+    code = main(["train", *ONE, "--out", str(run), "--resume", "--set", "train.steps=3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "config.toml" in err and "No space left" in err, err
