@@ -8,7 +8,13 @@ bit-exactly.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +100,90 @@ def test_a_retried_resume_on_a_full_disk_is_refused_cleanly(tmp_path, monkeypatc
     code = main(["train", *ONE, "--out", str(run), "--resume", "--set", "train.steps=3"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "config.toml" in err and "No space left" in err, err
+
+
+def _start(out: Path, data: Path, cli_env: dict, *extra: str) -> subprocess.Popen:
+    overrides = [*fast_overrides(data, steps=100000, every=0, micro_batch=8), "checkpoint.at_end=true"]
+    return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TWO, "--out", str(out),
+                             *cli_args(overrides), *extra], env=cli_env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _heartbeats(out: Path, at_step: int, deadline_s: float, proc: subprocess.Popen) -> dict[int, dict]:
+    """Both ranks' heartbeats once both are past ``at_step``."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        beats = {}
+        for rank in (0, 1):
+            try:
+                beats[rank] = json.loads((out / "heartbeat" / f"rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                break
+        if len(beats) == 2 and all((b.get("step") or 0) >= at_step for b in beats.values()):
+            return beats
+        time.sleep(0.2)
+    raise AssertionError("the ranks never got going")
+
+
+STOP_TIMEOUT_S = 6
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_reported_within_the_timeout_and_named(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    out = tmp_path / "run"
+    proc = _start(out, data, cli_env, "--set", f"watchdog.timeout_s={STOP_TIMEOUT_S}")
+    victim = None
+    try:
+        victim = _heartbeats(out, 2, 240, proc)[1]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        # Timed to the moment the launcher prints its report (the interpreter's exit may lag).
+        lines, elapsed = [], None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("error: training hung") and elapsed is None:
+                elapsed = time.monotonic() - t0
+        proc.wait(timeout=60)
+        err = "".join(lines)
+    finally:
+        if victim is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(victim, sig)
+        proc.kill()
+    assert proc.returncode == 3, err[-3000:]
+    assert elapsed is not None and elapsed < STOP_TIMEOUT_S + 10, (elapsed, err[-3000:])
+    assert "Traceback" not in err, err
+    assert "training hung" in err and f"rank 1 (pid {victim}" in err and "stopped" in err, err
+    print(f"stopped rank reported {elapsed:.1f}s after SIGSTOP (timeout {STOP_TIMEOUT_S}s)")
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_alone_saves_and_exits_130(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    out = tmp_path / "run"
+    proc = _start(out, data, cli_env)
+    try:
+        _heartbeats(out, 2, 240, proc)
+        proc.send_signal(signal.SIGINT)  # the launcher alone, not its process group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted: checkpoint saved at step" in err, err
+    assert (out / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_with_its_log(tmp_path, cli_env):
+    data = small_text(tmp_path)
+    out = tmp_path / "run"
+    proc = run_cli(["train", *TWO, "--out", str(out), *cli_args(fast_overrides(data, steps=6, every=0)),
+                    "--set", "debug.kill_rank=1", "--set", "debug.kill_at_step=2"], cli_env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+    assert f"rank 1 was killed by SIGKILL (its output: {out / 'logs' / 'rank-1.log'})" in err, err
+    assert "--resume" in err

@@ -55,21 +55,14 @@ def report_ranks(rc: int, out: Path, agent_report: str | os.PathLike | None = No
         print(f"error: {hang}", file=sys.stderr)
         return HANG_EXIT_CODE
     failures = rank_failures(out)
-    if failures:
-        first = failures[0]
-        log = first.get("log") or str(out / "logs" / f"rank-{first['rank']}.log")
-        tail = f" The full output of rank {first['rank']} is in {log}." if first.get("internal") else ""
-        print(f"error: rank {first['rank']} failed: {first['error']}.{tail}".replace("..", "."), file=sys.stderr)
-        code = first.get("exit_code")
-        return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
     agent = _read_json(Path(agent_report)) if agent_report else None
     agent = agent if isinstance(agent, dict) else {}
-    if agent.get("signal") or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-        print(f"interrupted ({agent.get('signal') or signal.Signals(rc - 128).name}) before a checkpoint "
-              f"was saved; nothing to resume from in {out / 'checkpoints'} beyond what was there.",
-              file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
-    crashed = [f for f in agent.get("failures", []) if isinstance(f, dict)]
+    reported = {f["rank"] for f in failures}
+    # Ranks that died without a word (a signal, a segfault): the cause, unless a rank failed with
+    # a user-facing error; the other ranks' errors ("connection closed by peer") follow from it.
+    crashed = [f for f in agent.get("failures", []) if isinstance(f, dict) and f.get("rank") not in reported]
+    if failures and not failures[0].get("internal"):
+        return _print_failure(failures[0], out)
     if crashed:
         parts = []
         for f in crashed:
@@ -81,6 +74,24 @@ def report_ranks(rc: int, out: Path, agent_report: str | os.PathLike | None = No
         print(f"error: training failed: {'; '.join(parts)}.{why} The run directory is {out}; continue "
               f"from its latest checkpoint with: shardwise train --out {out} --resume", file=sys.stderr)
         return 1
-    print(f"error: training failed (torchrun exit code {rc}); see the rank logs in {out / 'logs'}. "
+    if failures:
+        return _print_failure(failures[0], out)
+    if agent.get("signal") or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        name = agent.get("signal") or signal.Signals(rc - 128).name
+        print(f"interrupted ({name}) before a checkpoint was saved; {out / 'checkpoints'} holds nothing "
+              "newer than before this launch.", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    extra = f" ({agent['error']})" if agent.get("error") else ""
+    print(f"error: training failed (torchrun exit code {rc}){extra}; see the rank logs in {out / 'logs'}. "
           f"The run directory is {out}.", file=sys.stderr)
     return 1
+
+
+def _print_failure(first: dict[str, Any], out: Path) -> int:
+    log = first.get("log") or str(out / "logs" / f"rank-{first['rank']}.log")
+    error = first["error"].rstrip(".")
+    tail = (f" The full output of rank {first['rank']} (with the traceback) is in {log}."
+            if first.get("internal") else "")
+    print(f"error: rank {first['rank']} failed: {error}.{tail}", file=sys.stderr)
+    code = first.get("exit_code")
+    return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
