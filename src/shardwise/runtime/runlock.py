@@ -192,6 +192,12 @@ class RunLock:
         live_ranks = [r for r, alive in rank_states if alive is not False]
         if not live and live_ranks:
             survivor = {**held, **live_ranks[0]}
+            if not any(alive is True for _, alive in rank_states):
+                raise ConfigError(
+                    f"run directory {self.run_dir} is locked by a job whose launcher ({describe_holder(held)}) "
+                    f"is gone, but whose rank {survivor.get('rank')} ran on host {survivor.get('host')}, where "
+                    f"shardwise cannot check from here whether it still runs. If it does not, delete "
+                    f"{self.path} and retry; otherwise stop it first, or choose another --out.")
             raise ConfigError(
                 f"run directory {self.run_dir} is still in use by the job that locked it: its launcher "
                 f"({describe_holder(held)}) is gone, but rank {survivor.get('rank')} of that job still runs "

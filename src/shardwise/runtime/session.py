@@ -124,6 +124,12 @@ class Session:
         self.model: nn.Module | None = None
         # The LR scheduler prepare() returned; save() and load() include it unless told otherwise.
         self.scheduler: Any = None
+        # What save()/load() cover by default (issue 17): the optimizer prepare() returned, the
+        # training loader (the first dataloader() not made with shuffle=False) and the number of
+        # step() calls (restored by load()).
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: ShardedLoader | None = None
+        self.steps_taken = 0
         self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
@@ -315,6 +321,7 @@ class Session:
         if self.options.precision == "fp16-mixed":
             self._scaler = self.strategy.grad_scaler(self.device)
         self.model = prepared
+        self.optimizer = optimizer
         self._prepared = True
         if scheduler is None:
             return prepared, optimizer
@@ -484,6 +491,7 @@ class Session:
         if self.model is not None and measure_grad_bytes:
             self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
+        self.steps_taken += 1
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return self.last_grad_norm
@@ -499,9 +507,12 @@ class Session:
         window, see ``runtime.data.StreamShard``). ``collate_fn`` turns a list of items into a batch
         (default: stack tensors, and tuples/dicts of tensors field by field).
         """
-        return ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
-                             seed=self.seed if seed is None else seed, num_workers=num_workers,
-                             pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+        loader = ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
+                               seed=self.seed if seed is None else seed, num_workers=num_workers,
+                               pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+        if self.loader is None and shuffle is not False:
+            self.loader = loader  # the training loader: save()/load() record its position
+        return loader
 
     def to_device(self, batch: Any) -> Any:
         """Return ``batch`` with every tensor moved to this rank's device (dicts, lists, tuples kept)."""
@@ -572,7 +583,7 @@ class Session:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike, model: nn.Module | None = None,
-             optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
              state: dict[str, Any] | None = None, loader: ShardedLoader | None = None,
              scheduler: Any = None, keep_last: int = 0,
              on_written: Callable[[Any], None] | None = None) -> Any:
@@ -582,12 +593,20 @@ class Session:
         scheduler (``scheduler``, default: the one prepare() returned; as JSON), every rank's RNG
         streams, the loss scaler and ``state`` (JSON data), and publishes atomically:
         ``path/latest`` names it only once it is complete. See ``runtime.checkpoint``.
+        Defaults cover what the session prepared: the model and optimizer
+        prepare() returned, the training loader (the first ``dataloader()`` not made with
+        ``shuffle=False``) and, for ``step``, the number of ``step()`` calls so far.
         """
         from shardwise.runtime.checkpoint import save_checkpoint
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
+        # Everything the session prepared is saved unless told otherwise; the step defaults to
+        # the number of step() calls (restored by load()).
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        loader = loader if loader is not None else self.loader
+        step = self.steps_taken if step is None else step
         # Checked on every rank before any file is written: a refusal cannot leave ranks waiting.
         sched_state = scheduler_state(scheduler) if scheduler is not None else None
         if self._watchdog is not None:
@@ -615,6 +634,8 @@ class Session:
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        loader = loader if loader is not None else self.loader
         loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
                                  scaler=self._scaler, restore_rng=restore_rng,
                                  trainable_only=self.trainable_only)
@@ -622,6 +643,7 @@ class Session:
             note = restore_scheduler(scheduler, loaded.manifest.get("scheduler"), str(loaded.path))
             if note:
                 loaded.notes.append(note)
+        self.steps_taken = loaded.step
         return loaded
 
     def _export_info(self, model: nn.Module) -> dict[str, Any] | None:
