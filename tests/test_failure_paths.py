@@ -187,3 +187,19 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_log(tmp_path, cli_env):
     assert "Traceback" not in err and "ChildFailedError" not in err, err
     assert f"rank 1 was killed by SIGKILL (its output: {out / 'logs' / 'rank-1.log'})" in err, err
     assert "--resume" in err
+
+
+def test_debug_collectives_is_refused_before_launch_on_cpu(tmp_path, capsys):
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+    from shardwise.preflight import check_debug_collectives
+
+    cfg = load_config(None, ["watchdog.debug_collectives=true"])
+    with pytest.raises(ConfigError, match="supported on GPUs \\(NCCL\\) only"):
+        check_debug_collectives(cfg, 2, cuda=False)
+    check_debug_collectives(cfg, 2, cuda=True)  # NCCL: allowed
+    check_debug_collectives(cfg, 1, cuda=False)  # one process: nothing to check, nothing to crash
+    code = main(["train", "--nproc", "2", "--dry-run", "--out", str(tmp_path / "run"),
+                 "--set", "model.preset=nano", "--set", "watchdog.debug_collectives=true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "SIGSEGV" in err and "Traceback" not in err, err
