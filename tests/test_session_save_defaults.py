@@ -43,3 +43,32 @@ def test_save_without_arguments_covers_optimizer_loader_and_step(tmp_path):
         assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
     finally:
         t.close()
+
+
+def test_exported_weights_are_as_readable_as_any_file(tmp_path):
+    import os
+
+    from shardwise.runtime.checkpoint.export import export_weights
+
+    s, *_ = _session_run(tmp_path, 1)
+    try:
+        s.save(tmp_path / "ckpt")
+    finally:
+        s.close()
+    out = tmp_path / "w.safetensors"
+    export_weights(tmp_path / "ckpt", out)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_deeply_nested_jsonl_record_is_refused(tmp_path):
+    import pytest
+
+    from shardwise.data.text import _jsonl_documents
+    from shardwise.errors import ConfigError
+
+    f = tmp_path / "deep.jsonl"
+    f.write_text('{"text": "ok"}\n' + "[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(ConfigError, match="line 2 is nested too deeply"):
+        list(_jsonl_documents(f, "text"))
