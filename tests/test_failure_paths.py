@@ -203,3 +203,15 @@ def test_debug_collectives_is_refused_before_launch_on_cpu(tmp_path, capsys):
                  "--set", "model.preset=nano", "--set", "watchdog.debug_collectives=true"])
     err = capsys.readouterr().err
     assert code == 2 and "SIGSEGV" in err and "Traceback" not in err, err
+
+
+def test_model_and_data_mismatches_are_refused_before_launch(tmp_path, capsys):
+    cases = {
+        ("--set", "model.overrides.vocab_size=10"): "produces token id 64, but the model's vocabulary has 10",
+        ("--set", "model.kind=cnn"): "model.kind = 'cnn' cannot train on data.kind = 'shakespeare'",
+    }
+    for extra, message in cases.items():
+        code = main(["train", "--nproc", "1", "--dry-run", "--out", str(tmp_path / "run"),
+                     "--set", "model.preset=nano", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
