@@ -215,3 +215,12 @@ def test_model_and_data_mismatches_are_refused_before_launch(tmp_path, capsys):
                      "--set", "model.preset=nano", *extra])
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_launch_of_a_failing_user_script_says_which_rank_without_torchruns_traceback(tmp_path, cli_env):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(5)\n")
+    proc = run_cli(["launch", "--nproc", "2", str(script)], cli_env, timeout=120)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: {script} failed: rank 1 exited with code 5" in proc.stderr, proc.stderr

@@ -383,11 +383,10 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
+    import tempfile
 
     from shardwise.config import check_text
-    from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
+    from shardwise.launch import LaunchSpec, check_launch_flags, run_torchrun
     from shardwise.runtime.device import default_nproc
     from shardwise.runtime.multinode import rendezvous_id
 
@@ -406,11 +405,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # one all nodes share from their common command.
         spec.run_id = rendezvous_id("", spec.rdzv_endpoint, str(spec.nnodes),
                                     " ".join([str(script), *args.script_args]))[0]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *extra,
-           str(script), *args.script_args]
-    return subprocess.call(cmd, env=env)
+    # Through shardwise's agent (torchrun itself): the ranks die with this launcher, and a failed
+    # rank is one line here (its own output is above) instead of torchrun's traceback.
+    from shardwise.runtime.outcome import report_script_ranks
+
+    with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as tmp:
+        report = Path(tmp) / "agent.json"
+        rc = run_torchrun(spec, [*extra, str(script), *args.script_args], agent_report=report)
+        return report_script_ranks(rc, report, str(script))
 
 
 # ------------------------------------------------------------------------------ env

@@ -95,3 +95,26 @@ def _print_failure(first: dict[str, Any], out: Path) -> int:
     print(f"error: rank {first['rank']} failed: {error}.{tail}", file=sys.stderr)
     code = first.get("exit_code")
     return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
+
+
+def report_script_ranks(rc: int, agent_report: str | os.PathLike, script: str) -> int:
+    """``shardwise launch``: one line for a user script whose ranks failed; returns the exit code.
+
+    The ranks' own output (their tracebacks included: the script is the user's) is already on the
+    console; this only says which rank ended how.
+    """
+    if rc == 0:
+        return 0
+    agent = _read_json(Path(agent_report))
+    agent = agent if isinstance(agent, dict) else {}
+    if agent.get("signal") or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        print(f"interrupted ({agent.get('signal') or 'signal'}): {script} was stopped on every rank.",
+              file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    failures = [f for f in agent.get("failures", []) if isinstance(f, dict)]
+    parts = [f"rank {f.get('rank')} " + (f"was killed by {f['signal']}" if f.get("signal")
+                                          else f"exited with code {f.get('exitcode')}") for f in failures]
+    detail = "; ".join(parts) or (agent.get("error") or f"torchrun exit code {rc}")
+    print(f"error: {script} failed: {detail} (each rank's output is above).", file=sys.stderr)
+    codes = [f.get("exitcode") for f in failures if isinstance(f.get("exitcode"), int) and f["exitcode"] > 0]
+    return codes[0] if codes and codes[0] < 256 else 1

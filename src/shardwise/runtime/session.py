@@ -102,6 +102,11 @@ class Session:
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+            # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
+            from shardwise.runtime import lifeline
+
+            lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
             logs.configure(self.rank)
         self.world_size = _env_int("WORLD_SIZE", 1)
