@@ -224,3 +224,16 @@ def test_launch_of_a_failing_user_script_says_which_rank_without_torchruns_trace
     assert proc.returncode == 5, proc.stderr[-3000:]
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: {script} failed: rank 1 exited with code 5" in proc.stderr, proc.stderr
+
+
+def test_a_damaged_checkpoint_refusal_names_the_newest_earlier_complete_one(tmp_path):
+    from shardwise.runtime.checkpoint.manifest import corruption_error
+
+    root = tmp_path / "checkpoints"
+    for step, complete in ((1, True), (2, True), (3, False), (4, True)):
+        (root / f"step-{step:08d}").mkdir(parents=True)
+        if complete:
+            (root / f"step-{step:08d}" / "manifest.json").write_text("{}")
+    text = str(corruption_error(root / "step-00000004", ["a flipped byte"]))
+    assert f"--resume {root / 'step-00000002'}" in text and "step-..." not in text, text
+    assert "No earlier complete checkpoint" in str(corruption_error(root / "step-00000001", ["x"]))
