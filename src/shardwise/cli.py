@@ -280,7 +280,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.device import accelerator_count
     from shardwise.fsutil import atomic_write_text
     from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, run_torchrun
-    from shardwise.runtime.identity import LAUNCH_ID_ENV, new_launch_id
+    from shardwise.runtime.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
     from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
 
@@ -313,7 +313,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             admit_run(lock, cfg, overwrite=args.overwrite)
             if not lock.joined:
                 clear_launch_reports(out)  # heartbeats and reports of earlier launches
-                atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)
+                try:
+                    atomic_write_text(out / "config.toml", to_toml(cfg), durable=True)
+                except OSError as e:
+                    raise ConfigError(f"cannot write {out / 'config.toml'}: {e.strerror or e}; nothing was "
+                                      "started (free space or choose another --out).") from None
         except ShardwiseError as e:
             if agreement is not None and not lock.joined:
                 agreement.publish_ready(error=str(e))
@@ -325,7 +329,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if nproc == 1 and not run.multi_node and not args.max_restarts:
             train(cfg, out, launch_id=launch_id)
             return _report_interrupt(out, started) or 0
-        env = {LAUNCH_ID_ENV: launch_id}
+        env = {LAUNCH_ID_ENV: launch_id, JOB_ID_ENV: job_id}
         if accelerator_count():
             # NCCL's flight recorder dumps the last collectives of every rank on a timeout.
             env.update(nccl_flight_recorder_env(out))
@@ -337,9 +341,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             # rank can read a peer's address left by the previous attempt and fail to connect
             # (pytorch/pytorch#135712). A separate store per attempt avoids that.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        agent_report = out / "logs" / f"agent-{launch_id}.json"
+        agent_report.parent.mkdir(exist_ok=True)
         rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
-                                 "--out", str(out)], env=env)
-        return _report_interrupt(out, started) or _report_ranks(rc, out)
+                                 "--out", str(out)], env=env, agent_report=agent_report)
+        return _report_interrupt(out, started) or _report_ranks(rc, out, agent_report)
     finally:
         lock.release()  # (the rendezvous store this launcher may serve lives as long as `agreement`)
 
@@ -360,27 +366,11 @@ def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str
     return agreement, rdzv_id
 
 
-def _report_ranks(rc: int, out: Path) -> int:
-    """Turn a failed torchrun into one clear paragraph naming the failing rank(s)."""
-    if rc == 0:
-        return 0
-    from shardwise.runtime.watchdog import HANG_EXIT_CODE, describe_hang
+def _report_ranks(rc: int, out: Path, agent_report: Path | None = None) -> int:
+    """Turn a failed torchrun into one clear paragraph naming the failing rank(s) (runtime.outcome)."""
+    from shardwise.runtime.outcome import report_ranks
 
-    hang = describe_hang(out)
-    if hang:
-        print(f"error: {hang}", file=sys.stderr)
-        return HANG_EXIT_CODE
-    for failure in sorted(out.glob("failure-rank*.json")):
-        try:
-            first = json.loads(failure.read_text(encoding="utf-8"))
-            rank, error, code = first["rank"], first["error"], int(first.get("exit_code", 2))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a rank killed while writing it: the next one, or the generic message
-        print(f"error: rank {rank} failed: {error}", file=sys.stderr)
-        return code
-    print(f"error: training failed (torchrun exit code {rc}); see the rank output above. "
-          f"The run directory is {out}.", file=sys.stderr)
-    return 1
+    return report_ranks(rc, out, agent_report)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -403,12 +393,11 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
+    import tempfile
 
     from shardwise.config import check_text
     from shardwise.device import default_nproc
-    from shardwise.launch import LaunchSpec, check_launch_flags, torchrun_args
+    from shardwise.launch import LaunchSpec, check_launch_flags, run_torchrun
     from shardwise.runtime.multinode import rendezvous_id
 
     apply_scheduler_defaults(args)
@@ -426,11 +415,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # one all nodes share from their common command.
         spec.run_id = rendezvous_id("", spec.rdzv_endpoint, str(spec.nnodes),
                                     " ".join([str(script), *args.script_args]))[0]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *extra,
-           str(script), *args.script_args]
-    return subprocess.call(cmd, env=env)
+    # Through shardwise's agent (torchrun itself): the ranks die with this launcher, and a failed
+    # rank is one line here (its own output is above) instead of torchrun's traceback.
+    from shardwise.runtime.outcome import report_script_ranks
+
+    with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as tmp:
+        report = Path(tmp) / "agent.json"
+        rc = run_torchrun(spec, [*extra, str(script), *args.script_args], agent_report=report)
+        return report_script_ranks(rc, report, str(script))
 
 
 # ------------------------------------------------------------------------------ env
@@ -542,6 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        import errno
+
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: no space left on the device holding {e.filename or 'the run directory'} "
+              f"({e.strerror}); free space and retry (a run continues with --resume).", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -46,3 +46,15 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = Fal
 def atomic_write_json(path: str | os.PathLike, data: Any, *, durable: bool = False, **dumps: Any) -> None:
     """``atomic_write_text`` of ``json.dumps(data, **dumps)``."""
     atomic_write_text(path, json.dumps(data, **dumps), durable=durable)
+
+
+def default_file_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open()`` would (0666 minus the umask).
+
+    Writers that create files privately (safetensors' ``save_file`` makes them 0600) would leave
+    an exported model unreadable to the group and others the rest of the export is readable by.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~umask)

@@ -6,6 +6,7 @@ elastic restarts and multi-node. This module only builds its command line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -120,19 +121,33 @@ def torchrun_command(spec: LaunchSpec, target: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), *target]
 
 
-def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Run torchrun in the foreground and return its exit code (Ctrl-C is forwarded by the OS)."""
-    full_env = dict(os.environ, **(env or {}))
+def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | None = None,
+                 agent_report: str | os.PathLike | None = None) -> int:
+    """Run torchrun in the foreground and return its exit code.
+
+    The agent is ``shardwise.runtime.agent`` (torchrun itself, tied to this process's life and
+    without torchrun's tracebacks); with ``agent_report`` it writes the failing ranks there as
+    JSON (see ``runtime.agent``). The agent and every rank die with this process (see
+    ``runtime.lifeline``), so a killed launcher leaves no rank behind.
+    """
+    from shardwise.runtime.agent import REPORT_ENV
+    from shardwise.runtime.lifeline import launcher_env
+
+    full_env = dict(os.environ, **(env or {}), **launcher_env())
+    if agent_report is not None:
+        full_env[REPORT_ENV] = str(agent_report)
     # One thread per CPU rank unless the user chose otherwise; torchrun does the same but warns.
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen(torchrun_command(spec, target), env=full_env)
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.runtime.agent", *torchrun_args(spec), *target],
+                            env=full_env)
     # While torchrun runs, this process must not die on a signal: subprocess.call would SIGKILL
     # torchrun on KeyboardInterrupt, orphaning ranks that are saving their interrupt checkpoint.
-    # Ctrl-C already reaches torchrun and every rank (same process group), so SIGINT is only
-    # absorbed here; SIGTERM (sent to this process alone, e.g. by a scheduler) is forwarded.
+    # SIGTERM and SIGINT sent to this process alone (a scheduler, `kill -INT`) are forwarded to
+    # the agent, which passes them to every rank (save, then stop); Ctrl-C reaches the agent
+    # twice (terminal and here), and the agent ignores the second.
     def forward(signum: int, frame: object) -> None:
-        if signum == signal.SIGTERM:
+        with contextlib.suppress(OSError):
             proc.send_signal(signum)
 
     in_main = threading.current_thread() is threading.main_thread()

@@ -65,6 +65,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     check_precision(cfg.parallel.precision)
     resolved, layout = resolve_config(cfg, world_size, ranks_per_node=ranks_per_node)
     check_observability(resolved, world_size)
+    check_debug_collectives(resolved, world_size)
     strategy = get_strategy(layout)
     if cfg.train.compile:
         import torch
@@ -88,6 +89,28 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         if blocks is not None:
             layout = layout.with_blocks(len(blocks), blocks.path)
     return Preflight(resolved, layout, strategy, workload, meta)
+
+
+def check_debug_collectives(cfg: RunConfig, world_size: int, cuda: bool | None = None) -> None:
+    """Refuse ``watchdog.debug_collectives`` where torch's collective checker crashes.
+
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps the process group in torch's
+    ``ProcessGroupWrapper``; on CPU/gloo with several ranks it kills every rank with SIGSEGV (a
+    plain DDP script does the same, torch 2.x), so a run that asks for it there would die at its
+    first collective. It is meant for NCCL runs on GPUs; one process has no collectives to check.
+    """
+    if not cfg.watchdog.debug_collectives or world_size < 2:
+        return
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        raise ConfigError(
+            "watchdog.debug_collectives = true runs the ranks with TORCH_DISTRIBUTED_DEBUG=DETAIL, whose "
+            "collective checker crashes every rank (SIGSEGV) on CPU/gloo in this torch version; it is "
+            "supported on GPUs (NCCL) only. Remove the setting for CPU runs (a hang is still caught by "
+            "the watchdog, which names the stuck and the silent ranks).")
 
 
 def check_observability(cfg: RunConfig, world_size: int) -> None:

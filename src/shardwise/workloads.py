@@ -157,6 +157,8 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         seq = block_size_of(mc)
         train, val, tokenizer = load_shakespeare(dc.path, seq, dc.val_fraction)
         tokens_per_sample, vocab_size = seq, tokenizer.vocab_size
+        # Character ids: the text uses every character of its vocabulary.
+        max_token_id = tokenizer.vocab_size - 1
     elif dc.kind == "cifar10":
         from shardwise.data.cifar import load_cifar10
 
@@ -178,6 +180,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         train, val = out
 
     family, flops, sample = "", None, None
+    _check_model_takes_data(mc, dc)
     if mc.kind == "gpt":
         from shardwise.models.gpt import GPT, gpt_flops_per_token
 
@@ -254,10 +257,30 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
     return (lambda: build_hf_model(config_src, **kwargs)), hf_family(config_src)
 
 
+# Which built-in data kinds each built-in model kind takes (custom models and data: the user's call).
+TOKEN_DATA = ("shakespeare", "text", "tokens")
+IMAGE_DATA = ("cifar10",)
+MODEL_INPUTS = {"gpt": TOKEN_DATA, "hf": TOKEN_DATA, "cnn": IMAGE_DATA}
+
+
+def _check_model_takes_data(mc: ModelConfig, dc: DataConfig) -> None:
+    """ConfigError when a built-in model cannot take a built-in data kind (tokens vs images)."""
+    takes = MODEL_INPUTS.get(mc.kind)
+    if takes is None or dc.kind not in (*TOKEN_DATA, *IMAGE_DATA) or dc.kind in takes:
+        return
+    what = "token windows" if dc.kind in TOKEN_DATA else "images"
+    raise ConfigError(
+        f"model.kind = {mc.kind!r} cannot train on data.kind = {dc.kind!r}, which yields {what}: "
+        f"{mc.kind!r} takes data.kind = {' or '.join(repr(k) for k in takes)} (or a custom dataset). "
+        "Choose a matching pair, e.g. the recipes gpt-shakespeare or cnn-cifar10.")
+
+
 def _check_token_ids(max_token_id: int | None, model_vocab: int, dc: DataConfig) -> None:
     """ConfigError when the data holds a token id the model's embedding has no row for."""
     if max_token_id is not None and max_token_id >= model_vocab:
-        source = f"the tokenizer {dc.tokenizer!r}" if dc.kind == "text" else f"the token data {dc.path!r}"
+        source = {"text": f"the tokenizer {dc.tokenizer!r}",
+                  "shakespeare": f"the character vocabulary of {dc.path or 'Tiny Shakespeare'!r}"}.get(
+                      dc.kind, f"the token data {dc.path!r}")
         raise ConfigError(
             f"{source} produces token id {max_token_id}, but the model's vocabulary has {model_vocab} "
             f"entries (ids 0..{model_vocab - 1}). Raise model.overrides.vocab_size to at least "

@@ -120,6 +120,9 @@ def _jsonl_documents(file: Path, text_field: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{str(file)!r} line {number} is not valid JSON ({e.msg} at column "
                                   f"{e.colno}); each line of a JSONL file must be one JSON object.") from None
+            except RecursionError:
+                raise ConfigError(f"{str(file)!r} line {number} is nested too deeply to read; each line of a "
+                                  "JSONL file must be one JSON object with a text field.") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{str(file)!r} line {number} holds a JSON {type(record).__name__}, not an "
                                   f"object with a {text_field!r} field.")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError
+from shardwise.models.confine import confined_file
 
 if TYPE_CHECKING:
     from torch import nn
@@ -78,36 +79,41 @@ def read_safetensors_header(file: Path) -> dict[str, Any]:
     Checks, without reading any tensor data, that the header parses and that every tensor's bytes
     lie inside the file with the size its dtype and shape imply (a truncated download fails here).
     """
+    if not file.is_file():
+        raise ConfigError(f"{file} is not a regular file; weight files must be regular safetensors files.")
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ConfigError(f"{file} is not a safetensors file (it has {size} bytes): a truncated "
-                                  "download or an empty file. Download or copy it again.")
+                raise ConfigError(f"{file} is not a safetensors file: too short for a header (a truncated "
+                                  "download or an empty file). Download or copy it again.")
             (n,) = struct.unpack("<Q", head)
-            if n > min(_MAX_HEADER_BYTES, size - 8):
-                raise ConfigError(f"{file} is not a valid safetensors file (its header claims {n} bytes, "
-                                  f"the file has {size}): truncated or not safetensors. Download or copy it again.")
+            # Never quote the number: for a file that is not safetensors it is 8 bytes of its text.
+            if n < 2 or n > min(_MAX_HEADER_BYTES, size - 8):
+                raise ConfigError(f"{file} is not a valid safetensors file: its header length is out of range "
+                                  "for the file (truncated, or not a safetensors file). Download or copy it again.")
             raw = f.read(n)
     except OSError as e:
         raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ConfigError(f"{file} has a damaged safetensors header (not JSON); download or copy it again.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ConfigError(f"{file} has a damaged safetensors header (not JSON, or nested too deeply); "
+                          "download or copy it again.") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{file} has a damaged safetensors header; download or copy it again.")
     data_bytes = size - 8 - n
     out: dict[str, Any] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{file}: the header entry of {name!r} is malformed; download or copy it "
-                              "again.") from None
+        problem = _entry_problem(entry)
+        if problem:
+            raise ConfigError(f"{file}: the header entry of tensor {name[:200]!r} {problem}; the file is damaged "
+                              "or not a safetensors file. Download or copy it again.")
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         if end > data_bytes:
             raise ConfigError(
                 f"{file} is truncated: tensor {name!r} ends at byte {end} of the data, but the file holds "
@@ -116,8 +122,35 @@ def read_safetensors_header(file: Path) -> dict[str, Any]:
         if item is not None and end - begin != math.prod(shape) * item:
             raise ConfigError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {list(shape)} of "
                               f"{dtype}; the file is damaged. Download or copy it again.")
+        spans.append((begin, end, name))
         out[name] = {"dtype": dtype, "shape": shape}
+    spans.sort()
+    for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
+        if begin < prev_end:
+            raise ConfigError(f"{file}: the data of tensors {prev!r} and {name!r} overlap; the file is damaged. "
+                              "Download or copy it again.")
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one safetensors header entry (types, shape, offsets), None when it is sound."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or not dtype:
+        return "has no dtype string"
+    if not isinstance(shape, list) or len(shape) > 64 or not all(_is_int(d) and d >= 0 for d in shape):
+        return "has a shape that is not a list of non-negative integers"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        return "has data_offsets that are not two integers"
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        return "has negative or reversed data_offsets"
+    return None
 
 
 def _read_json(file: Path, what: str) -> Any:
@@ -154,6 +187,11 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ConfigError(f"{index_file} has no weight_map; the folder is damaged. Save the model again.")
+        # Every name is confined to the folder before any file is opened (models.confine).
+        for name, file in weight_map.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{index_file}: the weight_map key {name!r} is not a tensor name (a string).")
+            confined_file(path, file, f"the index {INDEX_FILE}")
         files = sorted(set(weight_map.values()))
         absent = [f for f in files if not (path / f).is_file()]
         if absent:
@@ -169,7 +207,8 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
                 raise ConfigError(f"{index_file} says {name!r} is in {file}, but that file does not hold it: "
                                   "the index and the shards come from different saves. Save the model again.")
             tensors[name] = TensorEntry(file, entry["dtype"], entry["shape"])
-    elif (path / SINGLE_FILE).is_file():
+    elif (path / SINGLE_FILE).is_file() or (path / SINGLE_FILE).is_symlink():
+        confined_file(path, SINGLE_FILE, "the folder's single weight file")
         files = [SINGLE_FILE]
         tensors = {name: TensorEntry(SINGLE_FILE, e["dtype"], e["shape"])
                    for name, e in read_safetensors_header(path / SINGLE_FILE).items()}

@@ -12,6 +12,10 @@ that finds it:
 * held by a live process on this host is **refused**, naming the holder;
 * held by a process that is gone (no such PID, or the PID was reused: its start time differs, or
   the machine rebooted since) **takes it over**, with a log line: a killed job leaves its lock;
+  but only when every *rank* of that job is gone too. Each rank adds itself to the lock's
+  ``ranks`` (``register_rank``: host, PID, start time), so a rank that outlived its launcher
+  (which ``runtime.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
+  locked: a ``--resume`` never shares the directory with a survivor of the old job;
 * held on another host, whose liveness cannot be checked from here, is **refused** with how to
   clear the lock by hand if that job is gone.
 
@@ -87,6 +91,34 @@ def lock_members(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [record]
 
 
+def lock_ranks(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ranks registered in a lock record (``register_rank``)."""
+    ranks = record.get("ranks")
+    return [r for r in ranks if isinstance(r, dict)] if isinstance(ranks, list) else []
+
+
+def register_rank(run_dir: str | os.PathLike, job_id: str, rank: int) -> bool:
+    """Add this rank's process to the lock of ``run_dir`` held by job ``job_id``; False when unlocked.
+
+    Raises ConfigError when another job holds the lock: this rank's job no longer owns the
+    directory (it was taken over), so it must not write into it. Ranks that are provably gone
+    (earlier attempts) are dropped as the list is rewritten.
+    """
+    run_dir = Path(run_dir)
+    with _guard(run_dir):
+        held = read_lock(run_dir)
+        if held is None or not held:
+            return False
+        if held.get("job_id") != job_id:
+            raise ConfigError(f"run directory {run_dir} is locked by another job ({describe_holder(held)}), "
+                              f"not by this rank's job {job_id}; rank {rank} stops without writing into it.")
+        me = {**process_record(), "rank": rank}
+        ranks = [r for r in lock_ranks(held) if same_process_alive(r) is not False
+                 and (r.get("pid"), r.get("host")) != (me["pid"], me["host"])]
+        atomic_write_json(run_dir / LOCK_FILE, {**held, "ranks": [*ranks, me]}, durable=True, indent=1)
+    return True
+
+
 class RunLock:
     """Ownership of one run directory for one job; ``acquire()`` takes it, ``release()`` gives it back.
 
@@ -155,6 +187,24 @@ class RunLock:
             # earlier attempt of this job) the lock is simply taken again.
             self.joined = bool(live)
             return live
+        ranks = lock_ranks(held)
+        rank_states = [(r, same_process_alive(r)) for r in ranks]
+        live_ranks = [r for r, alive in rank_states if alive is not False]
+        if not live and live_ranks:
+            survivor = {**held, **live_ranks[0]}
+            if not any(alive is True for _, alive in rank_states):
+                raise ConfigError(
+                    f"run directory {self.run_dir} is locked by a job whose launcher ({describe_holder(held)}) "
+                    f"is gone, but whose rank {survivor.get('rank')} ran on host {survivor.get('host')}, where "
+                    f"shardwise cannot check from here whether it still runs. If it does not, delete "
+                    f"{self.path} and retry; otherwise stop it first, or choose another --out.")
+            raise ConfigError(
+                f"run directory {self.run_dir} is still in use by the job that locked it: its launcher "
+                f"({describe_holder(held)}) is gone, but rank {survivor.get('rank')} of that job still runs "
+                f"as pid {survivor.get('pid')} on host {survivor.get('host')}. Two jobs writing one run "
+                "directory would mix their checkpoints; stop that process (it is an orphan of the killed "
+                "job) and retry, or choose another --out."
+            )
         if not live:
             self.took_over = held
             return []

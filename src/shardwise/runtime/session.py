@@ -103,6 +103,11 @@ class Session:
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+            # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
+            from shardwise.runtime import lifeline
+
+            lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
             logs.configure(self.rank)
         self.world_size = _env_int("WORLD_SIZE", 1)
@@ -127,6 +132,12 @@ class Session:
         self.model: nn.Module | None = None
         # The LR scheduler prepare() returned; save() and load() include it unless told otherwise.
         self.scheduler: Any = None
+        # What save()/load() cover by default (issue 17): the optimizer prepare() returned, the
+        # training loader (the first dataloader() not made with shuffle=False) and the number of
+        # step() calls (restored by load()).
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loader: ShardedLoader | None = None
+        self.steps_taken = 0
         self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
@@ -313,6 +324,7 @@ class Session:
         if self.options.precision == "fp16-mixed":
             self._scaler = self.strategy.grad_scaler(self.device)
         self.model = prepared
+        self.optimizer = optimizer
         self._prepared = True
         if scheduler is None:
             return prepared, optimizer
@@ -482,6 +494,7 @@ class Session:
         if self.model is not None and measure_grad_bytes:
             self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
+        self.steps_taken += 1
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return self.last_grad_norm
@@ -497,9 +510,12 @@ class Session:
         window, see ``runtime.data.StreamShard``). ``collate_fn`` turns a list of items into a batch
         (default: stack tensors, and tuples/dicts of tensors field by field).
         """
-        return ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
-                             seed=self.seed if seed is None else seed, num_workers=num_workers,
-                             pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+        loader = ShardedLoader(dataset, batch_size, self.dp_size, self.dp_rank, shuffle=shuffle,
+                               seed=self.seed if seed is None else seed, num_workers=num_workers,
+                               pin_memory=self.device.type == "cuda", collate_fn=collate_fn)
+        if self.loader is None and shuffle is not False:
+            self.loader = loader  # the training loader: save()/load() record its position
+        return loader
 
     def to_device(self, batch: Any) -> Any:
         """Return ``batch`` with every tensor moved to this rank's device (dicts, lists, tuples kept)."""
@@ -570,7 +586,7 @@ class Session:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike, model: nn.Module | None = None,
-             optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
              state: dict[str, Any] | None = None, loader: ShardedLoader | None = None,
              scheduler: Any = None, keep_last: int = 0,
              on_written: Callable[[Any], None] | None = None) -> Any:
@@ -580,12 +596,20 @@ class Session:
         scheduler (``scheduler``, default: the one prepare() returned; as JSON), every rank's RNG
         streams, the loss scaler and ``state`` (JSON data), and publishes atomically:
         ``path/latest`` names it only once it is complete. See ``runtime.checkpoint``.
+        Defaults cover what the session prepared: the model and optimizer
+        prepare() returned, the training loader (the first ``dataloader()`` not made with
+        ``shuffle=False``) and, for ``step``, the number of ``step()`` calls so far.
         """
         from shardwise.runtime.checkpoint import save_checkpoint
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
+        # Everything the session prepared is saved unless told otherwise; the step defaults to
+        # the number of step() calls (restored by load()).
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        loader = loader if loader is not None else self.loader
+        step = self.steps_taken if step is None else step
         # Checked on every rank before any file is written: a refusal cannot leave ranks waiting.
         sched_state = scheduler_state(scheduler) if scheduler is not None else None
         if self._watchdog is not None:
@@ -613,6 +637,8 @@ class Session:
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        loader = loader if loader is not None else self.loader
         loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
                                  scaler=self._scaler, restore_rng=restore_rng,
                                  trainable_only=self.trainable_only)
@@ -620,6 +646,7 @@ class Session:
             note = restore_scheduler(scheduler, loaded.manifest.get("scheduler"), str(loaded.path))
             if note:
                 loaded.notes.append(note)
+        self.steps_taken = loaded.step
         return loaded
 
     def _export_info(self, model: nn.Module) -> dict[str, Any] | None:

@@ -411,6 +411,11 @@ class Trainer:
             loaded.notes.append(f"the global batch is {global_batch}, the saved run used "
                                 f"{saved_batch}: the data order continues, but training is no longer "
                                 "equivalent to the saved run (keep ranks x micro-batch x accumulation)")
+        saved_seed = loaded.state.get("seed", self.cfg.train.seed)
+        if saved_seed != self.cfg.train.seed:
+            loaded.notes.append(f"train.seed is {self.cfg.train.seed}, the saved run used {saved_seed}: the "
+                                "data order from here on differs from the saved run's (keep train.seed to "
+                                "continue it exactly)")
         for note in loaded.notes:
             s.log(note)
         s.log(f"resumed from {loaded.path} at step {loaded.step} (saved by "
@@ -424,7 +429,7 @@ class Trainer:
         state = {"last_train_loss": st.last_train_loss, "last_val_loss": st.last_val_loss,
                  # lr is a pure function of the step (lr_at); recorded for people reading it.
                  "next_lr": lr_at(st.step, t),
-                 "global_batch": self.global_batch,
+                 "global_batch": self.global_batch, "seed": t.seed,
                  "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
                            "overrides": self.cfg.model.overrides}}
         # A checkpoint never holds NaN weights: check the flag and the weights first.

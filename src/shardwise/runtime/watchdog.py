@@ -148,17 +148,46 @@ class Watchdog:
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.flush()
+        silent = self.silent_peers()
         atomic_write_json(self.run_dir / f"hang-rank{self.rank}.json", {
             "rank": self.rank, "pid": os.getpid(), "attempt": self.attempt, "step": self.step,
             "phase": self.phase, "seconds_since_progress": round(stale_s, 1),
             "timeout_s": self.timeout_s, "where": where, "stack_file": str(self.stack_path),
+            "silent_ranks": [{k: v for k, v in peer.items() if k != "record"} for peer in silent],
         })
         self._signal_peers()
         time.sleep(1.0)  # let the peers' faulthandlers finish writing before the job is torn down
+        # A silent peer (stopped, or frozen with the GIL held) neither dumps its stack nor obeys
+        # torchrun's SIGTERM, which would then wait 30 s before killing it: end it now, so the
+        # job ends within timeout_s + a few seconds.
+        for peer in silent:
+            if same_process_alive(peer["record"]) is True:
+                with contextlib.suppress(OSError):
+                    os.kill(peer["pid"], signal.SIGKILL)
+        quiet = "".join(f"; rank {p['rank']} (pid {p['pid']}) is silent" for p in silent)
         print(f"shardwise watchdog: rank {self.rank} made no progress for {stale_s:.0f}s "
-              f"(step {self.step}, {self.phase}, at {where}); stacks in {self.stack_path.parent}",
+              f"(step {self.step}, {self.phase}, at {where}){quiet}; stacks in {self.stack_path.parent}",
               file=sys.stderr, flush=True)
         os._exit(HANG_EXIT_CODE)
+
+    def silent_peers(self) -> list[dict[str, Any]]:
+        """The other ranks of this launch on this host whose watchdog itself stopped writing heartbeats.
+
+        A rank blocked in a collective still writes heartbeats (its watchdog thread runs); one
+        whose heartbeat is older than a few polls is stopped (SIGSTOP, a debugger) or frozen
+        (a C call holding the GIL): it is the rank the others wait for.
+        """
+        limit = max(5 * self.poll_s, 3.0)
+        now = time.time()
+        out = []
+        for info in self._peer_heartbeats():
+            age = now - info["time"] if isinstance(info.get("time"), (int, float)) else None
+            if age is None or age <= limit or same_process_alive(info) is not True:
+                continue
+            out.append({"rank": info.get("rank"), "pid": info["pid"], "seconds_silent": round(age, 1),
+                        "state": process_state(info["pid"]), "step": info.get("step"),
+                        "phase": info.get("phase"), "record": info})
+        return out
 
     def _main_thread_frame(self) -> str:
         frame = sys._current_frames().get(self._main_ident)  # noqa: SLF001 - the documented way
@@ -180,7 +209,11 @@ class Watchdog:
         A heartbeat counts only with this launch id and attempt, on this host, and when the process
         with its PID has the start time it recorded (``identity.same_process_alive`` is True).
         """
-        pids = []
+        return [info["pid"] for info in self._peer_heartbeats() if same_process_alive(info) is True]
+
+    def _peer_heartbeats(self) -> list[dict[str, Any]]:
+        """The heartbeats of the other ranks of this launch and attempt (claims, not yet checked)."""
+        out = []
         for beat in sorted(self.heartbeat_path.parent.glob("rank*.json")):
             try:
                 info = json.loads(beat.read_text(encoding="utf-8"))
@@ -193,9 +226,19 @@ class Watchdog:
             pid = info.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid == os.getpid():
                 continue
-            if same_process_alive(info) is True:
-                pids.append(pid)
-        return pids
+            out.append(info)
+        return out
+
+
+def process_state(pid: int) -> str:
+    """'stopped', 'running', ... for ``pid`` from /proc (Linux); '' where unknown."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return ""
+    return {"T": "stopped", "t": "stopped by a debugger", "R": "running", "S": "sleeping",
+            "D": "in uninterruptible I/O", "Z": "exited"}.get(code, code)
 
 
 def hang_reports(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -219,7 +262,23 @@ def describe_hang(run_dir: str | os.PathLike) -> str | None:
     parts = [f"rank {r.get('rank')} at step {r.get('step')} ({r.get('phase')}) in {r.get('where')}" for r in reports]
     timeout = reports[0].get("timeout_s")
     timeout = f"{timeout:g}" if isinstance(timeout, (int, float)) else "?"
+    silent: dict[Any, dict[str, Any]] = {}
+    for r in reports:
+        for peer in r.get("silent_ranks") or []:
+            if isinstance(peer, dict):
+                silent.setdefault(peer.get("rank"), peer)
+    reported = {r.get("rank") for r in reports}
+    silent = {k: v for k, v in silent.items() if k not in reported}
+    if silent:
+        names = "; ".join(f"rank {p.get('rank')} (pid {p.get('pid')}, last at step {p.get('step')}, "
+                          f"{p.get('state') or 'frozen'}, no heartbeat for {p.get('seconds_silent')}s)"
+                          for _, p in sorted(silent.items(), key=lambda kv: str(kv[0])))
+        who = (f" The silent rank(s), which the others were waiting for: {names}; a stopped or frozen "
+               "process leaves no stack, so it was ended.")
+        stacks = f"The stacks of the ranks that answered are in {Path(run_dir) / 'stacks'}."
+    else:
+        who = ""
+        stacks = (f"Every rank's Python stack is in {Path(run_dir) / 'stacks'}. A rank waiting inside a "
+                  "collective is usually waiting for another rank that never reached it.")
     return (f"training hung: no progress for more than {timeout}s (watchdog.timeout_s) on "
-            f"{'; '.join(parts)}. Every rank's Python stack is in {Path(run_dir) / 'stacks'}. "
-            "A rank waiting inside a collective is usually waiting for another rank that never "
-            "reached it; set watchdog.debug_collectives=true to have PyTorch check collectives.")
+            f"{'; '.join(parts)}.{who} {stacks}")

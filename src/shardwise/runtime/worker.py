@@ -7,13 +7,20 @@ plain ``torchrun --nproc-per-node=N -m shardwise.runtime.worker gpt-shakespeare`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
+from shardwise.runtime import lifeline
+from shardwise.runtime.identity import JOB_ID_ENV, launch_id
+from shardwise.runtime.runlock import register_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    # First thing: this rank dies with its torchrun agent and its launcher (no orphans).
+    lifeline.start(f"rank {rank}")
     try:
         from shardwise.config import load_config
         from shardwise.runtime.trainer import train
@@ -46,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun's restart count: a restarted attempt resumes from the run's latest checkpoint.
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         lock = _claim_without_launcher(cfg, out, rank)
+        # Every rank is recorded in the run lock: the directory stays locked while any rank of
+        # this job lives, even if its launcher is gone.
+        register_rank(out, os.environ.get(JOB_ID_ENV) or launch_id(), rank)
         try:
             train(cfg, out, attempt=attempt)
         finally:
@@ -54,8 +66,64 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ShardwiseError as e:
         _report_failure(args.out, rank, str(e), e.exit_code)
-        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        _say(f"error (rank {rank}): {e}")
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler was installed
+        return 130
+    except BaseException as e:  # noqa: BLE001 - the console gets one line; the rank log the traceback
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
+        # (DCP's CheckpointException is a BaseException, hence not `except Exception`.)
+        message = describe_unexpected(e)
+        where = _log_traceback()
+        _report_failure(args.out, rank, message, INTERNAL_EXIT_CODE, internal=True, log=where)
+        _say(f"error (rank {rank}): {message}" + (f" (traceback in {where})" if where else ""))
+        return INTERNAL_EXIT_CODE
+
+
+# A failure that is not a ShardwiseError: an environment fault (network, a peer rank gone) or a
+# bug. The rank log keeps the traceback.
+INTERNAL_EXIT_CODE = 1
+_RANK_LOG: dict[str, Any] = {}
+
+
+def _say(line: str) -> None:
+    """A rank's last word: into its log; on the console too unless a shardwise launcher will say it.
+
+    Under ``shardwise train`` the launcher prints one paragraph for the whole job (from the
+    failure reports); under plain torchrun each rank says it itself. One write per line, so two
+    ranks printing at once never run their lines together.
+    """
+    log = _RANK_LOG.get("file")
+    targets = [log] if log is not None else []
+    if log is None or lifeline.launcher_record() is None:
+        targets.append(sys.__stderr__)
+    for stream in targets:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.write(line + "\n")
+            stream.flush()
+
+
+def describe_unexpected(error: BaseException) -> str:
+    """One line for an exception that is not a ShardwiseError."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on the device holding {error.filename or 'the run directory'} "
+                f"({error.strerror}); free space, then continue with --resume")
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first[:500]}"
+
+
+def _log_traceback() -> str | None:
+    """Write the current exception's traceback to this rank's log only; return the log's path."""
+    log = _RANK_LOG.get("file")
+    if log is None:
+        traceback.print_exc(file=sys.__stderr__)  # no log to keep it: the console is all there is
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        traceback.print_exc(file=log)
+        log.flush()
+    return _RANK_LOG.get("path")
 
 
 class _Tee:
@@ -102,6 +170,7 @@ def _tee_to_rank_log(out: Path, rank: int) -> None:
               "console only", file=sys.stderr, flush=True)
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _RANK_LOG.update(file=log, path=str(logs / f"rank-{rank}.log"))
     log.write(f"--- rank {rank}, pid {os.getpid()}, attempt {attempt} ---\n")
     sys.stdout = _Tee(log, sys.stdout if rank == 0 else None)  # type: ignore[assignment]
     sys.stderr = _Tee(log, sys.stderr)  # type: ignore[assignment]
@@ -123,7 +192,8 @@ def _claim_without_launcher(cfg: object, out: str, rank: int) -> object | None:
     return claim_run_dir(out, cfg, job_id=launch_id())  # type: ignore[arg-type]
 
 
-def _report_failure(out: str | None, rank: int, message: str, exit_code: int = 2) -> None:
+def _report_failure(out: str | None, rank: int, message: str, exit_code: int = 2, internal: bool = False,
+                    log: str | None = None) -> None:
     # The launcher reads this to print one clear paragraph (and exit with this code) instead of
     # torchrun's tracebacks.
     if not out:
@@ -131,7 +201,8 @@ def _report_failure(out: str | None, rank: int, message: str, exit_code: int = 2
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(out) / f"failure-rank{rank}.json",
-                          {"rank": rank, "error": message, "exit_code": exit_code})
+                          {"rank": rank, "error": message, "exit_code": exit_code, "internal": internal,
+                           "log": log, "time": time.time()})
     except OSError:
         pass  # a failure report that cannot be written must not hide the failure itself
 

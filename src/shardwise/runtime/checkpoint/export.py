@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
+from shardwise.fsutil import default_file_mode
 from shardwise.runtime.checkpoint.load import dcp_error
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
@@ -113,6 +114,7 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike) -> dict[st
     save_file(tensors, str(tmp), metadata={"step": str(manifest["step"]),
                                            "fingerprint": manifest["fingerprint"],
                                            "source": "shardwise"})
+    default_file_mode(tmp)  # safetensors writes 0600; an export is as readable as any other file
     os.replace(tmp, out)
     return {"out": str(out), "tensors": len(tensors), "bytes": out.stat().st_size,
             "step": manifest["step"]}

@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
+from shardwise.fsutil import default_file_mode
 from shardwise.runtime.checkpoint.export import _model_entries
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
@@ -157,6 +158,7 @@ def _write_model_files(folder: Path, names: list[str], sizes: dict[str, int], re
         file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = read(group)
         save_file({n: tensors[n].contiguous() for n in group}, str(folder / file), metadata=metadata)
+        default_file_mode(folder / file)  # safetensors writes 0600
         weight_map.update(dict.fromkeys(group, file))
         del tensors
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": {n: weight_map[n] for n in names}}
@@ -345,6 +347,7 @@ def export_peft(source: str | os.PathLike, out: str | os.PathLike,
         config.save_pretrained(str(folder))
         save_file({k: v.contiguous() for k, v in adapters.items()}, str(folder / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
+        default_file_mode(folder / "adapter_model.safetensors")  # safetensors writes 0600
         return {"files": 2, "tensors": len(adapters), "step": ck.manifest["step"],
                 "bytes": sum(t.numel() * t.element_size() for t in adapters.values())}
 

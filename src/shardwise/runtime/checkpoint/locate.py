@@ -51,6 +51,13 @@ def missing_latest_error(root: Path, complete: list[Path], who: str) -> Checkpoi
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``root/latest`` names, or None when nothing was published under ``root``."""
     pointer = Path(root) / LATEST
+    if pointer.is_symlink() or (pointer.exists() and not pointer.is_file()):
+        # Written by shardwise as a small regular file; a link (perhaps to a file outside the run)
+        # is never followed, and nothing of its target is read or quoted.
+        raise CheckpointError(f"{pointer} is not a regular file (a symbolic link or a special file); "
+                              "shardwise writes 'latest' as a small file naming a checkpoint in "
+                              f"{root}. Remove it and pass --resume with one of: "
+                              f"{', '.join(p.name for p in complete_checkpoints(Path(root))) or 'none'}.")
     if not pointer.is_file():
         return None
     try:

@@ -227,10 +227,16 @@ def removed_error(path: Path) -> CheckpointError:
 
 def corruption_error(path: Path, problems: list[str]) -> CheckpointError:
     """The error for a checkpoint whose files do not match its manifest."""
-    return CheckpointError(
-        f"checkpoint {path} is damaged: {'; '.join(problems)}. Resume from an earlier checkpoint "
-        f"(pass --resume {Path(path).parent}/step-...) or start a fresh run."
-    )
+    path = Path(path)
+    try:
+        earlier = sorted((p for p in path.parent.iterdir() if p.name < path.name and is_step_dir_name(p.name)
+                          and not p.is_symlink() and (p / MANIFEST).is_file()), key=lambda p: p.name)
+    except OSError:
+        earlier = []
+    how = (f"Resume from the newest earlier complete checkpoint with --resume {earlier[-1]} (its files are "
+           "verified again when it loads)" if earlier else
+           f"No earlier complete checkpoint is in {path.parent}: start a fresh run (--overwrite keeps the old one)")
+    return CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}. {how}.")
 
 
 

@@ -14,6 +14,7 @@ writing (see ``locate.rotate``).
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -26,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
+from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text, fsync_dir
+from shardwise.runtime import faults
 from shardwise.runtime.checkpoint.locate import checkpoint_job, rotate
 from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,
@@ -48,6 +51,7 @@ from shardwise.runtime.checkpoint.state import single_process_ok, state_dicts
 from shardwise.runtime.collective import barrier, distributed, gather
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.identity import launch_id, process_record
+from shardwise.runtime.lifeline import ensure_alive
 from shardwise.runtime.rng import capture_rng_state
 
 
@@ -79,61 +83,153 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
     job = job or launch_id()
     name = step_dir_name(step)
     partial = root / partial_dir_name(step, job)
+    setup_error: str | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # this job's own, left by a save that was killed; never reused
-            shutil.rmtree(partial)
-        partial.mkdir()
-        atomic_write_text(partial / PARTIAL_OWNER, json.dumps({**process_record(), "job": job}))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # this job's own, left by a save that was killed; never reused
+                shutil.rmtree(partial)
+            partial.mkdir()
+            atomic_write_text(partial / PARTIAL_OWNER, json.dumps({**process_record(), "job": job}))
+        except OSError as e:
+            setup_error = describe_io_failure(e, rank)
+            shutil.rmtree(partial, ignore_errors=True)
     # Rank 0's job names the directory (ranks on other hosts may derive other launch ids).
-    partial = Path(gather(str(partial) if rank == 0 else None)[0])
+    where, setup_error = gather((str(partial), setup_error) if rank == 0 else None)[0]
+    if setup_error:
+        raise save_failed(root, step, [setup_error])
+    partial = Path(where)
 
     model_state, optim_state = state_dicts(model, optimizer, trainable_only)
     payload: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         payload["optim"] = optim_state
-    with single_process_ok():
-        dcp.save(payload, storage_writer=FileSystemWriter(partial, sync_files=True),
-                 no_dist=not distributed())
-
-    extra = {"rank": rank, "rng": capture_rng_state(),
-             "scaler": scaler.state_dict() if scaler is not None else None}
-    rank_file = partial / f"rng-rank{rank}.json"
-    atomic_write_text(rank_file, json.dumps(extra), durable=True)
-    # Each rank checksums what it wrote (in parallel); rank 0 assembles the manifest.
-    mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in [rank_file, *partial.glob(f"__{rank}_*.distcp")]}
-    if on_written is not None:
-        on_written(partial)
-    gathered = gather({"files": mine, "shapes": tensor_shapes(model_state)})
+    # A full disk (or any I/O error) on any rank must not leave the others waiting, a partial
+    # directory filling the disk, or 'latest' moved: every rank reports its outcome in the gather
+    # below, and all raise the same CheckpointError once rank 0 has removed the partial save.
+    failure: str | None = None
+    mine: dict[str, Any] = {}
+    try:
+        with single_process_ok():
+            dcp.save(payload, storage_writer=faults.storage_writer(partial, step, rank),
+                     no_dist=not distributed())
+        extra = {"rank": rank, "rng": capture_rng_state(),
+                 "scaler": scaler.state_dict() if scaler is not None else None}
+        rank_file = partial / f"rng-rank{rank}.json"
+        atomic_write_text(rank_file, json.dumps(extra), durable=True)
+        # Each rank checksums what it wrote (in parallel); rank 0 assembles the manifest.
+        mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in [rank_file, *partial.glob(f"__{rank}_*.distcp")]}
+        if on_written is not None:
+            on_written(partial)
+    except (OSError, CheckpointException) as e:
+        failure = describe_io_failure(e, rank)
+    gathered = gather({"files": mine, "shapes": tensor_shapes(model_state), "error": failure})
+    errors = [item["error"] for item in gathered if item.get("error")]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
+        raise save_failed(root, step, errors)
 
     final = root / name
+    published: str | None = None
     if rank == 0:
-        files: dict[str, Any] = {}
-        shapes: dict[str, list] = {}
-        for item in gathered:
-            files.update(item["files"])
-            shapes.update(item["shapes"])
-        meta = partial / DCP_METADATA
-        files[DCP_METADATA] = {"bytes": meta.stat().st_size, "sha256": sha256_file(meta)}
-        manifest = {
-            "format": FORMAT, "version": FORMAT_VERSION, "step": step,
-            "strategy": strategy, "world_size": world_size,
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "has_optimizer": optim_state is not None,
-            "fingerprint": fingerprint(shapes), "model_tensors": shapes,
-            "data": loader.state_dict() if loader is not None else None,
-            "scheduler": scheduler_state,
-            "state": state or {}, "files": files, "job": job,
-            "frozen_excluded": trainable_only, "export": export,
-        }
-        manifest["checksum"] = body_checksum(manifest)
-        atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
-        (partial / PARTIAL_OWNER).unlink(missing_ok=True)
-        _publish(root, partial, final, job)
-        rotate(root, keep_last, job)
-    barrier()
+        try:
+            _write_manifest_and_publish(root, partial, final, job, gathered, step=step, strategy=strategy,
+                                        world_size=world_size, optim_state=optim_state, loader=loader,
+                                        scheduler_state=scheduler_state, state=state,
+                                        trainable_only=trainable_only, export=export)
+            rotate(root, keep_last, job)
+        except OSError as e:
+            published = describe_io_failure(e, rank)
+            shutil.rmtree(partial, ignore_errors=True)
+    # Instead of a barrier: every rank learns whether rank 0 could publish.
+    published = gather(published)[0]
+    if published:
+        raise save_failed(root, step, [published])
     return final
+
+
+def describe_io_failure(error: BaseException, rank: int) -> str:
+    """'rank R: <the OS error>' for a failed write; DCP's CheckpointException is unwrapped."""
+    for_rank = rank
+    if isinstance(error, CheckpointException):
+        # {rank: (exception, traceback)}: the first rank's own exception says what happened.
+        for failed_rank, (exc, _trace) in sorted(error.failures.items()):
+            error, for_rank = exc, failed_rank
+            if isinstance(exc, OSError):
+                break
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""
+        text = f"[Errno {error.errno}] {error.strerror}{where}" if error.errno else str(error)
+    else:
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    return f"rank {for_rank}: {text}"
+
+
+def latest_name(root: Path) -> str:
+    """What ``root/latest`` names ('' when unreadable)."""
+    try:
+        return (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def save_failed(root: Path, step: int, errors: list[str]) -> CheckpointError:
+    """The one-paragraph error of a save that could not be completed (nothing was published)."""
+    previous = latest_name(root)
+    full = any(f"[Errno {errno.ENOSPC}]" in e or f"[Errno {errno.EDQUOT}]" in e for e in errors)
+    what = "no space left on the device" if full else "a write failed"
+    kept = (f"the previous checkpoint {previous} is intact ({root / LATEST} still names it)" if previous
+            else f"no earlier checkpoint exists in {root}")
+    unique = list(dict.fromkeys(errors))
+    return CheckpointError(
+        f"{what} while saving checkpoint {step_dir_name(step)} into {root} ({'; '.join(unique[:4])}). "
+        f"The partial save was removed and {kept}. "
+        + ("Free space (or lower checkpoint.keep_last), then continue with --resume." if full else
+           "Fix the file system problem, then continue with --resume.")
+    )
+
+
+def _write_manifest_and_publish(root: Path, partial: Path, final: Path, job: str, gathered: list[Any], *,
+                                step: int, strategy: str, world_size: int, optim_state: Any, loader: Any,
+                                scheduler_state: Any, state: Any, trainable_only: bool, export: Any) -> None:
+    """Rank 0: write the manifest, then rename the partial directory into place and move ``latest``."""
+    files: dict[str, Any] = {}
+    shapes: dict[str, list] = {}
+    for item in gathered:
+        files.update(item["files"])
+        shapes.update(item["shapes"])
+    meta = partial / DCP_METADATA
+    files[DCP_METADATA] = {"bytes": meta.stat().st_size, "sha256": sha256_file(meta)}
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION, "step": step,
+        "strategy": strategy, "world_size": world_size,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "has_optimizer": optim_state is not None,
+        "fingerprint": fingerprint(shapes), "model_tensors": shapes,
+        "data": loader.state_dict() if loader is not None else None,
+        "scheduler": scheduler_state,
+        "state": state or {}, "files": files, "job": job,
+        "frozen_excluded": trainable_only, "export": export,
+    }
+    manifest["checksum"] = body_checksum(manifest)
+    if faults.disk_full_at(step, 0, "manifest"):
+        raise faults.disk_full(partial / MANIFEST)
+    atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
+    (partial / PARTIAL_OWNER).unlink(missing_ok=True)
+    # A rank whose launcher was killed meanwhile exits here rather than publish (lifeline).
+    ensure_alive()
+    try:
+        _publish(root, partial, final, job)
+    except OSError:
+        # Renamed into place but 'latest' could not be written: take it back out, so the run
+        # directory says exactly what 'latest' says (the previous checkpoint).
+        if final.is_dir() and not partial.exists() and checkpoint_job(final) == job \
+                and latest_name(root) != final.name:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
 
 
 def _publish(root: Path, partial: Path, final: Path, job: str) -> None:
