@@ -61,9 +61,9 @@ def chat_records(n: int, seed: int = 0) -> list[dict]:
         def piece(lo: int, hi: int) -> str:
             start = int(torch.randint(0, len(text) - hi, (1,), generator=g))
             return text[start:start + int(torch.randint(lo, hi, (1,), generator=g))].strip() or "ok"
-        turns = [{"role": "user", "content": piece(10, 60)}, {"role": "assistant", "content": piece(10, 80)}]
+        turns = [{"role": "user", "content": piece(5, 25)}, {"role": "assistant", "content": piece(5, 30)}]
         if i % 3 == 0:
-            turns += [{"role": "user", "content": piece(5, 30)}, {"role": "assistant", "content": piece(5, 40)}]
+            turns += [{"role": "user", "content": piece(3, 12)}, {"role": "assistant", "content": piece(3, 15)}]
         rec: dict = {"messages": turns}
         if i % 4 == 1:
             rec["system"] = "Answer in verse."
