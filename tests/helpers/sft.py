@@ -79,3 +79,10 @@ def instruct_records(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def verify_cases(rank: int, world_size: int, cases: list[dict]) -> list:
+    """Rank function: ``verify.run_steps`` of several configs back to back in the same ranks (one spawn)."""
+    from shardwise.verify import run_steps
+
+    return [run_steps(case["cfg"], case["steps"], case["out"]) for case in cases]
