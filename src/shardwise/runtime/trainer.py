@@ -176,8 +176,12 @@ class Trainer:
             ranks_per_node=cfg.parallel.nproc or self.session.world_size)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
-        self.val_loader = self.session.dataloader(self.workload.val_set, t.micro_batch_size,
-                                                  shuffle=False)
+        val_batch = t.micro_batch_size
+        if self.workload.token_loss:
+            # A token-mean validation loss does not depend on the batch size: a small held-out set of
+            # records (a few packed rows) is read in smaller batches rather than refused.
+            val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
+        self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
