@@ -133,14 +133,15 @@ def test_response_only_loss_equals_a_hand_computation_and_each_record_alone(qwen
     per_pos = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
                               reduction="none").view(y.shape)
     key = "doc_ids" if pack else "attention_mask"
-    k = 0
+    seen = []
     for row in range(len(rows)):
         docs = x[key][row]
         for d in (sorted(set(docs.tolist()) - {-1}) if pack else [1]):
+            record = rows.rows[row][d if pack else 0]
             sel = (docs == d) & (y[row] != IGNORE_INDEX)
-            torch.testing.assert_close(per_pos[row][sel], alone[k], atol=1e-5, rtol=1e-5)
-            k += 1
-    assert k == len(alone)
+            torch.testing.assert_close(per_pos[row][sel], alone[record], atol=1e-5, rtol=1e-5)
+            seen.append(record)
+    assert sorted(seen) == list(range(len(alone)))
 
 
 def test_packed_text_documents_match_each_document_alone_in_the_builtin_gpt():
@@ -257,3 +258,14 @@ def test_non_utf8_template_problems_and_json_arrays_as_text(qwen, tmp_path):
     arr.write_text(json.dumps(instruct_records(3)), encoding="utf-8")
     with pytest.raises(ConfigError, match="JSON"):
         build_workload(mc, DataConfig(kind="text", path=str(arr), cache_dir=str(tmp_path / "c")))
+
+
+def test_best_fit_packing_keeps_every_record_once_within_the_row():
+    from shardwise.data.packing import best_fit
+
+    lengths = [int(v) for v in np.random.default_rng(0).integers(1, 60, 300)]
+    rows = best_fit(lengths, 64)
+    assert sorted(i for r in rows for i in r) == list(range(300))
+    assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
+    assert len(rows) <= int(sum(lengths) / 64 * 1.15) + 1  # close to the bound
+    assert rows == best_fit(lengths, 64)

@@ -10,7 +10,7 @@ nothing is trained: prompt tokens, padding, and nothing ever across a document b
 
 A record of ``L`` tokens gives ``L - 1`` (input, target) positions: its inputs are tokens
 ``0..L-2`` and its targets tokens ``1..L-1``, so no position predicts a token of another record.
-Packing is next-fit in record order (deterministic; the sampler shuffles rows each epoch).
+Packing is best-fit decreasing (deterministic; the sampler shuffles rows each epoch).
 
 ``DocumentSequences`` does the same for a flat token stream (``data.kind = "text"`` with
 ``pack = true``): each EOS token starts a document (it is the "start of text" a sample begins
@@ -19,6 +19,7 @@ from), so a row's documents attend only to themselves and positions restart at e
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -34,18 +35,8 @@ class RowSequences(Dataset):
     def __init__(self, ids: list[np.ndarray], labels: list[np.ndarray], block_size: int, pack: bool,
                  pad_id: int) -> None:
         self.block_size, self.pack = block_size, pack
-        rows: list[list[int]] = []  # record indices per row
-        if pack:
-            used = block_size + 1  # forces a first row
-            for i, rec in enumerate(ids):
-                n = len(rec) - 1
-                if used + n > block_size:
-                    rows.append([])
-                    used = 0
-                rows[-1].append(i)
-                used += n
-        else:
-            rows = [[i] for i in range(len(ids))]
+        rows = best_fit([len(rec) - 1 for rec in ids], block_size) if pack else [[i] for i in range(len(ids))]
+        self.rows = rows  # the record indices of each row, in their order in it (doc id = position here)
         shape = (len(rows), block_size)
         self.input_ids = np.full(shape, pad_id, dtype=np.int64)
         self.targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
@@ -83,6 +74,35 @@ class RowSequences(Dataset):
         how = "packed" if self.pack else "one record per row, padded"
         return (f"data: {part}: {self.records:,} records in {len(self):,} rows of {self.block_size} tokens ({how}; "
                 f"{self.padding_fraction():.1%} padding)")
+
+
+def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows of record indices whose lengths add up to at most ``capacity``: best-fit decreasing
+    (longest record first, into the fullest row it still fits), deterministic. Each row lists its
+    records in their original order."""
+    rows: list[list[int]] = []
+    frees: list[int] = []  # the distinct free spaces of open rows, sorted
+    by_free: dict[int, list[int]] = {}  # free space -> rows with it
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        n = lengths[i]
+        at = bisect.bisect_left(frees, n)
+        if at < len(frees):
+            free = frees[at]
+            row = by_free[free].pop()
+            if not by_free[free]:
+                del by_free[free]
+                frees.pop(at)
+        else:
+            row, free = len(rows), capacity
+            rows.append([])
+        rows[row].append(i)
+        left = free - n
+        if left > 0:
+            if left not in by_free:
+                bisect.insort(frees, left)
+                by_free[left] = []
+            by_free[left].append(row)
+    return [sorted(r) for r in rows]
 
 
 class DocumentSequences(Dataset):
