@@ -164,7 +164,7 @@ class DataConfig:
     kind: str = setting("shakespeare", choices=DATA_KINDS, label="data kind")
     path: str = setting("", text="path")
     factory: str = setting("", text="factory")
-    # text/tokens without val_path: the last fraction of the tokens
+    # text/tokens without val_path: the last fraction of the tokens; chat/instruct: a seeded choice of records
     val_fraction: float = setting(0.1, gt=0.0, lt=1.0)
     num_workers: int = setting(0, ge=0, le=256)
     val_path: str = setting("", text="path")  # text/tokens: a separate validation file or folder
@@ -174,6 +174,21 @@ class DataConfig:
     # tokens: element type of .bin files (nanoGPT: uint16)
     token_dtype: str = setting("uint16", choices=TOKEN_DTYPES, label="data.token_dtype")
     cache_dir: str = setting("", text="path")  # text/tokens: the tokenised-data cache ("": ~/.cache/shardwise)
+    # --- chat/instruct records (issue 19; see shardwise.data.instruct) ---
+    # Record fields; "" = the first present of prompt/instruction/question and response/completion/output/answer.
+    prompt_field: str = setting("", text="word")
+    response_field: str = setting("", text="word")
+    system_field: str = setting("system", text="key")  # optional per-record system prompt
+    input_field: str = setting("input", text="key")  # optional per-record input (Alpaca's instruction/input/output)
+    messages_field: str = setting("messages", text="key")  # chat: the list of {role, content} turns
+    # "": the tokenizer's own chat template (instruct records: plain prompt + response if it has none);
+    # "none": never a template (instruct only); else a Jinja template file.
+    chat_template: str = setting("", text="path")
+    train_on_prompt: bool = False  # chat/instruct: also train on prompt/template tokens (default: response only)
+    # chat/instruct: a record longer than the sequence is cut on the right, dropped, or an error
+    truncation: str = setting("right", choices=("right", "drop", "error"), label="data.truncation")
+    # text/chat/instruct: several documents per sequence, positions reset and attention kept within each
+    pack: bool = False
 
 
 @dataclass(frozen=True)

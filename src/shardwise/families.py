@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "PP_FAMILIES", "TP_FAMILIES", "Family"]
+__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "PP_FAMILIES", "RECORD_KINDS",
+           "TP_FAMILIES", "Family"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
 MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
-DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "custom")
+DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "chat", "instruct", "custom")
+# Data kinds whose examples are separate records with -100 labels: trained with a token-mean loss.
+RECORD_KINDS = ("chat", "instruct")
 
 
 @dataclass(frozen=True)

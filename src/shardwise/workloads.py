@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from shardwise.config import DataConfig, LoraConfig, ModelConfig, Rule, check_value
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-from shardwise.families import DATA_KINDS, MODEL_KINDS
+from shardwise.families import DATA_KINDS, MODEL_KINDS, RECORD_KINDS
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,9 @@ class Workload:
     sample_text: Callable[[nn.Module, torch.device, int, int], str] | None = None
     # What building the data found or did (files, tokens, cache hit), logged by the trainer.
     notes: list[str] = dataclasses.field(default_factory=list)
+    # The step's loss is sum(token losses) / (trained tokens of the whole global batch), not a mean of
+    # per-micro-batch means (runtime.token_loss): for labels with -100 (prompts, padding, packing).
+    token_loss: bool = False
 
 
 def import_factory(spec: str, key: str) -> Callable[..., Any]:
@@ -131,14 +134,22 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         raise unknown_choice("model kind", mc.kind, MODEL_KINDS)
     if dc.kind not in DATA_KINDS:
         raise unknown_choice("data kind", dc.kind, DATA_KINDS)
-    if dc.kind == "text" and not dc.tokenizer and mc.pretrained:
+    if dc.kind in ("text", *RECORD_KINDS) and not dc.tokenizer and mc.pretrained:
         # A model folder usually holds its tokenizer (save_pretrained of both): use it by default.
         dc = dataclasses.replace(dc, tokenizer=mc.pretrained)
 
     tokens_per_sample, vocab_size, tokenizer = 1, None, None
     max_token_id: int | None = None
     notes: list[str] = []
-    if dc.kind in ("text", "tokens"):
+    token_loss = False
+    if dc.kind in RECORD_KINDS:
+        from shardwise.data.sft import load_instruct
+
+        seq = block_size_of(mc)
+        lm = load_instruct(dc, seq)
+        train, val, notes = lm.train, lm.val, lm.notes
+        tokens_per_sample, vocab_size, max_token_id, token_loss = seq, lm.vocab_size, lm.max_token_id, True
+    elif dc.kind in ("text", "tokens"):
         seq = block_size_of(mc)
         if dc.kind == "text":
             from shardwise.data.text import load_text
@@ -149,6 +160,16 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
 
             lm = load_tokens(dc, seq)
         train, val, tokenizer, notes = lm.train, lm.val, lm.tokenizer, lm.notes
+        if dc.pack:
+            if dc.kind != "text":
+                raise ConfigError("data.pack = true needs to know where documents start: it works for data.kind "
+                                  "'text' (documents end with the tokenizer's EOS), 'chat' and 'instruct'; "
+                                  "pre-tokenised 'tokens' data has no document boundaries to pack by.")
+            from shardwise.data.packing import DocumentSequences
+
+            eos = tokenizer.eos_id
+            train, val, token_loss = DocumentSequences(train, eos), DocumentSequences(val, eos), True
+            notes.append(f"data: pack = true: attention kept within documents (each EOS, id {eos}, starts one)")
         # Without a tokenizer (pre-tokenised ids) the data knows only its largest id.
         tokens_per_sample, vocab_size, max_token_id = seq, lm.vocab_size or lm.max_token_id + 1, lm.max_token_id
     elif dc.kind == "shakespeare":
@@ -205,9 +226,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         factory = import_factory(mc.factory, "model.factory")
         check_call(factory, mc.overrides, "model.overrides", mc.factory)
         build = lambda: _module_from(factory, mc.overrides, mc.factory)  # noqa: E731
+    if dc.pack and dc.kind not in ("text", *RECORD_KINDS):
+        raise ConfigError(f"data.pack = true works for data.kind 'text', 'chat' and 'instruct', not {dc.kind!r}.")
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
-                    sample_text=sample, notes=notes)
+                    sample_text=sample, notes=notes, token_loss=token_loss)
 
 
 def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_size: int | None,
@@ -239,10 +262,10 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
     # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as
     # is. Bare token ids never resize it (they are checked below).
     config_holds = isinstance(config_vocab, int) and vocab_size is not None and config_vocab >= vocab_size
-    if vocab_size is not None and "vocab_size" not in kwargs and dc.kind in ("shakespeare", "text") \
+    if vocab_size is not None and "vocab_size" not in kwargs and dc.kind in ("shakespeare", "text", *RECORD_KINDS) \
             and not config_holds:
         if mc.pretrained:
-            source = f"the tokenizer {dc.tokenizer!r}" if dc.kind == "text" else "the Shakespeare characters"
+            source = f"the tokenizer {dc.tokenizer!r}" if dc.kind != "shakespeare" else "the Shakespeare characters"
             raise ConfigError(
                 f"{source} needs a vocabulary of {vocab_size} ids, but the pretrained model "
                 f"{mc.pretrained!r} has {config_vocab} embedding rows, and its weights cannot be resized. "
@@ -279,6 +302,8 @@ def _check_token_ids(max_token_id: int | None, model_vocab: int, dc: DataConfig)
     """ConfigError when the data holds a token id the model's embedding has no row for."""
     if max_token_id is not None and max_token_id >= model_vocab:
         source = {"text": f"the tokenizer {dc.tokenizer!r}",
+                  "chat": f"the tokenizer {dc.tokenizer!r}",
+                  "instruct": f"the tokenizer {dc.tokenizer!r}",
                   "shakespeare": f"the character vocabulary of {dc.path or 'Tiny Shakespeare'!r}"}.get(
                       dc.kind, f"the token data {dc.path!r}")
         raise ConfigError(

@@ -143,7 +143,16 @@ def iter_pieces(files: list[Path], text_field: str) -> Iterator[tuple[str, bool]
     for file in files:
         if file.stat().st_size == 0:
             raise ConfigError(f"data file {str(file)!r} is empty.")
-        if file.suffix.lower() in JSONL_SUFFIXES:
+        if file.suffix.lower() == ".json":
+            with open(file, "rb") as f:
+                head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+            if head != b"{":
+                raise ConfigError(
+                    f"{str(file)!r} is a JSON file (not one JSON object per line): data.kind = 'text' would train "
+                    "on its JSON syntax. Write the documents as JSONL (one {\"text\": ...} object per line), or "
+                    "use data.kind = 'instruct' (prompt/response records) or 'chat' (messages records), which "
+                    "read JSON arrays.")
+        if file.suffix.lower() in JSONL_SUFFIXES + (".json",):
             for doc in _jsonl_documents(file, text_field):
                 yield doc, True
         else:

@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The configuration, presets and FLOP/parameter arithmetic live in a torch-free module, so the
-# planner can size these models without importing torch.
 from shardwise.models.gpt_config import (
     GPT_PRESETS,
     GPTConfig,
@@ -27,6 +25,10 @@ from shardwise.models.gpt_config import (
     gpt_param_count,
     gpt_param_shapes,
 )
+
+# The configuration, presets and FLOP/parameter arithmetic live in a torch-free module, so the
+# planner can size these models without importing torch.
+from shardwise.models.masking import attention_mask_4d, split_inputs
 
 __all__ = ["GPT", "GPT_PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "gpt_flops_per_token",
            "gpt_param_count", "gpt_param_shapes"]
@@ -45,14 +47,15 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        # mask: (B, 1, T, T) document/padding mask (models.masking), causal already in it.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).reshape(bsz, seq, -1)
         return self.resid_drop(self.o_proj(y))
@@ -77,8 +80,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -106,13 +109,19 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of token ids ``(B, T)``, or of a mapping with ``input_ids`` and optionally
+        ``position_ids``/``doc_ids``/``attention_mask`` (packed or padded rows, see models.masking)."""
+        idx, extra = split_inputs(idx)
+        mask = attention_mask_4d(extra, idx.shape[1], idx.device) if extra else None
         # A pipeline stage without the embeddings receives hidden states instead of token ids.
         if self.tok_emb is not None:
             seq = idx.shape[1]
             if seq > self.config.block_size:
                 raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.config.block_size}")
-            pos = torch.arange(seq, device=idx.device)
+            pos = extra.get("position_ids")
+            if pos is None:
+                pos = torch.arange(seq, device=idx.device)
             h = self.tok_emb(idx)
             if self.pos_emb is not None:
                 h = h + self.pos_emb(pos)
@@ -120,7 +129,7 @@ class GPT(nn.Module):
         else:
             h = idx
         for block in self.blocks.values():
-            h = block(h)
+            h = block(h) if mask is None else block(h, mask)
         if self.ln_f is not None:
             h = self.ln_f(h)
         if self.lm_head is not None:

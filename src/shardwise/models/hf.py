@@ -32,6 +32,7 @@ from shardwise.models.hf_config import (
     load_hf_config_dict,
     resolve_hf_config,
 )
+from shardwise.models.masking import attention_mask_4d, split_inputs
 
 if TYPE_CHECKING:
     from shardwise.config import LoraConfig
@@ -58,9 +59,25 @@ class HFCausalLM(nn.Module):
         self.pretrained = pretrained
         self.lora = lora
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of token ids ``(B, T)``, or of a mapping with ``input_ids`` and optionally
+        ``position_ids``/``doc_ids``/``attention_mask`` (packed or padded rows, see models.masking).
+
+        Packed rows reach the HF model as ``position_ids`` (rotary positions restart per document)
+        and an explicit 4-D boolean mask (causal within each document), which transformers passes
+        to SDPA as is: exact on CPU and CUDA alike. (Varlen flash-attention kernels, which read the
+        documents from ``position_ids`` alone, are a CUDA-only speed-up not used here.)
+        """
+        ids, extra = split_inputs(input_ids)
+        kwargs: dict[str, Any] = {}
+        if "position_ids" in extra:
+            kwargs["position_ids"] = extra["position_ids"]
+        if "doc_ids" in extra:
+            kwargs["attention_mask"] = attention_mask_4d(extra, ids.shape[1], ids.device)
+        elif "attention_mask" in extra:
+            kwargs["attention_mask"] = extra["attention_mask"]  # HF's own 2-D padding mask
         # No KV cache: training never reuses it, and it would hold activations across steps.
-        return self.hf(input_ids=input_ids, use_cache=False).logits
+        return self.hf(input_ids=ids, use_cache=False, **kwargs).logits
 
     # ------------------------------------------------------------------ pretrained weights
     def pretrained_tensors(self) -> dict[str, str]:

@@ -144,12 +144,16 @@ class ThroughputMeter:
         self._steps = 0
         self._seconds = 0.0
         self._data_seconds = 0.0
+        self._tokens: Any = 0
         self.windows: list[dict[str, float]] = []
 
-    def add_step(self, seconds: float, data_seconds: float) -> None:
+    def add_step(self, seconds: float, data_seconds: float, tokens: Any = None) -> None:
+        """``tokens``: the step's real (non-padding) tokens, all ranks, when they vary (padded or packed
+        records; a number or a device tensor, read only at ``window()``); default ``tokens_per_step``."""
         self._steps += 1
         self._seconds += seconds
         self._data_seconds += data_seconds
+        self._tokens = self._tokens + (self.tokens_per_step if tokens is None else tokens)
 
     def figures(self, tokens_per_s: float) -> dict[str, float | None]:
         """tflops per device and MFU for a rate of ``tokens_per_s`` (global, all devices)."""
@@ -162,12 +166,12 @@ class ThroughputMeter:
         if not self._steps or self._seconds <= 0:
             return {}
         step_time = self._seconds / self._steps
-        tokens_per_s = self.tokens_per_step / step_time
+        tokens_per_s = float(self._tokens) / self._seconds
         out: dict[str, Any] = {"step_time_s": step_time, "tokens_per_s": tokens_per_s,
                                **self.figures(tokens_per_s),
                                "data_fraction": self._data_seconds / self._seconds}
         self.windows.append({**out, "steps": self._steps})
-        self._steps, self._seconds, self._data_seconds = 0, 0.0, 0.0
+        self._steps, self._seconds, self._data_seconds, self._tokens = 0, 0.0, 0.0, 0
         return out
 
     def summary(self) -> dict[str, Any]:

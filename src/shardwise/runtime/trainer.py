@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
-from shardwise.errors import CheckpointError, NonFiniteError
+from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
@@ -40,6 +40,7 @@ from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
+from shardwise.runtime.token_loss import step_scale, token_sum_loss
 from shardwise.workloads import Workload, build_workload
 
 # "No non-finite step yet" in the device-side first-bad-step tensor (a min-reduce picks the first).
@@ -84,10 +85,20 @@ def evaluate(session: Session, model: nn.Module, workload: Workload, loader: Any
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=session.device, dtype=torch.float64), 0
+    if workload.token_loss:  # the mean over every trained token of the evaluated batches (runtime.token_loss)
+        sums = torch.zeros(2, device=session.device, dtype=torch.float64)
+        for i, (x, y) in enumerate(loader):
+            if i >= max_batches:
+                break
+            loss = session.eval_loss(model, session.to_device(x), y.to(session.device), token_sum_loss)
+            sums += torch.stack([loss.double(), (y != -100).sum().double().to(session.device)])
+        model.train(was_training)
+        sums = session.all_reduce(sums, op="sum")
+        return float(sums[0] / sums[1].clamp(min=1))
     for i, (x, y) in enumerate(loader):
         if i >= max_batches:
             break
-        loss = session.eval_loss(model, x.to(session.device), y.to(session.device), workload.loss_fn)
+        loss = session.eval_loss(model, session.to_device(x), y.to(session.device), workload.loss_fn)
         total += loss.double()
         count += 1
     model.train(was_training)
@@ -107,6 +118,7 @@ class Trainer:
         self._saved_step = -1
         self._watchdog: Any = None
         self.data_wait_s = 0.0  # time this step waited on the data loader (train_step adds to it)
+        self.real_tokens: Any = 0  # real (non-padding) tokens of the global batch this step (token_loss data)
         t = cfg.train
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
@@ -128,7 +140,13 @@ class Trainer:
         self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
         # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
-        self._train_loss_fn = self.session.compile_loss(self.workload.loss_fn)
+        if self.workload.token_loss and self.session.layout.pp > 1:
+            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
+                              "supported under pipeline parallelism yet (pp > 1): its token-mean loss and "
+                              "packed inputs do not go through the pipeline schedule. Use pp = 1.")
+        # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
+        self._train_loss_fn = self.session.compile_loss(
+            token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
         for note in self.workload.notes:
             self.session.log(note)
         self.run_dir = RunDir(out_dir or cfg.out_dir, enabled=self.session.is_main)
@@ -155,8 +173,12 @@ class Trainer:
                                            ranks_per_node=self.session.ranks_per_node)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
-        self.val_loader = self.session.dataloader(self.workload.val_set, t.micro_batch_size,
-                                                  shuffle=False)
+        val_batch = t.micro_batch_size
+        if self.workload.token_loss:
+            # A token-mean validation loss does not depend on the batch size: a small held-out set of
+            # records (a few packed rows) is read in smaller batches rather than refused.
+            val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
+        self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,11 +193,21 @@ class Trainer:
             group["lr"] = lr_at(self.state.step, t)
         loss_sum = torch.zeros((), device=s.device)
         loss_fn = self._loss_fn()
-        for _ in range(t.grad_accum_steps):
+        micro: list[Any] = []
+        if self.workload.token_loss:
+            # The step's micro-batches first: their trained-token count scales every loss (runtime.token_loss).
             t0 = time.perf_counter()
-            x, y = next(batches)
+            micro = [next(batches) for _ in range(t.grad_accum_steps)]
             self.data_wait_s += time.perf_counter() - t0
-            x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+            scale, real = step_scale(s, micro)
+            self.real_tokens = self.real_tokens + real
+            sum_fn = loss_fn
+            loss_fn = lambda output, target: sum_fn(output, target) * scale  # noqa: E731
+        for k in range(t.grad_accum_steps):
+            t0 = time.perf_counter()
+            x, y = micro[k] if micro else next(batches)
+            self.data_wait_s += time.perf_counter() - t0
+            x, y = s.to_device(x), y.to(s.device, non_blocking=True)
             loss = s.forward_backward(self.model, x, y, loss_fn)
             loss_sum += loss.float()
         skip = t.nonfinite == "skip"
@@ -317,7 +349,10 @@ class Trainer:
                 mean_loss, stop = self._agree(loss)
             else:  # one process needs no agreement: its own flag is the answer
                 stop = not s.is_distributed and self._stop_signal is not None
-            self.meter.add_step(time.perf_counter() - t0, self.data_wait_s)
+            # Record data counts real tokens (not padding) for tokens/s and MFU.
+            self.meter.add_step(time.perf_counter() - t0, self.data_wait_s,
+                                tokens=self.real_tokens if self.workload.token_loss else None)
+            self.real_tokens = 0
             self.hooks.step(st.step)
             if log_step:
                 st.last_train_loss = mean_loss

@@ -1,0 +1,396 @@
+"""Instruction tuning data: prompt/response and chat records -> token ids with response-only labels.
+
+``data.kind = "instruct"``: records with a prompt and a response (field names configurable; by
+default the first present of prompt/instruction/question and of response/completion/output/answer),
+an optional ``system`` and ``input``. ``data.kind = "chat"``: records with ``messages``, a list of
+``{"role": "system"|"user"|"assistant"|"tool", "content": str}`` turns, and an optional ``system``.
+
+Rendering. Chat records go through the tokenizer's own chat template (``apply_chat_template``), or
+a Jinja file named by ``data.chat_template``. Instruct records go through the same template as one
+user turn and one assistant turn when the tokenizer has one, else (or with ``chat_template =
+"none"``) they are the plain concatenation ``prompt + response + EOS``.
+
+Labels (``-100`` = not trained). By default only the assistant/response tokens are trained
+(``data.train_on_prompt = false``). Plain records: prompt and response are tokenised separately and
+joined, so the boundary is exact. Templated records: for each assistant turn ``i`` the template is
+rendered for the turns before it with the generation prompt, and through it; the characters between
+the two renderings are that turn's span (its content and the template's end-of-turn tokens), and a
+token is trained when it starts inside a span (offsets from the fast tokenizer). A template whose
+earlier output changes when later turns are added renders no usable span: that is an error naming
+the record.
+
+Records longer than the sequence (``block_size + 1`` tokens, since targets are the inputs shifted
+by one): ``data.truncation = "right"`` keeps the first tokens (the prompt is never lost; a record
+whose response is cut away entirely is dropped), ``"drop"`` leaves it out, ``"error"`` refuses.
+Counts are reported at start.
+
+The validation split is by record: ``data.val_path`` (a separate file/folder, or a datasets folder's
+``validation``/``test`` split), else a seeded choice of ``data.val_fraction`` of the records.
+Sequences: ``data.pack = true`` puts several records in a row (``data.packing``), else one record
+per row, right-padded; see ``InstructSequences`` for the batch layout.
+
+The tokenised records are cached (``data.cache_dir``) under a key of the record files, the
+tokenizer's files, the template and every setting above, built by the first process (the launcher's
+check, or rank 0 of a job) while the others wait and read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardwise.config import DataConfig
+from shardwise.data.cache import cache_key, cache_root, exclusive, file_identity
+from shardwise.data.records import Record, hf_disk_splits, is_hf_disk, read_records, record_files
+from shardwise.data.tokenizer import EOS_CANDIDATES, tokenizer_fingerprint
+from shardwise.errors import ConfigError
+from shardwise.fsutil import atomic_write_json, fsync_dir
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant", "tool")
+PROMPT_FIELDS = ("prompt", "instruction", "question")
+RESPONSE_FIELDS = ("response", "completion", "output", "answer")
+CACHE_FORMAT = 1
+_VAL_SEED = 1234  # the record split's own seed: independent of train.seed, so changing it keeps the split
+
+
+@dataclasses.dataclass
+class Encoded:
+    """Token ids and labels (same length; ``-100`` where not trained) of every kept record."""
+
+    ids: list[np.ndarray]
+    labels: list[np.ndarray]
+    records: int = 0  # records read
+    truncated: int = 0  # records cut on the right
+    dropped: int = 0  # records left out (too long, or nothing left to train)
+    tokens_lost: int = 0  # tokens cut or dropped
+
+    def describe(self, what: str) -> str:
+        kept = len(self.ids)
+        tokens = sum(len(i) for i in self.ids)
+        trained = sum(int((lab != IGNORE_INDEX).sum()) for lab in self.labels)
+        return (f"data: {what}: {self.records:,} records, {kept:,} kept ({self.truncated:,} truncated, "
+                f"{self.dropped:,} dropped, {self.tokens_lost:,} tokens lost); {tokens:,} tokens, "
+                f"{trained:,} trained")
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+def load_hf_tokenizer(path_str: str, chat_template: str = "") -> Any:
+    """A transformers tokenizer (fast, with offsets) from a local folder or tokenizer.json."""
+    if not path_str:
+        raise ConfigError("data.kind = 'chat'/'instruct' needs data.tokenizer (a local tokenizer folder, e.g. the "
+                          "pretrained model folder, or a tokenizer.json); with model.pretrained it defaults to it.")
+    path = Path(path_str).expanduser()
+    if not path.exists():
+        raise ConfigError(f"data.tokenizer {str(path)!r} does not exist; point it at a local tokenizer folder "
+                          "(what save_pretrained writes) or a tokenizer.json file.")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("chat/instruct data needs the transformers package: pip install 'shardwise[hf]'.") from None
+    bare = path if path.is_file() else None
+    if path.is_dir() and not (path / "tokenizer_config.json").is_file() and (path / "tokenizer.json").is_file():
+        bare = path / "tokenizer.json"
+    try:
+        if bare is not None:
+            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(bare))
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure inside the library means "does not load"
+        raise ConfigError(f"data.tokenizer {str(path)!r} does not load: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}.") from None
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(f"data.tokenizer {str(path)!r} is a slow (Python) tokenizer; chat/instruct data needs a "
+                          "fast one (a folder with tokenizer.json) for the character offsets of the labels.")
+    if tok.eos_token_id is None:
+        vocab = tok.get_vocab()
+        eos = next((t for t in EOS_CANDIDATES if t in vocab), None)
+        if eos is None:
+            raise ConfigError(f"data.tokenizer {str(path)!r} has no end-of-sequence token (no eos_token and none "
+                              f"of {', '.join(EOS_CANDIDATES)}); save it with one.")
+        tok.eos_token = eos
+    if chat_template and chat_template != "none":
+        file = Path(chat_template).expanduser()
+        if not file.is_file():
+            raise ConfigError(f"data.chat_template {chat_template!r} is not a file; name a Jinja chat template "
+                              "file, or leave it empty to use the tokenizer's own.")
+        tok.chat_template = file.read_text(encoding="utf-8")
+    elif chat_template == "none":
+        tok.chat_template = None
+    return tok
+
+
+def _template_fingerprint(dc: DataConfig) -> str:
+    if dc.chat_template and dc.chat_template != "none" and Path(dc.chat_template).expanduser().is_file():
+        return hashlib.sha256(Path(dc.chat_template).expanduser().read_bytes()).hexdigest()
+    return dc.chat_template
+
+
+# ------------------------------------------------------------------------------ one record
+
+
+class RecordRenderer:
+    """Turns one record into (ids, labels) for ``data.kind`` chat or instruct."""
+
+    def __init__(self, tok: Any, dc: DataConfig) -> None:
+        self.tok, self.dc = tok, dc
+        self.kind = dc.kind
+        self.has_template = bool(getattr(tok, "chat_template", None)) and dc.chat_template != "none"
+        if self.kind == "chat" and not self.has_template:
+            raise ConfigError(
+                f"data.kind = 'chat' renders messages with the tokenizer's chat template, but "
+                f"{str(dc.tokenizer)!r} has none (no chat_template in tokenizer_config.json or "
+                "chat_template.jinja). Name a Jinja template file with data.chat_template, or write the records "
+                "as prompt/response pairs with data.kind = 'instruct'.")
+
+    # --- fields
+    def _field(self, record: dict[str, Any], where: str, names: tuple[str, ...], what: str) -> str:
+        for name in names:
+            if name in record and record[name] is not None:
+                value = record[name]
+                if not isinstance(value, str):
+                    raise ConfigError(f"{where}: field {name!r} is a {type(value).__name__}, not a string.")
+                return value
+        fields = ", ".join(sorted(map(str, record))[:12]) or "none"
+        raise ConfigError(f"{where} has no {what} field (looked for {', '.join(map(repr, names))}; its fields: "
+                          f"{fields}). Set data.{what}_field to the field that holds it, or use data.kind = 'chat' "
+                          "for records with a messages list.")
+
+    def _optional(self, record: dict[str, Any], where: str, name: str) -> str:
+        value = record.get(name)
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: field {name!r} is a {type(value).__name__}, not a string.")
+        return value
+
+    def messages(self, record: dict[str, Any], where: str) -> list[dict[str, str]]:
+        """The record's turns, checked (chat), or its prompt/response as two turns (instruct)."""
+        dc = self.dc
+        system = self._optional(record, where, dc.system_field)
+        if self.kind == "instruct":
+            prompt = self._field(record, where, (dc.prompt_field,) if dc.prompt_field else PROMPT_FIELDS, "prompt")
+            extra = self._optional(record, where, dc.input_field)
+            response = self._field(record, where, (dc.response_field,) if dc.response_field else RESPONSE_FIELDS,
+                                   "response")
+            turns = [{"role": "user", "content": prompt + (f"\n\n{extra}" if extra else "")},
+                     {"role": "assistant", "content": response}]
+        else:
+            raw = record.get(dc.messages_field)
+            if raw is None:
+                fields = ", ".join(sorted(map(str, record))[:12]) or "none"
+                raise ConfigError(f"{where} has no {dc.messages_field!r} field (its fields: {fields}); a chat "
+                                  "record holds a list of {role, content} turns (set data.messages_field), or use "
+                                  "data.kind = 'instruct' for prompt/response records.")
+            if not isinstance(raw, list) or not raw:
+                got = "an empty list" if raw == [] else type(raw).__name__
+                raise ConfigError(f"{where}: {dc.messages_field!r} must be a non-empty list of "
+                                  f"{{role, content}} turns, got {got}.")
+            turns = []
+            for i, m in enumerate(raw):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                    raise ConfigError(f"{where}: turn {i} of {dc.messages_field!r} must be an object with 'role' "
+                                      f"and 'content', got {json.dumps(m)[:80]}.")
+                if m["role"] not in ROLES:
+                    raise ConfigError(f"{where}: turn {i} has role {m['role']!r}; allowed roles: "
+                                      f"{', '.join(ROLES)}.")
+                if not isinstance(m["content"], str):
+                    raise ConfigError(f"{where}: turn {i} ({m['role']}) has content of type "
+                                      f"{type(m['content']).__name__}; it must be a string.")
+                turns.append({"role": m["role"], "content": m["content"]})
+            if not any(t["role"] == "assistant" for t in turns):
+                raise ConfigError(f"{where} has no assistant turn: nothing to train on. Every chat record needs at "
+                                  "least one turn with role 'assistant'.")
+        if system and not (turns and turns[0]["role"] == "system"):
+            turns = [{"role": "system", "content": system}, *turns]
+        return turns
+
+    # --- encoding
+    def encode(self, record: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
+        turns = self.messages(record, where)
+        if not self.has_template:
+            return self._plain(turns)
+        return self._templated(turns, where)
+
+    def _plain(self, turns: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        prompt = "\n\n".join(t["content"] for t in turns[:-1] if t["content"])
+        p_ids = self.tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        r_ids = self.tok(turns[-1]["content"], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        ids = np.asarray(p_ids + r_ids, dtype=np.int64)
+        labels = ids.copy()
+        if not self.dc.train_on_prompt:
+            labels[:len(p_ids)] = IGNORE_INDEX
+        return ids, labels
+
+    def _render(self, turns: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def assistant_spans(self, turns: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of its assistant turns."""
+        try:
+            full = self._render(turns, False)
+            spans = []
+            for i, t in enumerate(turns):
+                if t["role"] != "assistant":
+                    continue
+                before = self._render(turns[:i], True)
+                through = self._render(turns[:i + 1], False)
+                if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
+                    raise ConfigError(
+                        f"{where}: the chat template renders no assistant span for turn {i}: rendering the turns "
+                        "before it (with the generation prompt) is not a prefix of rendering through it, so its "
+                        "tokens cannot be told from the prompt's. Use a template whose earlier output does not "
+                        "change as turns are added (data.chat_template), or data.train_on_prompt = true.")
+                spans.append((len(before), len(through)))
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template raising (Jinja errors, raise_exception) is bad input
+            raise ConfigError(f"{where}: the chat template fails on this record: {type(e).__name__}: {e}") from None
+        return full, spans
+
+    def _templated(self, turns: list[dict[str, str]], where: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.dc.train_on_prompt:
+            full, spans = self._render(turns, False), []
+        else:
+            full, spans = self.assistant_spans(turns, where)
+        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        labels = ids.copy()
+        if not self.dc.train_on_prompt:
+            starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+            trained = np.zeros(len(ids), dtype=bool)
+            for lo, hi in spans:
+                trained |= (starts >= lo) & (starts < hi)
+            labels[~trained] = IGNORE_INDEX
+        return ids, labels
+
+
+# ------------------------------------------------------------------------------ many records
+
+
+def encode_records(records: list[Record], renderer: RecordRenderer, block_size: int, truncation: str) -> Encoded:
+    """Encode every record and apply ``data.truncation`` to those longer than ``block_size + 1`` tokens."""
+    limit = block_size + 1
+    out = Encoded([], [], records=len(records))
+    for where, record in records:
+        ids, labels = renderer.encode(record, where)
+        if len(ids) > limit:
+            if truncation == "error":
+                raise ConfigError(f"{where} is {len(ids)} tokens long, more than the sequence of {limit} "
+                                  f"(block_size {block_size} + 1), and data.truncation = 'error'. Raise the "
+                                  "block size, or set data.truncation = 'right' (cut) or 'drop'.")
+            if truncation == "drop":
+                out.dropped += 1
+                out.tokens_lost += len(ids)
+                continue
+            out.truncated += 1
+            out.tokens_lost += len(ids) - limit
+            ids, labels = ids[:limit], labels[:limit]
+        if len(ids) < 2 or not (labels[1:] != IGNORE_INDEX).any():
+            out.dropped += 1  # nothing left to predict (a response cut away entirely)
+            out.tokens_lost += len(ids)
+            continue
+        out.ids.append(ids)
+        out.labels.append(labels)
+    return out
+
+
+def split_by_record(n: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) record indices: a seeded choice of ``val_fraction`` of ``n`` records, each
+    part in its original order. Deterministic, and a record is never in both."""
+    n_val = max(1, int(n * val_fraction))
+    if n_val >= n:
+        raise ConfigError(f"there are {n} records; data.val_fraction = {val_fraction} leaves none for training. "
+                          "Use more records, a smaller data.val_fraction, or data.val_path.")
+    order = np.random.default_rng(_VAL_SEED).permutation(n)
+    val = np.sort(order[:n_val])
+    train = np.sort(order[n_val:])
+    return train, val
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+def _sources(path: Path, key: str) -> list[Any]:
+    if is_hf_disk(path):
+        return [file_identity(f) for f in sorted(path.rglob("*")) if f.is_file()]
+    return [file_identity(f) for f in record_files(path, key)]
+
+
+def _save(entry: Path, enc: Encoded) -> None:
+    lengths = np.asarray([len(i) for i in enc.ids], dtype=np.int64)
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}.npz")
+    with open(tmp, "wb") as f:
+        np.savez(f, lengths=lengths,
+                 ids=np.concatenate(enc.ids) if enc.ids else np.zeros(0, np.int64),
+                 labels=np.concatenate(enc.labels) if enc.labels else np.zeros(0, np.int64),
+                 counts=np.asarray([enc.records, enc.truncated, enc.dropped, enc.tokens_lost], dtype=np.int64))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, entry)
+
+
+def _load(entry: Path) -> Encoded | None:
+    try:
+        with np.load(entry) as z:
+            lengths, ids, labels, counts = z["lengths"], z["ids"], z["labels"], z["counts"]
+    except (OSError, ValueError, KeyError):
+        return None
+    cuts = np.cumsum(lengths)[:-1]
+    return Encoded(list(np.split(ids, cuts)) if len(lengths) else [],
+                   list(np.split(labels, cuts)) if len(lengths) else [], *map(int, counts))
+
+
+def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, bool]:
+    """The encoded ``part`` ("train" or "val") records of ``dc``, from the cache or built now."""
+    path = Path(dc.path).expanduser()
+    val_path = Path(dc.val_path).expanduser() if dc.val_path else None
+    splits = hf_disk_splits(path) if is_hf_disk(path) else []
+    hf_val = next((s for s in ("validation", "test") if s in splits), None) if val_path is None else None
+    source, key = (val_path, "data.val_path") if part == "val" and val_path is not None else (path, "data.path")
+    settings = {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)
+                if f.name not in ("num_workers", "cache_dir", "pack", "factory", "token_dtype", "text_field")}
+    parts = {"format": CACHE_FORMAT, "part": part, "sources": _sources(source, key), "block_size": block_size,
+             "tokenizer": tokenizer_fingerprint(Path(dc.tokenizer).expanduser()),
+             "template": _template_fingerprint(dc), "settings": settings}
+    root = cache_root(dc.cache_dir)
+    name = cache_key(parts)
+    entry = root / f"{dc.kind}-{name}.npz"
+    with exclusive(root / f"{dc.kind}-{name}.lock"):
+        if entry.is_file():
+            cached = _load(entry)
+            if cached is not None:
+                return cached, True
+        t0 = time.perf_counter()
+        tok = load_hf_tokenizer(dc.tokenizer, dc.chat_template)
+        renderer = RecordRenderer(tok, dc)
+        if part == "val" and hf_val is not None:
+            records = read_records(path, key, hf_val)
+        elif source is val_path:
+            records = read_records(val_path, key)
+        else:
+            records = read_records(path, key, "train")
+            if val_path is None and hf_val is None:
+                train_idx, val_idx = split_by_record(len(records), dc.val_fraction)
+                records = [records[i] for i in (train_idx if part == "train" else val_idx)]
+        print(f"shardwise: tokenising {len(records):,} {dc.kind} records ({part}) of {str(source)!r} into {root}; "
+              "later runs reuse them", file=sys.stderr, flush=True)
+        enc = encode_records(records, renderer, block_size, dc.truncation)
+        if not enc.ids:
+            raise ConfigError(f"{key} {str(source)!r}: no {part} record is left to train on ({enc.records} read, "
+                              f"{enc.dropped} dropped as too long or with nothing to train); check "
+                              "data.truncation and the block size.")
+        _save(entry, enc)
+        fsync_dir(root)
+        atomic_write_json(entry.with_suffix(".json"), {**parts, "tokenize_s": round(time.perf_counter() - t0, 3)})
+        return enc, False

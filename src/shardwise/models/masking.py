@@ -1,0 +1,67 @@
+"""Model inputs beyond token ids, and the attention masks they imply (one owner for both models).
+
+A batch's inputs are either a ``(B, T)`` tensor of token ids or a mapping with these keys
+(what ``shardwise.data.instruct`` and packed text data produce; a user's own loop may build them):
+
+* ``input_ids`` ``(B, T)`` int64: the token ids (always present).
+* ``position_ids`` ``(B, T)`` int64: each token's position inside its own document, restarting at
+  0 where a document starts (packed rows). Absent: ``0..T-1``.
+* ``doc_ids`` ``(B, T)`` int64: which document of its row each token belongs to (0, 1, 2, ...);
+  ``-1`` marks padding at the end of a row. A token attends only to earlier tokens of the same
+  document. Absent: one document per row.
+* ``attention_mask`` ``(B, T)`` 0/1: Hugging Face's padding mask (1 = a real token) for rows that
+  hold one record each, right-padded. Absent: every token is real.
+
+Context-parallel attention (issue 21) reads the same ``position_ids``/``doc_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+INPUT_KEYS = ("input_ids", "position_ids", "doc_ids", "attention_mask")
+
+
+def split_inputs(inputs: torch.Tensor | Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(token ids, the other input tensors) of a batch's inputs; ValueError for unknown keys."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs, {}
+    if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+        raise ValueError(f"model inputs must be a (B, T) tensor of token ids or a mapping with 'input_ids' "
+                         f"(and optionally {', '.join(INPUT_KEYS[1:])}); got {type(inputs).__name__}")
+    unknown = sorted(set(inputs) - set(INPUT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown model input key(s) {', '.join(map(repr, unknown))}; allowed: "
+                         f"{', '.join(INPUT_KEYS)}")
+    return inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids" and v is not None}
+
+
+def attention_mask_4d(extra: Mapping[str, torch.Tensor], seq: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """The ``(B, 1, T, T)`` boolean mask (True = may attend) of causal attention within documents and
+    over real tokens, or None when plain causal attention is exact (no doc ids, no padding mask)."""
+    doc_ids, pad = extra.get("doc_ids"), extra.get("attention_mask")
+    if doc_ids is None and pad is None:
+        return None
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    mask = causal[None, None]
+    if doc_ids is not None:
+        mask = mask & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    if pad is not None:
+        # Keys that are padding are hidden; a padding query still sees itself (no empty row -> no NaN).
+        keys = pad.bool()[:, None, None, :]
+        mask = mask & (keys | torch.eye(seq, dtype=torch.bool, device=device)[None, None])
+    return mask
+
+
+def real_token_count(inputs: torch.Tensor | Mapping[str, Any]) -> int:
+    """How many tokens of a batch are real (not padding): what tokens/s and MFU count."""
+    ids, extra = split_inputs(inputs)
+    if "doc_ids" in extra:
+        return int((extra["doc_ids"] >= 0).sum())
+    if "attention_mask" in extra:
+        return int(extra["attention_mask"].sum())
+    return ids.numel()

@@ -1,0 +1,59 @@
+"""The README's instruction-tuning commands as a user runs them (a local Qwen2 folder with a chat
+template, their own chat.jsonl), and a bad record refused before any rank starts."""
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from shardwise.testing import run_command  # noqa: E402
+from tests.helpers.sft import chat_records, save_qwen2, write_jsonl  # noqa: E402
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+# Keeps the README's run short in CI: the commands as printed, then these overrides.
+QUICK = ["--set", "train.steps=4", "--set", "train.eval_every=0", "--set", "checkpoint.every=0",
+         "--set", "train.progress=false", "--set", "model.overrides.block_size=128"]
+
+
+def _readme_commands() -> list[list[str]]:
+    section = README.read_text(encoding="utf-8").split("## Instruction tuning", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    lines = re.sub(r"\\\n\s*", " ", block).splitlines()
+    return [shlex.split(line) for line in lines if line.strip().startswith("shardwise ")]
+
+
+def test_the_readme_commands_train_and_export(tmp_path, cli_env):
+    save_qwen2(tmp_path / "models" / "my-qwen")
+    write_jsonl(tmp_path / "chat.jsonl", chat_records(120))
+    train, export = _readme_commands()
+    assert train[:3] == ["shardwise", "train", "hf-sft"] and export[:3] == ["shardwise", "ckpt", "export"]
+    env = {**cli_env, "HOME": str(tmp_path)}  # the data cache goes under ~/.cache/shardwise
+    proc = run_command([sys.executable, "-m", "shardwise", *train[1:], *QUICK], timeout=420, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "packed" in proc.stderr + proc.stdout
+    proc = run_command([sys.executable, "-m", "shardwise", *export[1:]], timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "my-qwen-sft"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "my-qwen-sft")).chat_template
+
+
+def test_a_bad_record_is_refused_before_any_rank_starts(tmp_path, cli_env):
+    save_qwen2(tmp_path / "my-qwen")
+    data = tmp_path / "chat.jsonl"
+    write_jsonl(data, chat_records(30))
+    with open(data, "a", encoding="utf-8") as f:
+        f.write('{"messages": [{"role": "user", "content": "hi"}, {"role": "model", "content": "ho"}]}\n')
+    proc = run_command([sys.executable, "-m", "shardwise", "train", "hf-sft",
+                        "--set", f'model.pretrained="{tmp_path / "my-qwen"}"', "--set", f'data.path="{data}"',
+                        "--set", f'data.cache_dir="{tmp_path / "c"}"',
+                        "--strategy", "ddp", "--nproc", "2", "--out", str(tmp_path / "run")],
+                       timeout=120, env=cli_env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "chat.jsonl' line 31: turn 1 has role 'model'; allowed roles: system, user, assistant, tool" in proc.stderr
+    assert "Traceback" not in proc.stderr and "rank 0" not in proc.stderr
