@@ -36,7 +36,9 @@ PRECISION_ALIASES = (
 )
 # "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
 AC_MODES = ("none", "full", "selective", "selective-op")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# The pipeline schedules and their rules: parallel/pp_schedules.py (torch-free) owns them.
+from shardwise.parallel.pp_schedules import PP_SCHEDULES  # noqa: E402
+
 # When gradients are reduced under accumulation: "step" skips the sync on all but the last
 # micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).

@@ -37,6 +37,7 @@ from shardwise.parallel.pp import (
     Pipeline,
     autocast_forward,
     check_pp_model,
+    n_pipeline_blocks,
     prune_to_stages,
     stage_view,
 )
@@ -82,6 +83,12 @@ class ModelParallelStrategy(Strategy):
         return True  # after TP (its plan names the plain blocks' submodules), before FSDP
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        if self.layout.pp > 1:
+            from shardwise.parallel.pp_schedules import compile_refusal
+
+            refusal = compile_refusal(self.layout.pp_schedule)
+            if refusal:
+                return refusal
         if self.layout.tp > 1 and options.activation_checkpointing != "none":
             # torch 2.13's AOT autograd cannot save a checkpointed region's DTensor metadata (it
             # stores the DeviceMesh among the saved tensors and asserts); TP + compile and
@@ -105,8 +112,8 @@ class ModelParallelStrategy(Strategy):
         # Same model and layout on every rank, so a bad shape raises the same error everywhere.
         self.check_model(model)
         layout = ctx.layout
-        if layout.pp > 1 and layout.n_blocks != len(model.blocks):
-            layout = layout.with_blocks(len(model.blocks), "blocks")
+        if layout.pp > 1 and layout.n_blocks != n_pipeline_blocks(model):
+            layout = layout.with_blocks(n_pipeline_blocks(model), "blocks")
         pp, tp = layout.pp, layout.tp
         stage_ids, ranges = [0], [range(0)]
         if pp > 1:

@@ -25,8 +25,8 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 # Families with a tensor-parallel plan (``parallel/tp_plans.py``).
 TP_FAMILIES = ("gpt", *LLAMA_LIKE)
 # Families the pipeline can cut into stages: the built-in GPT, whose parts may be None
-# (``parallel/pp.py``).
-PP_FAMILIES = ("gpt",)
+# (``parallel/pp.py``), and the Llama-layout Hugging Face families (``parallel/pp_hf.py``).
+PP_FAMILIES = ("gpt", *LLAMA_LIKE)
 # Mesh of the model-parallel compositions, torchtitan's order: tp innermost (consecutive ranks,
 # the fastest link), then dp, then pp outermost.
 COMPOSED_MESH = ("pp", "dp", "tp")
@@ -69,8 +69,8 @@ class StrategyInfo:
             return ""
         what = family or "this (custom) model"
         if "pp" in self.degrees:
-            return (f"pipeline parallel cuts only the built-in GPT (model.kind = 'gpt') into stages; "
-                    f"{what} has no stage split")
+            return (f"pipeline parallel cuts the built-in GPT and the Hugging Face families "
+                    f"{', '.join(LLAMA_LIKE)} into stages; {what} has no stage split")
         return (f"tensor parallel has plans for the built-in GPT and the Hugging Face families "
                 f"{', '.join(LLAMA_LIKE)}; {what} has none")
 

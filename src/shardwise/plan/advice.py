@@ -127,10 +127,13 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
-        if (self.pp_schedule == "interleaved-1f1b") != (self.pp_stages_per_rank > 1):
+        from shardwise.parallel.pp_schedules import schedule_info
+
+        multi = schedule_info(self.pp_schedule).multi_stage
+        if multi != (self.pp_stages_per_rank > 1):
             raise ConfigError(
-                "--pp-schedule interleaved-1f1b runs several stages per rank: give it --pp-stages-per-rank >= 2 "
-                f"(got {self.pp_stages_per_rank}); gpipe and 1f1b run exactly one (--pp-stages-per-rank 1).")
+                f"--pp-schedule {self.pp_schedule} runs {'several stages' if multi else 'one stage'} per rank: "
+                f"give it --pp-stages-per-rank {'>= 2' if multi else '1'} (got {self.pp_stages_per_rank}).")
 
 
 def layout_label(strategy: str, tp: int, pp: int) -> str:

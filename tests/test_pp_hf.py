@@ -1,0 +1,101 @@
+"""Pipeline parallel on pretrained Hugging Face Llama-family models (parallel/pp_hf.py).
+
+A tiny 4-layer Llama saved with save_pretrained; every run is compared with plain transformers (+
+peft for LoRA) on one process: the first loss equal, the losses of later steps and the weights
+after them within float32 reduction-order noise (AdamW at lr=1e-2 amplifies it to ~1e-5 in weights).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
+from shardwise.errors import ConfigError  # noqa: E402
+from shardwise.layout import resolve_layout  # noqa: E402
+from shardwise.models.hf import build_hf_model  # noqa: E402
+from shardwise.models.pretrained import hf_name  # noqa: E402
+from shardwise.parallel.pp import check_pp_model  # noqa: E402
+from shardwise.testing import run_distributed  # noqa: E402
+from tests.helpers.hf import VOCAB, hf_cases, reference_losses  # noqa: E402
+
+RUN = {"steps": 3, "global_batch": 4, "seq": 16, "lr": 1e-2}
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+def save_llama(folder, layers: int = 4, seed: int = 1, **overrides):
+    torch.manual_seed(seed)
+    build_hf_model("llama-tiny", vocab_size=VOCAB, num_hidden_layers=layers, **overrides).hf.save_pretrained(
+        str(folder), max_shard_size="60KB")  # several files: each rank reads only its stage's tensors
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("pp-hf") / "llama")
+
+
+def _full_name(name: str) -> str:
+    """A union parameter name as the plain transformers model's state dict has it."""
+    return hf_name(name[len("hf."):])
+
+
+def _assert_matches(ref: dict, ranks: list, what: str, lora: bool = False) -> None:
+    r_last = ranks[-1]
+    assert ranks[0]["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-6), what  # step 1: same weights
+    for r in ranks:
+        assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5), what
+    merged = {}
+    for r in ranks:
+        merged.update(r["params"])
+    ref_state = ref["state"]
+    for name, value in merged.items():
+        # peft keeps the wrapped layer as base_layer, as our names do.
+        key = "base_model.model." + name[len("hf."):] if lora else _full_name(name)
+        torch.testing.assert_close(value, ref_state[key], atol=1e-4, rtol=0, msg=f"{what}: {name}")
+    assert r_last["notes"] == []
+
+
+def test_llama_pipeline_schedules_and_lora_match_transformers(folder):
+    """One spawn of 2 ranks: pp with 1F1B and with the zero-bubble ZBV (two stages per rank in a V),
+    and LoRA adapters under pp; each equals one-process transformers / peft."""
+    cases = [
+        {"folder": str(folder), "strategy": "pp", **RUN},
+        {"folder": str(folder), "strategy": "pp", "pp_schedule": "zbv", "pp_stages_per_rank": 2, **RUN},
+        {"folder": str(folder), "strategy": "pp", "lora": LORA, **RUN},
+    ]
+    results = run_distributed(hf_cases, 2, timeout_s=600, cases=cases)
+    full = reference_losses(folder, **RUN)
+    peft = reference_losses(folder, lora=LoraConfig(**LORA), seed=0, **RUN)
+    (p0, z0, l0), (p1, z1, l1) = results
+    _assert_matches(full, [p0, p1], "pp 1f1b")
+    _assert_matches(full, [z0, z1], "pp zbv")
+    _assert_matches(peft, [l0, l1], "pp lora", lora=True)
+    # Each rank holds only its stage: 1F1B splits layers 0-1 | 2-3 with the embedding on rank 0 and
+    # the norm + head on rank 1; ZBV puts stages 0 and 3 (embedding and head) on rank 0.
+    assert {n.split(".")[3] for n in p0["params"] if ".layers." in n} == {"0", "1"}
+    assert "hf.model.embed_tokens.weight" in p0["params"] and "hf.lm_head.weight" in p1["params"]
+    assert "hf.lm_head.weight" not in p0["params"] and "hf.model.embed_tokens.weight" not in p1["params"]
+    assert {n.split(".")[3] for n in z0["params"] if ".layers." in n} == {"0", "3"}
+    assert "hf.lm_head.weight" in z0["params"] and "hf.model.embed_tokens.weight" in z0["params"]
+    # LoRA: only the adapters train, and only this stage's.
+    assert l0["in_optimizer"] and all(".lora_" in n and n.split(".")[3] in "01" for n in l0["in_optimizer"])
+
+
+@pytest.mark.slow
+def test_fsdp_pp_at_four_ranks_matches_transformers(folder):
+    run = {**RUN, "steps": 2, "global_batch": 8}
+    results = run_distributed(hf_cases, 4, timeout_s=600,
+                              cases=[{"folder": str(folder), "strategy": "fsdp+pp", "pp": 2, **run}])
+    ranks = [r[0] for r in results]
+    assert not any(isinstance(r, str) for r in ranks), ranks
+    _assert_matches(reference_losses(folder, **run), ranks, "fsdp+pp")
+
+
+def test_tied_embeddings_and_other_families_are_refused(tmp_path):
+    tied = save_llama(tmp_path / "tied", layers=2, tie_word_embeddings=True)
+    layout = resolve_layout(ParallelConfig(strategy="pp"), 2)
+    with pytest.raises(ConfigError, match="tie_word_embeddings = true"):
+        check_pp_model(build_hf_model(pretrained=str(tied)), layout)
+    with pytest.raises(ConfigError, match="the Hugging Face gpt2 model has none"):
+        check_pp_model(build_hf_model("gpt2-tiny"), layout)
