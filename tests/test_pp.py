@@ -127,3 +127,15 @@ def test_schedule_constraints_name_the_rule():
     lay = pp_layout(pp_schedule="zbv", pp_stages_per_rank=2)
     assert [lay.stage_ids(r) for r in (0, 1)] == [[0, 3], [1, 2]]
     assert lay.holds_first_stage(0) and lay.holds_last_stage(0) and not lay.holds_last_stage(1)
+
+
+def test_planner_bubble_formula_per_schedule():
+    from shardwise.plan.pipeline import bubble_fraction
+
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8)
+    assert bubble_fraction("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("looped-bfs", 4, 8, 2) == bubble_fraction("interleaved-1f1b", 4, 8, 2)
+    # Zero-bubble: a third of the idle time of the same interleaving.
+    assert bubble_fraction("zbv", 4, 8, 2) == pytest.approx((3 / 48) / (1 + 3 / 48))
+    assert bubble_fraction("dualpipev", 1, 8, 2) == 0.0

@@ -97,5 +97,52 @@ def test_tied_embeddings_and_other_families_are_refused(tmp_path):
     layout = resolve_layout(ParallelConfig(strategy="pp"), 2)
     with pytest.raises(ConfigError, match="tie_word_embeddings = true"):
         check_pp_model(build_hf_model(pretrained=str(tied)), layout)
-    with pytest.raises(ConfigError, match="the Hugging Face gpt2 model has none"):
+    with pytest.raises(ConfigError, match="the Hugging Face gpt2 model has no stage split"):
         check_pp_model(build_hf_model("gpt2-tiny"), layout)
+
+
+def pp_fsdp_pp_roundtrip(rank: int, world_size: int, folder: str, root: str) -> dict:
+    """pp trains and saves -> fsdp (no pipeline) loads it, trains on, saves -> pp loads that."""
+    from shardwise.runtime.session import Session
+    from shardwise.testing import fixed_batches, train_fixed_batches
+    from tests.helpers.hf import hf_case
+    from tests.helpers.mp import full_params
+
+    out = {"pp": hf_case(rank, world_size, folder, "pp", steps=2, ckpt_dir=f"{root}/pp")["params"]}
+    for strategy, source, save in (("fsdp", "pp", "fsdp"), ("pp", "fsdp", "")):
+        session = Session(parallel=ParallelConfig(strategy=strategy), seed=0)
+        model = session.build(lambda: build_hf_model(pretrained=folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        model, opt = session.prepare(model, opt)
+        session.load(f"{root}/{source}", model, opt)
+        out[f"{strategy}_loaded"] = full_params(model)
+        if save:
+            train_fixed_batches(session, model, opt, fixed_batches(2, 4, 16, VOCAB))
+            session.save(f"{root}/{save}", model, opt, step=4)
+            out[strategy] = full_params(model)
+        session.close()
+    return out
+
+
+def test_checkpoints_move_between_pp_and_no_pp_and_export_from_pp(folder, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.runtime.checkpoint.hf_export import export_hf
+
+    r0, r1 = run_distributed(pp_fsdp_pp_roundtrip, 2, timeout_s=600, folder=str(folder), root=str(tmp_path))
+    pp_saved = {**r0["pp"], **r1["pp"]}  # the two stages together: the whole model
+    assert set(pp_saved) == set(r0["fsdp_loaded"])
+    assert all(torch.equal(pp_saved[k], r0["fsdp_loaded"][k]) for k in pp_saved)
+    pp_loaded = {**r0["pp_loaded"], **r1["pp_loaded"]}
+    assert set(pp_loaded) == set(r0["fsdp"]) and all(torch.equal(pp_loaded[k], r0["fsdp"][k]) for k in pp_loaded)
+    assert not all(torch.equal(pp_saved[k], r0["fsdp"][k]) for k in pp_saved)  # fsdp trained on
+    # Export from the pipeline checkpoint: from_pretrained gives the weights (and logits) it saved.
+    export_hf(tmp_path / "pp", tmp_path / "export")
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).eval()
+    state = got.state_dict()
+    assert all(torch.equal(state[_full_name(k)], v) for k, v in pp_saved.items())
+    want = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    want.load_state_dict({_full_name(k): v for k, v in pp_saved.items()})
+    x = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(got(input_ids=x).logits, want(input_ids=x).logits, atol=0, rtol=0)

@@ -64,7 +64,7 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
             what = f"the Hugging Face {family} model" if family else type(model).__name__
             raise ConfigError(
                 f"pipeline parallel has a stage split for the built-in GPT and the Hugging Face families "
-                f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has none. Use tensor parallel "
+                f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has no stage split. Use tensor parallel "
                 "or a data-parallel/sharded strategy (ddp, fsdp) for this model.")
         check_hf_pp_model(model)
     layout.with_blocks(n_pipeline_blocks(model), "blocks")  # raises when the stages cannot be cut

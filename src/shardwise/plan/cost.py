@@ -296,10 +296,13 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         p2p = grad_accum * 2 * (act / (fabric.collective_gbs(pp, tp * dp) * 1e9) + alpha)
         exposed += p2p
         total += p2p
-        # 1F1B / GPipe idle fraction (p-1)/(m+p-1) of the step; interleaved with v stages per rank:
-        # (p-1)/(v*m+p-1). Equivalently, idle time = compute * (p-1)/(v*m).
+        # Idle time per schedule (plan/pipeline.py): compute * (p-1)/(v*m) for 1F1B-like schedules,
+        # a third of that for the zero-bubble ones.
+        from shardwise.plan.pipeline import idle_ratio
+
         v = max(1, int(getattr(layout, "pp_stages_per_rank", getattr(layout, "virtual_stages", 1)) or 1))
-        bubble = compute * (pp - 1) / (v * grad_accum)
+        schedule = str(getattr(layout, "pp_schedule", "1f1b") or "1f1b")
+        bubble = compute * idle_ratio(schedule, pp, grad_accum, v)
     tokens_per_step = tokens_micro * grad_accum * dp
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
