@@ -146,3 +146,28 @@ def test_checkpoints_move_between_pp_and_no_pp_and_export_from_pp(folder, tmp_pa
     x = torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(got(input_ids=x).logits, want(input_ids=x).logits, atol=0, rtol=0)
+
+
+def test_405b_plan_is_three_d_and_its_command_passes_dry_run(capsys, tmp_path):
+    """`plan --model llama-3-405b` on 64 x 8 H100 recommends fsdp+tp+pp; its printed command passes
+    `train --dry-run` (every check, the meta model of all 126 layers, no rank started)."""
+    import shlex
+
+    from shardwise.cli import main
+    from shardwise.plan import cli as plan_cli
+    from tests.test_plan_grid import plan_args
+
+    plan = plan_cli.build_plan(plan_args("--model", "llama-3-405b", "--gpu", "h100", "--gpus-per-node", "8",
+                                         "--nodes", "64"))
+    layout = plan.recommended.layout
+    assert layout.strategy == "fsdp+tp+pp" and layout.tp == 8 and layout.pp > 1
+    # torchtitan's published layout (FSDP 8 x TP 8 x PP 8) is a candidate, and fits with full AC.
+    pinned = plan_cli.build_plan(plan_args("--model", "llama-3-405b", "--gpu", "h100", "--gpus-per-node", "8",
+                                           "--nodes", "64", "--tp", "8", "--pp", "8", "--checkpoint", "full"))
+    assert (pinned.recommended.layout.dp, pinned.recommended.layout.tp, pinned.recommended.layout.pp) == (8, 8, 8)
+    for chosen in (plan, pinned):
+        argv = shlex.split(chosen.commands[0].replace("$MASTER_ADDR", "127.0.0.1"))
+        assert argv[:2] == ["shardwise", "train"]
+        capsys.readouterr()
+        assert main([*argv[1:], "--dry-run", "--out", str(tmp_path / "run")]) == 0
+        assert "every check passed" in capsys.readouterr().out

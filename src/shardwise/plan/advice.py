@@ -228,8 +228,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     _validate_degrees(spec, cluster, tp, pp)
     # --tp / --pp pin a degree; otherwise every TP degree that fits a node, PP across nodes.
     tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t))]
-    pps = [pp] if pp else [1, *([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes
-                                else [])]
+    # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
+    from shardwise.plan.pipeline import pipeline_degrees
+
+    pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
     combos = [(t, p) for p in pps for t in tps]
     layouts: list[Layout] = []
     skipped: list[str] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from shardwise.parallel.pp_schedules import schedule_info
 
-__all__ = ["bubble_fraction", "idle_ratio"]
+__all__ = ["bubble_fraction", "idle_ratio", "pipeline_degrees"]
 
 
 def idle_ratio(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -38,3 +38,13 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     """Share of a pipeline step each rank idles: idle / (idle + compute)."""
     r = idle_ratio(schedule, pp, microbatches, stages_per_rank)
     return r / (1 + r)
+
+
+def pipeline_degrees(n_layers: int | None, nodes: int) -> list[int]:
+    """Pipeline degrees worth planning on ``nodes`` nodes: every divisor of the node count above 1 (a
+    stage group spans whole nodes, so PP's point-to-point traffic crosses the slow links, never TP's)
+    that leaves each stage at least one layer. 405B on 64 nodes: 2, 4, 8, 16, 32, 64 -- torchtitan's
+    published 3-D layout (FSDP 8 x TP 8 x PP 8) among them.
+    """
+    limit = n_layers or 0
+    return [d for d in range(2, nodes + 1) if nodes % d == 0 and d <= limit]
