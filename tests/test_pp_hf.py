@@ -83,13 +83,18 @@ def test_llama_pipeline_schedules_and_lora_match_transformers(folder):
 
 
 @pytest.mark.slow
-def test_fsdp_pp_at_four_ranks_matches_transformers(folder):
+def test_fsdp_pp_and_tp_pp_with_sequence_parallel_at_four_ranks_match_transformers(folder):
+    """One spawn of 4 ranks: fsdp+pp (pp 2 x dp 2), then fsdp+tp+pp (pp 2 x tp 2) with sequence
+    parallel, where the sequence shard crosses the stage boundary."""
     run = {**RUN, "steps": 2, "global_batch": 8}
-    results = run_distributed(hf_cases, 4, timeout_s=600,
-                              cases=[{"folder": str(folder), "strategy": "fsdp+pp", "pp": 2, **run}])
-    ranks = [r[0] for r in results]
-    assert not any(isinstance(r, str) for r in ranks), ranks
-    _assert_matches(reference_losses(folder, **run), ranks, "fsdp+pp")
+    cases = [{"folder": str(folder), "strategy": "fsdp+pp", "pp": 2, **run},
+             {"folder": str(folder), "strategy": "fsdp+tp+pp", "pp": 2, "tp": 2, "sequence_parallel": True, **run}]
+    results = run_distributed(hf_cases, 4, timeout_s=600, cases=cases)
+    ref = reference_losses(folder, **run)
+    for i, what in enumerate(("fsdp+pp", "fsdp+tp+pp sp")):
+        ranks = [r[i] for r in results]
+        assert not any(isinstance(r, str) for r in ranks), ranks
+        _assert_matches(ref, ranks, what)
 
 
 def test_tied_embeddings_and_other_families_are_refused(tmp_path):

@@ -128,6 +128,10 @@ class ModelParallelStrategy(Strategy):
         if ctx.compile:
             apply_compile(model)  # after AC, before DDP/FSDP (torchtitan's order)
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
+        if pp > 1 and tp > 1 and layout.sequence_parallel:
+            for part in parts:  # HF stages re-wrap the sequence shard they receive (pp_hf.py)
+                if hasattr(part, "set_sequence_parallel"):
+                    part.set_sequence_parallel(mesh["tp"])  # type: ignore[index]
         if self.dp_kind == "fsdp":
             # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root
             # (each stage), so that FSDP re-points its sharded parameters at the new storage.

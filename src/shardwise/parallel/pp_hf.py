@@ -134,6 +134,13 @@ class HFStage(nn.Module):
         self.hf = hf
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)
+        self._sp_mesh: Any = None
+
+    def set_sequence_parallel(self, tp_mesh: Any) -> None:
+        """Under TP + sequence parallel the residual stream is a sequence-sharded DTensor (the Llama
+        plan keeps it one so HF code sees the global length). A pipeline boundary carries plain
+        tensors, so this stage sends its local shard and wraps what it receives back into a DTensor."""
+        self._sp_mesh = tp_mesh
 
     def load_pretrained(self) -> None:
         """Read this stage's tensors (only those) from the pretrained folder; collective like DCP."""
@@ -144,7 +151,14 @@ class HFStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model, config = self.hf.model, self.hf.config
-        hidden = model.embed_tokens(x) if self.first else x
+        if self.first:
+            hidden = model.embed_tokens(x)
+        elif self._sp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
+        else:
+            hidden = x
         seq = hidden.shape[1]
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         position_embeddings = model.rotary_emb(hidden, position_ids)
@@ -157,7 +171,11 @@ class HFStage(nn.Module):
                         position_embeddings=position_embeddings, use_cache=False)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         if self.last:
-            hidden = self.hf.lm_head(model.norm(hidden))
+            return self.hf.lm_head(model.norm(hidden))
+        if self._sp_mesh is not None:
+            # The sequence shard crosses the boundary; a copy, not the DTensor's view of it (FSDP
+            # hooks the stage's output for its backward and warns about a view).
+            hidden = hidden.to_local().clone()
         return hidden
 
 
