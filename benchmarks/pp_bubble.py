@@ -32,7 +32,9 @@ def _step_time(out: Path, strategy: str, nproc: int, steps: int, overrides: list
     for item in overrides:
         cmd += ["--set", item]
     subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
-    return json.loads((out / "bench.json").read_text())[0]["step_time_s"]
+    data = json.loads((out / "bench.json").read_text())
+    rows = data["rows"] if isinstance(data, dict) else data  # {"rows": [...]} since bench's run-dir rework
+    return rows[0]["step_time_s"]
 
 
 def main() -> int:

@@ -139,3 +139,15 @@ def test_planner_bubble_formula_per_schedule():
     # Zero-bubble: a third of the idle time of the same interleaving.
     assert bubble_fraction("zbv", 4, 8, 2) == pytest.approx((3 / 48) / (1 + 3 / 48))
     assert bubble_fraction("dualpipev", 1, 8, 2) == 0.0
+
+
+def test_zero_bubble_schedules_refuse_compile_with_the_reason():
+    from shardwise.parallel.compile import check_compile
+    from shardwise.parallel.registry import get_strategy
+
+    for schedule in ("zbv", "dualpipev", "interleaved-zb"):
+        options = ParallelConfig(strategy="pp", pp_schedule=schedule, pp_stages_per_rank=2)
+        with pytest.raises(ConfigError, match=f"zero-bubble pipeline schedule '{schedule}'.*torch.compile"):
+            check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")
+    options = ParallelConfig(strategy="pp", pp_schedule="looped-bfs", pp_stages_per_rank=2)
+    check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")
