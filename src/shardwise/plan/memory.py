@@ -576,7 +576,9 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
         schedule = getattr(layout, "pp_schedule", getattr(layout, "pipeline_schedule", "1f1b"))
-        in_flight = min(layout.pp, grad_accum) if schedule != "gpipe" else grad_accum
+        # GPipe and looped BFS run every micro-batch's forward before the backwards; the 1F1B-like
+        # ones (zero-bubble included) keep at most p in flight.
+        in_flight = min(layout.pp, grad_accum) if schedule not in ("gpipe", "looped-bfs") else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
     if spec.has_structure and spec.vocab and kernels.loss == "torch":
