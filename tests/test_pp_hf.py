@@ -56,15 +56,32 @@ def _assert_matches(ref: dict, ranks: list, what: str, lora: bool = False) -> No
     assert r_last["notes"] == []
 
 
+def cases_and_meta_init(rank: int, world_size: int, cases: list, meta_cases: list) -> tuple:
+    """``hf_cases`` and ``meta_vs_eager`` in the same ranks (one spawn)."""
+    from tests.helpers.hf import meta_vs_eager
+
+    return hf_cases(rank, world_size, cases), meta_vs_eager(rank, world_size, meta_cases)
+
+
 def test_llama_pipeline_schedules_and_lora_match_transformers(folder):
     """One spawn of 2 ranks: pp with 1F1B and with the zero-bubble ZBV (two stages per rank in a V),
-    and LoRA adapters under pp; each equals one-process transformers / peft."""
+    and LoRA adapters under pp; each equals one-process transformers / peft. Then a Llama from its
+    config built on meta under pp and fsdp+pp equals the eager build, stage by stage."""
     cases = [
         {"folder": str(folder), "strategy": "pp", **RUN},
         {"folder": str(folder), "strategy": "pp", "pp_schedule": "zbv", "pp_stages_per_rank": 2, **RUN},
         {"folder": str(folder), "strategy": "pp", "lora": LORA, **RUN},
     ]
-    results = run_distributed(hf_cases, 2, timeout_s=600, cases=cases)
+    meta_cases = [{"strategy": "pp", "kind": "llama-tiny", "options": {"pp": 2}},
+                  {"strategy": "fsdp+pp", "kind": "llama-tiny", "options": {"pp": 2}}]
+    ranks = run_distributed(cases_and_meta_init, 2, timeout_s=600, cases=cases, meta_cases=meta_cases)
+    results = [r[0] for r in ranks]
+    for rank_result in ranks:
+        for case, pair in zip(meta_cases, rank_result[1]):
+            eager, meta = pair["eager"], pair["meta"]
+            assert eager["params"].keys() == meta["params"].keys(), case
+            assert all(torch.equal(eager["params"][k], meta["params"][k]) for k in eager["params"]), case
+            assert eager["param_bytes"] == meta["param_bytes"] and torch.equal(eager["after"], meta["after"])
     full = reference_losses(folder, **RUN)
     peft = reference_losses(folder, lora=LoraConfig(**LORA), seed=0, **RUN)
     (p0, z0, l0), (p1, z1, l1) = results
