@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
+from shardwise.parallel.pp_schedules import PP_SCHEDULES  # owned (with their rules) by parallel/pp_schedules.py
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 # The names Lightning Fabric (precision="bf16-mixed", "16-mixed", "32-true", ...) and Accelerate
@@ -36,9 +37,6 @@ PRECISION_ALIASES = (
 )
 # "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
 AC_MODES = ("none", "full", "selective", "selective-op")
-# The pipeline schedules and their rules: parallel/pp_schedules.py (torch-free) owns them.
-from shardwise.parallel.pp_schedules import PP_SCHEDULES  # noqa: E402
-
 # When gradients are reduced under accumulation: "step" skips the sync on all but the last
 # micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
