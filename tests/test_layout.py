@@ -16,7 +16,7 @@ import torch
 from shardwise.config import ParallelConfig, load_config, replace_in
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout, resolve_layout, stage_layer_ranges
-from shardwise.parallel.registry import ALIASES, REGISTRY, get_strategy, strategy_info, strategy_names
+from shardwise.parallel.registry import ALIASES, LLAMA_LIKE, REGISTRY, get_strategy, strategy_info, strategy_names
 
 
 def test_layout_and_registry_import_without_torch(cli_env):
@@ -35,10 +35,11 @@ def test_registry_is_the_single_list_of_strategies():
         impl = IMPLEMENTATIONS[info.impl]  # one implementation per data-parallel kind, no class per name
         assert impl.impl == info.impl, info.impl  # the class and its registry entry agree
         assert set(info.degrees) <= {"dp", "tp", "pp"} and info.dp_kind in ("replicate", "zero1", "zero2", "fsdp")
-    # Which models each strategy runs: TP needs a plan, PP the built-in GPT.
+    # Which models each strategy runs: TP needs a plan, PP a stage split (GPT, Llama family).
     assert REGISTRY["fsdp+tp"].supports("llama") and not REGISTRY["fsdp+tp"].supports("gpt2")
-    assert REGISTRY["pp"].supports("gpt") and not REGISTRY["ddp+pp"].supports("llama")
-    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt",)
+    assert REGISTRY["pp"].supports("gpt") and REGISTRY["ddp+pp"].supports("qwen3")
+    assert not REGISTRY["pp"].supports("gpt2") and not REGISTRY["pp"].supports("")
+    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE)
     assert strategy_info("zero3").name == "fsdp"
     with pytest.raises(ConfigError, match="unknown strategy 'ddp\\+tp\\+pp'"):
         strategy_info("ddp+tp+pp")

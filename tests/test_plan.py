@@ -162,10 +162,8 @@ def test_multi_node_adds_hsdp_and_pipeline():
                      Workload(seq=4096, global_batch=64, checkpoint="full"))
     names = {c.layout.strategy for c in plan.candidates}
     assert {"hsdp", "fsdp+tp"} <= names and plan.recommended is not None
-    # The runtime's pipeline cuts only the built-in GPT: for a Hugging Face Llama no pipeline
-    # candidate is offered, and the plan says why.
-    assert not any(c.layout.pp_enabled for c in plan.candidates)
-    assert any(s.startswith("ddp+pp(pp4): pipeline parallel cuts only the built-in GPT") for s in plan.skipped)
+    # The runtime's pipeline cuts Llama-family Hugging Face models too (parallel/pp_hf.py).
+    assert any(c.layout.pp_enabled for c in plan.candidates)
     gpt = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=2),
                     Workload(seq=256, global_batch=16))
     assert {"hsdp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"} <= {c.layout.strategy for c in gpt.candidates}

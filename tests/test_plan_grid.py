@@ -232,7 +232,8 @@ def test_interleaved_pipeline_from_the_plan_cli():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--model", "llama-3-8b", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts only the built-in GPT"),
+    (("--model", "gpt2", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts the built-in GPT and the Hugging Face "
+                                                        "families llama, mistral, qwen2, qwen3 into stages; gpt2"),
     (("--model", "gpt2", "--tp", "2"), "tensor parallel has plans for"),
 ])
 def test_strategies_the_runtime_cannot_run_on_the_model_are_refused(argv, message):

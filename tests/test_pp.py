@@ -14,7 +14,7 @@ from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.parallel.pp import check_pp_model, stage_layer_ranges
 from shardwise.testing import run_distributed
-from tests.helpers.mp import merged_params, mp_train
+from tests.helpers.mp import merged_params, mp_cases, mp_train
 from tests.test_tp import assert_parity
 
 
@@ -89,3 +89,65 @@ def test_pipeline_constraints_are_checked_up_front():
         check_pp_model(model, pp_layout(4))
     with pytest.raises(ConfigError, match="has no stage split"):
         check_pp_model(torch.nn.Linear(2, 2), pp_layout())
+
+
+def test_every_torch_schedule_matches_single_process():
+    """Looped BFS, interleaved zero-bubble, ZBV and DualPipeV (2 stages per rank, 4 stages on 2 ranks),
+    one spawn for all four; V-shaped schedules put stages 0 and 3 on rank 0."""
+    over = {"n_layer": 4}
+    ref = mp_train(0, 1, "single", overrides=over)
+    schedules = ("looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+    cases = [{"strategy": "pp", "pp_schedule": s, "pp_stages_per_rank": 2, "overrides": over} for s in schedules]
+    results = run_distributed(mp_cases, 2, timeout_s=300, cases=cases)
+    cfg = GPT_PRESETS["nano"].__class__(**{**GPT_PRESETS["nano"].to_dict(), **over})
+    ranges = stage_layer_ranges(4, 4)
+    for schedule, r0, r1 in zip(schedules, *results):
+        assert_parity(ref, [r0, r1])
+        placement = [[0, 3], [1, 2]] if schedule in ("zbv", "dualpipev") else [[0, 2], [1, 3]]
+        assert [r0["param_bytes"], r1["param_bytes"]] == [expected_stage_bytes(cfg, ranges, ids)
+                                                          for ids in placement], schedule
+
+
+def test_schedule_constraints_name_the_rule():
+    def pp_layout(world=2, **options):
+        return resolve_layout(ParallelConfig(strategy="pp", **options), world)
+
+    with pytest.raises(ConfigError, match="needs parallel.pp_stages_per_rank = 2 exactly"):
+        pp_layout(pp_schedule="zbv", pp_stages_per_rank=3)
+    with pytest.raises(ConfigError, match="needs parallel.pp_stages_per_rank >= 2"):
+        pp_layout(pp_schedule="looped-bfs")
+    with pytest.raises(ConfigError, match="too few for 'dualpipev'.*2 x pp = 4"):
+        pp_layout(pp_schedule="dualpipev", pp_stages_per_rank=2, pp_microbatches=3)
+    with pytest.raises(ConfigError, match="multiple of the pipeline degree 2 for 'interleaved-zb'"):
+        pp_layout(pp_schedule="interleaved-zb", pp_stages_per_rank=2, pp_microbatches=3)
+    with pytest.raises(ConfigError, match="runs one stage per rank"):
+        pp_layout(pp_schedule="gpipe", pp_stages_per_rank=2)
+    with pytest.raises(ConfigError, match="pipeline schedule"):
+        pp_layout(pp_schedule="zb")
+    lay = pp_layout(pp_schedule="zbv", pp_stages_per_rank=2)
+    assert [lay.stage_ids(r) for r in (0, 1)] == [[0, 3], [1, 2]]
+    assert lay.holds_first_stage(0) and lay.holds_last_stage(0) and not lay.holds_last_stage(1)
+
+
+def test_planner_bubble_formula_per_schedule():
+    from shardwise.plan.pipeline import bubble_fraction
+
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 4, 8) == bubble_fraction("1f1b", 4, 8)
+    assert bubble_fraction("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("looped-bfs", 4, 8, 2) == bubble_fraction("interleaved-1f1b", 4, 8, 2)
+    # Zero-bubble: a third of the idle time of the same interleaving.
+    assert bubble_fraction("zbv", 4, 8, 2) == pytest.approx((3 / 48) / (1 + 3 / 48))
+    assert bubble_fraction("dualpipev", 1, 8, 2) == 0.0
+
+
+def test_zero_bubble_schedules_refuse_compile_with_the_reason():
+    from shardwise.parallel.compile import check_compile
+    from shardwise.parallel.registry import get_strategy
+
+    for schedule in ("zbv", "dualpipev", "interleaved-zb"):
+        options = ParallelConfig(strategy="pp", pp_schedule=schedule, pp_stages_per_rank=2)
+        with pytest.raises(ConfigError, match=f"zero-bubble pipeline schedule '{schedule}'.*torch.compile"):
+            check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")
+    options = ParallelConfig(strategy="pp", pp_schedule="looped-bfs", pp_stages_per_rank=2)
+    check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")

@@ -43,10 +43,10 @@ class Family:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt", hf=False, tp_plan=True, pp_split=True),
-    Family("llama", llama_like=True, tp_plan=True),
-    Family("mistral", llama_like=True, tp_plan=True),
-    Family("qwen2", llama_like=True, tp_plan=True),
-    Family("qwen3", llama_like=True, tp_plan=True),
+    Family("llama", llama_like=True, tp_plan=True, pp_split=True),
+    Family("mistral", llama_like=True, tp_plan=True, pp_split=True),
+    Family("qwen2", llama_like=True, tp_plan=True, pp_split=True),
+    Family("qwen3", llama_like=True, tp_plan=True, pp_split=True),
     Family("gpt2"),
 )}
 

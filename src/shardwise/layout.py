@@ -23,11 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.errors import ConfigError, unknown_choice
+from shardwise.errors import ConfigError
+from shardwise.pp_schedules import check_schedule, stage_ids_of
 from shardwise.strategies import (
     COMPOSED_MESH,
     NOT_IMPLEMENTED_DEGREES,
-    PP_SCHEDULES,
     REGISTRY,
     StrategyInfo,
     canonical_strategy,
@@ -190,28 +190,8 @@ class Layout:
         return implied
 
     def _check_schedule(self) -> None:
-        sched, v, m, pp = self.pp_schedule, self.pp_stages_per_rank, self.pp_microbatches, self.pp
-        if sched not in PP_SCHEDULES:
-            raise unknown_choice("pipeline schedule", sched, PP_SCHEDULES)
-        if sched == "interleaved-1f1b" and v < 2:
-            raise ConfigError(
-                "parallel.pp_schedule='interleaved-1f1b' needs parallel.pp_stages_per_rank >= 2 (it "
-                "interleaves several stages per rank to shrink the bubble); set it to 2, or use '1f1b'.")
-        if sched != "interleaved-1f1b" and v != 1:
-            raise ConfigError(f"parallel.pp_stages_per_rank={v} needs parallel.pp_schedule='interleaved-1f1b'; "
-                              f"'{sched}' runs one stage per rank.")
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"parallel.pp_microbatches must be a positive integer, got {m!r}.")
-        if m < pp:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} must be >= the pipeline degree {pp}: with fewer "
-                "microbatches than stages some stage always idles, the bubble (p-1)/(m+p-1) exceeds "
-                "half the step, and the 1F1B schedules cannot even fill the pipeline. Use at least "
-                f"{pp} (2 x {pp} or more keeps the bubble small).")
-        if sched == "interleaved-1f1b" and m % pp:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} must be a multiple of the pipeline degree {pp} for "
-                "'interleaved-1f1b' (microbatches go round the ranks in full rounds).")
+        # Every schedule's rules (stages per rank, micro-batch count) live in pp_schedules.
+        check_schedule(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
         if self.pp_first_stage_fewer < 0:
             raise ConfigError(f"parallel.pp_first_stage_fewer must be >= 0, got {self.pp_first_stage_fewer}.")
 
@@ -313,7 +293,7 @@ class Layout:
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The pipeline stages ``pp_rank`` runs."""
-        return local_stage_ids(pp_rank, self.pp, self.pp_stages_per_rank)
+        return stage_ids_of(self.pp_schedule, pp_rank, self.pp, self.pp_stages_per_rank)
 
     def rank_layers(self, pp_rank: int) -> list[int]:
         """The block indices that pipeline rank ``pp_rank`` holds (needs ``n_blocks``)."""

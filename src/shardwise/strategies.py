@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import LLAMA_LIKE, PP_FAMILIES, TP_FAMILIES
+from shardwise.families import PP_FAMILIES, TP_FAMILIES
+from shardwise.pp_schedules import PP_SCHEDULES  # the schedules and their rules have their own owner
 
 __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_SYNC_MODES", "MESH_ORDER",
            "NOT_IMPLEMENTED_DEGREES", "PP_SCHEDULES", "REGISTRY", "StrategyInfo", "canonical_strategy",
@@ -31,7 +32,6 @@ __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_
 # ----------------------------------------------------------------- modes (defined once, here)
 # "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
 AC_MODES = ("none", "full", "selective", "selective-op")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # When gradients are reduced under accumulation: "step" skips the sync on all but the last
 # micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).
@@ -95,10 +95,10 @@ class StrategyInfo:
             return ""
         what = family or "this (custom) model"
         if "pp" in self.degrees:
-            return (f"pipeline parallel cuts only the built-in GPT (model.kind = 'gpt') into stages; "
-                    f"{what} has no stage split")
+            return (f"pipeline parallel cuts the built-in GPT and the Hugging Face families "
+                    f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')} into stages; {what} has no stage split")
         return (f"tensor parallel has plans for the built-in GPT and the Hugging Face families "
-                f"{', '.join(LLAMA_LIKE)}; {what} has none")
+                f"{', '.join(f for f in TP_FAMILIES if f != 'gpt')}; {what} has none")
 
 
 _STRATEGIES = (

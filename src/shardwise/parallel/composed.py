@@ -35,6 +35,7 @@ from shardwise.parallel.pp import (
     Pipeline,
     autocast_forward,
     check_pp_model,
+    n_pipeline_blocks,
     prune_to_stages,
     stage_view,
 )
@@ -78,6 +79,12 @@ class ModelParallelStrategy(Strategy):
         return self.dp_kind != "fsdp"  # FSDP2 casts through its MixedPrecisionPolicy
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
+        if self.layout.pp > 1:
+            from shardwise.pp_schedules import compile_refusal
+
+            refusal = compile_refusal(self.layout.pp_schedule)
+            if refusal:
+                return refusal
         if self.layout.tp > 1 and options.activation_checkpointing != "none":
             # torch 2.13's AOT autograd cannot save a checkpointed region's DTensor metadata (it
             # stores the DeviceMesh among the saved tensors and asserts); TP + compile and
@@ -100,8 +107,8 @@ class ModelParallelStrategy(Strategy):
         # Same model and layout on every rank, so a bad shape raises the same error everywhere.
         self.check_model(model)
         layout = ctx.layout
-        if layout.pp > 1 and layout.n_blocks != len(model.blocks):
-            layout = layout.with_blocks(len(model.blocks), "blocks")
+        if layout.pp > 1 and layout.n_blocks != n_pipeline_blocks(model):
+            layout = layout.with_blocks(n_pipeline_blocks(model), "blocks")
         self._stage_ids, self._ranges = [0], [range(0)]
         self._stage_layout = layout
         if layout.pp == 1:
@@ -119,8 +126,13 @@ class ModelParallelStrategy(Strategy):
 
     def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         opts, layout = ctx.options, self._stage_layout
-        pp, stage_ids, ranges = layout.pp, self._stage_ids, self._ranges
+        pp, tp, stage_ids, ranges = layout.pp, layout.tp, self._stage_ids, self._ranges
+        mesh = ctx.mesh
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
+        if pp > 1 and tp > 1 and layout.sequence_parallel:
+            for part in parts:  # HF stages re-wrap the sequence shard they receive (pp_hf.py)
+                if hasattr(part, "set_sequence_parallel"):
+                    part.set_sequence_parallel(mesh["tp"])  # type: ignore[index]
         if self.dp_kind == "fsdp":
             # Meta-device models: shard, then allocate and fill each rank's shards. Per FSDP root
             # (each stage), so that FSDP re-points its sharded parameters at the new storage.

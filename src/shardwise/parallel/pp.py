@@ -5,7 +5,8 @@ keyed "0".."n-1" and ``tok_emb``/``pos_emb``/``ln_f``/``lm_head`` may be ``None`
 one GPT with everything it does not own deleted (its *union* model: parameter names are the
 single-device ones, so checkpoints line up across layouts), and each local stage is a light view
 of that union holding only the stage's own parts. Schedules, microbatching and the point-to-point
-activation traffic are ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B).
+activation traffic are ``torch.distributed.pipelining``: every schedule in ``pp_schedules.py``
+(GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero-bubble, ZBV, DualPipeV).
 
 Loss scaling (why the result equals one big batch): the schedule calls backward itself, once per
 microbatch, and ``scale_grads=False`` keeps it from rescaling afterwards (it would also rescale the
@@ -24,34 +25,57 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout, local_stage_ids, stage_layer_ranges
+from shardwise.pp_schedules import schedule_info, stage_rank
 
-__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "local_stage_ids", "prune_to_stages",
-           "stage_layer_ranges", "stage_view"]
+__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "local_stage_ids", "n_pipeline_blocks",
+           "prune_to_stages", "stage_layer_ranges", "stage_view"]
+
+
+def _is_gpt(model: nn.Module) -> bool:
+    from shardwise.models.gpt import GPT
+
+    return isinstance(model, GPT)
+
+
+def n_pipeline_blocks(model: nn.Module) -> int:
+    """The number of blocks the pipeline splits into stages (GPT blocks or HF decoder layers)."""
+    if _is_gpt(model):
+        return len(model.blocks)
+    from shardwise.parallel.pp_hf import n_layers
+
+    return n_layers(model)
 
 
 def check_pp_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
-    from shardwise.models.gpt import GPT
+    from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family
+    from shardwise.parallel.registry import PP_FAMILIES
 
-    if not isinstance(model, GPT):
-        raise ConfigError(
-            f"pipeline parallel splits the built-in GPT into stages; {type(model).__name__} has no "
-            "stage split. Use tensor parallel or a data-parallel/sharded strategy for this model."
-        )
-    layout.with_blocks(len(model.blocks), "blocks")  # raises when the stages cannot be cut
+    if not _is_gpt(model):
+        if not hf_pp_family(model):
+            from shardwise.parallel.blocks import model_family
+
+            family = model_family(model)
+            what = f"the Hugging Face {family} model" if family else type(model).__name__
+            raise ConfigError(
+                f"pipeline parallel has a stage split for the built-in GPT and the Hugging Face families "
+                f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has no stage split. Use tensor parallel "
+                "or a data-parallel/sharded strategy (ddp, fsdp) for this model.")
+        check_hf_pp_model(model)
+    layout.with_blocks(n_pipeline_blocks(model), "blocks")  # raises when the stages cannot be cut
 
 
 def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
     """Delete from ``model`` (in place) every part no local stage owns; return it (the union)."""
+    if not _is_gpt(model):
+        from shardwise.parallel.pp_hf import prune_hf_to_stages
+
+        return prune_hf_to_stages(model, stage_ids, ranges)
     n_stages = len(ranges)
     owned = {str(i) for s in stage_ids for i in ranges[s]}
     for key in list(model.blocks.keys()):
@@ -71,7 +95,12 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
 
     A fresh module (not a copy) so that wrappers (DDP, FSDP) and hooks put on a stage never
     leak onto the union; attribute order matches GPT so the stage's FQNs are the union's.
+    Hugging Face models get an ``HFStage`` (``parallel/pp_hf.py``), built on the same rule.
     """
+    if not _is_gpt(union):
+        from shardwise.parallel.pp_hf import HFStage
+
+        return HFStage(union, stage, ranges)
     last = stage == len(ranges) - 1
     view = type(union).__new__(type(union))
     nn.Module.__init__(view)
@@ -115,11 +144,13 @@ class Pipeline:
         self._loss_fn: Callable | None = None
         self._scale = 1.0
         kwargs = {"n_microbatches": n_microbatches, "loss_fn": self._scaled_loss, "scale_grads": False}
-        if schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, **kwargs)
-        else:
-            cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.schedule = cls(self.stages[0], **kwargs)
+        # The schedule table (pp_schedules.py) names the torch class and its stage placement;
+        # the layout already checked its rules (stages per rank, micro-batch count).
+        info = schedule_info(schedule)
+        cls = getattr(pipelining, info.torch_class)
+        self.schedule = cls(self.stages if info.multi_stage else self.stages[0], **kwargs)
+        # V placement puts the last stage (the loss) on rank 0; loop placement on rank pp - 1.
+        self.last_rank = stage_rank(schedule, n_stages - 1, self.pp_size, layout.pp_stages_per_rank)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
@@ -150,6 +181,6 @@ class Pipeline:
             loss = torch.stack([local_value(t.detach()).float() for t in losses]).mean() / self._scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.pp_size - 1)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 

@@ -127,10 +127,13 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
-        if (self.pp_schedule == "interleaved-1f1b") != (self.pp_stages_per_rank > 1):
+        from shardwise.pp_schedules import schedule_info
+
+        multi = schedule_info(self.pp_schedule).multi_stage
+        if multi != (self.pp_stages_per_rank > 1):
             raise ConfigError(
-                "--pp-schedule interleaved-1f1b runs several stages per rank: give it --pp-stages-per-rank >= 2 "
-                f"(got {self.pp_stages_per_rank}); gpipe and 1f1b run exactly one (--pp-stages-per-rank 1).")
+                f"--pp-schedule {self.pp_schedule} runs {'several stages' if multi else 'one stage'} per rank: "
+                f"give it --pp-stages-per-rank {'>= 2' if multi else '1'} (got {self.pp_stages_per_rank}).")
 
 
 def layout_label(strategy: str, tp: int, pp: int) -> str:
@@ -225,8 +228,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     _validate_degrees(spec, cluster, tp, pp)
     # --tp / --pp pin a degree; otherwise every TP degree that fits a node, PP across nodes.
     tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t))]
-    pps = [pp] if pp else [1, *([cluster.nodes] if cluster.nodes > 1 and (spec.n_layers or 0) >= cluster.nodes
-                                else [])]
+    # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
+    from shardwise.plan.pipeline import pipeline_degrees
+
+    pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
     combos = [(t, p) for p in pps for t in tps]
     layouts: list[Layout] = []
     skipped: list[str] = []

@@ -12,6 +12,7 @@ from shardwise.plan import presets, spec
 from shardwise.plan.advice import GIB, RUNTIME_RESERVE_GIB, Cluster, Plan, Workload, make_plan
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.pp_schedules import PP_SCHEDULES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
     w.add_argument("--tp", type=int, help="only consider this tensor-parallel degree")
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
-    w.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+    w.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
                    help="pipeline schedule of the pipeline candidates (default 1f1b)")
     w.add_argument("--pp-stages-per-rank", type=int, default=1, metavar="V",
                    help="pipeline stages per rank (interleaved-1f1b: 2 or more; shrinks the bubble V times)")

@@ -296,9 +296,11 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         p2p = grad_accum * 2 * (act / (fabric.collective_gbs(pp, tp * dp) * 1e9) + alpha)
         exposed += p2p
         total += p2p
-        # The idle fraction f of the step (bubble_fraction) on top of the compute: f / (1 - f) of it.
-        f = bubble_fraction(pp, grad_accum, layout.pp_stages_per_rank)
-        bubble = compute * f / (1 - f)
+        # Idle time per schedule (plan/pipeline.py): compute * (p-1)/(v*m) for 1F1B-like schedules,
+        # a third of that for the zero-bubble ones.
+        from shardwise.plan.pipeline import idle_ratio
+
+        bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
     tokens_per_step = tokens_micro * grad_accum * dp
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)

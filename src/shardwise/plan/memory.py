@@ -573,7 +573,9 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
-        in_flight = min(layout.pp, grad_accum) if layout.pp_schedule != "gpipe" else grad_accum
+        # GPipe and looped BFS run every micro-batch's forward before the backwards; the 1F1B-like
+        # ones (zero-bubble included) keep at most p in flight.
+        in_flight = min(layout.pp, grad_accum) if layout.pp_schedule not in ("gpipe", "looped-bfs") else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
     if spec.has_structure and spec.vocab and kernels.loss == "torch":

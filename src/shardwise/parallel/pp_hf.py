@@ -1,0 +1,198 @@
+"""Pipeline stages for Hugging Face causal LMs of the Llama family (llama, mistral, qwen2, qwen3).
+
+The built-in GPT is cut by ``parallel/pp.py``; a transformers model needs three more things, all
+done here from outside (the HF code is not touched):
+
+* **Layer names that survive the cut.** ``model.layers`` is an ``nn.ModuleList``, whose names are
+  positions: deleting layers 0-3 would rename layer 4 to ``layers.0`` and break checkpoints,
+  pretrained loading and export. The union model (what a rank keeps) therefore holds its layers in
+  an ``nn.ModuleDict`` keyed by their original index (torchtitan's choice for its own models), so
+  every parameter keeps the name it has on one device: ``hf.model.layers.5.self_attn.q_proj.weight``.
+  Parts a rank does not own (embeddings, final norm, head) are set to ``None``.
+* **A stage forward.** ``HFStage`` runs what ``LlamaModel.forward`` runs, restricted to its slice:
+  the first stage embeds token ids, every stage builds the position ids, the rotary cos/sin and
+  the causal mask(s) its layers need from the hidden states it receives (so nothing but one
+  activation tensor crosses a stage boundary), the last stage applies the final norm and the head
+  and returns logits for the loss.
+* **Per-stage weights.** Nothing here reads weights: the union holds only this rank's tensors, so
+  the meta-init replay allocates only them and ``models.pretrained.load_pretrained`` asks DCP for
+  only their keys (each rank reads just its stage's bytes from the safetensors files).
+
+Why not ``transformers.distributed.pipeline_parallel`` (transformers 5.x): it replaces unowned
+modules by identity layers inside the full model and runs a naive forward-only split with its own
+blocking send/recv per step; it has no schedule (no microbatches, no 1F1B or zero-bubble), keeps
+positional ``ModuleList`` names only because it leaves identity layers in place, and its layer
+split ignores the embedding/head weight. torch's ``pipelining`` schedules need a stage module with a
+tensor-in/tensor-out forward, which is what ``HFStage`` is; the layer split is the layout's
+(``layout.stage_layer_ranges``), the same for GPT and HF models.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.errors import ConfigError
+from shardwise.parallel.registry import LLAMA_LIKE
+
+__all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "prune_hf_to_stages"]
+
+
+def hf_pp_family(model: nn.Module) -> str:
+    """The Hugging Face family of ``model`` if the pipeline can cut it ('' otherwise)."""
+    from shardwise.parallel.blocks import model_family
+
+    family = model_family(model)
+    return family if family in LLAMA_LIKE else ""
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.hf.model  # type: ignore[union-attr,return-value]
+
+
+def n_layers(model: nn.Module) -> int:
+    """The decoder layers of an (unpruned or pruned) union model."""
+    return int(model.hf.config.num_hidden_layers)  # type: ignore[union-attr]
+
+
+def check_hf_pp_model(model: nn.Module) -> None:
+    """Raise ConfigError when a Llama-family model cannot be cut into pipeline stages."""
+    config = model.hf.config  # type: ignore[union-attr]
+    if getattr(config, "tie_word_embeddings", False):
+        raise ConfigError(
+            f"pipeline parallel cannot cut this {config.model_type} model: it ties its output head to the "
+            "input embedding (tie_word_embeddings = true), and the first stage owns the embedding while "
+            "the last owns the head, so one tensor would live on two ranks. Use a model with untied "
+            "embeddings (the larger releases of these families), or a non-pipeline strategy (fsdp, fsdp+tp).")
+    layers = _inner(model).layers
+    if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers(model):
+        raise ConfigError(
+            f"pipeline parallel expects the model's {n_layers(model)} decoder layers in hf.model.layers; "
+            f"found {type(layers).__name__} of {len(layers)}. Pass the model as build_hf_model returns it.")
+
+
+def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
+    """Delete (in place) every part of ``model`` that no local stage owns; return it (the union).
+
+    The layers move into an ``nn.ModuleDict`` keyed by their original index (see module docstring).
+    """
+    inner = _inner(model)
+    owned = sorted(i for s in stage_ids for i in ranges[s])
+    layers = inner.layers
+    inner.layers = nn.ModuleDict({str(i): layers[i] for i in owned})
+    if 0 not in stage_ids:
+        inner.embed_tokens = None
+    if len(ranges) - 1 not in stage_ids:
+        inner.norm = None
+        model.hf.lm_head = None  # type: ignore[union-attr]
+    return model
+
+
+def _mask_kwargs(fn: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    """Keyword arguments of transformers' mask builders for a no-cache, no-padding training step.
+
+    The builders' signature changed between 4.x (``cache_position``, ``past_key_values``) and 5.x
+    (``cache``); only the names the installed version takes are passed.
+    """
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": None}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = position_ids[0]
+    if "position_ids" in params:
+        kwargs["position_ids"] = position_ids
+    return kwargs
+
+
+class HFStage(nn.Module):
+    """One pipeline stage of a Llama-family ``HFCausalLM``: token ids or hidden states in, hidden states
+    or logits out. Shares its modules with the union, under the same names (``hf.model.layers.5...``),
+    so FSDP units, pretrained loading and state dicts see the single-device names.
+    """
+
+    def __init__(self, union: nn.Module, stage: int, ranges: list[range]) -> None:
+        super().__init__()
+        self.first = stage == 0
+        self.last = stage == len(ranges) - 1
+        src_hf, src = union.hf, _inner(union)  # type: ignore[union-attr]
+        model = nn.Module()
+        model.embed_tokens = src.embed_tokens if self.first else None
+        model.layers = nn.ModuleDict({str(i): src.layers[str(i)] for i in ranges[stage]})
+        model.norm = src.norm if self.last else None
+        model.rotary_emb = src.rotary_emb  # every stage computes the positions its layers need
+        hf = nn.Module()
+        hf.model = model
+        hf.lm_head = src_hf.lm_head if self.last else None
+        hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
+        hf.base_model_prefix = getattr(src_hf, "base_model_prefix", "model")
+        self.hf = hf
+        # What pretrained loading and the FSDP materialiser need from the union.
+        self.pretrained = getattr(union, "pretrained", None)
+        self._sp_mesh: Any = None
+
+    def set_sequence_parallel(self, tp_mesh: Any) -> None:
+        """Under TP + sequence parallel the residual stream is a sequence-sharded DTensor (the Llama
+        plan keeps it one so HF code sees the global length). A pipeline boundary carries plain
+        tensors, so this stage sends its local shard and wraps what it receives back into a DTensor."""
+        self._sp_mesh = tp_mesh
+
+    def load_pretrained(self) -> None:
+        """Read this stage's tensors (only those) from the pretrained folder; collective like DCP."""
+        if self.pretrained is not None:
+            from shardwise.models.pretrained import load_pretrained
+
+            load_pretrained(self.hf, self.pretrained)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model, config = self.hf.model, self.hf.config
+        if self.first:
+            hidden = model.embed_tokens(x)
+        elif self._sp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
+        else:
+            hidden = x
+        seq = hidden.shape[1]
+        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        position_embeddings = model.rotary_emb(hidden, position_ids)
+        masks: dict[str, Any] = {}
+        for name, layer in model.layers.items():
+            kind = _attention_kind(config, int(name))
+            if kind not in masks:
+                masks[kind] = _build_mask(kind, config, hidden, position_ids)
+            out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
+                        position_embeddings=position_embeddings, use_cache=False)
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        if self.last:
+            return self.hf.lm_head(model.norm(hidden))
+        if self._sp_mesh is not None:
+            # The sequence shard crosses the boundary; a copy, not the DTensor's view of it (FSDP
+            # hooks the stage's output for its backward and warns about a view).
+            hidden = hidden.to_local().clone()
+        return hidden
+
+
+def _attention_kind(config: Any, index: int) -> str:
+    """'full_attention' or 'sliding_attention' for layer ``index``, as the HF model decides it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # qwen2 / qwen3 (and any config that lists it)
+        return str(layer_types[index])
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        return "sliding_attention"
+    return "full_attention"
+
+
+def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    from transformers import masking_utils
+
+    fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
+          else masking_utils.create_causal_mask)
+    # sdpa with no padding: the builder returns None and attention runs with is_causal=True.
+    return fn(**_mask_kwargs(fn, config, hidden, position_ids))

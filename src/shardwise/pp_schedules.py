@@ -1,0 +1,122 @@
+"""The pipeline schedules shardwise runs, as data: one owner for their names, constraints and placement.
+
+Torch-free (config validation, the layout and the planner read it); ``parallel/pp.py`` maps a name
+to its ``torch.distributed.pipelining`` class. Every rule a schedule imposes on the layout lives
+here, and ``check_schedule`` raises one ConfigError naming it, before any rank starts:
+
+* stages per rank (``parallel.pp_stages_per_rank``): GPipe and 1F1B run one; the interleaved and
+  looped ones run two or more; the V-shaped ones (ZBV, DualPipeV) exactly two;
+* stage placement: "loop" (rank r holds stages r, r + p, r + 2p, ...) or "v" (rank r holds stages
+  r and 2p - 1 - r, so rank 0 holds the first and the last stage: the V-shaped schedules need it);
+* micro-batch count (``parallel.pp_microbatches``): at least the pipeline degree everywhere; the
+  interleaved ones take whole rounds (a multiple of p); DualPipeV at least as many as stages;
+* ``train.compile``: torch cannot compile the split input/weight backward of the zero-bubble ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.errors import ConfigError, unknown_choice
+
+__all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "schedule_info", "stage_ids_of",
+           "stage_rank"]
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What one schedule is and needs. ``stages_per_rank``: "one", "many" (>= 2) or "two"."""
+
+    name: str
+    torch_class: str  # in torch.distributed.pipelining
+    stages_per_rank: str
+    placement: str  # "loop" or "v"
+    zero_bubble: bool  # splits the backward into input- and weight-gradient passes
+    description: str
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.stages_per_rank != "one"
+
+
+_TABLE = (
+    ScheduleInfo("gpipe", "ScheduleGPipe", "one", "loop", False,
+                 "all forwards, then all backwards (activations of every micro-batch held)"),
+    ScheduleInfo("1f1b", "Schedule1F1B", "one", "loop", False,
+                 "one forward, one backward in steady state (at most p micro-batches of activations)"),
+    ScheduleInfo("interleaved-1f1b", "ScheduleInterleaved1F1B", "many", "loop", False,
+                 "1F1B over v stages per rank (Megatron interleaving): bubble shrinks v times"),
+    ScheduleInfo("looped-bfs", "ScheduleLoopedBFS", "many", "loop", False,
+                 "breadth-first over v stages per rank: all micro-batches through a stage before the next"),
+    ScheduleInfo("interleaved-zb", "ScheduleInterleavedZeroBubble", "many", "loop", True,
+                 "interleaved 1F1B with the weight-gradient pass deferred into the bubble (ZB-H1 style)"),
+    ScheduleInfo("zbv", "ScheduleZBVZeroBubble", "two", "v", True,
+                 "zero-bubble V schedule: two stages per rank in a V, weight gradients fill the bubble"),
+    ScheduleInfo("dualpipev", "ScheduleDualPipeV", "two", "v", True,
+                 "DeepSeek's DualPipe on a V placement: overlaps one micro-batch's forward with another's backward"),
+)
+SCHEDULES: dict[str, ScheduleInfo] = {s.name: s for s in _TABLE}
+PP_SCHEDULES: tuple[str, ...] = tuple(SCHEDULES)
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    """The entry of ``name``; ConfigError listing the valid names otherwise."""
+    if name not in SCHEDULES:
+        raise unknown_choice("pipeline schedule", name, PP_SCHEDULES)
+    return SCHEDULES[name]
+
+
+def stage_ids_of(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices ``pp_rank`` runs under ``schedule`` (loop or V placement)."""
+    if SCHEDULES.get(schedule, SCHEDULES["1f1b"]).placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def stage_rank(schedule: str, stage: int, pp: int, stages_per_rank: int) -> int:
+    """The pipeline rank that runs ``stage``."""
+    return next(r for r in range(pp) if stage in stage_ids_of(schedule, r, pp, stages_per_rank))
+
+
+def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
+    """Raise ConfigError naming the broken rule when ``schedule`` cannot run this layout."""
+    info = schedule_info(schedule)
+    v, m = stages_per_rank, microbatches
+    key = f"parallel.pp_schedule='{schedule}'"
+    if info.stages_per_rank == "one" and v != 1:
+        multi = ", ".join(s.name for s in _TABLE if s.multi_stage)
+        raise ConfigError(f"parallel.pp_stages_per_rank={v} needs a schedule that runs several stages per "
+                          f"rank ({multi}); {key} runs one stage per rank.")
+    if info.stages_per_rank == "many" and v < 2:
+        raise ConfigError(
+            f"{key} needs parallel.pp_stages_per_rank >= 2 (it interleaves several stages per rank to "
+            "shrink the bubble); set it to 2, or use '1f1b'.")
+    if info.stages_per_rank == "two" and v != 2:
+        raise ConfigError(
+            f"{key} needs parallel.pp_stages_per_rank = 2 exactly: it places two stages per rank in a V "
+            f"(rank r runs stages r and 2p-1-r); got {v}.")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"parallel.pp_microbatches must be a positive integer, got {m!r}.")
+    if m < pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches={m} must be >= the pipeline degree {pp}: with fewer "
+            "microbatches than stages some stage always idles, the bubble (p-1)/(m+p-1) exceeds "
+            "half the step, and the 1F1B schedules cannot even fill the pipeline. Use at least "
+            f"{pp} (2 x {pp} or more keeps the bubble small).")
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and m % pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches={m} must be a multiple of the pipeline degree {pp} for "
+            f"'{schedule}' (microbatches go round the ranks in full rounds).")
+    if schedule == "dualpipev" and m < 2 * pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches={m} is too few for 'dualpipev': it needs at least as many "
+            f"micro-batches as stages (2 x pp = {2 * pp}).")
+
+
+def compile_refusal(schedule: str) -> str | None:
+    """Why ``train.compile`` cannot run under ``schedule`` (None when it can)."""
+    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].zero_bubble:
+        return (f"the zero-bubble pipeline schedule {schedule!r} splits each backward into input- and "
+                "weight-gradient passes, which torch.compile does not support in this PyTorch; use "
+                "'1f1b' or 'interleaved-1f1b' to compile, or set train.compile = false")
+    return None
