@@ -9,9 +9,10 @@ import sys
 
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.plan import presets, spec
-from shardwise.plan.advice import GIB, RUNTIME_RESERVE_GIB, Cluster, Plan, Workload, make_plan
+from shardwise.plan.advice import RUNTIME_RESERVE_GIB, Candidate, Cluster, Plan, Workload, make_plan
 from shardwise.plan.cost import flops_per_token
-from shardwise.plan.memory import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.search import gib, searched, tps
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,14 +54,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--host-ram-gib", type=float, help="host RAM per node, for fsdp-offload")
     w = p.add_argument_group("workload")
     w.add_argument("--seq", type=int, help="sequence length (default: the model's context, at most 8192)")
-    w.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
+    w.add_argument("--micro-batch", type=int,
+                   help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
-    w.add_argument("--checkpoint", default="none",
+    w.add_argument("--checkpoint",
                    help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
-                   "(as parallel.activation_checkpointing)")
+                   "(as parallel.activation_checkpointing; default: searched per layout)")
+    w.add_argument("--grad-sync", choices=GRAD_SYNC_MODES,
+                   help="when sharded gradients are reduced under accumulation: once per step (no_sync) or every "
+                   "micro-batch (parallel.grad_sync; default: searched per layout)")
+    w.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile) in the commands")
     w.add_argument("--ac-every", type=int, default=2,
                    help="with --checkpoint selective: checkpoint every k-th block (parallel.ac_every, default 2)")
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
@@ -68,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
     w.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
                    help="pipeline schedule of the pipeline candidates (default 1f1b)")
-    w.add_argument("--pp-stages-per-rank", type=int, default=1, metavar="V",
-                   help="pipeline stages per rank (interleaved-1f1b: 2 or more; shrinks the bubble V times)")
+    w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
+                   help="pipeline stages per rank (interleaved-1f1b: 2 or more, searched when left out; shrinks "
+                   "the bubble V times)")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
     w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
                    "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "
@@ -143,16 +150,28 @@ def build_plan(args: argparse.Namespace) -> Plan:
         intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
     seq = args.seq or min(model.max_seq or 2048, 8192)
     recipe, sets, target_warnings = run_target(args, model, seq)
-    work = Workload(seq=seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+    # What the user leaves out, the planner searches (per layout); what they give stays fixed.
+    interleaved = args.pp_schedule == "interleaved-1f1b"
+    search = tuple(knob for knob, given in (
+        ("checkpoint", args.checkpoint), ("micro_batch", args.micro_batch), ("grad_sync", args.grad_sync),
+        ("pp_stages_per_rank", args.pp_stages_per_rank if interleaved else 1)) if given is None)
+    work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-                    checkpoint=args.checkpoint, attention=args.attention, ac_every=args.ac_every,
-                    safety_margin=args.margin, pp_schedule=args.pp_schedule,
-                    pp_stages_per_rank=args.pp_stages_per_rank, recipe=recipe, extra_sets=sets)
+                    checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
+                    grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
+                    pp_stages_per_rank=args.pp_stages_per_rank or (2 if interleaved else 1), recipe=recipe,
+                    extra_sets=sets, search=search, compile=args.compile)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
     plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
     plan.warnings[:0] = target_warnings
     return plan
+
+
+def _settings(c: Candidate) -> dict:
+    """The settings the recommendation runs with (searched or given)."""
+    return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
+            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "verdict": c.verdict}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -164,12 +183,14 @@ def plan_to_dict(plan: Plan) -> dict:
         "cluster": {"gpu": c.gpu.name, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
                     "memory_gib": c.gpu.memory_gib, "usable_gib": c.usable_gib, "bf16_tflops": c.gpu.bf16_tflops,
                     "mem_bw_tbs": c.gpu.mem_bw_tbs},
-        "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "precision": w.precision,
-                     "optimizer": w.optimizer, "checkpoint": w.checkpoint, "ac_every": w.ac_every,
-                     "safety_margin": w.safety_margin},
+        "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "global_batch": w.global_batch,
+                     "precision": w.precision, "optimizer": w.optimizer, "checkpoint": w.checkpoint,
+                     "ac_every": w.ac_every, "grad_sync": w.grad_sync, "compile": w.compile,
+                     "safety_margin": w.safety_margin, "searched": list(searched(w))},
         "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],
         "recommended": plan.recommended.name if plan.recommended else None,
+        "recommended_settings": _settings(plan.recommended) if plan.recommended else None,
         "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
     }
 
@@ -184,20 +205,23 @@ def format_table(plan: Plan) -> str:
         f"cluster: {c.nodes} x {c.gpus_per_node} x {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, "
         f"{c.usable_gib * (1 - w.safety_margin):.1f} GiB budget after {RUNTIME_RESERVE_GIB:.0f} GiB reserve and "
         f"{w.safety_margin:.0%} margin)",
-        f"workload: seq {w.seq}, micro-batch {w.micro_batch}, {w.precision}, {w.optimizer}, "
-        f"checkpointing {w.checkpoint}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token",
+        f"workload: seq {w.seq}, {w.precision}, {w.optimizer}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token; "
+        + (f"searched per layout: {', '.join(k.replace('_', '-') for k in searched(w))}"
+           if w.search else "nothing searched")
+        + ("" if "micro_batch" in w.search else f"; micro-batch {w.micro_batch}")
+        + ("" if "checkpoint" in w.search else f"; checkpointing {w.checkpoint}"),
         "",
     ]
-    head = ["strategy", "accum", "params", "grads", "optim", "master", "activ", "transient", "frag", "total", "fits",
-            "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
+    head = ["strategy", "ckpt", "mb", "accum", "sync", "params", "grads", "optim", "master", "activ", "transient",
+            "frag", "total", "verdict", "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
     rows = [head]
     for cand in plan.candidates:
         m, t = cand.memory, cand.time
-        rows.append([cand.name, str(cand.grad_accum)]
-                    + [f"{b / GIB:.2f}" for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
-                                                  m.transient, m.fragmentation, m.total)]
-                    + ["yes" if cand.fits else "NO", f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
-                       f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
+        rows.append([cand.name, cand.checkpoint, str(cand.micro_batch), str(cand.grad_accum), cand.grad_sync]
+                    + [gib(b) for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
+                                        m.transient, m.fragmentation, m.total)]
+                    + [cand.verdict, f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
+                       f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", tps(t.tokens_per_s_per_gpu),
                        f"{t.mfu:.1%}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for i, r in enumerate(rows):
@@ -206,7 +230,8 @@ def format_table(plan: Plan) -> str:
             lines.append("  ".join("-" * wd for wd in widths))
     lines.append("(GiB per GPU; transient = all-gather/reduce-scatter/DDP buckets, recompute, pipeline "
                  "in-flight, logits+loss; frag = caching-allocator overhead; step time = compute + exposed comm "
-                 "+ bubble)")
+                 "+ bubble; verdict: fits the budget, tight = over the budget but within the device's memory, "
+                 "no = above it; ckpt/mb/sync: the settings chosen for that layout)")
     cal = plan.calibration
     lines.append(f"(calibration {cal.name!r}: matmul {cal.matmul_efficiency:.2f}, attention "
                  f"{cal.attention_efficiency:.2f}, links {cal.link_efficiency:.2f} of peak; "
@@ -214,8 +239,11 @@ def format_table(plan: Plan) -> str:
     lines.append("")
     if plan.recommended:
         r = plan.recommended
-        lines.append(f"recommended: {r.name} - {r.memory.total / GIB:.1f} GiB of {r.budget_bytes / GIB:.1f} GiB "
-                     f"budget, {r.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+        lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
+                     f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync} - {gib(r.memory.total)} "
+                     f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
+                     f"{c.gpu.memory_gib:.0f} GiB; "
+                     f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")
     lines += [f"  not {x}" for x in plan.rejected]
     lines += [f"  not offered {x}" for x in plan.skipped]
     if plan.commands:
