@@ -12,7 +12,7 @@ from shardwise.plan import presets, spec
 from shardwise.plan.advice import RUNTIME_RESERVE_GIB, Candidate, Cluster, Plan, Workload, make_plan
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
-from shardwise.plan.search import gib, searched, tps
+from shardwise.plan.search import device_gib, gib, searched, tps
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -242,7 +242,7 @@ def format_table(plan: Plan) -> str:
         lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
                      f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync} - {gib(r.memory.total)} "
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
-                     f"{c.gpu.memory_gib:.0f} GiB; "
+                     f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")
     lines += [f"  not {x}" for x in plan.rejected]
     lines += [f"  not offered {x}" for x in plan.skipped]

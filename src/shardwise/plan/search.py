@@ -114,6 +114,11 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
+def device_gib(memory_gib: float) -> str:
+    """A device's memory as the reasons print it (58.7, 80)."""
+    return f"{memory_gib:.1f}".removesuffix(".0")
+
+
 def tps(value: float) -> str:
     """Tokens/s/GPU as the table prints them."""
     return f"{value:,.0f}"
@@ -152,18 +157,18 @@ def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workloa
     """Why ``c`` is not the recommendation, in the numbers the table prints for both."""
     from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 
-    device = cluster.gpu.memory_gib
+    device = device_gib(cluster.gpu.memory_gib)
     if c.verdict == "no":
         if not c.host_fits:
             return (f"does not fit: needs {c.memory.host_bytes / GIB:.0f} GiB of host RAM per node for offloaded "
                     f"state, has {cluster.host_ram_gib or cluster.gpu.host_ram_gib:.0f}")
         searched = " even at its smallest setting" if work.search else ""
         return (f"does not fit: needs {gib(c.memory.total)} GiB{searched}, more than the device's "
-                f"{device:.0f} GiB")
+                f"{device} GiB")
     if c.verdict == "tight":
         state = (f"tight: needs {gib(c.memory.total)} GiB, over the {gib(c.budget_bytes)} GiB budget (after the "
                  f"{RUNTIME_RESERVE_GIB:.0f} GiB reserve and {work.safety_margin:.0%} margin) with "
-                 f"{gib(c.headroom_bytes)} GiB left of the device's {device:.0f} GiB")
+                 f"{gib(c.headroom_bytes)} GiB left of the device's {device} GiB")
         if best is None or best.verdict == "fits":
             return state
     else:
@@ -250,7 +255,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
         if best is not None:
             warnings.append(
                 f"nothing fits within the safety margin; {best.name} is recommended but tight: "
-                f"{gib(best.memory.total)} GiB of the device's {cluster.gpu.memory_gib:.0f} GiB "
+                f"{gib(best.memory.total)} GiB of the device's {device_gib(cluster.gpu.memory_gib)} GiB "
                 f"({gib(best.headroom_bytes)} GiB left). Published runs do run this close; expect to tune "
                 "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
