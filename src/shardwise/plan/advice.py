@@ -107,6 +107,9 @@ class Workload:
     # torch.compile each block (train.compile): printed in the commands (its speed-up is not yet
     # part of the cost model; docs/planner.md).
     compile: bool = False
+    # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
+    # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
@@ -283,7 +286,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
             for v in stages_per_rank_choices(work) if p > 1 else (1,):
                 options = ParallelConfig(
                     strategy=info.name, tp=t, pp=p, hsdp_shard_size=g if info.hybrid else 0,
-                    precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1,
+                    precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1 and not work.lora_rank,
                     pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
@@ -437,7 +440,9 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     if not work.recipe:
         return []
     lay = cand.layout
-    settings = " ".join(f"--set {shlex.quote(s)}" for s in train_settings(cand, work))
+    from shardwise.plan.finetune import shell_word
+
+    settings = " ".join(f"--set {shell_word(s)}" for s in train_settings(cand, work))
     args = f"{shlex.quote(work.recipe)} --strategy {lay.strategy} {settings}"
     g, n = cluster.gpus_per_node, cluster.nodes
     if n == 1:

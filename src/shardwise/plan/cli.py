@@ -8,10 +8,20 @@ import json
 import sys
 
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.plan import presets, spec
-from shardwise.plan.advice import RUNTIME_RESERVE_GIB, Candidate, Cluster, Plan, Workload, make_plan
+from shardwise.plan import finetune, presets, spec
+from shardwise.plan.advice import (
+    RUNTIME_RESERVE_GIB,
+    TRAIN_PRECISION,
+    Candidate,
+    Cluster,
+    Plan,
+    Workload,
+    make_plan,
+    runtime_batch,
+)
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.search import device_gib, gib, searched, tps
 
 
@@ -31,11 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama/Mistral/Qwen2/GPT-2)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="a function returning an nn.Module; called on the meta device")
+    m.add_argument("--pretrained", metavar="DIR",
+                   help="a local Hugging Face model folder (config.json + safetensors) to fine-tune: the commands "
+                   "run the hf-finetune recipe on it")
     m.add_argument("--params", type=float, metavar="N", help="a bare parameter count (e.g. 7e9)")
     m.add_argument("--layers", type=int, help="with --params: number of blocks")
     m.add_argument("--hidden", type=int, help="with --params: hidden size")
     m.add_argument("--heads", type=int, help="with --params: attention heads")
     m.add_argument("--vocab", type=int, help="with --params: vocabulary size")
+    f = p.add_argument_group("fine-tuning")
+    f.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="with --pretrained: LoRA adapters of this rank on the frozen model (lora.rank)")
+    f.add_argument("--lora-targets", nargs="+", default=(), metavar="NAME",
+                   help="modules that get adapters (lora.targets; default: peft's for the model family)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
     c.add_argument("--gpu-spec", metavar="FILE",
@@ -86,11 +104,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _spec_from_args(args: argparse.Namespace) -> spec.ModelSpec:
     """The ModelSpec named by exactly one model source flag."""
-    given = [k for k in ("model", "hf_config", "model_factory", "params") if getattr(args, k) is not None]
+    given = [k for k in ("model", "hf_config", "model_factory", "pretrained", "params") if getattr(args, k) is not None]
     if len(given) != 1:
         flags = ", ".join("--" + k.replace("_", "-") for k in given) or "none"
-        raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory or --params); "
-                          f"got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
+        raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory, --pretrained or "
+                          f"--params); got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
+    if (args.lora or args.lora_targets) and args.pretrained is None:
+        raise ConfigError("--lora trains adapters on a frozen pretrained model: give the model folder with "
+                          "--pretrained DIR (a local Hugging Face folder with config.json and safetensors).")
+    if args.pretrained is not None:
+        return finetune.pretrained_spec(args.pretrained, args.lora, tuple(args.lora_targets))
     if args.model is not None:
         return presets.model_preset(args.model)
     if args.hf_config is not None:
@@ -111,6 +134,9 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
     from shardwise.models.hf_config import bundled_configs
 
     warnings: list[str] = []
+    if args.pretrained is not None:
+        sets, warnings = finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets))
+        return args.recipe or finetune.FINETUNE_RECIPE, sets, warnings
     if args.model is not None and model.family == "gpt":  # shardwise's own Shakespeare GPTs
         sets = ["model.kind=gpt", f"model.preset={model.name.removeprefix('gpt-')}"]
         if model.max_seq and seq != model.max_seq:
@@ -160,12 +186,40 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (2 if interleaved else 1), recipe=recipe,
-                    extra_sets=sets, search=search, compile=args.compile)
+                    extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
     plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
     plan.warnings[:0] = target_warnings
     return plan
+
+
+def run_prediction(plan: Plan) -> RunPrediction | None:
+    """The recommended run's bytes per rank as ``train`` stores them (the runtime's precision: e.g.
+    fp32 sharded parameters under bf16-mixed) - what ``train --dry-run`` prints and the run's
+    memory ledger measures. The table's columns are the planner's general model (16-bit parameters
+    plus an fp32 master copy, as Megatron and DeepSpeed keep them)."""
+    c = plan.recommended
+    if c is None:
+        return None
+    w = plan.workload
+    micro_batch_size, accum_steps = runtime_batch(c.layout, c.micro_batch, c.grad_accum)
+    return predict_run(plan.spec, c.layout, precision=TRAIN_PRECISION[w.precision], seq=w.seq,
+                       micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
+                       activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
+                       ranks_per_node=plan.cluster.gpus_per_node)
+
+
+def _per_rank(pred: RunPrediction) -> list[dict]:
+    """Per-rank bytes, ranks that hold the same grouped (a 512-rank plan stays short)."""
+    groups: dict[tuple, list[int]] = {}
+    by_key = {}
+    for r in pred.ranks:
+        key = tuple(r.to_dict().values())
+        groups.setdefault(key, []).append(r.rank)
+        by_key[key] = r.to_dict()
+    return [{"ranks": ranks if len(ranks) <= 8 else f"{len(ranks)} ranks from {ranks[0]} to {ranks[-1]}",
+             **by_key[key]} for key, ranks in groups.items()]
 
 
 def _settings(c: Candidate) -> dict:
@@ -191,6 +245,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "candidates": [cand.to_dict() for cand in plan.candidates],
         "recommended": plan.recommended.name if plan.recommended else None,
         "recommended_settings": _settings(plan.recommended) if plan.recommended else None,
+        "recommended_per_rank": _per_rank(pred) if (pred := run_prediction(plan)) else None,
         "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
     }
 
@@ -244,6 +299,9 @@ def format_table(plan: Plan) -> str:
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
                      f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+    if plan.recommended and (pred := run_prediction(plan)) is not None:
+        lines += ["per rank as the run stores it (train --dry-run's prediction, checked against its memory "
+                  "ledger):", *("  " + row for row in pred.table().splitlines())]
     lines += [f"  not {x}" for x in plan.rejected]
     lines += [f"  not offered {x}" for x in plan.skipped]
     if plan.commands:
