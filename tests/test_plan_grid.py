@@ -184,7 +184,7 @@ def test_a_sharded_candidate_that_only_fits_reducing_every_microbatch_says_so():
     # Llama-3 70B, 4 x 8 H100, global batch 64 = 2 micro-batches per replica: syncing once per step
     # (no_sync) would keep a whole unsharded fp32 gradient (282 GiB) alive between micro-batches.
     plan = plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--gpu", "h100", "--nodes", "4", "--seq", "4096",
-                                         "--global-batch", "64", "--checkpoint", "full"))
+                                         "--global-batch", "64", "--checkpoint", "full", "--micro-batch", "1"))
     best = plan.recommended
     assert best is not None and best.grad_sync == "microbatch" and best.grad_accum == 2
     step_wise = evaluate(plan.spec, plan.cluster, plan.workload, best.layout)
