@@ -152,6 +152,7 @@ class Result:
     predicted_tps: float
     memory_gib: float  # predicted peak reserved memory
     fits: bool
+    verdict: str = "fits"  # the planner's fits / tight / no (advice.Candidate.verdict)
 
     @property
     def error(self) -> float | None:
@@ -160,7 +161,8 @@ class Result:
 
     @property
     def verdict_right(self) -> bool:
-        return self.fits == self.case.run["ran"]
+        # A run that ran must not be called "no"; one that ran out of memory must be.
+        return (self.verdict != "no") == self.case.run["ran"]
 
     @property
     def memory_error(self) -> float | None:
@@ -171,7 +173,7 @@ class Result:
 def evaluate_case(case: Case, calibrations: dict[str, Calibration]) -> Result:
     calib = calibrations[case.cluster.gpu.calibration]
     cand = evaluate(case.spec, case.cluster, case.work, case.layout, calib)
-    return Result(case, cand.time.tokens_per_s_per_gpu, cand.memory.total / GIB, cand.fits)
+    return Result(case, cand.time.tokens_per_s_per_gpu, cand.memory.total / GIB, cand.fits, cand.verdict)
 
 
 def predicted_tps(case: Case, calibrations: dict[str, Calibration]) -> float:
@@ -202,9 +204,11 @@ def golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float = 1
     return (a + b) / 2
 
 
-def fit(cases: list[Case], start: dict[str, Calibration]) -> dict[str, Calibration]:
-    """Coordinate descent (golden section per constant) on the fitted runs' squared log error."""
-    fitted = [c for c in cases if c.fitted and c.published_tps]
+def fit(cases: list[Case], start: dict[str, Calibration],
+        use: Callable[[Case], bool] = lambda c: c.fitted) -> dict[str, Calibration]:
+    """Coordinate descent (golden section per constant) on the squared log error of the runs
+    ``use`` picks (default: those marked ``"split": "fit"``)."""
+    fitted = [c for c in cases if use(c) and c.published_tps]
     cal = dict(start)
 
     def with_value(name: str, gen: str | None, value: float) -> dict[str, Calibration]:
@@ -267,7 +271,7 @@ def format_report(results: list[Result], markdown: bool = False) -> str:
         layout += f", mb {run['micro_batch']}x{run['grad_accum']}, seq {run['seq']}, ckpt {run['checkpoint']}"
         pub_mem = run["published"].get("memory_gib")
         mem = f"{r.memory_gib:.1f}" + (f" / {pub_mem:.1f}" if pub_mem is not None else "")
-        verdict = ("fits" if r.fits else "OOM") + " / " + ("ran" if run["ran"] else "OOM") + (
+        verdict = r.verdict + " / " + ("ran" if run["ran"] else "OOM") + (
             "" if r.verdict_right else " WRONG")
         rows.append([run["id"], run["source"], str(run["gpus"]), layout,
                      f"{c.published_tps:,.0f}" if c.published_tps else "-", f"{r.predicted_tps:,.0f}",
@@ -305,8 +309,31 @@ def format_report(results: list[Result], markdown: bool = False) -> str:
         pub = r.case.run["published"]["memory_gib"]
         lines.append(f"  memory {r.case.id}: predicted {r.memory_gib:.1f} GiB, published {pub} GiB "
                      f"({r.memory_error:+.1%}, {r.case.run['split']})")
-    lines.append(f"(verdict: predicted peak reserved memory <= GPU memory - {RUNTIME_RESERVE_GIB:.0f} GiB runtime "
-                 "reserve, no safety margin; 'ran' = the source ran it)")
+    lines.append(f"(verdict: fits = predicted peak reserved memory <= GPU memory - {RUNTIME_RESERVE_GIB:.0f} GiB "
+                 "runtime reserve (no safety margin), tight = above that but within the GPU's memory, no = above "
+                 "it; right when a run that ran is not 'no' and one that ran out of memory is; 'ran' = the "
+                 "source ran it)")
+    return "\n".join(lines)
+
+
+def by_source(cases: list[Case], start: dict[str, Calibration]) -> str:
+    """Leave-one-source-out: for each source, fit on every other source's runs (both split labels)
+    and report the error on the whole source, which the fit never saw (a source shares a stack, a
+    cluster and a way of measuring, so alternate rows of one table are not independent)."""
+    sources = sorted({c.run["source"] for c in cases}, key=lambda s: -sum(c.run["source"] == s for c in cases))
+    lines = ["held-out source        runs  with tok/s  mean |error|  max |error|  verdicts right  (fitted on)"]
+    errors: list[float] = []
+    for src in sources:
+        held = [c for c in cases if c.run["source"] == src]
+        fitted_on = sorted({c.run["source"] for c in cases if c.run["source"] != src})
+        cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
+        s = summary(evaluate_all(held, cal))
+        errors += [abs(r.error) for r in evaluate_all(held, cal) if r.error is not None]
+        err = (f"{s['mean_abs_error']:>11.1%}  {s['max_abs_error']:>11.1%}" if s["with_throughput"]
+               else f"{'-':>11}  {'-':>11}")
+        lines.append(f"{src:22s} {s['runs']:>4}  {s['with_throughput']:>10}  {err}  {s['verdicts_right']:>8}/"
+                     f"{s['runs']:<5}  ({len(fitted_on)} others)")
+    lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs")
     return "\n".join(lines)
 
 
@@ -326,11 +353,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-fit", action="store_true", help="evaluate the constants in plan/cost.py, do not fit")
     p.add_argument("--markdown", action="store_true", help="print the run table as markdown")
+    p.add_argument("--by-source", action="store_true",
+                   help="leave-one-source-out: fit on all other sources, report the error per held-out source")
     p.add_argument("--json", metavar="PATH", help="also write every run's prediction to PATH")
     args = p.parse_args(argv)
     data = json.loads(DATA.read_text())
     cases = load_cases(data)
     calibrations = {g: CALIBRATIONS[g] for g in GENERATIONS}
+    if args.by_source:
+        print(by_source(cases, calibrations))
+        return 0
     if not args.no_fit:
         calibrations = fit(cases, calibrations)
         print(format_calibrations(calibrations))

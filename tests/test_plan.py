@@ -147,7 +147,7 @@ def test_ring_costs_and_bubble():
 def test_llama3_8b_on_8_h100_recommends_something_that_fits():
     plan = plan_cli.build_plan(_args("--model", "llama-3-8b", "--gpu", "h100-sxm", "--seq", "8192"))
     assert plan.recommended is not None and plan.recommended.fits
-    assert any(r.startswith("ddp: needs") for r in plan.rejected)
+    assert any(r.startswith("ddp: does not fit: needs") for r in plan.rejected)
     train, torchrun = plan.commands
     assert train.startswith("shardwise train hf-shakespeare ") and "--nproc 8" in train
     assert "--set model.hf_config=llama-3-8b --set model.overrides.block_size=8192" in train

@@ -184,7 +184,7 @@ def test_a_sharded_candidate_that_only_fits_reducing_every_microbatch_says_so():
     # Llama-3 70B, 4 x 8 H100, global batch 64 = 2 micro-batches per replica: syncing once per step
     # (no_sync) would keep a whole unsharded fp32 gradient (282 GiB) alive between micro-batches.
     plan = plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--gpu", "h100", "--nodes", "4", "--seq", "4096",
-                                         "--global-batch", "64", "--checkpoint", "full"))
+                                         "--global-batch", "64", "--checkpoint", "full", "--micro-batch", "1"))
     best = plan.recommended
     assert best is not None and best.grad_sync == "microbatch" and best.grad_accum == 2
     step_wise = evaluate(plan.spec, plan.cluster, plan.workload, best.layout)
@@ -215,9 +215,10 @@ def test_too_few_microbatches_for_the_pipeline_is_skipped_with_the_reason():
 
 
 def test_interleaved_pipeline_from_the_plan_cli():
+    fixed = ("--micro-batch", "1", "--checkpoint", "none")  # the same settings for both plans
     plan = plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "1", "--nodes", "2", "--pp", "2",
                                          "--global-batch", "8", "--pp-schedule", "interleaved-1f1b",
-                                         "--pp-stages-per-rank", "3"))
+                                         "--pp-stages-per-rank", "3", *fixed))
     lay = plan.recommended.layout
     assert (lay.pp_schedule, lay.pp_stages_per_rank, lay.n_stages) == ("interleaved-1f1b", 3, 6)
     assert [len(r) for r in lay.stage_ranges] == [1] * 6
@@ -225,10 +226,19 @@ def test_interleaved_pipeline_from_the_plan_cli():
     assert dry_run_train(plan.commands[0]) == ("pp", 2)
     # The cost model reads the layout's stages per rank: 3 interleaved stages shrink the bubble.
     one = plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "1", "--nodes", "2", "--pp", "2",
-                                        "--global-batch", "8"))
+                                        "--global-batch", "8", *fixed))
     assert plan.recommended.time.bubble_s == pytest.approx(one.recommended.time.bubble_s / 3)
     with pytest.raises(ConfigError, match="--pp-stages-per-rank >= 2"):
-        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--pp-schedule", "interleaved-1f1b"))
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--pp-schedule", "interleaved-1f1b",
+                                      "--pp-stages-per-rank", "1"))
+    # Left out, the stages per rank are searched: the chosen value is in the name and the command.
+    searched = plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "1", "--nodes", "2", "--pp", "2",
+                                             "--global-batch", "8", "--pp-schedule", "interleaved-1f1b", *fixed))
+    v = searched.recommended.layout.pp_stages_per_rank
+    assert v >= 2 and searched.recommended.name == f"pp(pp2,v{v})"
+    assert f"--set parallel.pp_stages_per_rank={v}" in searched.commands[0]
+    assert dry_run_train(searched.commands[0]) == ("pp", 2)
+    assert searched.recommended.time.bubble_s <= plan.recommended.time.bubble_s
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -707,15 +707,26 @@ def validate(cfg: RunConfig) -> None:
                           f"{t.steps}); profile steps inside 1..{t.steps}.")
     if len(set(cfg.log.trackers)) != len(cfg.log.trackers):
         raise ConfigError(f"log.trackers lists a tracker twice: {cfg.log.trackers}.")
-    _validate_model(cfg.model, cfg.lora)
+    _validate_model(cfg.model, cfg.lora, cfg.name)
     if cfg.lora.rank and p.sequence_parallel:
         raise ConfigError("LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
                           "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel "
                           "alone works with LoRA).")
 
 
-def _validate_model(mc: ModelConfig, lc: LoraConfig) -> None:
+# Recipes that fine-tune a pretrained folder: without model.pretrained they would silently train
+# a randomly initialised model from scratch (issue 24), so they refuse to start instead.
+PRETRAINED_RECIPES = ("hf-finetune",)
+
+
+def _validate_model(mc: ModelConfig, lc: LoraConfig, recipe: str = "") -> None:
     # Each value is checked against its field's rule already; these relate fields to each other.
+    if recipe in PRETRAINED_RECIPES and not mc.pretrained:
+        raise ConfigError(
+            f"the {recipe} recipe fine-tunes a pretrained model, but model.pretrained is not set: add "
+            "--set model.pretrained=path/to/model-folder (a local Hugging Face folder with config.json and "
+            "safetensors weights; its tokenizer is used for data.path). To train a Hugging Face architecture "
+            "from scratch, use hf-shakespeare or your own recipe with model.hf_config.")
     if mc.pretrained and mc.kind != "hf":
         raise ConfigError(f"model.pretrained = {mc.pretrained!r} loads a Hugging Face folder, which needs "
                           f"model.kind = 'hf' (it is {mc.kind!r}).")

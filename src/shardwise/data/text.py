@@ -284,7 +284,8 @@ class _LazyTokenizer:
 def load_text(dc: DataConfig, block_size: int) -> LMData:
     """Train/val sequences of the text corpus named by ``dc`` (``data.kind = 'text'``)."""
     if not dc.path:
-        raise ConfigError("data.kind = 'text' needs data.path: a text or JSONL file, or a folder of them.")
+        raise ConfigError("data.kind = 'text' needs data.path: a text or JSONL file, or a folder of them "
+                          "(e.g. --set data.path=notes.txt).")
     notes = []
     train_files = find_text_files(Path(dc.path).expanduser(), "data.path")
     train, meta, hit = _cached_tokens(train_files, dc, f"data.path {dc.path!r}")

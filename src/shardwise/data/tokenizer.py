@@ -25,7 +25,8 @@ _TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "
                             "spiece", "sentencepiece", "chat_template")
 _TOKENIZER_FILE_SUFFIXES = (".model", ".tiktoken")
 NEEDS_TOKENIZER = ("data.kind = 'text' needs data.tokenizer: a local tokenizer folder (as written by "
-                   "save_pretrained, e.g. a downloaded model folder) or a tokenizer.json file.")
+                   "save_pretrained, e.g. a downloaded model folder) or a tokenizer.json file. When fine-tuning, "
+                   "set model.pretrained to the model folder instead: its own tokenizer is used by default.")
 
 
 def tokenizer_files(path: Path) -> list[Path]:

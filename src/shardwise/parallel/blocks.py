@@ -69,6 +69,47 @@ def find_blocks(model: nn.Module) -> Blocks | None:
     return None
 
 
+@dataclass(frozen=True)
+class OuterModules:
+    """The modules holding parameters outside the blocks: those used before them (input and
+    position embeddings) and after them (final norm, output head), each in registration order."""
+
+    before: tuple[nn.Module, ...] = ()
+    after: tuple[nn.Module, ...] = ()
+
+
+def outer_modules(model: nn.Module) -> OuterModules:
+    """The embeddings and the final norm + head of ``model``, as separate FSDP units take them.
+
+    The rule (torchtitan's units, found without naming a family): parameters registered before
+    the block container belong to the input side, those after it to the output side. Empty when
+    there are no blocks, when a parameter sits on the model itself, or when a parameter is shared
+    (tied input/output embeddings): a tied head must stay with the embedding in the root unit, or
+    the head would run on a resharded weight.
+    """
+    blocks = find_blocks(model)
+    if blocks is None or not blocks.path:
+        return OuterModules()
+    every = list(model.named_parameters(remove_duplicate=False))
+    if len({id(p) for _, p in every}) != len(every):
+        return OuterModules()
+    prefix = f"{blocks.path}."
+    before: list[nn.Module] = []
+    after: list[nn.Module] = []
+    inside = False
+    for name, _ in every:
+        if name.startswith(prefix):
+            inside = True
+            continue
+        if "." not in name:
+            return OuterModules()
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        side = after if inside else before
+        if not any(owner is m for m in side):
+            side.append(owner)
+    return OuterModules(tuple(before), tuple(after))
+
+
 def transformer_blocks(model: nn.Module) -> nn.Module | None:
     """Return the ModuleList/ModuleDict holding ``model``'s repeated blocks, or None (``find_blocks``)."""
     found = find_blocks(model)

@@ -101,6 +101,15 @@ class Workload:
     # parameter count), so no command is printed.
     recipe: str = ""
     extra_sets: tuple[str, ...] = ()
+    # Settings the planner searches per layout instead of taking the value above
+    # (search.SEARCHABLE; the CLI leaves open what the user did not give).
+    search: tuple[str, ...] = ()
+    # torch.compile each block (train.compile): printed in the commands (its speed-up is not yet
+    # part of the cost model; docs/planner.md).
+    compile: bool = False
+    # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
+    # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
@@ -127,8 +136,12 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
+        from shardwise.plan.search import SEARCHABLE
         from shardwise.pp_schedules import schedule_info
 
+        unknown = set(self.search) - set(SEARCHABLE)
+        if unknown:
+            raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches {', '.join(SEARCHABLE)}.")
         multi = schedule_info(self.pp_schedule).multi_stage
         if multi != (self.pp_stages_per_rank > 1):
             raise ConfigError(
@@ -136,10 +149,16 @@ class Workload:
                 f"give it --pp-stages-per-rank {'>= 2' if multi else '1'} (got {self.pp_stages_per_rank}).")
 
 
-def layout_label(strategy: str, tp: int, pp: int) -> str:
-    """A candidate's name in tables: the strategy and its model-parallel degrees, e.g. fsdp+tp(tp4)."""
-    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("pp", pp)) if n > 1)
+def layout_label(strategy: str, tp: int, pp: int, stages_per_rank: int = 1) -> str:
+    """A candidate's name in tables: the strategy and its model-parallel degrees, e.g. fsdp+tp(tp4)
+    (``v3``: three interleaved pipeline stages per rank)."""
+    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("pp", pp), ("v", stages_per_rank)) if n > 1)
     return f"{strategy}({extra})" if extra else strategy
+
+
+def layout_key(layout: Layout) -> tuple:
+    """What makes two layouts one table row: the strategy and its degrees (not searched settings)."""
+    return (layout.strategy, layout.tp, layout.pp)
 
 
 @dataclass
@@ -153,23 +172,41 @@ class Candidate:
     host_fits: bool = True
     note: str = ""
     grad_sync: str = "step"  # parallel.grad_sync the candidate runs with
+    checkpoint: str = "none"  # parallel.activation_checkpointing it runs with
+    micro_batch: int = 1  # sequences per GPU per micro-batch
+    device_bytes: float = 0.0  # the GPU's whole memory (the line between "tight" and "no")
 
     @property
     def name(self) -> str:
-        label = layout_label(self.layout.strategy, self.layout.tp, self.layout.pp)
-        return label + " rs/mb" if self.grad_sync == "microbatch" else label
+        return layout_label(self.layout.strategy, self.layout.tp, self.layout.pp, self.layout.pp_stages_per_rank)
+
+    @property
+    def verdict(self) -> str:
+        """``fits`` the usable budget; ``tight``: over it but within the device's memory; ``no``."""
+        if self.fits:
+            return "fits"
+        if self.host_fits and self.memory.total <= self.device_bytes:
+            return "tight"
+        return "no"
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Device memory left over the predicted peak (negative: above the device)."""
+        return self.device_bytes - self.memory.total
 
     def to_dict(self) -> dict[str, Any]:
         m, t = self.memory, self.time
         return {
             "strategy": self.layout.strategy, "label": self.name, "dp": self.layout.dp, "tp": self.layout.tp,
             "pp": self.layout.pp, "shard": self.layout.shard, "grad_accum": self.grad_accum,
-            "grad_sync": self.grad_sync,
+            "grad_sync": self.grad_sync, "checkpoint": self.checkpoint, "micro_batch": self.micro_batch,
+            "pp_stages_per_rank": self.layout.pp_stages_per_rank,
             "bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "master": m.master,
                       "activations": m.activations, "transient": m.transient, "fragmentation": m.fragmentation,
                       "allocated": m.allocated, "total": m.total},
             "transient_parts": m.transient_parts, "host_bytes_per_node": m.host_bytes,
-            "fits": self.fits, "budget_bytes": int(self.budget_bytes),
+            "fits": self.fits, "verdict": self.verdict, "budget_bytes": int(self.budget_bytes),
+            "device_bytes": int(self.device_bytes), "headroom_bytes": int(self.headroom_bytes),
             "step_s": t.step_s, "compute_s": t.compute_s, "comm_exposed_s": t.comm_exposed_s,
             "bubble_s": t.bubble_s, "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu,
             "note": self.note, "layout": self.layout.to_dict(),
@@ -224,20 +261,14 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     takes the rest. Strategies whose model family the runtime cannot split (TP plans, pipeline
     stages) are skipped with the reason.
     """
+    from shardwise.plan.search import degree_sets, stages_per_rank_choices
+
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp)
-    # --tp / --pp pin a degree; otherwise every TP degree that fits a node, PP across nodes.
-    tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and _tp_divides(spec, t))]
-    # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
-    from shardwise.plan.pipeline import pipeline_degrees
-
-    pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
-    combos = [(t, p) for p in pps for t in tps]
     layouts: list[Layout] = []
     skipped: list[str] = []
-    for t, p in combos:
-        if world % (t * p):
-            continue
+    for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t)):
+        t, p = degrees["tp"], degrees["pp"]
         dp = world // (t * p)
         for info in REGISTRY.values():
             if ("tp" in info.degrees) != (t > 1) or ("pp" in info.degrees) != (p > 1):
@@ -253,17 +284,20 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 skipped.append(f"{label}: its {p} pipeline stages need at least {p} micro-batches per step, but "
                                f"the global batch gives {accum} per replica; raise --global-batch or --grad-accum")
                 continue
-            options = ParallelConfig(
-                strategy=info.name, tp=t, pp=p, hsdp_shard_size=g if info.hybrid else 0,
-                precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1,
-                pp_schedule=work.pp_schedule if p > 1 else "1f1b",
-                pp_stages_per_rank=work.pp_stages_per_rank if p > 1 else 1,
-                # One pipeline schedule per step runs all of a replica's micro-batches.
-                pp_microbatches=accum if p > 1 else 0)
-            try:
-                layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
-            except ConfigError as e:
-                skipped.append(f"{label}: {e}")
+            errors = []
+            for v in stages_per_rank_choices(work) if p > 1 else (1,):
+                options = ParallelConfig(
+                    strategy=info.name, tp=t, pp=p, hsdp_shard_size=g if info.hybrid else 0,
+                    precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1 and not work.lora_rank,
+                    pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
+                    # One pipeline schedule per step runs all of a replica's micro-batches.
+                    pp_microbatches=accum if p > 1 else 0)
+                try:
+                    layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
+                except ConfigError as e:
+                    errors.append(e)
+            if errors and not any(layout_key(lay) == (info.name, t, p) for lay in layouts):
+                skipped.append(f"{label}: {errors[0]}")
     return layouts, skipped
 
 
@@ -330,7 +364,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders
     return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note,
-                     grad_sync)
+                     grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB)
 
 
 def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -374,13 +408,13 @@ def runtime_batch(layout: Layout, micro_batch: int, micro_batches: int) -> tuple
 def train_settings(cand: Candidate, work: Workload) -> list[str]:
     """The ``--set`` overrides that make ``shardwise train`` run this candidate (model selection first)."""
     lay = cand.layout
-    micro_batch_size, accum_steps = runtime_batch(lay, work.micro_batch, cand.grad_accum)
+    micro_batch_size, accum_steps = runtime_batch(lay, cand.micro_batch, cand.grad_accum)
     sets = list(work.extra_sets)
     sets += [f"parallel.precision={TRAIN_PRECISION[work.precision]}", f"train.micro_batch_size={micro_batch_size}",
              f"train.grad_accum_steps={accum_steps}"]
-    if work.checkpoint != "none":
-        sets.append(f"parallel.activation_checkpointing={work.checkpoint}")
-    if work.checkpoint == "selective":
+    if cand.checkpoint != "none":
+        sets.append(f"parallel.activation_checkpointing={cand.checkpoint}")
+    if cand.checkpoint == "selective":
         sets.append(f"parallel.ac_every={work.ac_every}")
     if lay.tp > 1:
         sets += [f"parallel.tp={lay.tp}", f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}"]
@@ -393,6 +427,8 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
         sets.append(f"parallel.hsdp_shard_size={lay.shard}")
     if cand.grad_sync != "step":
         sets.append(f"parallel.grad_sync={cand.grad_sync}")
+    if work.compile:
+        sets.append("train.compile=true")
     return sets
 
 
@@ -406,7 +442,9 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     if not work.recipe:
         return []
     lay = cand.layout
-    settings = " ".join(f"--set {shlex.quote(s)}" for s in train_settings(cand, work))
+    from shardwise.plan.finetune import shell_word
+
+    settings = " ".join(f"--set {shell_word(s)}" for s in train_settings(cand, work))
     args = f"{shlex.quote(work.recipe)} --strategy {lay.strategy} {settings}"
     g, n = cluster.gpus_per_node, cluster.nodes
     if n == 1:
@@ -425,48 +463,8 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None,
               pp: int | None = None, calib: Calibration | None = None) -> Plan:
-    """Evaluate every candidate; recommend the fastest one that fits with the safety margin.
+    """Evaluate every candidate layout over the settings ``work.search`` leaves open; recommend the
+    fastest one that fits (``plan.search``: ranking, ties and reasons)."""
+    from shardwise.plan.search import make_plan as search_plan
 
-    "Cheapest" is the highest predicted tokens/s per GPU (the fewest GPU-hours per token) on the
-    cluster given; on a tie the simpler strategy (earlier in the list) wins.
-    """
-    calib = calib or cluster.calibration
-    warnings: list[str] = []
-    if not calib.fitted_runs:
-        warnings.append(f"no published training run calibrates {cluster.gpu.name}: step times use the default "
-                        "constants (docs/planner.md lists the GPUs that are calibrated); memory is unaffected.")
-    if not spec.has_structure:
-        warnings.append(f"{spec.name}: only a parameter count is known, so activations and the attention "
-                        "FLOPs are not modelled (counted as 0). Pass --hf-config, a preset or "
-                        "--layers/--hidden/--heads/--vocab for a complete answer.")
-    if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
-        warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
-    layouts, skipped = candidate_layouts(spec, cluster, work, tp, pp)
-    cands = [evaluate_best_sync(spec, cluster, work, lay, calib) for lay in layouts]
-    fitting = [c for c in cands if c.fits]
-    best = max(fitting, key=lambda c: c.time.tokens_per_s_per_gpu, default=None)
-    rejected = []
-    for c in cands:
-        if c is best:
-            continue
-        if not c.fits:
-            if not c.host_fits:
-                why = (f"needs {c.memory.host_bytes / GIB:.0f} GiB of host RAM per node for offloaded state, "
-                       f"has {cluster.host_ram_gib or cluster.gpu.host_ram_gib:.0f}")
-            else:
-                why = (f"needs {c.memory.total / GIB:.1f} GiB, has {cluster.gpu.memory_gib:.0f} "
-                       f"({c.budget_bytes / GIB:.1f} usable after the {RUNTIME_RESERVE_GIB:.0f} GiB runtime "
-                       f"reserve and {work.safety_margin:.0%} margin)")
-        else:
-            why = (f"fits ({c.memory.total / GIB:.1f} GiB) but slower: {c.time.tokens_per_s_per_gpu:,.0f} "
-                   f"tokens/s/GPU vs {best.time.tokens_per_s_per_gpu:,.0f}") if best else "fits"
-        rejected.append(f"{c.name}: {why}")
-    commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
-    if best is None:
-        warnings.append("nothing fits: try activation checkpointing (--checkpoint full), a smaller "
-                        "--micro-batch or --seq, more GPUs, or a GPU with more memory.")
-    elif not work.recipe:
-        warnings.append(f"{spec.name} is not a model shardwise can build, so no command is printed: plan a "
-                        "preset (--model), a config.json (--hf-config) or a factory (--model-factory) for "
-                        "commands that run as printed.")
-    return Plan(spec, cluster, work, cands, best, rejected, commands, warnings, calib, skipped)
+    return search_plan(spec, cluster, work, tp=tp, pp=pp, calib=calib)

@@ -8,11 +8,22 @@ import json
 import sys
 
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.plan import presets, spec
-from shardwise.plan.advice import GIB, RUNTIME_RESERVE_GIB, Cluster, Plan, Workload, make_plan
+from shardwise.plan import finetune, presets, spec
+from shardwise.plan.advice import (
+    RUNTIME_RESERVE_GIB,
+    TRAIN_PRECISION,
+    Candidate,
+    Cluster,
+    Plan,
+    Workload,
+    make_plan,
+    runtime_batch,
+)
 from shardwise.plan.cost import flops_per_token
-from shardwise.plan.memory import CHECKPOINT_MODES, OPTIMIZERS, PRECISIONS
-from shardwise.pp_schedules import PP_SCHEDULES
+from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.predict import RunPrediction, predict_run
+from shardwise.plan.search import device_gib, gib, searched, tps
+from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,11 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama/Mistral/Qwen2/GPT-2)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="a function returning an nn.Module; called on the meta device")
+    m.add_argument("--pretrained", metavar="DIR",
+                   help="a local Hugging Face model folder (config.json + safetensors) to fine-tune: the commands "
+                   "run the hf-finetune recipe on it")
     m.add_argument("--params", type=float, metavar="N", help="a bare parameter count (e.g. 7e9)")
     m.add_argument("--layers", type=int, help="with --params: number of blocks")
     m.add_argument("--hidden", type=int, help="with --params: hidden size")
     m.add_argument("--heads", type=int, help="with --params: attention heads")
     m.add_argument("--vocab", type=int, help="with --params: vocabulary size")
+    f = p.add_argument_group("fine-tuning")
+    f.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="with --pretrained: LoRA adapters of this rank on the frozen model (lora.rank)")
+    f.add_argument("--lora-targets", nargs="+", default=(), metavar="NAME",
+                   help="modules that get adapters (lora.targets; default: peft's for the model family)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
     c.add_argument("--gpu-spec", metavar="FILE",
@@ -54,14 +73,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--host-ram-gib", type=float, help="host RAM per node, for fsdp-offload")
     w = p.add_argument_group("workload")
     w.add_argument("--seq", type=int, help="sequence length (default: the model's context, at most 8192)")
-    w.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
+    w.add_argument("--micro-batch", type=int,
+                   help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
-    w.add_argument("--checkpoint", default="none",
+    w.add_argument("--checkpoint",
                    help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
-                   "(as parallel.activation_checkpointing)")
+                   "(as parallel.activation_checkpointing; default: searched per layout)")
+    w.add_argument("--grad-sync", choices=GRAD_SYNC_MODES,
+                   help="when sharded gradients are reduced under accumulation: once per step (no_sync) or every "
+                   "micro-batch (parallel.grad_sync; default: searched per layout)")
+    w.add_argument("--compile", action="store_true", help="torch.compile each block (train.compile) in the commands")
     w.add_argument("--ac-every", type=int, default=2,
                    help="with --checkpoint selective: checkpoint every k-th block (parallel.ac_every, default 2)")
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
@@ -69,8 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
     w.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
                    help="pipeline schedule of the pipeline candidates (default 1f1b)")
-    w.add_argument("--pp-stages-per-rank", type=int, default=1, metavar="V",
-                   help="pipeline stages per rank (interleaved-1f1b: 2 or more; shrinks the bubble V times)")
+    w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
+                   help="pipeline stages per rank (interleaved/looped schedules: 2 or more, searched when "
+                   "left out; shrinks the bubble V times; V-shaped schedules: 2)")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
     w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
                    "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "
@@ -80,11 +105,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _spec_from_args(args: argparse.Namespace) -> spec.ModelSpec:
     """The ModelSpec named by exactly one model source flag."""
-    given = [k for k in ("model", "hf_config", "model_factory", "params") if getattr(args, k) is not None]
+    given = [k for k in ("model", "hf_config", "model_factory", "pretrained", "params") if getattr(args, k) is not None]
     if len(given) != 1:
         flags = ", ".join("--" + k.replace("_", "-") for k in given) or "none"
-        raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory or --params); "
-                          f"got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
+        raise ConfigError(f"give exactly one model source (--model, --hf-config, --model-factory, --pretrained or "
+                          f"--params); got {flags}. Built-in models: {', '.join(presets.MODEL_PRESETS)}.")
+    if (args.lora or args.lora_targets) and args.pretrained is None:
+        raise ConfigError("--lora trains adapters on a frozen pretrained model: give the model folder with "
+                          "--pretrained DIR (a local Hugging Face folder with config.json and safetensors).")
+    if args.pretrained is not None:
+        return finetune.pretrained_spec(args.pretrained, args.lora, tuple(args.lora_targets))
     if args.model is not None:
         return presets.model_preset(args.model)
     if args.hf_config is not None:
@@ -105,6 +135,9 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
     from shardwise.models.hf_config import bundled_configs
 
     warnings: list[str] = []
+    if args.pretrained is not None:
+        sets, warnings = finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets))
+        return args.recipe or finetune.FINETUNE_RECIPE, sets, warnings
     if args.model is not None and model.family == "gpt":  # shardwise's own Shakespeare GPTs
         sets = ["model.kind=gpt", f"model.preset={model.name.removeprefix('gpt-')}"]
         if model.max_seq and seq != model.max_seq:
@@ -144,16 +177,56 @@ def build_plan(args: argparse.Namespace) -> Plan:
         intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
     seq = args.seq or min(model.max_seq or 2048, 8192)
     recipe, sets, target_warnings = run_target(args, model, seq)
-    work = Workload(seq=seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+    # What the user leaves out, the planner searches (per layout); what they give stays fixed.
+    stages = schedule_info(args.pp_schedule).stages_per_rank  # "one", "two" (V) or "many" (searched)
+    search = tuple(knob for knob, given in (
+        ("checkpoint", args.checkpoint), ("micro_batch", args.micro_batch), ("grad_sync", args.grad_sync),
+        ("pp_stages_per_rank", args.pp_stages_per_rank if stages == "many" else 1)) if given is None)
+    work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
-                    checkpoint=args.checkpoint, attention=args.attention, ac_every=args.ac_every,
-                    safety_margin=args.margin, pp_schedule=args.pp_schedule,
-                    pp_stages_per_rank=args.pp_stages_per_rank, recipe=recipe, extra_sets=sets)
+                    checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
+                    grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
+                    pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
+                    extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
     plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
     plan.warnings[:0] = target_warnings
     return plan
+
+
+def run_prediction(plan: Plan) -> RunPrediction | None:
+    """The recommended run's bytes per rank as ``train`` stores them (the runtime's precision: e.g.
+    fp32 sharded parameters under bf16-mixed) - what ``train --dry-run`` prints and the run's
+    memory ledger measures. The table's columns are the planner's general model (16-bit parameters
+    plus an fp32 master copy, as Megatron and DeepSpeed keep them)."""
+    c = plan.recommended
+    if c is None:
+        return None
+    w = plan.workload
+    micro_batch_size, accum_steps = runtime_batch(c.layout, c.micro_batch, c.grad_accum)
+    return predict_run(plan.spec, c.layout, precision=TRAIN_PRECISION[w.precision], seq=w.seq,
+                       micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
+                       activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
+                       ranks_per_node=plan.cluster.gpus_per_node)
+
+
+def _per_rank(pred: RunPrediction) -> list[dict]:
+    """Per-rank bytes, ranks that hold the same grouped (a 512-rank plan stays short)."""
+    groups: dict[tuple, list[int]] = {}
+    by_key = {}
+    for r in pred.ranks:
+        key = tuple(r.to_dict().values())
+        groups.setdefault(key, []).append(r.rank)
+        by_key[key] = r.to_dict()
+    return [{"ranks": ranks if len(ranks) <= 8 else f"{len(ranks)} ranks from {ranks[0]} to {ranks[-1]}",
+             **by_key[key]} for key, ranks in groups.items()]
+
+
+def _settings(c: Candidate) -> dict:
+    """The settings the recommendation runs with (searched or given)."""
+    return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
+            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "verdict": c.verdict}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -165,12 +238,15 @@ def plan_to_dict(plan: Plan) -> dict:
         "cluster": {"gpu": c.gpu.name, "gpus_per_node": c.gpus_per_node, "nodes": c.nodes,
                     "memory_gib": c.gpu.memory_gib, "usable_gib": c.usable_gib, "bf16_tflops": c.gpu.bf16_tflops,
                     "mem_bw_tbs": c.gpu.mem_bw_tbs},
-        "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "precision": w.precision,
-                     "optimizer": w.optimizer, "checkpoint": w.checkpoint, "ac_every": w.ac_every,
-                     "safety_margin": w.safety_margin},
+        "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "global_batch": w.global_batch,
+                     "precision": w.precision, "optimizer": w.optimizer, "checkpoint": w.checkpoint,
+                     "ac_every": w.ac_every, "grad_sync": w.grad_sync, "compile": w.compile,
+                     "safety_margin": w.safety_margin, "searched": list(searched(w))},
         "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],
         "recommended": plan.recommended.name if plan.recommended else None,
+        "recommended_settings": _settings(plan.recommended) if plan.recommended else None,
+        "recommended_per_rank": _per_rank(pred) if (pred := run_prediction(plan)) else None,
         "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
     }
 
@@ -185,20 +261,23 @@ def format_table(plan: Plan) -> str:
         f"cluster: {c.nodes} x {c.gpus_per_node} x {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, "
         f"{c.usable_gib * (1 - w.safety_margin):.1f} GiB budget after {RUNTIME_RESERVE_GIB:.0f} GiB reserve and "
         f"{w.safety_margin:.0%} margin)",
-        f"workload: seq {w.seq}, micro-batch {w.micro_batch}, {w.precision}, {w.optimizer}, "
-        f"checkpointing {w.checkpoint}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token",
+        f"workload: seq {w.seq}, {w.precision}, {w.optimizer}, {flops_per_token(s, w.seq) / 1e9:.2f} GFLOP/token; "
+        + (f"searched per layout: {', '.join(k.replace('_', '-') for k in searched(w))}"
+           if w.search else "nothing searched")
+        + ("" if "micro_batch" in w.search else f"; micro-batch {w.micro_batch}")
+        + ("" if "checkpoint" in w.search else f"; checkpointing {w.checkpoint}"),
         "",
     ]
-    head = ["strategy", "accum", "params", "grads", "optim", "master", "activ", "transient", "frag", "total", "fits",
-            "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
+    head = ["strategy", "ckpt", "mb", "accum", "sync", "params", "grads", "optim", "master", "activ", "transient",
+            "frag", "total", "verdict", "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
     rows = [head]
     for cand in plan.candidates:
         m, t = cand.memory, cand.time
-        rows.append([cand.name, str(cand.grad_accum)]
-                    + [f"{b / GIB:.2f}" for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
-                                                  m.transient, m.fragmentation, m.total)]
-                    + ["yes" if cand.fits else "NO", f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
-                       f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}",
+        rows.append([cand.name, cand.checkpoint, str(cand.micro_batch), str(cand.grad_accum), cand.grad_sync]
+                    + [gib(b) for b in (m.params, m.grads, m.optimizer, m.master, m.activations,
+                                        m.transient, m.fragmentation, m.total)]
+                    + [cand.verdict, f"{t.step_s:.3f}", f"{t.compute_s:.3f}",
+                       f"{t.comm_exposed_s:.3f}", f"{t.bubble_s:.3f}", tps(t.tokens_per_s_per_gpu),
                        f"{t.mfu:.1%}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for i, r in enumerate(rows):
@@ -207,7 +286,8 @@ def format_table(plan: Plan) -> str:
             lines.append("  ".join("-" * wd for wd in widths))
     lines.append("(GiB per GPU; transient = all-gather/reduce-scatter/DDP buckets, recompute, pipeline "
                  "in-flight, logits+loss; frag = caching-allocator overhead; step time = compute + exposed comm "
-                 "+ bubble)")
+                 "+ bubble; verdict: fits the budget, tight = over the budget but within the device's memory, "
+                 "no = above it; ckpt/mb/sync: the settings chosen for that layout)")
     cal = plan.calibration
     lines.append(f"(calibration {cal.name!r}: matmul {cal.matmul_efficiency:.2f}, attention "
                  f"{cal.attention_efficiency:.2f}, links {cal.link_efficiency:.2f} of peak; "
@@ -215,8 +295,14 @@ def format_table(plan: Plan) -> str:
     lines.append("")
     if plan.recommended:
         r = plan.recommended
-        lines.append(f"recommended: {r.name} - {r.memory.total / GIB:.1f} GiB of {r.budget_bytes / GIB:.1f} GiB "
-                     f"budget, {r.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+        lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
+                     f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync} - {gib(r.memory.total)} "
+                     f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
+                     f"{device_gib(c.gpu.memory_gib)} GiB; "
+                     f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+    if plan.recommended and (pred := run_prediction(plan)) is not None:
+        lines += ["per rank as the run stores it (train --dry-run's prediction, checked against its memory "
+                  "ledger):", *("  " + row for row in pred.table().splitlines())]
     lines += [f"  not {x}" for x in plan.rejected]
     lines += [f"  not offered {x}" for x in plan.skipped]
     if plan.commands:

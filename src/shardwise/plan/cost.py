@@ -74,9 +74,9 @@ class Calibration:
 # fitted jointly over all generations.
 CALIBRATIONS: dict[str, Calibration] = {
     "a100": Calibration("a100", matmul_efficiency=0.7141, attention_efficiency=0.593, link_efficiency=0.5278,
-                        elementwise_passes=11, fragmentation=0.084, fitted_runs=31),
+                        elementwise_passes=11, fragmentation=0.1428, fitted_runs=31),
     "h100": Calibration("h100", matmul_efficiency=0.5883, attention_efficiency=0.3445, link_efficiency=0.9999,
-                        elementwise_passes=11, fragmentation=0.084, fitted_runs=20),
+                        elementwise_passes=11, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
@@ -214,6 +214,25 @@ def _chunk_rows(dim0: int, n: int, rank: int) -> tuple[int, int]:
     return padded, max(0, min(padded, dim0 - rank * padded))
 
 
+# The search evaluates each layout under many settings (checkpointing, micro-batch, gradient sync)
+# that do not change its model state: compute that once per (spec, layout, precision, optimizer).
+# Keyed by the spec's identity (hashing its parameter list would cost as much as the sum); the
+# spec is kept in the value so a recycled id never matches.
+_STATE_MEMO: dict[tuple, tuple[ModelSpec, object]] = {}
+_MEMO_LIMIT = 4096
+
+
+def _memo(key: tuple, spec: ModelSpec, compute):
+    hit = _STATE_MEMO.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_STATE_MEMO) >= _MEMO_LIMIT:
+        _STATE_MEMO.clear()
+    value = compute()
+    _STATE_MEMO[key] = (spec, value)
+    return value
+
+
 def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
                 rank: int | None = None, stage: int = 0) -> StateBytes:
     """Model-state bytes held by one rank (``rank`` in the data-parallel group and ``stage`` its
@@ -222,6 +241,19 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
     Exact for the tensors in ``spec.params``.
     Offloaded state is still counted here (it lives in host RAM; see MemoryBreakdown.host_bytes).
     """
+    held = _memo(("state", id(spec), layout, prec, optimizer, rank, stage), spec,
+                 lambda: _state_bytes(spec, layout, prec, optimizer, rank, stage))
+    return replace(held)  # a copy: StateBytes is mutable
+
+
+def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
+    """Elements of the parameters one rank's pipeline stage holds unsharded (after TP)."""
+    return _memo(("numel", id(spec), layout, stage), spec,
+                 lambda: sum(p.numel for p in _local_params(spec, layout, stage)))
+
+
+def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
+                 rank: int | None, stage: int) -> StateBytes:
     if rank is None:
         candidates = [0] if layout.sharding != "zero1" else range(layout.dp)
         best = StateBytes()
@@ -548,7 +580,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     unit = spec.largest_unit_params()
     if layout.tp > 1:
         unit = math.ceil(unit / layout.tp)
-    full_local = sum(p.numel for p in _local_params(spec, layout, 0)) if spec.params else math.ceil(
+    full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
         spec.n_params / (layout.tp * layout.pp))
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
         # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).

@@ -111,11 +111,28 @@ class ModelSpec:
         """Parameters of the matrices inside the repeated blocks (what checkpointing recomputes)."""
         return sum(p.numel for p in self.params if p.unit != ROOT_UNIT and len(p.shape) >= 2)
 
+    @cached_property
+    def outer_unit_params(self) -> tuple[int, ...]:
+        """Parameter counts of the units FSDP makes of what is outside the blocks, as the runtime
+        does (``parallel.blocks.outer_modules``): the embeddings (registered before the blocks) and
+        the final norm + head (after them) as two units, torchtitan's; one root unit holding both
+        when the embeddings are tied to the head (or no blocks are known)."""
+        root = [(i, p) for i, p in enumerate(self.params) if p.unit == ROOT_UNIT]
+        blocks = [i for i, p in enumerate(self.params) if p.unit != ROOT_UNIT]
+        if not root:
+            return ()
+        if self.tied_embeddings or not blocks:
+            return (sum(p.numel for _, p in root),)
+        before = sum(p.numel for i, p in root if i < blocks[0])
+        after = sum(p.numel for i, p in root if i > blocks[0])
+        return tuple(n for n in (before, after) if n)
+
     def largest_unit_params(self) -> int:
-        """Parameters of the biggest unit FSDP gathers at once (a block or the root's leftovers)."""
+        """Parameters of the biggest unit FSDP gathers at once (a block, the embeddings, or the
+        final norm + head; see ``outer_unit_params``)."""
         units = self.unit_params()
         if units:
-            return max(units.values())
+            return max([v for k, v in units.items() if k != ROOT_UNIT] + list(self.outer_unit_params))
         # Bare count: assume the blocks hold everything, evenly.
         return math.ceil(self.n_params / (self.n_layers or 1))
 

@@ -1,0 +1,279 @@
+"""The planner's search: every layout x every runtime setting the user left open, ranked, explained.
+
+Two lists own what the planner explores, so a new dimension plugs into one place:
+
+* :func:`degree_sets` — the model-parallel degree combinations (``tp``, ``pp``; expert / context
+  parallel and the other helpers' dimensions append their axis here). Data parallelism takes
+  whatever the degrees leave of the world; the strategy registry then names the strategies that
+  run each set (``advice.candidate_layouts``).
+* :data:`SEARCHABLE` — the runtime settings searched per layout when the user does not fix them
+  (activation checkpointing, micro-batch, gradient-sync mode, stages per rank of an interleaved
+  pipeline). What the user fixes stays fixed: ``Workload.search`` names only the open ones.
+
+Ranking (:func:`rank_key`): a layout that fits the usable budget beats one that is only ``tight``
+(between the budget and the device's memory), which beats one that does ``no``t fit; among fitting
+ones the highest tokens/s/GPU wins, ties (equal as printed) go to less memory (as printed), then to
+fewer moving parts (model-parallel degrees, non-default settings, the registry's order). Every
+"not X" reason is built from the same printed numbers the table shows (:func:`reason`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
+from shardwise.plan.pipeline import pipeline_degrees
+from shardwise.pp_schedules import schedule_info
+
+if TYPE_CHECKING:
+    from shardwise.plan.advice import Candidate, Cluster, Plan, Workload
+    from shardwise.plan.cost import Calibration
+    from shardwise.plan.spec import ModelSpec
+
+GIB = 1024**3
+
+# Settings the planner searches per layout unless the user fixes them (Workload.search).
+SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
+# Order = fewer moving parts first (ties between equally fast, equally small settings).
+CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "full")
+MAX_SEARCHED_MICRO_BATCH = 16
+STAGES_PER_RANK_SEARCH = (2, 3, 4, 6, 8)
+VERDICTS = ("fits", "tight", "no")
+
+assert set(CHECKPOINT_SEARCH) == set(CHECKPOINT_MODES)
+
+
+def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None,
+                pp: int | None = None, tp_ok=None) -> list[dict[str, int]]:
+    """Every model-parallel degree combination the planner considers: THE list of candidate sets.
+
+    TP stays inside a node (a divisor of gpus_per_node that ``tp_ok`` accepts: it divides the
+    heads and widths); PP spans nodes (one stage group per node). A pinned degree (``--tp``,
+    ``--pp``) is the only value of its axis. Each set must divide the world; data parallelism takes
+    the rest. New dimensions (``ep``, ``cp``, ...) add their axis here, with their own pin.
+    """
+    g = cluster.gpus_per_node
+    tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and (tp_ok is None or tp_ok(t)))]
+    # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
+    pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
+    sets = [{"tp": t, "pp": p} for p in pps for t in tps]
+    return [s for s in sets if cluster.world % _product(s) == 0]
+
+
+def _product(degrees: dict[str, int]) -> int:
+    out = 1
+    for v in degrees.values():
+        out *= v
+    return out
+
+
+# ------------------------------------------------------------------------------------- settings
+def micro_batch_choices(work: Workload, cluster: Cluster) -> tuple[int | None, list[int]]:
+    """(the global batch the search holds fixed, the micro-batches to try).
+
+    The global batch (sequences per optimizer step) is what the user's optimisation depends on,
+    so the search never changes it: it trades micro-batch size against gradient-accumulation
+    steps. Unset, it is one sequence per GPU (``--micro-batch`` fixed: that many per GPU).
+    With ``--grad-accum`` fixed the micro-batch is not searched (it would change the batch).
+    """
+    if "micro_batch" not in work.search or work.grad_accum is not None:
+        return work.global_batch, [work.micro_batch]
+    global_batch = work.global_batch or cluster.world
+    choices, m = [], 1
+    while m <= min(global_batch, MAX_SEARCHED_MICRO_BATCH):
+        choices.append(m)
+        m *= 2
+    return global_batch, choices
+
+
+def exact_micro_batch(micro_batch: int, dp: int, global_batch: int | None) -> bool:
+    """Whether ``micro_batch`` splits the global batch over ``dp`` replicas exactly (1 always may)."""
+    return micro_batch == 1 or global_batch is None or global_batch % (micro_batch * dp) == 0
+
+
+def checkpoint_choices(work: Workload) -> tuple[str, ...]:
+    return CHECKPOINT_SEARCH if "checkpoint" in work.search else (work.checkpoint,)
+
+
+def grad_sync_choices(work: Workload, sharding: str, pp: int, grad_accum: int) -> tuple[str, ...]:
+    """Gradient-sync modes worth trying: they differ only for sharded layouts under accumulation."""
+    if "grad_sync" in work.search and sharding in ("zero2", "fsdp") and pp == 1 and grad_accum > 1:
+        return GRAD_SYNC_MODES
+    return (work.grad_sync,)
+
+
+def stages_per_rank_choices(work: Workload) -> tuple[int, ...]:
+    if schedule_info(work.pp_schedule).stages_per_rank == "many" and "pp_stages_per_rank" in work.search:
+        return STAGES_PER_RANK_SEARCH
+    return (work.pp_stages_per_rank,)
+
+
+# -------------------------------------------------------------------------------------- ranking
+def gib(nbytes: float) -> str:
+    """Bytes as the table prints them (GiB, 2 decimals)."""
+    return f"{nbytes / GIB:.2f}"
+
+
+def device_gib(memory_gib: float) -> str:
+    """A device's memory as the reasons print it (58.7, 80)."""
+    return f"{memory_gib:.1f}".removesuffix(".0")
+
+
+def tps(value: float) -> str:
+    """Tokens/s/GPU as the table prints them."""
+    return f"{value:,.0f}"
+
+
+def _printed(c: Candidate) -> tuple[float, float]:
+    return float(tps(c.time.tokens_per_s_per_gpu).replace(",", "")), float(gib(c.memory.total))
+
+
+def moving_parts(c: Candidate) -> int:
+    """How many things a run has to get right beyond plain data parallelism."""
+    lay = c.layout
+    return (sum(d > 1 for d in (lay.tp, lay.pp)) + int(lay.info.hybrid) + int(bool(lay.offload))
+            + int(c.checkpoint != "none") + int(c.grad_sync != "step") + int(lay.pp_stages_per_rank > 1))
+
+
+def rank_key(c: Candidate, order: dict[str, int]) -> tuple:
+    """Sort key, best first: verdict; then speed and memory as printed; then simplicity."""
+    speed, mem = _printed(c)
+    simple = (moving_parts(c), order.get(c.layout.strategy, 99), CHECKPOINT_SEARCH.index(c.checkpoint),
+              -c.micro_batch)
+    if c.verdict == "no":
+        return (2, mem, 0.0, simple)  # closest to fitting first
+    return (VERDICTS.index(c.verdict), -speed, mem, simple)
+
+
+def describe(c: Candidate) -> str:
+    """The settings a candidate runs with, as the reasons name them."""
+    parts = [f"checkpointing {c.checkpoint}", f"micro-batch {c.micro_batch}"]
+    if c.grad_sync != "step":
+        parts.append(f"grad sync {c.grad_sync}")
+    return ", ".join(parts)
+
+
+def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workload) -> str:
+    """Why ``c`` is not the recommendation, in the numbers the table prints for both."""
+    from shardwise.plan.advice import RUNTIME_RESERVE_GIB
+
+    device = device_gib(cluster.gpu.memory_gib)
+    if c.verdict == "no":
+        if not c.host_fits:
+            return (f"does not fit: needs {c.memory.host_bytes / GIB:.0f} GiB of host RAM per node for offloaded "
+                    f"state, has {cluster.host_ram_gib or cluster.gpu.host_ram_gib:.0f}")
+        searched = " even at its smallest setting" if work.search else ""
+        return (f"does not fit: needs {gib(c.memory.total)} GiB{searched}, more than the device's "
+                f"{device} GiB")
+    if c.verdict == "tight":
+        state = (f"tight: needs {gib(c.memory.total)} GiB, over the {gib(c.budget_bytes)} GiB budget (after the "
+                 f"{RUNTIME_RESERVE_GIB:.0f} GiB reserve and {work.safety_margin:.0%} margin) with "
+                 f"{gib(c.headroom_bytes)} GiB left of the device's {device} GiB")
+        if best is None or best.verdict == "fits":
+            return state
+    else:
+        state = f"fits ({gib(c.memory.total)} GiB)"
+    if best is None:
+        return state
+    speed, mem = _printed(c)
+    best_speed, best_mem = _printed(best)
+    if speed < best_speed:
+        return f"{state} but slower: {tps(c.time.tokens_per_s_per_gpu)} tokens/s/GPU vs " \
+               f"{tps(best.time.tokens_per_s_per_gpu)}"
+    if speed > best_speed:  # only a tight one can be faster than a fitting recommendation
+        return state
+    if mem > best_mem:
+        return (f"{state}, as fast ({tps(c.time.tokens_per_s_per_gpu)} tokens/s/GPU) but needs more memory: "
+                f"{gib(c.memory.total)} GiB vs {gib(best.memory.total)}")
+    return (f"{state}, as fast ({tps(c.time.tokens_per_s_per_gpu)} tokens/s/GPU) and as small but more moving "
+            f"parts: {moving_parts(c)} vs {moving_parts(best)}")
+
+
+# --------------------------------------------------------------------------------------- search
+def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None, pp: int | None = None,
+           calib: Calibration | None = None) -> tuple[list[Candidate], list[str]]:
+    """One candidate per layout (its best settings), best first; and the layouts left out, with why."""
+    from shardwise.parallel.registry import REGISTRY
+    from shardwise.plan.advice import candidate_layouts, evaluate, layout_key
+
+    order = {name: i for i, name in enumerate(REGISTRY)}
+    global_batch, micro_batches = micro_batch_choices(work, cluster)
+    groups: dict[tuple, list[Candidate]] = {}
+    skipped: dict[str, str] = {}
+    for mb in micro_batches:
+        at_mb = dataclasses.replace(work, micro_batch=mb, global_batch=global_batch)
+        layouts, left_out = candidate_layouts(spec, cluster, at_mb, tp, pp)
+        if mb == micro_batches[0]:
+            for line in left_out:
+                skipped.setdefault(line.split(":", 1)[0], line)
+        for lay in layouts:
+            if not exact_micro_batch(mb, lay.dp, global_batch):
+                continue
+            for ckpt in checkpoint_choices(work):
+                at = dataclasses.replace(at_mb, checkpoint=ckpt)
+                first = evaluate(spec, cluster, at, lay, calib)
+                tried = [first]
+                for sync in grad_sync_choices(work, lay.sharding, lay.pp, first.grad_accum):
+                    if sync != first.grad_sync:
+                        tried.append(evaluate(spec, cluster, at, lay, calib, grad_sync=sync))
+                groups.setdefault(layout_key(lay), []).extend(tried)
+    chosen = [min(cands, key=lambda c: rank_key(c, order)) for cands in groups.values()]
+    for c in chosen:
+        if c.grad_sync == "microbatch" and "grad_sync" in work.search:
+            step = [o for o in groups[layout_key(c.layout)] if o.grad_sync == "step"
+                    and (o.checkpoint, o.micro_batch) == (c.checkpoint, c.micro_batch)]
+            if step:
+                c.note = "; ".join(filter(None, [c.note, (
+                    f"reduce-scatters every micro-batch: syncing once per step would hold the whole unsharded "
+                    f"gradient ({gib(step[0].memory.total)} GiB in total)")]))
+    chosen.sort(key=lambda c: rank_key(c, order))
+    offered = {c.name.split(" ", 1)[0] for c in chosen}
+    left = [line for label, line in skipped.items() if not any(o.startswith(label) for o in offered)]
+    return chosen, left
+
+
+def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None, pp: int | None = None,
+              calib: Calibration | None = None) -> Plan:
+    """Search every layout and open setting; recommend the best fitting one (see module docstring)."""
+    from shardwise.plan.advice import Plan, launch_commands
+
+    calib = calib or cluster.calibration
+    warnings: list[str] = []
+    if not calib.fitted_runs:
+        warnings.append(f"no published training run calibrates {cluster.gpu.name}: step times use the default "
+                        "constants (docs/planner.md lists the GPUs that are calibrated); memory is unaffected.")
+    if not spec.has_structure:
+        warnings.append(f"{spec.name}: only a parameter count is known, so activations and the attention "
+                        "FLOPs are not modelled (counted as 0). Pass --hf-config, a preset or "
+                        "--layers/--hidden/--heads/--vocab for a complete answer.")
+    if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
+        warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
+    cands, skipped = search(spec, cluster, work, tp=tp, pp=pp, calib=calib)
+    best = next((c for c in cands if c.verdict == "fits"), None)
+    if best is None:
+        best = next((c for c in cands if c.verdict == "tight"), None)
+        if best is not None:
+            warnings.append(
+                f"nothing fits within the safety margin; {best.name} is recommended but tight: "
+                f"{gib(best.memory.total)} GiB of the device's {device_gib(cluster.gpu.memory_gib)} GiB "
+                f"({gib(best.headroom_bytes)} GiB left). Published runs do run this close; expect to tune "
+                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
+    rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
+    commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
+    if best is None:
+        open_knobs = "" if set(work.search) >= {"checkpoint", "micro_batch"} else (
+            " Leave --checkpoint and --micro-batch out to let the planner search them;")
+        warnings.append("nothing fits, not even tight (above the device's memory) at every setting searched."
+                        f"{open_knobs} try a shorter --seq, more GPUs, or a GPU with more memory.")
+    elif not work.recipe:
+        warnings.append(f"{spec.name} is not a model shardwise can build, so no command is printed: plan a "
+                        "preset (--model), a config.json (--hf-config) or a factory (--model-factory) for "
+                        "commands that run as printed.")
+    return Plan(spec, cluster, work, cands, best, rejected, commands, warnings, calib, skipped)
+
+
+def searched(work: Workload) -> Iterable[str]:
+    """The settings the plan searched (for headers and JSON)."""
+    return tuple(k for k in SEARCHABLE if k in work.search)
