@@ -716,7 +716,7 @@ def validate(cfg: RunConfig) -> None:
 
 # Recipes that fine-tune a pretrained folder: without model.pretrained they would silently train
 # a randomly initialised model from scratch (issue 24), so they refuse to start instead.
-PRETRAINED_RECIPES = ("hf-finetune",)
+PRETRAINED_RECIPES = ("hf-finetune", "hf-sft")
 
 
 def _validate_model(mc: ModelConfig, lc: LoraConfig, recipe: str = "") -> None:
