@@ -269,3 +269,19 @@ def test_best_fit_packing_keeps_every_record_once_within_the_row():
     assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
     assert len(rows) <= int(sum(lengths) / 64 * 1.15) + 1  # close to the bound
     assert rows == best_fit(lengths, 64)
+
+
+def test_throughput_counts_the_real_tokens_it_is_given():
+    from shardwise.models.masking import real_token_count
+    from shardwise.observe.throughput import Peak, ThroughputMeter
+
+    x = {"input_ids": torch.zeros(2, 8, dtype=torch.long),
+         "doc_ids": torch.tensor([[0, 0, 1, 1, 1, -1, -1, -1], [0, 0, 0, 0, 0, 0, 0, -1]])}
+    assert real_token_count(x) == 12
+    assert real_token_count({"input_ids": x["input_ids"], "attention_mask": (x["doc_ids"] >= 0).long()}) == 12
+    meter = ThroughputMeter(tokens_per_step=16, flops_per_token=1e6, devices=1, peak=Peak(1.0, "test"))
+    meter.add_step(0.5, 0.0, tokens=torch.tensor(12.0))
+    meter.add_step(0.5, 0.0, tokens=8)
+    assert meter.window()["tokens_per_s"] == pytest.approx(20.0)
+    meter.add_step(1.0, 0.0)  # no count given: the fixed tokens per step
+    assert meter.window()["tokens_per_s"] == pytest.approx(16.0)

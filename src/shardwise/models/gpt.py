@@ -81,7 +81,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+        # Only a mask is passed on: tensor-parallel plans (PrepareModuleInput) declare one input of attn.
+        x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
 
 
