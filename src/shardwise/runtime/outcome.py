@@ -35,13 +35,16 @@ def _read_json(path: Path) -> Any:
 
 
 def rank_failures(out: Path) -> list[dict[str, Any]]:
-    """The ranks' failure reports, causes first (user-facing errors, then by time)."""
+    """The ranks' failure reports, causes first (user-facing errors by rank, then internal ones by time)."""
     reports = []
     for path in out.glob("failure-rank*.json"):
         data = _read_json(path)
         if isinstance(data, dict) and isinstance(data.get("rank"), int) and isinstance(data.get("error"), str):
             reports.append(data)
-    return sorted(reports, key=lambda r: (bool(r.get("internal")), r.get("time") or 0.0, r["rank"]))
+    # A user-facing error is usually the same on every rank: the lowest rank's, deterministically.
+    # Among internal errors the first one is the cause, the later ones its consequences.
+    return sorted(reports, key=lambda r: (bool(r.get("internal")),
+                                          (r.get("time") or 0.0) if r.get("internal") else 0.0, r["rank"]))
 
 
 def report_ranks(rc: int, out: Path, agent_report: str | os.PathLike | None = None) -> int:

@@ -97,12 +97,13 @@ def lock_ranks(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in ranks if isinstance(r, dict)] if isinstance(ranks, list) else []
 
 
-def register_rank(run_dir: str | os.PathLike, job_id: str, rank: int) -> bool:
+def register_rank(run_dir: str | os.PathLike, job_id: str, rank: int, strict: bool = True) -> bool:
     """Add this rank's process to the lock of ``run_dir`` held by job ``job_id``; False when unlocked.
 
-    Raises ConfigError when another job holds the lock: this rank's job no longer owns the
-    directory (it was taken over), so it must not write into it. Ranks that are provably gone
-    (earlier attempts) are dropped as the list is rewritten.
+    Raises ConfigError when another job holds the lock (``strict``): this rank's job no longer
+    owns the directory (it was taken over), so it must not write into it; without ``strict`` such
+    a lock is left alone (False). Ranks that are provably gone (earlier attempts) are dropped as
+    the list is rewritten.
     """
     run_dir = Path(run_dir)
     with _guard(run_dir):
@@ -110,6 +111,8 @@ def register_rank(run_dir: str | os.PathLike, job_id: str, rank: int) -> bool:
         if held is None or not held:
             return False
         if held.get("job_id") != job_id:
+            if not strict:
+                return False
             raise ConfigError(f"run directory {run_dir} is locked by another job ({describe_holder(held)}), "
                               f"not by this rank's job {job_id}; rank {rank} stops without writing into it.")
         me = {**process_record(), "rank": rank}

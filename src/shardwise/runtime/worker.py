@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         lock = _claim_without_launcher(cfg, out, rank)
         # Every rank is recorded in the run lock: the directory stays locked while any rank of
         # this job lives, even if its launcher is gone.
-        register_rank(out, os.environ.get(JOB_ID_ENV) or launch_id(), rank)
+        # Under plain torchrun (no job id from a launcher) ranks on other hosts derive other
+        # launch ids than rank 0: they register only where the ids agree.
+        job = os.environ.get(JOB_ID_ENV)
+        register_rank(out, job or launch_id(), rank, strict=bool(job))
         try:
             train(cfg, out, attempt=attempt)
         finally:
