@@ -235,6 +235,9 @@ class ParallelConfig:
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
     # "microbatch" (FSDP/ZeRO-2 keep gradients sharded between micro-batches; for big models).
     grad_sync: str = setting("step", choices=GRAD_SYNC_MODES, label="parallel.grad_sync mode")
+    # [issue 20, h20] Expert parallelism: MoE experts split over groups of ep ranks borrowed from the
+    # data-parallel shard ranks (torchtitan's layout); 1: off. Checked by the layout (Layout.ep).
+    ep: int = setting(1, gt=0, le=MAX_RANKS)
 
 
 @dataclass(frozen=True)

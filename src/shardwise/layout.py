@@ -99,6 +99,10 @@ class Layout:
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
     pp_first_stage_fewer: int = 0
     sequence_parallel: bool = False
+    # [issue 20, h20] expert parallel degree, borrowed from the data-parallel shard ranks (no extra
+    # ranks): each group of ``ep`` consecutive dp ranks splits every MoE layer's experts, and the
+    # ``dp_shard / ep`` groups FSDP-shard them. Move into h18's degrees owner when merging.
+    ep: int = 1
     # The model's transformer blocks, once known: how many, and where (a dotted module path).
     n_blocks: int | None = None
     block_path: str = ""
@@ -145,6 +149,7 @@ class Layout:
             raise ConfigError(f"strategy {self.strategy!r} {'always' if offload else 'never'} offloads; "
                               f"offload={self.offload} contradicts it.")
         set_(self, "offload", offload)
+        self._check_ep()
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")
@@ -159,6 +164,34 @@ class Layout:
         if self.n_blocks is not None:
             set_(self, "stage_ranges",
                  tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
+
+    def _check_ep(self) -> None:
+        """[issue 20, h20] Expert parallelism borrows ep ranks from the FSDP shard group."""
+        ep = self.ep
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
+        if ep == 1:
+            return
+        if self.external is None and (self.info.dp_kind != "fsdp" or self.info.hybrid or self.offload
+                                      or self.pp > 1):
+            raise ConfigError(
+                f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp' or 'fsdp+tp', not "
+                f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "
+                "--strategy fsdp (or fsdp+tp), or set parallel.ep = 1.")
+        if self.shard % ep:
+            divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
+            raise ConfigError(
+                f"parallel.ep={ep} must divide the data-parallel shard degree {self.shard} (expert groups "
+                f"are made of dp ranks). Valid ep here: {', '.join(map(str, divisors))}.")
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ranks that FSDP-shard each expert (the dp shard ranks outside its EP group)."""
+        return self.shard // self.ep
 
     def _checked_shard(self, info: StrategyInfo) -> int:
         """The shard-group size the strategy implies (checked against an explicit one)."""
@@ -477,5 +510,6 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         name, dp=dp, tp=tp, pp=pp, shard=shard, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
+        ep=options.ep,  # [issue 20, h20]
         n_blocks=n_blocks, block_path=block_path,
     )

@@ -89,6 +89,10 @@ def _module_from(factory: Callable[..., Any], kwargs: dict[str, Any], spec: str)
 GPT_OVERRIDE_RULES = {
     "vocab_size": Rule(gt=0, le=2**22), "block_size": Rule(gt=0, le=2**20), "n_layer": Rule(gt=0, le=1024),
     "n_head": Rule(gt=0, le=1024), "n_embd": Rule(gt=0, le=2**16), "dropout": Rule(ge=0.0, lt=1.0),
+    # Mixture of experts (models/moe.py).
+    "n_experts": Rule(ge=0, le=4096), "moe_top_k": Rule(gt=0, le=64), "moe_every": Rule(gt=0, le=1024),
+    "moe_shared_experts": Rule(ge=0, le=64), "moe_hidden": Rule(ge=0, le=2**18),
+    "moe_aux_coef": Rule(ge=0.0, le=10.0), "moe_z_coef": Rule(ge=0.0, le=10.0),
 }
 
 
@@ -180,6 +184,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         train, val = out
 
     family, flops, sample = "", None, None
+    loss_fn = cross_entropy_loss
     if mc.kind == "gpt":
         from shardwise.models.gpt import GPT, gpt_flops_per_token
 
@@ -187,6 +192,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         _check_token_ids(max_token_id, gcfg.vocab_size, dc)
         build = lambda: GPT(gcfg)  # noqa: E731
         family, flops = "gpt", gpt_flops_per_token(gcfg)
+        if gcfg.n_experts:
+            from shardwise.models.moe import with_aux_loss
+
+            # The routers' load-balancing and z losses join the training loss (models/moe.py).
+            loss_fn = with_aux_loss(cross_entropy_loss)
         if tokenizer is not None:
             sample = _text_sampler(tokenizer)
     elif mc.kind == "cnn":
@@ -205,7 +215,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         check_call(factory, mc.overrides, "model.overrides", mc.factory)
         build = lambda: _module_from(factory, mc.overrides, mc.factory)  # noqa: E731
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
-                    tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
+                    loss_fn=loss_fn, tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
                     sample_text=sample, notes=notes)
 
 

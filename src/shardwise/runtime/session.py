@@ -301,6 +301,9 @@ class Session:
                                                    self.options.ac_every)
             if self.compile:
                 model = apply_compile(model)
+        from shardwise.parallel.ep import attach_moe
+
+        attach_moe(model, self.layout, self.mesh)  # [issue 20] MoE aux-loss group; ep checks
         prepared = self.strategy.apply(model, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
