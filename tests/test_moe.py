@@ -2,8 +2,9 @@
 
 Parity: float32, 5 AdamW steps at lr 3e-3 with the routers' aux and z losses in the loss; losses
 within 1e-5 and parameters within 2e-5 of one process reading the whole global batch (measured
-~3e-6). The aux loss is formed from token counts summed over the data-parallel group, so it is
-one process's loss; with per-rank counts the parameters drift (checked below).
+~3e-6; 1e-4 under fsdp+tp, see PARAM_TOL_TP). The aux loss is formed from token counts summed
+over the data-parallel group, so it is one process's loss; with per-rank counts the parameters
+drift (checked below).
 """
 
 import dataclasses
@@ -21,16 +22,20 @@ from shardwise.testing import lm_loss, run_distributed
 from tests.helpers.moe import ep_suite, moe_cases, moe_train
 
 LOSS_TOL, PARAM_TOL = 1e-5, 2e-5
+# Tensor parallel reorders the attention reductions; AdamW turns that rounding noise on near-zero
+# gradients into O(lr) moves (measured here: 1.3e-5 for the dense nano GPT under fsdp+tp at this
+# lr, 5.7e-5 for moe-nano under fsdp+tp with and without ep -- EP adds nothing to it).
+PARAM_TOL_TP = 1e-4
 
 
-def assert_parity(ref: dict, got: dict) -> None:
+def assert_parity(ref: dict, got: dict, param_tol: float = PARAM_TOL) -> None:
     assert len(got["losses"]) == len(ref["losses"])
     for a, b in zip(ref["losses"], got["losses"]):
         assert abs(a - b) <= LOSS_TOL, (ref["losses"], got["losses"])
     worst = max((ref["params"][k] - got["params"][k]).abs().max().item() for k in ref["params"])
     assert set(got["params"]) == set(ref["params"])
     diff = {k: (ref["params"][k] - got["params"][k]).abs().max().item() for k in ref["params"]}
-    assert worst <= PARAM_TOL, (worst, max(diff, key=diff.get))
+    assert worst <= param_tol, (worst, max(diff, key=diff.get))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,14 @@ def test_ep_two_ranks_matches_one_process(reference):
     assert_parity(reference[1], ep2)
     assert_parity(reference[2], ep2_accum)
     assert_parity(reference[1], ddp)
-    # Each rank holds half of the experts (plus its FSDP share of the rest).
+    # Each rank holds half of the experts and half of the dense parameters; the planner's arithmetic
+    # (plan/moe.py) predicts the bytes within 1%.
+    from shardwise.plan.moe import expert_bytes_per_rank
+    from shardwise.plan.presets import model_preset
+
+    spec = model_preset("gpt-moe-nano")
+    predicted = (spec.n_params - spec.moe.routed_params) * 4 / 2 + expert_bytes_per_rank(spec, dp_shard=2, ep=2)
+    assert abs(predicted - ep2["param_bytes"]) <= 0.01 * ep2["param_bytes"], (predicted, ep2["param_bytes"])
     assert ranks[0][0]["param_bytes"] < ranks[0][2]["param_bytes"] / 1.9
     # Global-batch routing statistics: what one process saw.
     assert ep2["stats"][0]["moe/tokens_per_expert_max"] == reference[1]["stats"][0]["moe/tokens_per_expert_max"]
@@ -100,8 +112,9 @@ def test_ep_two_ranks_matches_one_process(reference):
 
 
 def test_ep_four_ranks_routing_and_parity(reference):
-    """Routing with tagging experts (ep 2 and 4), then dp_shard 2 x ep 2 and ep 4 training."""
-    cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4)]
+    """Routing with tagging experts (ep 2 and 4), then dp_shard 2 x ep 2, ep 4 and fsdp+tp (tp 2, dp 2,
+    ep 2: experts whole on both TP ranks, split over the dp ranks) training."""
+    cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4), dict(strategy="fsdp+tp", tp=2, ep=2)]
     ranks = run_distributed(ep_suite, 4, timeout_s=300, routing_ep=[2, 4], cases=cases)
     for i, ep in enumerate((2, 4)):
         routes = [r["routing"][i] for r in ranks]
@@ -113,8 +126,30 @@ def test_ep_four_ranks_routing_and_parity(reference):
                 holder = members[e // (8 // ep)]
                 expected = sorted(i for m in members for i in m["sent"][e])
                 assert holder["seen"][e] == expected, (ep, e)
-    for i in range(len(cases)):
-        assert_parity(reference[1], ranks[0]["cases"][i])
+    for i, case in enumerate(cases):
+        assert_parity(reference[1], ranks[0]["cases"][i], PARAM_TOL_TP if "tp" in case else PARAM_TOL)
     # ep=4: each rank holds 1 of the 4 experts of each layer; ep=2: 2 of them, FSDP-sharded over
     # the 2 ranks outside its group: the same quarter of the expert bytes either way.
     assert ranks[0]["cases"][1]["param_bytes"] == ranks[0]["cases"][0]["param_bytes"]
+
+
+def test_planner_moe_math():
+    from shardwise.plan.cost import flops_per_token
+    from shardwise.plan.moe import MOE_SPECS, active_params, all_to_all_s, ep_candidates, expert_unit_bytes
+    from shardwise.plan.presets import model_preset
+
+    mixtral, qwen = MOE_SPECS["mixtral-8x7b"](), MOE_SPECS["qwen3-30b-a3b"]()
+    # Published totals, exactly as transformers builds them; active ~12.9B and ~3.3B.
+    assert mixtral.n_params == 46_702_792_704 and qwen.n_params == 30_532_122_624
+    assert 12.8e9 < active_params(mixtral) < 13.0e9 and 3.2e9 < active_params(qwen) < 3.4e9
+    # FLOPs follow the active parameters: the built-in MoE GPT's own count is the planner's.
+    cfg = GPT_PRESETS["moe-lab"]
+    spec = model_preset("gpt-moe-lab")
+    assert spec.n_params == gpt_param_count(cfg)
+    assert flops_per_token(spec, cfg.block_size) == pytest.approx(gpt_flops_per_token(cfg))
+    assert ep_candidates(8, 8) == [1, 2, 4, 8] and ep_candidates(8, 6) == [1, 2]
+    # EP shrinks what FSDP gathers per MoE layer; the token all-to-all grows with ep.
+    assert expert_unit_bytes(mixtral, 8) == expert_unit_bytes(mixtral, 1) / 8
+    a2a = [all_to_all_s(mixtral, 4096, ep, 100) for ep in (1, 2, 8)]
+    assert a2a[0] == 0 < a2a[1] < a2a[2]
+

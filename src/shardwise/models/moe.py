@@ -74,7 +74,16 @@ def with_aux_loss(loss_fn: Any) -> Any:
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         base = loss_fn(output, target)
         aux = pop_aux_loss()
-        return base if aux is None else base + aux.to(base.device)
+        if aux is None:
+            return base
+        aux = aux.to(base.device)
+        if hasattr(base, "device_mesh"):
+            # Under tensor parallel the cross-entropy is a (replicated) DTensor from loss_parallel;
+            # the aux loss is the same on every TP rank, so it joins it as a replicated DTensor.
+            from torch.distributed.tensor import DTensor, Replicate
+
+            aux = DTensor.from_local(aux, base.device_mesh, [Replicate()] * base.device_mesh.ndim)
+        return base + aux
 
     loss.__name__ = getattr(loss_fn, "__name__", "loss") + "_with_moe_aux"
     return loss

@@ -60,6 +60,10 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
         raise ConfigError(
             "mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
             "of earlier stages would not reach the loss on the last stage. Use fsdp, fsdp+tp or ddp.")
+    if layout.sequence_parallel:
+        raise ConfigError(
+            "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
+            "experts take the whole sequence on every TP rank); unset it, TP itself works.")
     if layout.ep > 1:
         n_experts = {layer.n_experts for _, layer in layers}
         bad = sorted(n for n in n_experts if n % layout.ep)
