@@ -39,6 +39,7 @@ z-loss is a per-token mean and needs no communication for the same reason.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ __all__ = ["MoE", "GroupedExperts", "moe_layers", "pop_aux_loss", "take_moe_stat
 
 # Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
 _pending: list[torch.Tensor] = []
+_MAX_PENDING = 4096
 
 
 def _in_backward() -> bool:
@@ -185,6 +187,13 @@ class MoE(nn.Module):
         z = logits.new_zeros(())
         if self.z_coef > 0:
             z = self.z_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        if len(_pending) >= _MAX_PENDING:
+            # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
+            # them rather than keep every forward's autograd graph alive.
+            warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
+                          "with shardwise.models.moe.with_aux_loss (the routers will not balance otherwise)",
+                          stacklevel=2)
+            _pending.clear()
         _pending.append(aux + z)
         self.window_counts = global_counts if self.window_counts is None else self.window_counts + global_counts
         # Device tensors: read (one host sync) only when the logging window closes.
