@@ -202,13 +202,24 @@ def test_degrees_given_directly_pick_the_strategy_and_must_agree_with_a_named_on
         resolve_layout(ParallelConfig(strategy="fsdp+tp", dp=2, dp_shard=2, tp=2), 4)
 
 
-@pytest.mark.parametrize("key", ["cp", "ep"])
-def test_cp_and_ep_are_validated_and_refused_until_implemented(key):
+@pytest.mark.parametrize("key", ["cp"])
+def test_unimplemented_degrees_are_validated_and_refused(key):
     assert getattr(resolve_layout(ParallelConfig(), 2), key) == 1
     with pytest.raises(ConfigError, match=f"not implemented yet.*parallel.{key} = 1"):
         resolve_layout(ParallelConfig(**{key: 2}), 4)
     with pytest.raises(ConfigError, match=f"parallel.{key} must be > 0"):
         load_config(overrides=[f"parallel.{key}=0"])
+
+
+def test_ep_is_borrowed_from_the_fsdp_shard_ranks():
+    layout = resolve_layout(ParallelConfig(strategy="fsdp", ep=2), 4)
+    assert (layout.ep, layout.dp, layout.dp_shard_mod_ep) == (2, 4, 2)
+    with pytest.raises(ConfigError, match="runs under strategy 'fsdp' or 'fsdp\\+tp', not 'ddp'"):
+        resolve_layout(ParallelConfig(strategy="ddp", ep=2), 4)
+    with pytest.raises(ConfigError, match="must divide the data-parallel shard degree 4"):
+        resolve_layout(ParallelConfig(strategy="fsdp", ep=3), 4)
+    with pytest.raises(ConfigError, match="parallel.ep must be > 0"):
+        load_config(overrides=["parallel.ep=0"])
 
 
 def test_config_layout_and_table_import_no_torch_and_reach_each_other_directly(cli_env):

@@ -245,7 +245,9 @@ class ParallelConfig:
     dp_replicate: int = setting(0, ge=0, le=MAX_RANKS)
     dp_shard: int = setting(0, ge=0, le=MAX_RANKS)
     cp: int = setting(1, gt=0, le=MAX_RANKS)  # context parallel: not implemented yet (> 1 refused)
-    ep: int = setting(1, gt=0, le=MAX_RANKS)  # expert parallel: not implemented yet (> 1 refused)
+    # Expert parallel: MoE experts split over groups of ep ranks borrowed from the data-parallel
+    # shard ranks (torchtitan's layout); 1: off. Checked by the layout (Layout._check_ep).
+    ep: int = setting(1, gt=0, le=MAX_RANKS)
     # Under tp: run norms/dropout on a sequence shard (activations tp x smaller between matmuls).
     sequence_parallel: bool = False
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or

@@ -97,8 +97,9 @@ class Layout:
     pp: int = 1
     shard: int = 0
     offload: bool | None = None
-    # Context and expert parallel: accepted and validated, refused > 1 until implemented. cp ranks
-    # are a factor of ``dp`` (the mesh's data dim); ep groups are carved out of the dp shard ranks.
+    # Context parallel: cp ranks are a factor of ``dp`` (the mesh's data dim). Expert parallel,
+    # borrowed from the data-parallel shard ranks (no extra ranks): each group of ``ep`` consecutive
+    # dp ranks splits every MoE layer's experts, and the ``dp_shard / ep`` groups FSDP-shard them.
     cp: int = 1
     ep: int = 1
     pp_schedule: str = "1f1b"
@@ -157,6 +158,7 @@ class Layout:
             raise ConfigError(f"strategy {self.strategy!r} {'always' if offload else 'never'} offloads; "
                               f"offload={self.offload} contradicts it.")
         set_(self, "offload", offload)
+        self._check_ep()
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")
@@ -171,6 +173,34 @@ class Layout:
         if self.n_blocks is not None:
             set_(self, "stage_ranges",
                  tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
+
+    def _check_ep(self) -> None:
+        """Expert parallelism borrows ep ranks from the FSDP shard group (torchtitan's layout)."""
+        ep = self.ep
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
+        if ep == 1:
+            return
+        if self.external is None and (self.info.dp_kind != "fsdp" or self.info.hybrid or self.offload
+                                      or self.pp > 1):
+            raise ConfigError(
+                f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp' or 'fsdp+tp', not "
+                f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "
+                "--strategy fsdp (or fsdp+tp), or set parallel.ep = 1.")
+        if self.shard % ep:
+            divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
+            raise ConfigError(
+                f"parallel.ep={ep} must divide the data-parallel shard degree {self.shard} (expert groups "
+                f"are made of dp ranks). Valid ep here: {', '.join(map(str, divisors))}.")
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ranks that FSDP-shard each expert (the dp shard ranks outside its EP group)."""
+        return self.shard // self.ep
 
     def _checked_shard(self, info: StrategyInfo) -> int:
         """The shard-group size the strategy implies (checked against an explicit one)."""

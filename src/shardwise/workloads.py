@@ -90,6 +90,10 @@ def _module_from(factory: Callable[..., Any], kwargs: dict[str, Any], spec: str)
 GPT_OVERRIDE_RULES = {
     "vocab_size": Rule(gt=0, le=2**22), "block_size": Rule(gt=0, le=2**20), "n_layer": Rule(gt=0, le=1024),
     "n_head": Rule(gt=0, le=1024), "n_embd": Rule(gt=0, le=2**16), "dropout": Rule(ge=0.0, lt=1.0),
+    # Mixture of experts (models/moe.py).
+    "n_experts": Rule(ge=0, le=4096), "moe_top_k": Rule(gt=0, le=64), "moe_every": Rule(gt=0, le=1024),
+    "moe_shared_experts": Rule(ge=0, le=64), "moe_hidden": Rule(ge=0, le=2**18),
+    "moe_aux_coef": Rule(ge=0.0, le=10.0), "moe_z_coef": Rule(ge=0.0, le=10.0),
 }
 
 
@@ -202,6 +206,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
 
     family, flops, sample = "", None, None
     _check_model_takes_data(mc, dc)
+    loss_fn = cross_entropy_loss
     if mc.kind == "gpt":
         from shardwise.models.gpt import GPT, gpt_flops_per_token
 
@@ -209,6 +214,18 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         _check_token_ids(max_token_id, gcfg.vocab_size, dc)
         build = lambda: GPT(gcfg)  # noqa: E731
         family, flops = "gpt", gpt_flops_per_token(gcfg)
+        if gcfg.n_experts:
+            from shardwise.models.moe import with_aux_loss
+
+            if token_loss:
+                # The token-sum loss is scaled per step by the global trained-token count; the routers'
+                # aux losses would need their own per-micro-batch scale there (not built yet).
+                raise ConfigError(f"a mixture-of-experts GPT (model.overrides.n_experts = {gcfg.n_experts}) "
+                                  f"trains on text, token and Shakespeare data, not yet on data.kind = "
+                                  f"{dc.kind!r} records (their response-only token-mean loss).")
+
+            # The routers' load-balancing and z losses join the training loss (models/moe.py).
+            loss_fn = with_aux_loss(cross_entropy_loss)
         if tokenizer is not None:
             sample = _text_sampler(tokenizer)
     elif mc.kind == "cnn":
@@ -229,7 +246,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     if dc.pack and dc.kind not in ("text", *RECORD_KINDS):
         raise ConfigError(f"data.pack = true works for data.kind 'text', 'chat' and 'instruct', not {dc.kind!r}.")
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
-                    tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
+                    loss_fn=loss_fn, tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
                     sample_text=sample, notes=notes, token_loss=token_loss)
 
 

@@ -29,6 +29,7 @@ from shardwise.models.gpt_config import (
 # The configuration, presets and FLOP/parameter arithmetic live in a torch-free module, so the
 # planner can size these models without importing torch.
 from shardwise.models.masking import attention_mask_4d, split_inputs
+from shardwise.models.moe import MoE
 
 __all__ = ["GPT", "GPT_PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "gpt_flops_per_token",
            "gpt_param_count", "gpt_param_shapes"]
@@ -73,12 +74,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        # A mixture of experts in place of the MLP (cfg.n_experts > 0; see models/moe.py).
+        self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Only a mask is passed on: tensor-parallel plans (PrepareModuleInput) declare one input of attn.
@@ -95,7 +97,7 @@ class GPT(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_block(i)) for i in range(cfg.n_layer)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -105,7 +107,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "mlp.proj.weight")):
+            elif name.endswith(("o_proj.weight", "mlp.proj.weight", "experts.w_out", "shared.proj.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
             else:
                 nn.init.normal_(p, std=0.02)

@@ -158,7 +158,7 @@ class ModelParallelStrategy(Strategy):
         if self.dp_kind == "fsdp":
             # Applied even when dp == 1, so mixed precision comes from the same policy everywhere.
             # One FSDP unit per transformer block plus the root, as under plain fsdp.
-            return apply_fsdp(module, dp_mesh, ctx.options)
+            return apply_fsdp(module, dp_mesh, ctx.options, ep_layout=ctx.layout)
         if self.dp_kind == "ddp" and self.layout.dp > 1:
             from torch.nn.parallel import DistributedDataParallel
 

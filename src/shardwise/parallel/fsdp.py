@@ -67,7 +67,7 @@ def wrap_units(model: nn.Module, wrap: str | int) -> list[list[nn.Module]]:
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = None, *,
-               reshard_after_forward: bool = True, offload: bool = False) -> nn.Module:
+               reshard_after_forward: bool = True, offload: bool = False, ep_layout: Any = None) -> nn.Module:
     """Return ``model`` sharded in place with FSDP2 over ``mesh`` (1-D: FSDP; 2-D: HSDP).
 
     Reusable by compositions (``fsdp+tp`` passes the data-parallel sub-mesh of its mesh). From
@@ -84,6 +84,11 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = Non
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     else:
         common["offload_policy"] = OffloadPolicy()
+    if ep_layout is not None and ep_layout.ep > 1:
+        from shardwise.parallel.ep import apply_ep
+
+        # Experts first (split over the ep ranks, sharded over the rest): the units below skip them.
+        apply_ep(model, ep_layout, torch.device(mesh.device_type), common)
     units = wrap_units(model, options.wrap)
     # torchtitan's order: the embeddings, each block (or group), the final norm + output head, then
     # the root. With the embeddings and the head as units of their own, FSDP gathers (and
@@ -150,7 +155,8 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         model = apply_fsdp(model, ctx.mesh, ctx.options,
-                           reshard_after_forward=self.reshard_after_forward, offload=self.offload)
+                           reshard_after_forward=self.reshard_after_forward, offload=self.offload,
+                           ep_layout=ctx.layout)
         # A meta-device model is sharded first, then each rank allocates and fills its 1/N shards.
         self.materialize(model, ctx)
         return model
@@ -177,6 +183,21 @@ class FSDPStrategy(Strategy):
 
     def uses_autocast(self) -> bool:
         return False  # MixedPrecisionPolicy casts parameters and inputs per unit instead
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       ctx: ParallelContext) -> torch.optim.Optimizer:
+        if self.layout.ep > 1:  # experts live on the EP mesh, dense parameters on the dp mesh
+            from shardwise.parallel.tp import split_mixed_param_groups
+
+            return split_mixed_param_groups(optimizer)
+        return optimizer
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
+        if self.layout.ep > 1:  # one norm per mesh, reduced over it, then combined
+            from shardwise.parallel.tp import clip_grads
+
+            return clip_grads(list(model.parameters()), max_norm)
+        return super().clip_grad_norm(model, max_norm, ctx)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # Each rank sees only its gradient shard: an inf on one rank must skip the step on all,

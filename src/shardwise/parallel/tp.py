@@ -95,7 +95,10 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     blocks = _get(model, plan.blocks_path)
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
         # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
-        parallelize_module(block, tp_mesh, with_lora(plan.block, block))
+        # [issue 20] An MoE block has no dense MLP: its router and experts stay whole on every TP
+        # rank (experts may be split by expert parallelism instead), so those entries are skipped.
+        styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
+        parallelize_module(block, tp_mesh, with_lora(styles, block))
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.

@@ -38,6 +38,7 @@ from shardwise.plan.memory import (
     outer_activation_bytes,
     recompute_share,
 )
+from shardwise.plan.moe import inactive_matmul_params
 from shardwise.plan.spec import ModelSpec
 
 
@@ -95,13 +96,14 @@ def calibration_for(calibration_key: str) -> Calibration:
 
 def matmul_params(spec: ModelSpec) -> int:
     """Parameters that take part in a matmul (see the module docstring)."""
-    return spec.n_params - spec.embedding_params()
+    # MoE: a token passes through top_k of the experts only (plan/moe.py).
+    return spec.n_params - spec.embedding_params() - inactive_matmul_params(spec)
 
 
 def block_matmul_params(spec: ModelSpec) -> int:
     """Matmul parameters inside the repeated blocks (what checkpointing recomputes)."""
     if spec.params:
-        return spec.block_matrix_params
+        return spec.block_matrix_params - inactive_matmul_params(spec)
     return max(matmul_params(spec) - (0 if spec.tied_embeddings else (spec.vocab or 0) * (spec.hidden or 0)), 0)
 
 

@@ -58,6 +58,8 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "gpt-tiny": _gpt_preset("tiny"),
     "gpt-small": _gpt_preset("small"),
     "gpt-lab": _gpt_preset("lab"),
+    "gpt-moe-nano": _gpt_preset("moe-nano"),
+    "gpt-moe-lab": _gpt_preset("moe-lab"),
 }
 
 MODEL_ALIASES: dict[str, str] = {

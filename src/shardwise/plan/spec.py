@@ -68,6 +68,8 @@ class ModelSpec:
     # Exact per-parameter shapes in module registration order (ZeRO-1's greedy partition depends on
     # the order of equal-sized tensors). Empty for a bare parameter count.
     params: tuple[ParamInfo, ...] = field(default=(), repr=False)
+    # [issue 20] Mixture of experts: a ``plan.moe.MoEInfo`` (experts, top-k, ...); None when dense.
+    moe: Any = field(default=None, repr=False)
 
     @property
     def has_structure(self) -> bool:
@@ -350,6 +352,7 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
     """Spec of shardwise's own ``GPT(cfg)``, exact, from its torch-free parameter list."""
     from shardwise.models.gpt_config import gpt_param_shapes
+    from shardwise.plan.moe import moe_of_gpt
 
     params = []
     for pname, shape in gpt_param_shapes(cfg):
@@ -358,7 +361,8 @@ def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=cfg.n_layer,
                      hidden=cfg.n_embd, n_heads=cfg.n_head, n_kv_heads=cfg.n_head, ffn_hidden=4 * cfg.n_embd,
                      vocab=cfg.vocab_size, max_seq=cfg.block_size, dropout=float(cfg.dropout),
-                     learned_positions=True, tied_embeddings=False, params=tuple(params), family="gpt")
+                     learned_positions=True, tied_embeddings=False, params=tuple(params), family="gpt",
+                     moe=moe_of_gpt(cfg))
 
 
 def from_factory(spec: str) -> ModelSpec:

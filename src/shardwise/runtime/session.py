@@ -309,6 +309,9 @@ class Session:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
+        from shardwise.parallel.ep import attach_moe
+
+        attach_moe(model, self.layout, self.mesh)  # [issue 20] MoE aux-loss group; ep checks
         # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
         prepared = parallelize(model, self.strategy, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)

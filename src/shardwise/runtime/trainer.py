@@ -23,6 +23,7 @@ from torch import nn
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
+from shardwise.models.moe import take_moe_stats
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
@@ -370,6 +371,13 @@ class Trainer:
                           "grad_norm": float(grad_norm), **window}
                 if t.nonfinite == "skip":
                     record["skipped_steps"] = self.skipped_steps
+                # [issue 20] MoE routing over the window (every rank: one small all-reduce); {} if dense.
+                moe = take_moe_stats(self.model)
+                record.update(moe)
+                if moe:
+                    s.log(f"step {st.step}: moe tokens/expert min {moe['moe/tokens_per_expert_min']:.0f} mean "
+                          f"{moe['moe/tokens_per_expert_mean']:.0f} max {moe['moe/tokens_per_expert_max']:.0f}, "
+                          f"aux {moe['moe/aux_loss']:.4f}, z {moe['moe/z_loss']:.4f}, dropped 0")
                 self.run_dir.log_metrics(record)
             if (t.eval_every and st.step % t.eval_every == 0) or last:
                 st.last_val_loss = evaluate(s, self.model, self.workload, self.val_loader,

@@ -1,0 +1,257 @@
+"""Mixture-of-experts feed-forward for the built-in GPT: softmax top-k router, dropless dispatch.
+
+Plain single-device code, like the rest of the model. Two seams let parallel code act from outside
+without the model knowing (``shardwise.parallel.ep``):
+
+* ``GroupedExperts.forward(tokens, counts)`` takes the tokens already sorted by expert and the
+  number per expert. Expert parallelism wraps exactly this call (torchtitan's ``distribute_module``
+  input/output hooks): tokens go to the rank holding their expert and come back in the same order.
+* ``MoE.stats_group``: the process group over which the router's token counts are summed for the
+  load-balancing loss (None: this process alone). Set by ``parallel.ep.attach_moe``.
+
+Dispatch is dropless: every token reaches all of its top-k experts, whatever the imbalance (no
+capacity factor, so ``dropped`` tokens are always 0 and reported as such). Tokens are sorted by
+expert id (a stable argsort) and each expert runs one matmul over its contiguous slice.
+
+Auxiliary losses (what ``with_aux_loss`` adds to the training loss)
+-------------------------------------------------------------------
+N tokens on this rank, N_g over the global micro-batch (every data-parallel rank), E experts, k
+per token, router probabilities p_{t,e} = softmax(router logits z_t)_e.
+
+* Load balancing (Switch Transformer eq. 4, Mixtral): ``aux = a * E * sum_e f_e * P_e`` with
+  f_e = (tokens routed to e) / (N_g * k), the fraction of all routing slots e received, and P_e =
+  mean_t p_{t,e}. f carries no gradient; balanced routing gives ``aux = a``.
+* Router z-loss (ST-MoE eq. 5): ``z = b * mean_t (logsumexp_e z_{t,e})^2``.
+
+Over the GLOBAL batch. Data-parallel training averages the ranks' gradients: the step follows
+(1/R) sum_r grad L_r. A per-rank aux loss built from per-rank f_e would optimise the mean of R
+small-batch balance losses, a different objective from one process's (balance is non-linear in
+the counts). Instead f_e is formed from the counts summed over ``stats_group`` (one all-reduce of E
+integers per MoE layer, no gradient), and each rank uses its local P^r_e:
+
+    aux_r = a * E * sum_e f_e^global * P^r_e,   (1/R) sum_r aux_r = a * E * sum_e f_e * P_e^global
+
+because the ranks hold equal token counts, so the mean of the P^r is the global P. The averaged
+gradient is therefore exactly the gradient of one process's aux loss over the whole batch; the
+z-loss is a per-token mean and needs no communication for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.gpt_config import GPTConfig
+
+__all__ = ["MoE", "GroupedExperts", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
+
+# Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
+_pending: list[torch.Tensor] = []
+_MAX_PENDING = 4096
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing re-runs forward inside backward: that recomputation must not add its
+    # aux loss (or its counts) a second time.
+    return torch._C._current_graph_task_id() != -1
+
+
+def pop_aux_loss() -> torch.Tensor | None:
+    """The sum of the aux losses recorded since the last call (None when none), and forget them."""
+    if not _pending:
+        return None
+    total = torch.stack([t.float() for t in _pending]).sum()
+    _pending.clear()
+    return total
+
+
+def with_aux_loss(loss_fn: Any) -> Any:
+    """Wrap ``loss_fn(output, target)`` so the MoE layers' aux losses of that forward are added."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        base = loss_fn(output, target)
+        aux = pop_aux_loss()
+        if aux is None:
+            return base
+        aux = aux.to(base.device)
+        if hasattr(base, "device_mesh"):
+            # Under tensor parallel the cross-entropy is a (replicated) DTensor from loss_parallel;
+            # the aux loss is the same on every TP rank, so it joins it as a replicated DTensor.
+            from torch.distributed.tensor import DTensor, Replicate
+
+            aux = DTensor.from_local(aux, base.device_mesh, [Replicate()] * base.device_mesh.ndim)
+        return base + aux
+
+    loss.__name__ = getattr(loss_fn, "__name__", "loss") + "_with_moe_aux"
+    return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Under expert parallelism the unsharded weights are DTensors sharded by expert over the ``ep``
+    # mesh; each rank computes with the experts it holds.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts stored as fused 3-D tensors ``w_in (E, D, H)``, ``w_out (E, H, D)``."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w_out = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (sum(counts), D) sorted by expert; ``counts`` (experts held,) -> same order."""
+        w_in, w_out = _local(self.w_in), _local(self.w_out)
+        sizes = counts.tolist()
+        if len(sizes) != w_in.shape[0]:
+            raise ValueError(f"{len(sizes)} expert counts for {w_in.shape[0]} experts")
+        outs = [F.gelu(chunk @ w_in[e]) @ w_out[e] for e, chunk in enumerate(tokens.split(sizes)) if sizes[e]]
+        return torch.cat(outs) if outs else tokens.new_zeros(0, w_out.shape[-1])
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts): the feed-forward of an MoE block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if not 1 <= cfg.moe_top_k <= cfg.n_experts:
+            raise ValueError(f"moe_top_k={cfg.moe_top_k} must be between 1 and n_experts={cfg.n_experts}")
+        self.n_experts, self.top_k = cfg.n_experts, cfg.moe_top_k
+        self.norm_topk = cfg.moe_norm_topk
+        self.aux_coef, self.z_coef = cfg.moe_aux_coef, cfg.moe_z_coef
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.n_embd, cfg.expert_hidden)
+        self.shared = (SharedExperts(cfg.n_embd, cfg.expert_hidden * cfg.moe_shared_experts, cfg.bias)
+                       if cfg.moe_shared_experts else None)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.stats_group: Any = None  # set from outside (parallel.ep.attach_moe); None: this process
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start a new metrics window (plain attributes, not buffers: never checkpointed)."""
+        self.window_counts: torch.Tensor | None = None  # global tokens per expert, summed
+        self.window_aux: torch.Tensor | float = 0.0
+        self.window_z: torch.Tensor | float = 0.0
+        self.window_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x).float()
+        probs = logits.softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        # Dropless dispatch: tokens sorted by expert (stable, so each expert sees them in token order).
+        order = flat.argsort(stable=True)
+        token = order // self.top_k
+        routed = self.experts(x[token], counts)
+        scale = weights.reshape(-1)[order].to(routed.dtype).unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, token, routed * scale)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self._record(logits, probs, counts)
+        return self.drop(out).reshape(shape)
+
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
+        """Aux losses over the global batch (see the module docstring) and the window's statistics."""
+        if not (self.training and torch.is_grad_enabled()) or _in_backward():
+            return
+        global_counts = counts.detach().clone()
+        if self.stats_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(global_counts, group=self.stats_group)
+        aux = logits.new_zeros(())
+        if self.aux_coef > 0:
+            f = global_counts.float() / global_counts.sum().clamp(min=1)
+            aux = aux + self.aux_coef * self.n_experts * (f * probs.mean(dim=0)).sum()
+        z = logits.new_zeros(())
+        if self.z_coef > 0:
+            z = self.z_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        if len(_pending) >= _MAX_PENDING:
+            # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
+            # them rather than keep every forward's autograd graph alive.
+            warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
+                          "with shardwise.models.moe.with_aux_loss (the routers will not balance otherwise)",
+                          stacklevel=2)
+            _pending.clear()
+        _pending.append(aux + z)
+        self.window_counts = global_counts if self.window_counts is None else self.window_counts + global_counts
+        # Device tensors: read (one host sync) only when the logging window closes.
+        self.window_aux = self.window_aux + aux.detach()
+        self.window_z = self.window_z + z.detach()
+        self.window_calls += 1
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every MoE layer of ``model`` with its (wrapper-free) name."""
+    from shardwise.parallel.checkpointing import clean_name
+
+    return [(clean_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def take_moe_stats(model: nn.Module) -> dict[str, float]:
+    """Metrics of the window since the last call (and start a new one); {} for a dense model.
+
+    A collective when the layers have a ``stats_group``: call it on every rank.
+
+    Tokens per expert are global routing slots (every data-parallel rank's tokens, k per token):
+    ``moe/tokens_per_expert_{min,mean,max}`` over all experts of all layers, the same per layer
+    (``moe/<layer>/...``), ``moe/max_over_mean`` (1.0 is perfect balance), the mean aux and z
+    losses per layer and micro-batch, and ``moe/dropped_tokens`` (0: dispatch is dropless).
+    """
+    layers = moe_layers(model)
+    out: dict[str, float] = {}
+    every: list[torch.Tensor] = []
+    aux = z = 0.0
+    calls = 0
+    device = None
+    for name, layer in layers:
+        counts = layer.window_counts
+        if counts is not None:
+            device = counts.device  # the collective's device (NCCL needs the accelerator's)
+            c = counts.double().cpu()
+            every.append(c)
+            short = name.replace("blocks.", "").replace(".mlp", "")
+            out[f"moe/{short}/tokens_min"] = float(c.min())
+            out[f"moe/{short}/tokens_mean"] = float(c.mean())
+            out[f"moe/{short}/tokens_max"] = float(c.max())
+        aux += float(layer.window_aux)
+        z += float(layer.window_z)
+        calls += layer.window_calls
+        layer.reset_stats()
+    if not every:
+        return out
+    group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
+    if group is not None:
+        # Each rank's aux loss uses its own router probabilities: their mean is the global loss.
+        import torch.distributed as dist
+
+        pair = torch.tensor([aux, z], dtype=torch.float64, device=device)
+        dist.all_reduce(pair, group=group)
+        aux, z = (pair / dist.get_world_size(group)).tolist()
+    allc = torch.cat(every)
+    out.update({"moe/tokens_per_expert_min": float(allc.min()), "moe/tokens_per_expert_mean": float(allc.mean()),
+                "moe/tokens_per_expert_max": float(allc.max()),
+                "moe/max_over_mean": float(allc.max() / allc.mean()) if allc.mean() > 0 else math.nan,
+                "moe/aux_loss": aux / max(calls, 1), "moe/z_loss": z / max(calls, 1), "moe/dropped_tokens": 0.0})
+    return out

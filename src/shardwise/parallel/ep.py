@@ -1,0 +1,164 @@
+"""Expert parallelism (``parallel.ep``) for mixture-of-experts models, composed torchtitan's way.
+
+EP ranks are borrowed from the data-parallel shard ranks: the ``dp`` ranks are viewed as a
+``(dp_shard_mod_ep, ep)`` grid with ``ep`` innermost (consecutive ranks, the fastest link, carry the
+token all-to-alls). Inside one EP group each rank holds ``n_experts / ep`` experts of every MoE
+layer (a ``Shard(0)`` DTensor on the ``ep`` mesh dim, so checkpoints keep the global expert
+tensors and DCP reshards them to any other EP degree); FSDP2 then shards those experts over the
+``dp_shard_mod_ep`` ranks that hold the same experts. Dense parameters are sharded as before.
+
+Dispatch (per MoE layer, forward): every rank sorts its tokens by expert (``models/moe.py``), the
+per-expert counts are exchanged (one ``all_to_all_single`` of E integers), then the tokens travel
+to the rank owning their expert with ``all_to_all_single_autograd`` (torch's autograd-aware
+functional collective: its backward is the reverse all-to-all), are regrouped expert-major, run
+through the local experts, regrouped back and returned by a second all-to-all. Both happen in
+forward hooks on the experts module (``distribute_module``'s input/output functions, as torchtitan's
+``ExpertParallel``), so the model code is unchanged.
+
+Gradients: an expert's gradient is the sum over the tokens of its whole EP group (the all-to-all's
+backward brings each rank's share home), then FSDP reduce-scatters over ``dp_shard_mod_ep`` ranks.
+FSDP would divide by those ``dp / ep`` ranks; dividing by the full ``dp`` instead (``set_gradient_
+divide_factor``) gives (1/dp) sum over every rank's loss, the same mean as the dense parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import ConfigError
+from shardwise.layout import Layout
+
+__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "ep_mesh"]
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    from shardwise.models.moe import moe_layers
+
+    return moe_layers(model)
+
+
+def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
+    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+
+    Called by the Session before the strategy applies itself. The routers' token counts are summed
+    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
+    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
+    """
+    layers = _moe_layers(model)
+    if not layers:
+        if layout.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={layout.ep} (expert parallel) needs a mixture-of-experts model, but "
+                f"{type(model).__name__} has no MoE layer. Use an MoE model (e.g. model.preset = "
+                "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
+        return
+    if layout.pp > 1:
+        raise ConfigError(
+            "mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
+            "of earlier stages would not reach the loss on the last stage. Use fsdp, fsdp+tp or ddp.")
+    if layout.sequence_parallel:
+        raise ConfigError(
+            "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
+            "experts take the whole sequence on every TP rank); unset it, TP itself works.")
+    if layout.ep > 1:
+        n_experts = {layer.n_experts for _, layer in layers}
+        bad = sorted(n for n in n_experts if n % layout.ep)
+        if bad:
+            raise ConfigError(
+                f"parallel.ep={layout.ep} must divide every MoE layer's number of experts ({bad[0]}): each "
+                f"rank of an expert group holds n_experts / ep experts.")
+    group = None
+    if layout.dp > 1 and mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        group = mesh["dp"].get_group() if "dp" in names and len(names) > 1 else dist.group.WORLD
+    for _, layer in layers:
+        layer.stats_group = group
+
+
+def ep_mesh(layout: Layout, device_type: str) -> Any:
+    """The mesh that places experts: ``(pp, dp_shard_mod_ep, ep, tp)``, row-major over all ranks.
+
+    Its flattened ``(dp_shard_mod_ep, ep)`` index is each rank's dp index in the Session's mesh,
+    so EP groups are made of data-parallel ranks and TP groups are untouched.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.pp, layout.dp_shard_mod_ep, layout.ep, layout.tp),
+                            mesh_dim_names=("pp", "dp_mod_ep", "ep", "tp"))
+
+
+class ExpertDispatcher:
+    """Token dispatch and combine around one experts module (its forward pre-hook and hook)."""
+
+    def __init__(self, n_experts: int, ep: int, group: Any) -> None:
+        self.n_experts, self.ep, self.group = n_experts, ep, group
+        self.local = n_experts // ep
+        self._state: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+    def dispatch(self, module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        tokens, counts = inputs
+        ep, local = self.ep, self.local
+        # recv[s, e]: how many tokens rank s of the group sends to my local expert e.
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        grid = recv.view(ep, local).tolist()
+        recv_splits = [sum(row) for row in grid]
+        got = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
+        # Arrived source-major (rank s: its tokens for my experts 0..L-1); the experts want them
+        # expert-major. ``perm`` lists the arrived rows in expert-major order.
+        offsets, start = [], 0
+        for row in grid:
+            offsets.append([])
+            for n in row:
+                offsets[-1].append(start)
+                start += n
+        perm = [i for e in range(local) for s in range(ep) for i in range(offsets[s][e], offsets[s][e] + grid[s][e])]
+        perm_t = torch.tensor(perm, dtype=torch.long, device=tokens.device)
+        # A checkpointed recomputation runs forward again: a stack keeps dispatch/combine paired.
+        self._state.append((perm_t, send_splits, recv_splits))
+        local_counts = recv.view(ep, local).sum(0)
+        return got[perm_t], local_counts
+
+    def combine(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        perm, send_splits, recv_splits = self._state.pop()
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return all_to_all_single_autograd(output[back], send_splits, recv_splits, self.group)
+
+
+def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs: dict[str, Any]) -> None:
+    """Split every MoE layer's experts over ``layout.ep`` ranks and FSDP-shard them over the rest.
+
+    Run before the dense FSDP wrapping (blocks, then the root), which then skips the experts.
+    ``fsdp_kwargs``: the mixed-precision and offload policies the dense units get.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = ep_mesh(layout, device.type)
+    ep_dim, fsdp_dim = mesh["ep"], mesh["dp_mod_ep"]
+    group = ep_dim.get_group()
+    for _, layer in _moe_layers(model):
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            dt = distribute_tensor(param.data, ep_dim, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        dispatcher = ExpertDispatcher(layer.n_experts, layout.ep, group)
+        experts.register_forward_pre_hook(dispatcher.dispatch)
+        experts.register_forward_hook(dispatcher.combine)
+        experts.ep_dispatcher = dispatcher
+        fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
+        # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
+        experts.set_gradient_divide_factor(float(layout.dp))
+        if fsdp_dim.size() > 1 and dist.get_backend(fsdp_dim.get_group()) == "gloo":
+            # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
+            experts.set_force_sum_reduction_for_comms(True)
