@@ -98,8 +98,10 @@ def test_every_torch_schedule_matches_single_process():
     ref = mp_train(0, 1, "single", overrides=over)
     schedules = ("looped-bfs", "interleaved-zb", "zbv", "dualpipev")
     ref = mp_train(0, 1, "single", overrides=over, evaluate=True)
-    cases = [{"strategy": "pp", "pp_schedule": s, "pp_stages_per_rank": 2, "overrides": over, "evaluate": True}
-             for s in schedules]
+    # mid_eval: evaluating between steps (its own forward-only schedule under V placement) must not
+    # change the training steps after it.
+    cases = [{"strategy": "pp", "pp_schedule": s, "pp_stages_per_rank": 2, "overrides": over, "evaluate": True,
+              "mid_eval": True} for s in schedules]
     results = run_distributed(mp_cases, 2, timeout_s=300, cases=cases)
     cfg = GPT_PRESETS["nano"].__class__(**{**GPT_PRESETS["nano"].to_dict(), **over})
     ranges = stage_layer_ranges(4, 4)

@@ -198,6 +198,14 @@ class Pipeline:
             self.schedule.step(*args, target=target, losses=losses)
         else:
             self._eval_schedule.eval(*args, target=target, losses=losses)
+            if self._eval_schedule is not self.schedule:
+                # The two schedules share the stages, but each keeps its own "stages initialised
+                # for train/eval" flags: make the next training step re-initialise them (its
+                # receive buffers must require grad again, or the stage boundaries pass no
+                # gradient), and the next evaluation likewise.
+                for sched in (self.schedule, self._eval_schedule):
+                    sched._stages_forward_initialized = False  # noqa: SLF001
+                    sched._stages_backward_initialized = False  # noqa: SLF001
         from shardwise.parallel.tp import local_value
 
         if self.has_last:
