@@ -97,12 +97,18 @@ def test_every_torch_schedule_matches_single_process():
     over = {"n_layer": 4}
     ref = mp_train(0, 1, "single", overrides=over)
     schedules = ("looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-    cases = [{"strategy": "pp", "pp_schedule": s, "pp_stages_per_rank": 2, "overrides": over} for s in schedules]
+    ref = mp_train(0, 1, "single", overrides=over, evaluate=True)
+    # mid_eval: evaluating between steps (its own forward-only schedule under V placement) must not
+    # change the training steps after it.
+    cases = [{"strategy": "pp", "pp_schedule": s, "pp_stages_per_rank": 2, "overrides": over, "evaluate": True,
+              "mid_eval": True} for s in schedules]
     results = run_distributed(mp_cases, 2, timeout_s=300, cases=cases)
     cfg = GPT_PRESETS["nano"].__class__(**{**GPT_PRESETS["nano"].to_dict(), **over})
     ranges = stage_layer_ranges(4, 4)
     for schedule, r0, r1 in zip(schedules, *results):
         assert_parity(ref, [r0, r1])
+        # Evaluation runs forward only (V schedules: a forward-only ZBV, see pp.py) on every rank.
+        assert r0["eval_loss"] == r1["eval_loss"] and abs(r0["eval_loss"] - ref["eval_loss"]) < 1e-5, schedule
         placement = [[0, 3], [1, 2]] if schedule in ("zbv", "dualpipev") else [[0, 2], [1, 3]]
         assert [r0["param_bytes"], r1["param_bytes"]] == [expected_stage_bytes(cfg, ranges, ids)
                                                           for ids in placement], schedule

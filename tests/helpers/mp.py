@@ -25,7 +25,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 5,
              global_batch: int = 8, accum: int = 1, preset: str = "nano", clip: float = 1.0,
              evaluate: bool = False, overrides: dict | None = None, ckpt_dir: str = "",
-             compile: bool = False, **options: object) -> dict:
+             compile: bool = False, mid_eval: bool = False, **options: object) -> dict:
     """Train the GPT preset on fixed batches through session.forward_backward; report results.
 
     Every rank of one data-parallel replica reads the same slice of each global batch (TP ranks
@@ -53,6 +53,9 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
     def snapshot(step: int) -> None:
         if step == 4:  # the state after 5 steps, for runs that go on past it
             params5.update(full_params(model))
+        if mid_eval:  # an evaluation between steps must not change what training does next
+            x = data[0, :per_replica]
+            session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss)
 
     run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot,
                               loss_fn=session.compile_loss(lm_loss))

@@ -126,6 +126,28 @@ def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) ->
     module.forward = wrapped
 
 
+def _forward_only_v_schedule(stages: list[PipelineStage], kwargs: dict[str, Any]) -> Any:
+    """A ZBV schedule over ``stages`` keeping only its forward actions, for evaluation.
+
+    torch 2.13's ``eval()`` of the V-shaped schedules (ZBV, DualPipeV) still walks their backward
+    actions and fails handing a backward between the two stages of one rank ("can't steal_bwd_input
+    if this stage doesn't have backward"). Both schedules use the same V placement, so ZBV's action
+    list with only the forwards (communication re-derived by torch's own lowering) evaluates either.
+    """
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    schedule = pipelining.ScheduleZBVZeroBubble(stages, **kwargs)
+    forward = torch_schedules._ComputationType.FORWARD
+    order = {rank: torch_schedules._add_unshard_reshard(
+                [a for a in actions if a is not None and a.computation_type == forward])
+             for rank, actions in schedule.pipeline_order.items()}
+    # torch's lowering (as _prepare_schedule_with_comms does it, minus the validation, which
+    # insists on one backward per micro-batch): the sends/receives between the forwards.
+    schedule.pipeline_order_with_comms = torch_schedules._add_send_recv(
+        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages)
+    return schedule
+
+
 class Pipeline:
     """One rank's share of a pipeline: its stages, the schedule, and loss bookkeeping."""
 
@@ -151,6 +173,9 @@ class Pipeline:
         self.schedule = cls(self.stages if info.multi_stage else self.stages[0], **kwargs)
         # V placement puts the last stage (the loss) on rank 0; loop placement on rank pp - 1.
         self.last_rank = stage_rank(schedule, n_stages - 1, self.pp_size, layout.pp_stages_per_rank)
+        self._eval_schedule = self.schedule
+        if info.placement == "v":
+            self._eval_schedule = _forward_only_v_schedule(self.stages, kwargs)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
@@ -172,7 +197,15 @@ class Pipeline:
         if train:
             self.schedule.step(*args, target=target, losses=losses)
         else:
-            self.schedule.eval(*args, target=target, losses=losses)
+            self._eval_schedule.eval(*args, target=target, losses=losses)
+            if self._eval_schedule is not self.schedule:
+                # The two schedules share the stages, but each keeps its own "stages initialised
+                # for train/eval" flags: make the next training step re-initialise them (its
+                # receive buffers must require grad again, or the stage boundaries pass no
+                # gradient), and the next evaluation likewise.
+                for sched in (self.schedule, self._eval_schedule):
+                    sched._stages_forward_initialized = False  # noqa: SLF001
+                    sched._stages_backward_initialized = False  # noqa: SLF001
         from shardwise.parallel.tp import local_value
 
         if self.has_last:
