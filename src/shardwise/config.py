@@ -207,6 +207,10 @@ class TrainConfig:
     # torch.compile each transformer block (and the loss), after TP and activation checkpointing,
     # before DDP/FSDP (torchtitan's order; see shardwise.parallel.compile). CPU: inductor's C++.
     compile: bool = False
+    # Output head + cross-entropy over chunks of tokens, so the whole [tokens, vocab] logits never
+    # exist (shardwise.loss): "auto" (on where it runs and the vocabulary is > 4 x hidden), 0 off,
+    # or a number of chunks per micro-batch.
+    loss_chunks: str = setting("auto", text="word")
 
 
 @dataclass(frozen=True)
@@ -683,6 +687,9 @@ def validate(cfg: RunConfig) -> None:
                           "decays from lr down to min_lr.")
     if p.wrap not in ("block", "model") and not (str(p.wrap).isdigit() and 1 <= int(p.wrap) <= 10**6):
         raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
+    from shardwise.loss import parse_loss_chunks
+
+    parse_loss_chunks(t.loss_chunks)
     from shardwise.parallel.precision import check_precision
 
     check_precision(p.precision)  # e.g. bf16 on a GPU without bfloat16, before any rank starts

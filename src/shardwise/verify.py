@@ -151,7 +151,8 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
 
     t = cfg.train
     session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
-                      collective_timeout_s=cfg.watchdog.collective_timeout_s, compile=t.compile)
+                      collective_timeout_s=cfg.watchdog.collective_timeout_s, compile=t.compile,
+                      loss_chunks=t.loss_chunks)
     try:
         trainer = Trainer(cfg, out_dir, session)
         batches = trainer.train_loader.forever()

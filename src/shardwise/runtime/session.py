@@ -84,7 +84,7 @@ class Session:
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
                  collective_timeout_s: float = 1800.0, launch_id: str | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, loss_chunks: int | str = "auto") -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -98,6 +98,12 @@ class Session:
         self.options = options
         # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
         self.compile = bool(compile)
+        # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
+        from shardwise.loss import parse_loss_chunks
+
+        self.loss_chunks = loss_chunks
+        parse_loss_chunks(loss_chunks)
+        self.loss_plan: Any = None
         # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
@@ -301,6 +307,12 @@ class Session:
                                                    self.options.ac_every)
             if self.compile:
                 model = apply_compile(model)
+        from shardwise.loss import install_chunked_head
+
+        self.loss_plan = install_chunked_head(model, self.loss_chunks, tp=self.layout.tp, pp=self.layout.pp)
+        if self.loss_plan.enabled:
+            self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
+                              f"{self.loss_chunks}); the whole logits tensor is never built")
         prepared = self.strategy.apply(model, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
@@ -421,7 +433,7 @@ class Session:
         runs both inside its schedule) implement it themselves, so loops written on this call
         work under every strategy.
         """
-        with self.accumulate(model):
+        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
 
     @torch.no_grad()
@@ -430,7 +442,16 @@ class Session:
         """Mean loss of one batch without gradients (this rank's part; reduce it yourself)."""
         if self._watchdog is not None:
             self._watchdog.beat(phase="eval")
-        return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+        with self._loss(model, loss_fn, targets) as loss_fn:
+            return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+
+    def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
+        """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
+        if self.loss_plan is None or not self.loss_plan.enabled:
+            return contextlib.nullcontext(loss_fn)
+        from shardwise.loss import token_loss_context
+
+        return token_loss_context(model, loss_fn, targets)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (0: only measure) and return the total norm."""

@@ -112,7 +112,7 @@ class Trainer:
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
-            compile=t.compile,
+            compile=t.compile, loss_chunks=t.loss_chunks,
         )
         # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
         # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
