@@ -231,6 +231,12 @@ class ParallelConfig:
     pp_microbatches: int = setting(0, ge=0, le=2**20)  # 0: 2 x stages
     pp_stages_per_rank: int = setting(1, gt=0, le=1024)
     pp_first_stage_fewer: int = setting(0, ge=0, le=10**4)
+    # --- h21 (issue 21), to move into h18's degrees owner: context parallel. cp ranks share the
+    # data-parallel index and each keeps seq / cp tokens of every sequence (shardwise.parallel.cp);
+    # they are part of the data-parallel dimension (dp, or the world for pure data parallel), which
+    # DDP/FSDP average gradients over: FSDP shards over dp_shard x cp.
+    cp: int = setting(1, gt=0, le=MAX_RANKS)
+    cp_impl: str = setting("auto", choices=("auto", "alltoall", "ring"), label="parallel.cp_impl")
     # Data-parallel degree of the model-parallel compositions (0: world / (tp x pp)). Mesh order
     # is ("pp", "dp", "tp"): tp innermost, on consecutive ranks, i.e. the fastest link.
     dp: int = setting(0, ge=0, le=MAX_RANKS)

@@ -99,6 +99,8 @@ class Layout:
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
     pp_first_stage_fewer: int = 0
     sequence_parallel: bool = False
+    # h21 (issue 21): context-parallel degree, a factor of ``dp`` (see ``dp_coords``, ``cp_rank``).
+    cp: int = 1
     # The model's transformer blocks, once known: how many, and where (a dotted module path).
     n_blocks: int | None = None
     block_path: str = ""
@@ -145,6 +147,14 @@ class Layout:
             raise ConfigError(f"strategy {self.strategy!r} {'always' if offload else 'never'} offloads; "
                               f"offload={self.offload} contradicts it.")
         set_(self, "offload", offload)
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1 or self.dp % self.cp:
+            raise ConfigError(
+                f"parallel.cp={self.cp} must divide the data-parallel ranks ({self.dp}): context-parallel ranks "
+                "are taken out of the data-parallel dimension (cp ranks read the same sequences). Launch a "
+                "multiple of cp ranks, or change parallel.dp / parallel.cp.")
+        if self.cp > 1 and self.pp > 1:
+            raise ConfigError("parallel.cp > 1 does not run with pipeline parallel yet; use fsdp, ddp, hsdp or "
+                              "fsdp+tp with cp.")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")
@@ -291,9 +301,14 @@ class Layout:
         feeds its inputs, the last one its targets).
         """
         c = self.coords(rank)
+        # Context-parallel ranks (consecutive in the dp dimension) share one data index (h21).
         if self.info.model_parallel:
-            return c["dp"], self.dp
-        return rank, self.dp  # pure data parallel (hsdp: replicate * shard + shard index = rank)
+            return c["dp"] // self.cp, self.dp // self.cp
+        return rank // self.cp, self.dp // self.cp  # pure data parallel (hsdp: replicate * shard + shard = rank)
+
+    def cp_rank(self, rank: int) -> int:
+        """Which chunk of each sequence ``rank`` holds under context parallel (0 without it)."""
+        return (self.coords(rank)["dp"] if self.info.model_parallel else rank) % self.cp
 
     # ------------------------------------------------------------------ the pipeline
     @property
@@ -353,6 +368,7 @@ class Layout:
             f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",
             f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
             f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
+            f"{f', cp {self.cp} (alltoall: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
             f"{'; state offloaded to host memory' if self.offload else ''}",
             f"  each rank holds a part of: {self.info.shards}",
         ]
@@ -372,7 +388,7 @@ class Layout:
         return {
             "strategy": self.strategy, "world_size": self.world_size, "dp": self.dp,
             "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
-            "sequence_parallel": self.sequence_parallel, "offload": self.offload,
+            "sequence_parallel": self.sequence_parallel, "offload": self.offload, "cp": self.cp,
             "mesh_dim_names": list(self.mesh_dim_names), "mesh_shape": list(self.mesh_shape),
             "pp_schedule": self.pp_schedule, "pp_stages_per_rank": self.pp_stages_per_rank,
             "pp_microbatches": self.pp_microbatches, "pp_first_stage_fewer": self.pp_first_stage_fewer,
@@ -477,5 +493,5 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         name, dp=dp, tp=tp, pp=pp, shard=shard, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
-        n_blocks=n_blocks, block_path=block_path,
+        n_blocks=n_blocks, block_path=block_path, cp=options.cp,
     )

@@ -179,7 +179,7 @@ def reference_config(cfg: Any, dp_size: int) -> Any:
     return replace_in(cfg, **{
         "train.micro_batch_size": cfg.train.micro_batch_size * dp_size,
         "parallel.strategy": "single", "parallel.nproc": 1, "parallel.tp": 1, "parallel.pp": 1,
-        "parallel.dp": 0, "parallel.sequence_parallel": False,
+        "parallel.dp": 0, "parallel.sequence_parallel": False, "parallel.cp": 1,
         "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
         # The reference runs eager: a compiled strategy run is checked against plain PyTorch, so
         # verify also proves that compiling (fused kernels, reordered reductions) kept the numbers.

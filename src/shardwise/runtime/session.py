@@ -162,6 +162,17 @@ class Session:
         self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
                                    compile=self.compile)
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
+        # Context parallel (h21): this rank's group of cp ranks and which sequence chunk it holds.
+        self.cp_group: Any = None
+        self.cp_rank = self.layout.cp_rank(self.rank)
+        if self.layout.cp > 1:
+            from shardwise.parallel.cp import cp_groups, resolve_cp_impl
+
+            self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
+            if self.compile:
+                raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet: the "
+                                  "all-to-all attention is routed by a TorchFunctionMode. Unset one of them.")
+            self.cp_group, self.cp_rank = cp_groups(self.layout, self.rank)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
         seed_everything(seed)
@@ -313,6 +324,11 @@ class Session:
         if self.loss_plan.enabled:
             self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
                               f"{self.loss_chunks}); the whole logits tensor is never built")
+        if self.layout.cp > 1:
+            from shardwise.parallel.cp import apply_cp, check_cp_model
+
+            check_cp_model(model, self.layout.cp, self.layout.tp)
+            apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp)
         prepared = self.strategy.apply(model, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
@@ -433,6 +449,7 @@ class Session:
         runs both inside its schedule) implement it themselves, so loops written on this call
         work under every strategy.
         """
+        inputs, targets = self._cp_chunk(inputs, targets)
         with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
 
@@ -442,8 +459,18 @@ class Session:
         """Mean loss of one batch without gradients (this rank's part; reduce it yourself)."""
         if self._watchdog is not None:
             self._watchdog.beat(phase="eval")
+        inputs, targets = self._cp_chunk(inputs, targets)
         with self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+
+    def _cp_chunk(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise)."""
+        if self.layout.cp == 1:
+            return inputs, targets
+        from shardwise.parallel.cp import split_sequence
+
+        return (split_sequence(inputs, self.cp_rank, self.layout.cp),
+                split_sequence(targets, self.cp_rank, self.layout.cp))
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
