@@ -536,6 +536,8 @@ class Trainer:
         if not n or self.workload.sample_text is None:
             return None
         reason = self.session.strategy.generation_unsupported()
+        if self.session.layout.cp > 1:  # h21: attention expects 1/cp of a sequence per rank
+            reason = "context parallel (parallel.cp > 1) runs attention on sequence chunks"
         if reason:
             self.session.log(f"skipping the text sample under {self.session.strategy_name}: {reason}.")
             return None
