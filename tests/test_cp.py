@@ -120,3 +120,19 @@ def test_planner_counts_cp_and_chunked_logits() -> None:
     assert logits_bytes(32768, 128256, chunked=True) < logits_bytes(32768, 128256) / 20
     assert cp_candidates(64, 4096, 32) == [1]
     assert cp_candidates(8, 32768, 32) == [1, 2, 4, 8] and cp_candidates(8, 32768, 32, tp=2) == [1, 2, 4]
+
+
+def test_refused_before_any_rank_starts() -> None:
+    from shardwise.config import load_config
+    from shardwise.preflight import check_run
+
+    def check(world: int, *overrides: str) -> None:
+        check_run(load_config(None, list(overrides)), world)
+
+    with pytest.raises(ConfigError, match=r"parallel.cp=3 must divide the attention heads"):
+        check(3, "parallel.strategy=fsdp", "parallel.cp=3")  # the tiny GPT has 4 heads
+    with pytest.raises(ConfigError, match="cp_impl = 'ring' cannot run"):
+        check(2, "parallel.strategy=fsdp", "parallel.cp=2", "parallel.cp_impl=ring")
+    with pytest.raises(ConfigError, match="train.loss_chunks = 4 cannot run here: tensor parallel"):
+        check(2, "parallel.strategy=fsdp+tp", "parallel.tp=2", "train.loss_chunks=4")
+    check(2, "parallel.strategy=fsdp", "parallel.cp=2")

@@ -37,6 +37,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 __all__ = ["AUTO_CHUNK_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_chunked_head", "is_token_ce",
+           "plan_chunked_head",
            "parse_loss_chunks", "token_loss_context"]
 
 # auto: each chunk's fp32 logits at most this many bytes (64 MiB: 4k tokens at a 4k vocabulary,
@@ -162,11 +163,11 @@ def output_head(model: nn.Module) -> nn.Linear | None:
 _PLAIN_HEAD_FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
 
 
-def install_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1) -> ChunkPlan:
-    """Make ``model``'s output head able to return per-token losses (see module docstring).
+def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1) -> ChunkPlan:
+    """Whether ``model``'s head would be chunked under ``train.loss_chunks = setting``; changes nothing.
 
-    ``setting``: ``train.loss_chunks``. ConfigError when chunks are asked for explicitly where they
-    cannot run; 'auto' quietly stays off there (the plan's ``reason`` says why).
+    ConfigError when chunks are asked for explicitly where they cannot run; 'auto' quietly stays
+    off there (the plan's ``reason`` says why). Preflight calls it on the meta model before launch.
     """
     from shardwise.parallel.blocks import model_family
 
@@ -195,7 +196,16 @@ def install_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int
     if chunks is None and head.out_features <= 4 * head.in_features:
         return ChunkPlan(False, None, f"the vocabulary ({head.out_features}) is small beside the hidden size "
                                       f"({head.in_features}): the logits are not the largest tensor")
-    plan = ChunkPlan(True, chunks)
+    return ChunkPlan(True, chunks)
+
+
+def install_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1) -> ChunkPlan:
+    """Make ``model``'s output head able to return per-token losses (see module docstring)."""
+    plan = plan_chunked_head(model, setting, tp=tp, pp=pp)
+    if not plan.enabled:
+        return plan
+    head = output_head(model)
+    assert head is not None
     dense = head.forward
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
