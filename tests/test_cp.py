@@ -58,9 +58,9 @@ def _assert_same(ref: dict, got: dict, what: str) -> None:
 def test_cp_equals_one_process_at_2_and_4_ranks() -> None:
     pytest.importorskip("transformers")
     refs = {kind: _train(kind) for kind in ("gpt", "llama")}
-    # One spawn per world size, several cases each: cp=2 alone; cp=2 x dp_shard=2; tp=2 x cp=2
-    # (FSDP over the cp ranks).
-    two = [("llama", "fsdp", {"cp": 2})]
+    # One spawn per world size, several cases each: cp=2 alone (FSDP, and DDP averaging over the cp
+    # ranks); cp=2 x dp_shard=2; tp=2 x cp=2 (FSDP over the cp ranks).
+    two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2})]
     four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2})]
     got2 = run_distributed(_cases, 2, timeout_s=240, cases=two)
     got4 = run_distributed(_cases, 4, timeout_s=300, cases=four)

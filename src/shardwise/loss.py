@@ -107,8 +107,8 @@ class _ChunkedCE(torch.autograd.Function):
                 logits = (h @ weight.t()).to(lse.dtype)
                 # d loss_i / d logits_i = softmax_i - onehot(target_i), scaled by the incoming grad.
                 d_logits = torch.exp(logits - lse[start:start + ctx.chunk].unsqueeze(1))
-                keep = t != IGNORE_INDEX
-                d_logits[torch.arange(t.shape[0], device=t.device)[keep], t[keep]] -= 1.0
+                keep = (t != IGNORE_INDEX).to(d_logits.dtype)  # no boolean indexing: no host sync
+                d_logits.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -keep.unsqueeze(1))
                 d_logits *= (grad_losses[start:start + ctx.chunk] * keep).unsqueeze(1)
                 d_logits = d_logits.to(h.dtype)
                 if want_h:

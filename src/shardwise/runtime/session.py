@@ -463,14 +463,16 @@ class Session:
         with self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
 
-    def _cp_chunk(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cp_chunk(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise)."""
         if self.layout.cp == 1:
             return inputs, targets
         from shardwise.parallel.cp import split_sequence
 
-        return (split_sequence(inputs, self.cp_rank, self.layout.cp),
-                split_sequence(targets, self.cp_rank, self.layout.cp))
+        cut = lambda t: split_sequence(t, self.cp_rank, self.layout.cp)  # noqa: E731
+        # A mapping of per-token tensors (input_ids, position_ids, ... of packed rows) is cut alike.
+        chunk = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
+        return chunk, cut(targets)
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
