@@ -139,6 +139,8 @@ def valid_value(spec: FieldSpec, free: bool = False, pretrained: str = "") -> st
                         unique=True) | _valid_text(rule)
     if spec.key == "parallel.wrap":  # a validate() rule beyond the schema: a word or a block count
         return st.sampled_from(["block", "model"]) | st.integers(1, 10**6).map(str)
+    if spec.key == "train.loss_chunks":  # validate(): 'auto', 0 (off) or a number of chunks
+        return st.sampled_from(["auto", "0", "off"]) | st.integers(1, 64).map(str)
     if typing.get_origin(tp) is list:  # each item under the field's rule
         (item,) = typing.get_args(tp)
         return st.lists(valid_value(FieldSpec(spec.key, item, None, rule)), max_size=3)
@@ -224,6 +226,8 @@ def invalid_value(spec: FieldSpec) -> st.SearchStrategy:
         out.append(st.text(max_size=20).filter(lambda s: s not in choices))
     elif spec.key == "parallel.wrap":
         out.append(st.sampled_from(["0", "-1", "blocks", "", "1e3"]))
+    elif spec.key == "train.loss_chunks":
+        out.append(st.sampled_from(["-1", "lots", "", "1.5", "automatic"]))
     else:
         out.append(_BAD_TEXT if kind != "text" else st.just("\udcff"))
         out.append(st.just("x" * (TEXT_LIMITS.get(kind, 1024) + 1)))

@@ -202,13 +202,17 @@ def test_degrees_given_directly_pick_the_strategy_and_must_agree_with_a_named_on
         resolve_layout(ParallelConfig(strategy="fsdp+tp", dp=2, dp_shard=2, tp=2), 4)
 
 
-@pytest.mark.parametrize("key", ["cp"])
-def test_unimplemented_degrees_are_validated_and_refused(key):
-    assert getattr(resolve_layout(ParallelConfig(), 2), key) == 1
-    with pytest.raises(ConfigError, match=f"not implemented yet.*parallel.{key} = 1"):
-        resolve_layout(ParallelConfig(**{key: 2}), 4)
-    with pytest.raises(ConfigError, match=f"parallel.{key} must be > 0"):
-        load_config(overrides=[f"parallel.{key}=0"])
+def test_cp_is_a_factor_of_the_data_parallel_ranks():
+    assert resolve_layout(ParallelConfig(), 2).cp == 1
+    layout = resolve_layout(ParallelConfig(strategy="fsdp", cp=2), 4)
+    assert (layout.cp, layout.dp) == (2, 4)
+    assert [layout.dp_coords(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(ConfigError, match="parallel.cp=3 must divide the data-parallel ranks"):
+        resolve_layout(ParallelConfig(strategy="fsdp", cp=3), 4)
+    with pytest.raises(ConfigError, match="does not run with pipeline parallel"):
+        resolve_layout(ParallelConfig(strategy="ddp+pp", cp=2, pp=2), 4)
+    with pytest.raises(ConfigError, match="parallel.cp must be > 0"):
+        load_config(overrides=["parallel.cp=0"])
 
 
 def test_ep_is_borrowed_from_the_fsdp_shard_ranks():

@@ -216,6 +216,10 @@ class TrainConfig:
     # torch.compile each transformer block (and the loss), after TP and activation checkpointing,
     # before DDP/FSDP (torchtitan's order; see shardwise.parallel.compile). CPU: inductor's C++.
     compile: bool = False
+    # Output head + cross-entropy over chunks of tokens, so the whole [tokens, vocab] logits never
+    # exist (shardwise.loss): "auto" (on where it runs and the vocabulary is > 4 x hidden), 0 off,
+    # or a number of chunks per micro-batch.
+    loss_chunks: str = setting("auto", text="word")
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,9 @@ class ParallelConfig:
     pp_microbatches: int = setting(0, ge=0, le=2**20)  # 0: 2 x stages
     pp_stages_per_rank: int = setting(1, gt=0, le=1024)
     pp_first_stage_fewer: int = setting(0, ge=0, le=10**4)
+    # How context parallel runs attention (shardwise.parallel.cp): "alltoall" (Ulysses, any device),
+    # "ring" (torch's context_parallel, CUDA only), "auto" (the one the device runs).
+    cp_impl: str = setting("auto", choices=("auto", "alltoall", "ring"), label="parallel.cp_impl")
     # Data-parallel degree of the model-parallel compositions (0: world / (tp x pp)). Mesh order
     # is ("pp", "dp", "tp"): tp innermost, on consecutive ranks, i.e. the fastest link.
     dp: int = setting(0, ge=0, le=MAX_RANKS)
@@ -244,7 +251,10 @@ class ParallelConfig:
     # with it. shardwise.layout owns every rule on them (products, divisibility, order).
     dp_replicate: int = setting(0, ge=0, le=MAX_RANKS)
     dp_shard: int = setting(0, ge=0, le=MAX_RANKS)
-    cp: int = setting(1, gt=0, le=MAX_RANKS)  # context parallel: not implemented yet (> 1 refused)
+    # Context parallel: cp ranks share the data-parallel index and each keeps seq / cp tokens of every
+    # sequence (shardwise.parallel.cp); they are part of the data-parallel dimension, which DDP/FSDP
+    # average gradients over: FSDP shards over dp_shard x cp.
+    cp: int = setting(1, gt=0, le=MAX_RANKS)
     # Expert parallel: MoE experts split over groups of ep ranks borrowed from the data-parallel
     # shard ranks (torchtitan's layout); 1: off. Checked by the layout (Layout._check_ep).
     ep: int = setting(1, gt=0, le=MAX_RANKS)
@@ -684,6 +694,21 @@ def check_section(obj: Any, prefix: str = "") -> None:
             _check_scalar(key, value, rule)
 
 
+def parse_loss_chunks(value: Any) -> int | None:
+    """``train.loss_chunks`` as a number: None for 'auto', 0 for off, N > 0 chunks."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return None
+        if text in ("off", "none", "false"):
+            return 0
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**20:
+        raise ConfigError(f"train.loss_chunks must be 'auto', 0 (off) or a number of chunks N >= 1, got {value!r}.")
+    return value
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that do not need to know the world size; never modifies ``cfg``.
 
@@ -699,6 +724,7 @@ def validate(cfg: RunConfig) -> None:
                           "decays from lr down to min_lr.")
     if p.wrap not in ("block", "model") and not (str(p.wrap).isdigit() and 1 <= int(p.wrap) <= 10**6):
         raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
+    parse_loss_chunks(t.loss_chunks)
     canonical_strategy(p.strategy)  # raises with the list of valid names; resolve_layout picks the one
     pc = cfg.profile
     if pc.end_step < pc.start_step:

@@ -97,7 +97,8 @@ class Layout:
     pp: int = 1
     shard: int = 0
     offload: bool | None = None
-    # Context parallel: cp ranks are a factor of ``dp`` (the mesh's data dim). Expert parallel,
+    # Context parallel: cp ranks are a factor of ``dp`` (the mesh's data dim; ``dp_coords``,
+    # ``cp_rank``). Expert parallel,
     # borrowed from the data-parallel shard ranks (no extra ranks): each group of ``ep`` consecutive
     # dp ranks splits every MoE layer's experts, and the ``dp_shard / ep`` groups FSDP-shard them.
     cp: int = 1
@@ -159,6 +160,14 @@ class Layout:
                               f"offload={self.offload} contradicts it.")
         set_(self, "offload", offload)
         self._check_ep()
+        if self.dp % self.cp:
+            raise ConfigError(
+                f"parallel.cp={self.cp} must divide the data-parallel ranks ({self.dp}): context-parallel ranks "
+                "are taken out of the data-parallel dimension (cp ranks read the same sequences). Launch a "
+                "multiple of cp ranks, or change parallel.dp / parallel.cp.")
+        if self.cp > 1 and self.pp > 1:
+            raise ConfigError("parallel.cp > 1 does not run with pipeline parallel yet; use fsdp, ddp, hsdp or "
+                              "fsdp+tp with cp.")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")
@@ -312,9 +321,14 @@ class Layout:
         feeds its inputs, the last one its targets).
         """
         c = self.coords(rank)
+        # Context-parallel ranks (consecutive in the dp dimension) share one data index.
         if self.info.model_parallel:
-            return c["dp"], self.dp
-        return rank, self.dp  # pure data parallel (hsdp: replicate * shard + shard index = rank)
+            return c["dp"] // self.cp, self.dp // self.cp
+        return rank // self.cp, self.dp // self.cp  # pure data parallel (hsdp: replicate * shard + shard = rank)
+
+    def cp_rank(self, rank: int) -> int:
+        """Which chunk of each sequence ``rank`` holds under context parallel (0 without it)."""
+        return (self.coords(rank)["dp"] if self.info.model_parallel else rank) % self.cp
 
     # ------------------------------------------------------------------ the pipeline
     @property
@@ -364,6 +378,7 @@ class Layout:
             f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",
             f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
             f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
+            f"{f', cp {self.cp} (alltoall: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
             f"{'; state offloaded to host memory' if self.offload else ''}",
             f"  each rank holds a part of: {self.info.shards}",
         ]

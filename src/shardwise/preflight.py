@@ -67,6 +67,14 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     check_observability(resolved, world_size)
     check_debug_collectives(resolved, world_size)
     strategy = get_strategy(layout)
+    if layout.cp > 1:
+        import torch
+
+        from shardwise.parallel.cp import resolve_cp_impl
+
+        resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
+        if cfg.train.compile:
+            raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet; unset one.")
     if cfg.train.compile:
         import torch
 
@@ -85,6 +93,14 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         # Heads divisible by tp, no more stages than layers...; without a meta model the same
         # check still runs on every rank in ``Session.prepare``.
         strategy.check_model(meta)
+        # h21: the chunked loss and context parallel refuse what they cannot run before launch.
+        from shardwise.loss import plan_chunked_head
+
+        plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp)
+        if layout.cp > 1:
+            from shardwise.parallel.cp import check_cp_model
+
+            check_cp_model(meta, layout.cp, layout.tp)
         blocks = find_blocks(meta)
         if blocks is not None:
             layout = layout.with_blocks(len(blocks), blocks.path)

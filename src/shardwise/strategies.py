@@ -45,8 +45,8 @@ GRAD_SYNC_MODES = ("step", "microbatch")
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEGREES = (*MESH_ORDER, "ep")
 # Degrees the layout accepts and validates but the runtime does not run yet (refused when > 1 by
-# ``Layout``): context parallel (issue 21).
-NOT_IMPLEMENTED_DEGREES = {"cp": "context parallel (parallel.cp)"}
+# ``Layout``); empty since context parallel (issue 21) and expert parallel (issue 20) landed.
+NOT_IMPLEMENTED_DEGREES: dict[str, str] = {}
 # How data-parallel ranks hold model state.
 DP_KINDS = ("replicate", "zero1", "zero2", "fsdp")
 # Mesh of the model-parallel compositions: the MESH_ORDER with the data-parallel degrees as one

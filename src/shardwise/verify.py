@@ -151,7 +151,8 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
 
     t = cfg.train
     session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
-                      collective_timeout_s=cfg.watchdog.collective_timeout_s, compile=t.compile)
+                      collective_timeout_s=cfg.watchdog.collective_timeout_s, compile=t.compile,
+                      loss_chunks=t.loss_chunks)
     try:
         trainer = Trainer(cfg, out_dir, session)
         batches = trainer.train_loader.forever()
@@ -178,7 +179,7 @@ def reference_config(cfg: Any, dp_size: int) -> Any:
     return replace_in(cfg, **{
         "train.micro_batch_size": cfg.train.micro_batch_size * dp_size,
         "parallel.strategy": "single", "parallel.nproc": 1, "parallel.tp": 1, "parallel.pp": 1,
-        "parallel.dp": 0, "parallel.sequence_parallel": False, "parallel.ep": 1,
+        "parallel.dp": 0, "parallel.sequence_parallel": False, "parallel.ep": 1, "parallel.cp": 1,
         "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
         # The reference runs eager: a compiled strategy run is checked against plain PyTorch, so
         # verify also proves that compiling (fused kernels, reordered reductions) kept the numbers.

@@ -1,7 +1,11 @@
 """The one parallelize order, for every strategy (torchtitan's ``parallelize``).
 
-    pipeline split -> TP/SP -> (CP, EP: next) -> activation checkpointing -> torch.compile per block
+    pipeline split -> TP/SP -> activation checkpointing -> torch.compile per block
     -> data parallel (DDP / ZeRO-1 / FSDP2, with meta-device materialisation) -> pipeline schedule
+
+Before it, ``Session.prepare`` installs the patches that add or move no parameter and name the
+plain modules: the MoE routing group and expert-parallel dispatch hooks (``parallel/ep.py``), the
+chunked loss head (``shardwise.loss``) and context-parallel attention (``parallel/cp.py``).
 
 Why this order: the TP plan names the plain modules, so it runs before anything wraps them;
 activation checkpointing wraps whole (already TP-sharded) blocks; compile traces the checkpointed
@@ -28,7 +32,7 @@ __all__ = ["parallelize"]
 def parallelize(model: nn.Module, strategy: Strategy, ctx: ParallelContext) -> nn.Module:
     """Return ``model`` parallelised by ``strategy`` in the one order above."""
     model = strategy.split(model, ctx)  # pipeline: this rank keeps its stages only
-    strategy.apply_tp(model, ctx)  # tensor (and sequence) parallel; context/expert parallel go here
+    strategy.apply_tp(model, ctx)  # tensor (and sequence) parallel
     model = apply_activation_checkpointing(model, ctx.options.activation_checkpointing, ctx.options.ac_every)
     if ctx.compile:
         model = apply_compile(model)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.plan.cp import cp_comm_s, cp_degree
 from shardwise.plan.memory import (
     REDUCE_BYTES,
     SHARDWISE_KERNELS,
@@ -227,6 +228,14 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     compute_micro = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch,
                                           checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
                                           kernels=kernels)
+    # Context parallel (plan/cp.py): each rank computes 1/cp of every sequence (attention: the
+    # whole sequence for heads/cp heads), plus the all-to-alls around attention, not overlapped.
+    cp = cp_degree(layout)
+    compute_micro /= cp
+    cp_s = cp_comm_s(spec, layout, fabric, prec.act, seq=seq, micro_batch=micro_batch,
+                     layers=_busiest_stage_layers(spec, layout),
+                     recompute=recompute_share(spec, checkpoint, every).tp_collectives,
+                     alpha_s=calib.hop_latency_s) * grad_accum
     compute = compute_micro * grad_accum
 
     # Mesh order, innermost first: tp (stride 1), then the data-parallel dims, then pp.
@@ -303,7 +312,9 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         from shardwise.plan.pipeline import idle_ratio
 
         bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
-    tokens_per_step = tokens_micro * grad_accum * dp
+    exposed += cp_s
+    total += cp_s
+    tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
 

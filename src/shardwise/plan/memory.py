@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
+from shardwise.plan.cp import cp_degree
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
 from shardwise.strategies import AC_MODES, GRAD_SYNC_MODES
 
@@ -572,7 +573,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     layers_here = len(layout.rank_layers(0)) if layout.pp > 1 else (spec.n_layers or 1)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
     # micro-batches in flight. With one stage, both ends are local.
-    act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
+    # Context parallel (plan/cp.py): each rank's activations are those of seq / cp tokens.
+    act = activation_bytes(spec, seq // cp_degree(layout), micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                            sp=layout.sequence_parallel, attention=attention, n_layers=layers_here,
                            first_stage=True, last_stage=layout.holds_last_stage(0), every=every,
                            kernels=kernels)

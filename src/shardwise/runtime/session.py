@@ -85,7 +85,7 @@ class Session:
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
                  collective_timeout_s: float = 1800.0, launch_id: str | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, loss_chunks: int | str = "auto") -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -99,6 +99,12 @@ class Session:
         self.options = options
         # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
         self.compile = bool(compile)
+        # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
+        from shardwise.loss import parse_loss_chunks
+
+        self.loss_chunks = loss_chunks
+        parse_loss_chunks(loss_chunks)
+        self.loss_plan: Any = None
         # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
@@ -170,6 +176,17 @@ class Session:
         self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
                                    compile=self.compile)
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
+        # Context parallel (h21): this rank's group of cp ranks and which sequence chunk it holds.
+        self.cp_group: Any = None
+        self.cp_rank = self.layout.cp_rank(self.rank)
+        if self.layout.cp > 1:
+            from shardwise.parallel.cp import cp_groups, resolve_cp_impl
+
+            self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
+            if self.compile:
+                raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet: the "
+                                  "all-to-all attention is routed by a TorchFunctionMode. Unset one of them.")
+            self.cp_group, self.cp_rank = cp_groups(self.layout, self.rank)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
         seed_everything(seed)
@@ -309,9 +326,21 @@ class Session:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
+        # Module patches that change no parameter, installed on the whole model first (they name the
+        # plain modules, like the TP plan): MoE routing groups, the chunked loss head, CP attention.
+        from shardwise.loss import install_chunked_head
         from shardwise.parallel.ep import attach_moe
 
-        attach_moe(model, self.layout, self.mesh)  # [issue 20] MoE aux-loss group; ep checks
+        attach_moe(model, self.layout, self.mesh)  # MoE aux-loss group; ep checks
+        self.loss_plan = install_chunked_head(model, self.loss_chunks, tp=self.layout.tp, pp=self.layout.pp)
+        if self.loss_plan.enabled:
+            self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
+                              f"{self.loss_chunks}); the whole logits tensor is never built")
+        if self.layout.cp > 1:
+            from shardwise.parallel.cp import apply_cp, check_cp_model
+
+            check_cp_model(model, self.layout.cp, self.layout.tp)
+            apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp)
         # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
         prepared = parallelize(model, self.strategy, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
@@ -434,7 +463,8 @@ class Session:
         runs both inside its schedule) implement it themselves, so loops written on this call
         work under every strategy.
         """
-        with self.accumulate(model):
+        inputs, targets = self._cp_chunk(inputs, targets)
+        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
 
     @torch.no_grad()
@@ -443,7 +473,28 @@ class Session:
         """Mean loss of one batch without gradients (this rank's part; reduce it yourself)."""
         if self._watchdog is not None:
             self._watchdog.beat(phase="eval")
-        return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+        inputs, targets = self._cp_chunk(inputs, targets)
+        with self._loss(model, loss_fn, targets) as loss_fn:
+            return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
+
+    def _cp_chunk(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise)."""
+        if self.layout.cp == 1:
+            return inputs, targets
+        from shardwise.parallel.cp import split_sequence
+
+        cut = lambda t: split_sequence(t, self.cp_rank, self.layout.cp)  # noqa: E731
+        # A mapping of per-token tensors (input_ids, position_ids, ... of packed rows) is cut alike.
+        chunk = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
+        return chunk, cut(targets)
+
+    def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
+        """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
+        if self.loss_plan is None or not self.loss_plan.enabled:
+            return contextlib.nullcontext(loss_fn)
+        from shardwise.loss import token_loss_context
+
+        return token_loss_context(model, loss_fn, targets)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to ``max_norm`` (0: only measure) and return the total norm."""

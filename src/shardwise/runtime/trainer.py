@@ -124,7 +124,7 @@ class Trainer:
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
-            compile=t.compile,
+            compile=t.compile, loss_chunks=t.loss_chunks,
         )
         # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
         # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
@@ -151,6 +151,12 @@ class Trainer:
                               "supported with parallel.sequence_parallel = true yet (the document/padding mask "
                               "is not among the attention inputs the sequence-parallel plan shards). Turn "
                               "sequence_parallel off.")
+        if self.workload.token_loss and self.session.layout.cp > 1:
+            # CP attention takes no mask yet (a packed row's document mask would have to be built from
+            # the whole sequence's doc ids), and the token-mean denominator would have to span cp ranks.
+            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
+                              "supported with context parallel yet (parallel.cp > 1): the document/padding mask "
+                              "does not go through the all-to-all attention. Use parallel.cp = 1.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
         self._train_loss_fn = self.session.compile_loss(
             token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
@@ -574,6 +580,8 @@ class Trainer:
         if not n or self.workload.sample_text is None:
             return None
         reason = self.session.strategy.generation_unsupported()
+        if self.session.layout.cp > 1:  # h21: attention expects 1/cp of a sequence per rank
+            reason = "context parallel (parallel.cp > 1) runs attention on sequence chunks"
         if reason:
             self.session.log(f"skipping the text sample under {self.session.strategy_name}: {reason}.")
             return None

@@ -1,0 +1,256 @@
+"""Context parallel (``parallel.cp``): each rank holds a chunk of every sequence, all-to-all attention.
+
+DeepSpeed-Ulysses' scheme, built on ``all_to_all_single`` so it runs on gloo (CPU) and NCCL alike:
+the ``cp`` ranks of a group read the same sequences (they share the data-parallel index) and
+each keeps one contiguous chunk of ``seq / cp`` tokens. Everything outside attention is per token,
+so it runs on the chunk unchanged. Around each attention call, an all-to-all turns "my chunk, all
+heads" into "the whole sequence, heads/cp of them"; attention runs locally with the model's own
+kernel (causal over the whole sequence, exactly as in one process); a second all-to-all turns the
+result back. Activations per rank shrink by ``cp``; the price is 4 all-to-alls of the q/k/v/out
+activations per layer (forward) and as many in backward.
+
+How it reaches a model that never knows it is distributed: ``apply_cp`` makes each attention
+module's forward run under a ``TorchFunctionMode`` that routes ``F.scaled_dot_product_attention``
+(the built-in GPT's call, and transformers' ``sdpa`` attention) through the all-to-alls. The mode is
+entered inside the attention module's forward, so activation checkpointing's recomputation goes
+through it too. Positions are made global: a pre-hook on the GPT's learned position table and on a
+Hugging Face model's ``position_ids`` adds ``cp_rank * chunk``.
+
+The loss is each rank's token mean over its chunk; equal chunks make the mean of those means the
+token mean of the whole sequence, and the data-parallel gradient average (DDP/FSDP over dp x cp,
+torchtitan's layout: FSDP shards over dp_shard x cp) is then the gradient of that global mean.
+
+GQA: kv-heads divisible by cp are split like the query heads (each rank's query heads keep their
+own kv group); when kv-heads < cp (or do not divide) the kv heads are repeated to the query-head
+count before the all-to-all: correct, at the cost of moving ``n_head / n_kv_head`` times more kv
+bytes. Query heads (per tensor-parallel rank) must be divisible by cp.
+
+``parallel.cp_impl``: ``alltoall`` is this module. ``ring`` (torch's ``context_parallel``, ring
+attention with load-balanced causal sharding) is CUDA-only in torch and is not wired in yet: it
+is refused with a message on every device; ``auto`` picks ``alltoall``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from shardwise.errors import ConfigError
+
+__all__ = ["CP_IMPLS", "apply_cp", "check_cp_model", "cp_groups", "gather_heads", "resolve_cp_impl",
+           "scatter_heads", "split_sequence"]
+
+CP_IMPLS = ("auto", "alltoall", "ring")
+
+
+def resolve_cp_impl(impl: str, device_type: str) -> str:
+    """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs."""
+    if impl not in CP_IMPLS:
+        raise ConfigError(f"parallel.cp_impl must be one of {', '.join(CP_IMPLS)}, got {impl!r}.")
+    if impl == "ring":
+        where = ("torch's ring attention (context_parallel) has sharding rules only for the CUDA SDPA "
+                 "kernels" if device_type != "cuda" else "shardwise does not wire torch's context_parallel yet")
+        raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: {where}. Use "
+                          "parallel.cp_impl = 'alltoall' (or 'auto'), which runs on every device.")
+    return "alltoall"
+
+
+# --------------------------------------------------------------------------- the all-to-alls
+
+
+def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Exchange dim-0 slices: slice j goes to rank j of ``group``, slice j of the result came from j."""
+    x = x.contiguous()  # (before empty_like, which would copy a permuted layout's strides)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _ScatterHeads(torch.autograd.Function):
+    """[B, H, S/cp, D] (my chunk, all heads) -> [B, H/cp, S, D] (whole sequence, my heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+        ctx.group, ctx.cp = group, cp
+        return _scatter(x, group, cp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.group, ctx.cp), None, None
+
+
+class _GatherHeads(torch.autograd.Function):
+    """[B, H/cp, S, D] -> [B, H, S/cp, D]: the inverse of ``_ScatterHeads``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+        ctx.group, ctx.cp = group, cp
+        return _gather(x, group, cp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _scatter(grad, ctx.group, ctx.cp), None, None
+
+
+def _scatter(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    # Head group j goes to rank j; what comes back from rank j is its sequence chunk of my heads.
+    send = x.reshape(b, cp, h // cp, s, d).permute(1, 0, 2, 3, 4)
+    recv = _all_to_all(send, group)  # [cp (source rank = chunk), B, H/cp, S/cp, D]
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _gather(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    send = x.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4)  # chunk j goes back to rank j
+    recv = _all_to_all(send, group)  # [cp (source rank = head group), B, H/cp, S/cp, D]
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * h, s // cp, d)
+
+
+def scatter_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[B, H, S/cp, D]`` -> ``[B, H/cp, S, D]`` over ``group`` (autograd: the inverse in backward)."""
+    return _ScatterHeads.apply(x, group, dist.get_world_size(group))
+
+
+def gather_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[B, H/cp, S, D]`` -> ``[B, H, S/cp, D]`` over ``group``."""
+    return _GatherHeads.apply(x, group, dist.get_world_size(group))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class _UlyssesMode(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` on sequence chunks through the all-to-alls."""
+
+    def __init__(self, group: Any, cp: int) -> None:
+        super().__init__()
+        self.group, self.cp = group, cp
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+        if attn_mask is not None:
+            # A mask built on this rank's chunk covers [S/cp, S/cp], not the whole sequence.
+            raise ConfigError(
+                "context parallel (parallel.cp > 1) runs attention over the whole sequence, but the model passed an "
+                "explicit attention mask built for one chunk (padding or packed documents). Causal attention without "
+                "a mask is supported; document masks under cp need the mask built from all ranks' document ids.")
+        if dropout_p:
+            raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
+                              "mask); set the model's attention dropout to 0.")
+        cp, heads, kv = self.cp, q.shape[1], k.shape[1]
+        if heads % cp:
+            raise ConfigError(f"context parallel splits attention heads over parallel.cp={cp} ranks, but this rank "
+                              f"has {heads} query heads; cp must divide the heads (per tensor-parallel rank).")
+        if kv != heads and kv % cp:
+            # GQA with fewer kv heads than ranks: repeat them to one per query head (see module doc).
+            k = k.repeat_interleave(heads // kv, dim=1)
+            v = v.repeat_interleave(heads // kv, dim=1)
+        q, k, v = (scatter_heads(t, self.group) for t in (q, k, v))
+        if k.shape[1] != q.shape[1]:
+            kwargs["enable_gqa"] = True
+        elif "enable_gqa" in kwargs:
+            kwargs["enable_gqa"] = False
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=is_causal, **kwargs)
+        return gather_heads(y, self.group)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    from shardwise.models.gpt import CausalSelfAttention
+
+    found = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    if not found and hasattr(model, "hf"):
+        found = [m for name, m in model.hf.named_modules() if name.endswith("self_attn")]
+    return found
+
+
+def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
+    """ConfigError unless ``model`` is one context parallel can run (heads divisible, known attention)."""
+    if cp == 1:
+        return
+    from shardwise.parallel.tp import model_family, tp_shape_sizes
+
+    if not _attention_modules(model) or not model_family(model):
+        raise ConfigError(
+            f"context parallel (parallel.cp={cp}) runs the built-in GPT and Llama-family Hugging Face models "
+            f"(sdpa attention); {type(model).__name__} is neither. Set parallel.cp = 1.")
+    sizes = tp_shape_sizes(model)
+    heads = sizes.get("n_head") or sizes["num_attention_heads"]
+    if (heads // tp) % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the attention heads each tensor-parallel rank holds ({heads} heads / "
+            f"tp {tp} = {heads // tp}): context parallel gives each cp rank whole heads of the full sequence.")
+    if hasattr(model, "hf") and getattr(model.hf.config, "_attn_implementation", "sdpa") != "sdpa":
+        raise ConfigError("context parallel needs the model's attention to be 'sdpa' "
+                          f"(it is {model.hf.config._attn_implementation!r}).")
+
+
+def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int) -> nn.Module:
+    """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring)."""
+    if cp == 1:
+        return model
+    mode_args = (group, cp)
+    for attn in _attention_modules(model):
+        dense = attn.forward
+
+        def forward(*args: Any, _dense: Any = dense, **kwargs: Any) -> Any:
+            with _UlyssesMode(*mode_args):
+                return _dense(*args, **kwargs)
+
+        attn.forward = forward  # type: ignore[method-assign]
+    pos_emb = getattr(model, "pos_emb", None)
+    if isinstance(pos_emb, nn.Embedding):
+        # The GPT indexes its table with arange(chunk); this rank's tokens sit cp_rank chunks later.
+        pos_emb.register_forward_pre_hook(lambda m, args: (args[0] + cp_rank * args[0].numel(),))
+    if hasattr(model, "hf"):
+        def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if kwargs.get("position_ids") is None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                seq = ids.shape[1]
+                kwargs["position_ids"] = (torch.arange(seq, device=ids.device) + cp_rank * seq).unsqueeze(0)
+            return args, kwargs
+
+        model.hf.register_forward_pre_hook(positions, with_kwargs=True)
+    return model
+
+
+def split_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """This rank's contiguous chunk of dim 1 (the sequence) of ``x``."""
+    seq = x.shape[1]
+    if seq % cp:
+        raise ConfigError(f"the sequence length {seq} must be divisible by parallel.cp={cp}: each context-parallel "
+                          "rank takes an equal chunk. Change the sequence length (model block_size / seq_len).")
+    chunk = seq // cp
+    return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]
+
+
+def cp_groups(layout: Any, rank: int) -> tuple[Any, int]:
+    """(this rank's cp process group, its rank in it); every rank creates every group (same order)."""
+    cp = layout.cp
+    members: dict[tuple, list[int]] = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        dp_index = c.get("dp", r) if layout.info.model_parallel else r
+        key = (c.get("pp", 0), dp_index // cp, c.get("tp", 0))
+        members.setdefault(key, []).append(r)
+    mine = None
+    for key in sorted(members):
+        group = dist.new_group(sorted(members[key]))
+        if rank in members[key]:
+            mine = (group, sorted(members[key]).index(rank))
+    assert mine is not None
+    return mine

@@ -1,0 +1,89 @@
+"""Planner arithmetic for long sequences: context parallel (all-to-all) and the chunked loss.
+
+Pure arithmetic, no torch (the planner answers in under a second). ``memory.memory_breakdown``
+and ``cost.step_time`` call the hooks here; ``cp_candidates`` lists the cp degrees worth offering
+for a long ``--seq`` (the search that picks among them lives in the planner's candidate list).
+
+* Activations: under Ulysses every rank holds ``seq / cp`` tokens of every tensor outside
+  attention, and inside attention the whole sequence for ``heads / cp`` heads: the same bytes.
+  So activations per rank are those of ``seq / cp`` tokens (exact for flash / memory-efficient
+  SDPA, whose memory is linear in the sequence; the math kernel's ``heads x seq^2`` scores are
+  divided by cp but not by cp^2).
+* Communication: per layer, forward, 4 all-to-alls (q, k, v, the attention output) of the
+  local ``[tokens/cp, heads/tp x head_dim]`` activations; backward the same again; recomputed
+  blocks repeat the forward's. An all-to-all over ``cp`` ranks sends ``(cp-1)/cp`` of its input.
+  The cp ranks are consecutive in the data-parallel dimension, ``tp`` ranks apart.
+* Logits: the dense loss keeps fp32 logits (and their log-softmax) for ``tokens x vocab``; the
+  chunked loss (``train.loss_chunks``) keeps one chunk (``shardwise.loss.AUTO_CHUNK_BYTES``) and a
+  log-sum-exp per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["alltoall_bytes_per_layer", "alltoall_s", "cp_candidates", "cp_comm_s", "cp_degree",
+           "logits_bytes"]
+
+AUTO_CHUNK_BYTES = 64 * 2**20  # shardwise.loss.AUTO_CHUNK_BYTES (kept torch-free here)
+LONG_SEQ = 8192  # from this sequence length on, the planner offers cp candidates
+
+
+def cp_degree(layout: Any) -> int:
+    """The layout's context-parallel degree (1 for layouts that predate the field)."""
+    return int(getattr(layout, "cp", 1) or 1)
+
+
+def alltoall_bytes_per_layer(spec: Any, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
+                             cp: int = 1) -> int:
+    """Bytes one rank puts into the all-to-alls of one layer's forward (q, k, v and the output)."""
+    if cp == 1 or not spec.hidden:
+        return 0
+    heads = spec.n_heads or 1
+    kv = spec.n_kv_heads or heads
+    head_dim = spec.head_dim or spec.hidden // heads
+    if kv % cp:
+        kv = heads  # kv heads fewer than (or not divisible by) cp are repeated to the query heads
+    tokens = seq // cp * micro_batch
+    per_head = tokens * head_dim * act_bytes
+    return (2 * heads // tp + 2 * kv // tp) * per_head  # q and out; k and v
+
+
+def alltoall_s(cp: int, size_bytes: float, gbs: float, alpha_s: float = 0.0) -> float:
+    """Time of one all-to-all of ``size_bytes`` per rank: (cp-1)/cp of it leaves each rank."""
+    if cp <= 1:
+        return 0.0
+    return size_bytes * (cp - 1) / cp / (gbs * 1e9) + (cp - 1) * alpha_s
+
+
+def cp_comm_s(spec: Any, layout: Any, fabric: Any, act_bytes: int, *, seq: int, micro_batch: int,
+              layers: int, recompute: float = 0.0, alpha_s: float = 0.0) -> float:
+    """All-to-all seconds of one micro-batch on this rank: forward + backward (+ recomputed forward)."""
+    cp = cp_degree(layout)
+    if cp == 1:
+        return 0.0
+    size = alltoall_bytes_per_layer(spec, seq, micro_batch, act_bytes, tp=layout.tp, cp=cp)
+    gbs = fabric.collective_gbs(cp, layout.tp)  # the cp group: consecutive dp ranks, tp apart
+    one = alltoall_s(cp, size / 4, gbs, alpha_s)  # size covers 4 all-to-alls
+    return (8 + 4 * recompute) * one * layers
+
+
+def logits_bytes(tokens: int, vocab: int, *, tp: int = 1, chunked: bool = False) -> int:
+    """Bytes the output head + loss hold for ``tokens`` tokens (fp32 logits; vocab-parallel under TP)."""
+    if chunked:
+        chunk_tokens = min(tokens, max(1, AUTO_CHUNK_BYTES // (4 * vocab)))
+        return 3 * 4 * chunk_tokens * vocab + 4 * tokens  # a chunk's logits, softmax, grad; one lse each
+    return 2 * 4 * tokens * vocab // tp  # the fp32 logits and their log-softmax
+
+
+def cp_candidates(world: int, seq: int, n_heads: int | None, *, tp: int = 1, min_chunk: int = 1024) -> list[int]:
+    """cp degrees to offer for a ``seq``-token run on ``world`` ranks at tensor-parallel ``tp``.
+
+    [1] below ``LONG_SEQ``; else every cp > 1 that divides the data-parallel ranks, the heads per
+    tp rank and the sequence, keeping at least ``min_chunk`` tokens per rank.
+    """
+    if seq < LONG_SEQ or not n_heads:
+        return [1]
+    dp = world // tp
+    return [1] + [cp for cp in range(2, dp + 1)
+                  if dp % cp == 0 and (n_heads // tp) % cp == 0 and seq % cp == 0 and seq // cp >= min_chunk]
