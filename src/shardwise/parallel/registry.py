@@ -76,6 +76,7 @@ class StrategyInfo:
 
 
 _MP = "shardwise.parallel.composed"
+_DS = "shardwise.parallel.deepspeed"
 _STRATEGIES = (
     StrategyInfo("single", "shardwise.parallel.single:SingleStrategy", "one process, no parallelism",
                  ("dp",), (), "replicate", "nothing", max_world=1),
@@ -99,6 +100,18 @@ _STRATEGIES = (
                  "ZeRO-3 with parameters, gradients and optimizer state kept on the CPU",
                  ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
                  offload=True),
+    # DeepSpeed engine (issue 23): ZeRO-3 with CPU/NVMe offload, or the user's ds_config.json.
+    StrategyInfo("zero3-offload", f"{_DS}:ZeRO3OffloadStrategy",
+                 "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to host memory",
+                 ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
+                 offload=True),
+    StrategyInfo("zero3-nvme", f"{_DS}:ZeRO3NVMeStrategy",
+                 "DeepSpeed ZeRO-Infinity: parameters and optimizer state swapped to parallel.nvme_path",
+                 ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (on NVMe)",
+                 offload=True),
+    StrategyInfo("deepspeed", f"{_DS}:DeepSpeedStrategy",
+                 "DeepSpeed with the user's parallel.deepspeed_config (any ZeRO stage and offload)",
+                 ("dp",), ("dp",), "fsdp", "what the DeepSpeed config's ZeRO stage shards"),
     StrategyInfo("tp", f"{_MP}:TPStrategy",
                  "tensor parallel: split every layer's matrices across ranks (parallelize_module)",
                  COMPOSED_MESH, ("tp",), "replicate", "every layer's matrices", TP_FAMILIES),
