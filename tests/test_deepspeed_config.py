@@ -104,3 +104,21 @@ def test_preflight_refuses_before_any_rank(tmp_path):
     ok = check_run(load_config(None, [*base, "parallel.strategy=zero3-nvme",
                                       f"parallel.nvme_path={tmp_path / 'swap'}"]), 2)
     assert ok.layout.strategy == "zero3-nvme" and (tmp_path / "swap").is_dir()
+
+
+def test_planner_offload_math():
+    from shardwise.plan.offload import command, estimate, nvme_gbs_for, offload_candidates
+
+    n = 13_000_000_000  # 13B on one node of 8 GPUs
+    cpu = estimate("zero3-offload", n, 8, 1.0, gpu_kind="h100")
+    nvme = estimate("zero3-nvme", n, 8, 1.0, gpu_kind="h100")
+    assert cpu.host_bytes_per_node == 16 * n and nvme.nvme_bytes_per_node == 16 * n
+    assert nvme.host_bytes_per_node < cpu.host_bytes_per_node and nvme.step_s > cpu.step_s > 1.0
+    slow = estimate("zero3-nvme", n, 8, 1.0, nvme_gbs=0.5)
+    assert slow.step_s > nvme.step_s  # a slower disk, a slower step
+    assert nvme_gbs_for("h100-sxm") == 3.0 and nvme_gbs_for("x", 7.0) == 7.0
+    # 128 GiB of host RAM cannot hold 13B x 16 bytes: only NVMe is proposed, with a runnable command.
+    rows = offload_candidates(n, 8, 1.0, host_ram_gib=128)
+    assert [r.strategy for r in rows] == ["zero3-nvme"]
+    assert command(rows[0], 8).startswith("shardwise train --nproc 8 --strategy zero3-nvme --set parallel.nvme_path=")
+    assert [r.strategy for r in offload_candidates(n, 8, 1.0, host_ram_gib=2048)][0] == "zero3-offload"

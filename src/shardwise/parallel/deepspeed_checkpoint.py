@@ -93,16 +93,21 @@ def save(session: Any, root: str | os.PathLike, model: nn.Module, optimizer: Any
     barrier()  # every rank's files are on disk
     if on_written is not None:
         on_written(partial)
-    names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != PARTIAL_OWNER)
+    names = sorted(str(p.relative_to(partial)) for p in partial.rglob("*")
+                   if p.is_file() and p.name != PARTIAL_OWNER)
     # Each rank checksums a share of the files (they may be large: optimizer partitions).
     mine = {n: {"bytes": (partial / n).stat().st_size, "sha256": sha256_file(partial / n)}
             for n in names[rank::world]}
     gathered = gather(mine)
     final = root / step_dir_name(step)
     if rank == 0:
-        files: dict[str, Any] = {}
+        every: dict[str, Any] = {}
         for item in gathered:
-            files.update(item)
+            every.update(item)
+        # Top-level files in the manifest's "files" (checked by every reader); files DeepSpeed
+        # puts in subfolders (NVMe swap state: offloaded_tensors/) in "engine_files", checked here.
+        files = {n: v for n, v in every.items() if "/" not in n}
+        nested = {n: v for n, v in every.items() if "/" in n}
         shapes = model_shapes(engine)
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "engine": ENGINE, "step": step,
@@ -114,12 +119,17 @@ def save(session: Any, root: str | os.PathLike, model: nn.Module, optimizer: Any
             "scheduler": scheduler_state, "state": state or {}, "files": files, "job": job,
             "frozen_excluded": False, "export": session._export_info(model),
             "deepspeed": {"version": _ds_version(), "config": session.strategy.ds_config},
+            "engine_files": nested,
         }
         manifest["checksum"] = body_checksum(manifest)
         atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
         (partial / PARTIAL_OWNER).unlink(missing_ok=True)
         _publish(root, partial, final, job)
         rotate(root, keep_last, job)
+        # DeepSpeed copies its recovery scripts beside the checkpoint; `shardwise ckpt export` does
+        # their job, and a checkpoints root holds only checkpoints.
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (root / script).unlink(missing_ok=True)
     barrier()
     return final
 
@@ -173,8 +183,10 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
         error = str(e)
     raise_on_every_rank(error, CheckpointError)
     assert manifest is not None
-    problems = [p for ps in gather(verify_files(path, manifest, sorted(manifest["files"])[rank::world]))
-                for p in ps]
+    mine = verify_files(path, manifest, sorted(manifest["files"])[rank::world])
+    if rank == 0:
+        mine += verify_nested(path, manifest)
+    problems = [p for ps in gather(mine) for p in ps]
     if problems:
         raise removed_error(path) if not path.is_dir() else corruption_error(path, problems)
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name,
@@ -201,6 +213,24 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
     return loaded
 
 
+def verify_nested(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """Check the files DeepSpeed wrote in subfolders (``engine_files``): plain relative names, sizes, SHA-256."""
+    nested = manifest.get("engine_files") or {}
+    if not isinstance(nested, dict):
+        return ["the manifest's engine_files is not an object"]
+    problems = []
+    for name, info in nested.items():
+        parts = str(name).split("/")
+        if not all(p and p not in (".", "..") and "\\" not in p for p in parts) or name.startswith("/"):
+            problems.append(f"engine file name {name!r} is not a plain relative path")
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+            problems.append(f"engine_files[{name!r}] is not {{bytes, sha256}}")
+            continue
+        problems += verify_files(path, {"files": {name: info}}, [name])
+    return problems
+
+
 def read_full_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights of a verified DeepSpeed checkpoint (ZeRO shards merged)."""
     from shardwise.parallel.deepspeed_setup import import_deepspeed
@@ -208,7 +238,7 @@ def read_full_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Ten
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    problems = verify_files(path, manifest)
+    problems = verify_files(path, manifest) + verify_nested(path, manifest)
     if problems:
         raise corruption_error(path, problems)
     state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
