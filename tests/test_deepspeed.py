@@ -39,15 +39,15 @@ progress = false
 sample_tokens = 0
 """
 
-# A user's file as they bring it: every value shardwise knows left to "auto", ZeRO-Infinity.
+# A user's file as they bring it: every value shardwise knows left to "auto", ZeRO-3 + CPU offload.
+# (NVMe offload trains and saves, but DeepSpeed 0.19.8 does not restore swapped state on load:
+# shardwise refuses that resume, see deepspeed_checkpoint.load.)
 USER_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
     "train_batch_size": "auto", "gradient_clipping": "auto",
     "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
     "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
-                          "offload_param": {"device": "nvme", "nvme_path": "auto"},
-                          "offload_optimizer": {"device": "nvme", "nvme_path": "auto"}},
-    "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
+                          "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
 }
 
 
@@ -72,7 +72,6 @@ def test_verify_zero3_offload_and_nvme(tmp_path, cli_env):
     assert any(p.is_file() for p in (tmp_path / "nvme").rglob("*"))
 
 
-@needs_libaio
 def test_user_ds_config_trains_survives_a_kill_and_exports(tmp_path, cli_env):
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps(USER_DS_CONFIG))
@@ -80,10 +79,10 @@ def test_user_ds_config_trains_survives_a_kill_and_exports(tmp_path, cli_env):
     common = ["train", "--nproc", "2", "--strategy", "deepspeed", *cli_args(fast_overrides(data, steps=8)),
               "--set", f"parallel.deepspeed_config={ds}"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref = _popen([*common, "--out", str(ref_dir), "--set", f"parallel.nvme_path={tmp_path / 'nvme-ref'}"], cli_env)
+    ref = _popen([*common, "--out", str(ref_dir)], cli_env)
     # Rank 1 SIGKILLs itself after step 5; checkpoints every 3 steps: the restart resumes at 3.
     run = run_cli([*common, "--out", str(run_dir), "--max-restarts", "1", "--set", "debug.kill_rank=1",
-                   "--set", "debug.kill_at_step=5", "--set", f"parallel.nvme_path={tmp_path / 'nvme-run'}"],
+                   "--set", "debug.kill_at_step=5"],
                   cli_env, timeout=420)
     ref_out = ref.communicate(timeout=420)[0]
     assert ref.returncode == 0, ref_out

@@ -122,3 +122,10 @@ def test_planner_offload_math():
     assert [r.strategy for r in rows] == ["zero3-nvme"]
     assert command(rows[0], 8).startswith("shardwise train --nproc 8 --strategy zero3-nvme --set parallel.nvme_path=")
     assert [r.strategy for r in offload_candidates(n, 8, 1.0, host_ram_gib=2048)][0] == "zero3-offload"
+
+
+def test_nvme_state_is_recognised_for_the_resume_refusal():
+    from shardwise.parallel.deepspeed_checkpoint import swaps_to_nvme
+
+    assert swaps_to_nvme(builtin_config("zero3-nvme", VALUES))
+    assert not swaps_to_nvme(builtin_config("zero3-offload", VALUES)) and not swaps_to_nvme({})

@@ -134,6 +134,13 @@ def save(session: Any, root: str | os.PathLike, model: nn.Module, optimizer: Any
     return final
 
 
+def swaps_to_nvme(ds_config: dict[str, Any]) -> bool:
+    """Whether the engine swaps state to NVMe (where DeepSpeed's checkpoint load does not restore it)."""
+    from shardwise.parallel.deepspeed_config import offload_devices
+
+    return "nvme" in offload_devices(ds_config)
+
+
 def _ds_version() -> str:
     import deepspeed
 
@@ -175,6 +182,13 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
                      f"(DeepSpeed's universal checkpoint) is not supported yet. Resume on {manifest['world_size']} "
                      f"ranks, or export the weights (`shardwise ckpt export {path} --format safetensors`) and "
                      "start a new run from them.")
+        elif swaps_to_nvme(session.strategy.ds_config or {}):
+            error = (f"cannot resume from {path} under NVMe offload: DeepSpeed {_ds_version()} restores ZeRO-3 "
+                     "state into the swapped-out buffers of offload_optimizer/offload_param = nvme without "
+                     "reading it back, so training would silently continue from the initial weights (measured "
+                     f"here). Export its weights (`shardwise ckpt export {path} --format safetensors` or `--format "
+                     "hf`) and start a new run from them (model.pretrained), or train with CPU offload "
+                     "(zero3-offload), whose checkpoints resume exactly.")
         else:
             diffs = shape_mismatch(manifest["model_tensors"], model_shapes(engine))
             if diffs:
