@@ -53,6 +53,9 @@ class StrategyInfo:
     offload: bool = False
     hybrid: bool = False  # a (replicate, shard) data-parallel mesh (HSDP)
     max_world: int | None = None
+    # False: the planner's grid leaves it out (the DeepSpeed kinds: their offload math is in
+    # plan/offload.py, for the planner's search to add when nothing fits on the GPUs).
+    planned: bool = True
 
     @property
     def model_parallel(self) -> bool:
@@ -104,14 +107,14 @@ _STRATEGIES = (
     StrategyInfo("zero3-offload", f"{_DS}:ZeRO3OffloadStrategy",
                  "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to host memory",
                  ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
-                 offload=True),
+                 offload=True, planned=False),
     StrategyInfo("zero3-nvme", f"{_DS}:ZeRO3NVMeStrategy",
                  "DeepSpeed ZeRO-Infinity: parameters and optimizer state swapped to parallel.nvme_path",
                  ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (on NVMe)",
-                 offload=True),
+                 offload=True, planned=False),
     StrategyInfo("deepspeed", f"{_DS}:DeepSpeedStrategy",
                  "DeepSpeed with the user's parallel.deepspeed_config (any ZeRO stage and offload)",
-                 ("dp",), ("dp",), "fsdp", "what the DeepSpeed config's ZeRO stage shards"),
+                 ("dp",), ("dp",), "fsdp", "what the DeepSpeed config's ZeRO stage shards", planned=False),
     StrategyInfo("tp", f"{_MP}:TPStrategy",
                  "tensor parallel: split every layer's matrices across ranks (parallelize_module)",
                  COMPOSED_MESH, ("tp",), "replicate", "every layer's matrices", TP_FAMILIES),
