@@ -263,6 +263,10 @@ class ParallelConfig:
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
     # "microbatch" (FSDP/ZeRO-2 keep gradients sharded between micro-batches; for big models).
     grad_sync: str = setting("step", choices=GRAD_SYNC_MODES, label="parallel.grad_sync mode")
+    # DeepSpeed kinds (issue 23, parallel/deepspeed.py): zero3-nvme's swap directory, and the
+    # user's ds_config.json for strategy "deepspeed" ("auto" values filled from this config).
+    nvme_path: str = setting("", text="path")
+    deepspeed_config: str = setting("", text="path")
 
 
 @dataclass(frozen=True)

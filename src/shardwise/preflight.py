@@ -104,6 +104,8 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         blocks = find_blocks(meta)
         if blocks is not None:
             layout = layout.with_blocks(len(blocks), blocks.path)
+    # The strategy's own checks (DeepSpeed: installed, config fills, NVMe path usable).
+    strategy.preflight(resolved, world_size, meta)
     return Preflight(resolved, layout, strategy, workload, meta)
 
 

@@ -79,6 +79,9 @@ class StrategyInfo:
     hybrid: bool = False
     max_world: int | None = None
     reshard_after_forward: bool = True
+    # False: the planner's grid leaves it out (the DeepSpeed kinds: their offload math is in
+    # plan/offload.py, for the planner's search to add when nothing fits on the GPUs).
+    planned: bool = True
 
     @property
     def model_parallel(self) -> bool:
@@ -119,6 +122,19 @@ _STRATEGIES = (
     StrategyInfo("fsdp-offload", "fsdp", "ZeRO-3 with parameters, gradients and optimizer state kept on the CPU",
                  ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
                  offload=True),
+    # The DeepSpeed engine (parallel/deepspeed.py): ZeRO-3 with CPU/NVMe offload, or the user's
+    # ds_config.json. One implementation each: they differ in where their DeepSpeed config comes from.
+    StrategyInfo("zero3-offload", "zero3-offload",
+                 "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to host memory",
+                 ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
+                 offload=True, planned=False),
+    StrategyInfo("zero3-nvme", "zero3-nvme",
+                 "DeepSpeed ZeRO-Infinity: parameters and optimizer state swapped to parallel.nvme_path",
+                 ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (on NVMe)",
+                 offload=True, planned=False),
+    StrategyInfo("deepspeed", "deepspeed",
+                 "DeepSpeed with the user's parallel.deepspeed_config (any ZeRO stage and offload)",
+                 ("dp",), ("dp",), "fsdp", "what the DeepSpeed config's ZeRO stage shards", planned=False),
     StrategyInfo("tp", "model-parallel",
                  "tensor parallel: split every layer's matrices across ranks (parallelize_module)",
                  COMPOSED_MESH, ("tp",), "replicate", "every layer's matrices", TP_FAMILIES),

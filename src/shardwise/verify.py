@@ -160,7 +160,9 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         for _ in range(steps):
             loss, _ = trainer.train_step(batches)
             losses.append(float(session.all_reduce(loss, op="mean")))
-        params = full_state_dict(trainer.model)
+        params = session.strategy.full_state_dict(trainer.model)
+        if params is None:
+            params = full_state_dict(trainer.model)
         if session.is_distributed:
             parts: list[Any] = [None] * session.world_size
             dist.all_gather_object(parts, params)

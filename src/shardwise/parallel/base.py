@@ -154,6 +154,33 @@ class Strategy:
             norm = norm.full_tensor()
         return norm
 
+    # ---- hooks for strategies that run an engine of their own (DeepSpeed, parallel/deepspeed.py)
+    # True when backward and the optimizer step go through the strategy (``backward``/``step``).
+    owns_step = False
+
+    def preflight(self, cfg: Any, world_size: int, meta: nn.Module | None = None) -> None:
+        """Checks before any rank starts beyond the layout's (packages, disks); raise ConfigError."""
+
+    def initialize_engine(self, session: Any, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        """Last step of ``Session.prepare``: return the (model, optimizer) the caller trains with."""
+        return model, optimizer
+
+    def backward(self, session: Any, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss (only where ``owns_step``)."""
+        raise NotImplementedError
+
+    def step(self, session: Any, optimizer: Any, max_norm: float) -> torch.Tensor:
+        """Clip, step and zero the gradients; return the pre-clip norm (only where ``owns_step``)."""
+        raise NotImplementedError
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Whole parameters on the CPU where DCP cannot gather them (None: use DCP)."""
+        return None
+
+    def checkpoint_io(self) -> Any:
+        """A module with ``save``/``load`` replacing DCP checkpoints (None: DCP)."""
+        return None
+
     def generation_unsupported(self) -> str | None:
         """Why ``model.generate`` cannot run under this strategy, or None when it can."""
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.composed import ModelParallelStrategy
 from shardwise.parallel.ddp import DDPStrategy
+from shardwise.parallel.deepspeed import DeepSpeedStrategy, ZeRO3NVMeStrategy, ZeRO3OffloadStrategy
 from shardwise.parallel.fsdp import FSDPStrategy
 from shardwise.parallel.zero1 import ZeRO1Strategy
 
@@ -14,4 +15,7 @@ IMPLEMENTATIONS: dict[str, type[Strategy]] = {
     "zero1": ZeRO1Strategy,
     "fsdp": FSDPStrategy,  # fsdp, zero2, hsdp, fsdp-offload: the row's flags differ
     "model-parallel": ModelParallelStrategy,  # tp, pp and every composition with data parallel
+    "deepspeed": DeepSpeedStrategy,  # the user's ds_config.json
+    "zero3-offload": ZeRO3OffloadStrategy,
+    "zero3-nvme": ZeRO3NVMeStrategy,
 }

@@ -271,6 +271,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
         t, p = degrees["tp"], degrees["pp"]
         dp = world // (t * p)
         for info in REGISTRY.values():
+            if not info.planned:  # DeepSpeed kinds: plan/offload.py (issue 23), added by the search
+                continue
             if ("tp" in info.degrees) != (t > 1) or ("pp" in info.degrees) != (p > 1):
                 continue
             if ("dp" not in info.degrees and dp > 1) or _is_duplicate(info, dp, world, cluster.nodes):

@@ -158,6 +158,9 @@ class Session:
         # sync until someone asks), and whether that step was skipped as non-finite.
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
+        # What an engine strategy (DeepSpeed) fills its "auto" values from, set before prepare():
+        # micro_batch_size, weight_decay (the built-in trainer sets them; see parallel/deepspeed.py).
+        self.engine_hints: dict[str, Any] = {}
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -353,6 +356,8 @@ class Session:
             groups_before = len(optimizer.param_groups)
         if optimizer is not None:
             optimizer = self.strategy.wrap_optimizer(optimizer, prepared, self.ctx)
+        # An engine (DeepSpeed) takes over model and optimizer here; a no-op for the others.
+        prepared, optimizer = self.strategy.initialize_engine(self, prepared, optimizer)
         if self.options.precision == "fp16-mixed":
             self._scaler = self.strategy.grad_scaler(self.device)
         self.model = prepared
@@ -449,6 +454,9 @@ class Session:
         micro-batches that is exactly sum(loss over the global batch) / global token count, i.e.
         the gradient of one big batch: grad = (1/(R*A)) * sum_r sum_a grad(mean_loss[r, a]).
         """
+        if self.strategy.owns_step:  # the engine divides by the accumulation steps itself
+            self.strategy.backward(self, loss)
+            return
         scaled = loss / self.grad_accum_steps
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
@@ -524,6 +532,8 @@ class Session:
         fp16-mixed the loss scaler already skips steps with non-finite gradients (and lowers its
         scale), so only ``loss`` decides there.
         """
+        if self.strategy.owns_step:
+            return self._engine_step(optimizer, max_norm, skip_nonfinite, loss)
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
         norm_t = self.clip_grad_norm(max_norm)
@@ -549,6 +559,17 @@ class Session:
             self.last_grad_bytes = grad_bytes(self.model)
         optimizer.zero_grad(set_to_none=True)
         self.steps_taken += 1
+        if self._watchdog is not None:
+            self._watchdog.beat(phase="train")
+        return self.last_grad_norm
+
+    def _engine_step(self, optimizer: Any, max_norm: float, skip_nonfinite: bool,
+                     loss: torch.Tensor | None) -> torch.Tensor:
+        """``step`` under an engine strategy: the engine clips, steps and zeroes the gradients."""
+        self.last_grad_norm = self.strategy.step(self, optimizer, max_norm)
+        # The engine decides inside its step; a non-finite norm or loss is reported (and the
+        # trainer stops on it) rather than skipped: see parallel/deepspeed.py.
+        self.last_step_skipped = False
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return self.last_grad_norm
@@ -668,6 +689,13 @@ class Session:
         sched_state = scheduler_state(scheduler) if scheduler is not None else None
         if self._watchdog is not None:
             self._watchdog.beat(phase="checkpoint save")
+        engine_io = self.strategy.checkpoint_io()
+        if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
+            out = engine_io.save(self, path, model, optimizer, step=step, state=state, loader=loader,
+                                 scheduler_state=sched_state, keep_last=keep_last, on_written=on_written)
+            if self._watchdog is not None:
+                self._watchdog.beat(phase="train")
+            return out
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
                               world_size=self.world_size, state=state, loader=loader,
                               scaler=self._scaler, scheduler_state=sched_state, keep_last=keep_last,
@@ -693,6 +721,12 @@ class Session:
         scheduler = scheduler if scheduler is not None else self.scheduler
         optimizer = optimizer if optimizer is not None else self.optimizer
         loader = loader if loader is not None else self.loader
+        engine_io = self.strategy.checkpoint_io()
+        if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
+            loaded = engine_io.load(self, path, model, optimizer, loader=loader, scheduler=scheduler,
+                                    restore_rng=restore_rng)
+            self.steps_taken = loaded.step
+            return loaded
         loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
                                  scaler=self._scaler, restore_rng=restore_rng,
                                  trainable_only=self.trainable_only)

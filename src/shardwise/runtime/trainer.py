@@ -173,6 +173,8 @@ class Trainer:
         spec = from_module(model, name=model_name(cfg.model))
         # Model FLOPs per token by the planner's own counting, for MFU (observe.throughput).
         self.flops_per_token = flops_per_token(spec, self.workload.tokens_per_sample)
+        # For an engine strategy's "auto" config values (DeepSpeed); ignored by the others.
+        self.session.engine_hints.update(micro_batch_size=t.micro_batch_size, weight_decay=t.weight_decay)
         self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t, self.session.device))
         for note in self.session.notes:
             self.session.log(note)

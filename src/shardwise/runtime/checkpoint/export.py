@@ -80,6 +80,10 @@ def read_full_model_state(source: str | os.PathLike) -> tuple[dict[str, torch.Te
     """Consolidated full model weights of a checkpoint, read in this process without a process group."""
     path = resolve_checkpoint(source)
     manifest = read_manifest(path)
+    if manifest.get("engine") == "deepspeed":  # ZeRO shards, consolidated by DeepSpeed's zero_to_fp32
+        from shardwise.parallel.deepspeed_checkpoint import read_full_state
+
+        return read_full_state(path, manifest), manifest
     identities: dict[str, list[int]] = {}
     problems = verify_files(path, manifest, identities=identities)
     if problems:

@@ -74,6 +74,13 @@ class _Checkpoint:
         problems = verify_files(self.path, self.manifest)
         if problems:
             raise corruption_error(self.path, problems)
+        self._engine_state: dict[str, torch.Tensor] | None = None
+        if self.manifest.get("engine") == "deepspeed":
+            # ZeRO shards consolidated by DeepSpeed's zero_to_fp32 (files verified just above).
+            from shardwise.parallel.deepspeed_checkpoint import engine_entries
+
+            self._engine_state, self.tensors = engine_entries(self.path, self.manifest)
+            return
         # Shapes checked against the manifest before anything is allocated (a forged .metadata
         # cannot make an export allocate more than the checkpoint's files hold).
         self.tensors: dict[str, TensorStorageMetadata] = _model_entries(
@@ -99,6 +106,8 @@ class _Checkpoint:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The full (consolidated) tensors ``names`` of the model, read from every rank's shards."""
+        if self._engine_state is not None:
+            return {n: self._engine_state[n] for n in names}
         model = {n: torch.empty(self.tensors[n].size, dtype=self.tensors[n].properties.dtype) for n in names}
         reader = SafeFileSystemReader(self.path, self.manifest["files"][DCP_METADATA]["sha256"])
         payload = {"model": model}

@@ -72,6 +72,10 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         error = None
     except CheckpointError as e:
         manifest, error = None, str(e)
+    if error is None and manifest.get("engine") == "deepspeed":
+        error = (f"checkpoint {path} was written by DeepSpeed (strategy {manifest['strategy']!r}) and loads only "
+                 f"under a DeepSpeed strategy. To continue under another one, export its weights (`shardwise ckpt "
+                 f"export {path} --format safetensors` or `--format hf`) and start from them (model.pretrained).")
     raise_on_every_rank(error, CheckpointError)
     assert manifest is not None
 

@@ -1,0 +1,104 @@
+"""What DeepSpeed needs from the machine, checked before any rank starts.
+
+DeepSpeed is an optional engine (``pip install shardwise[deepspeed]``). On a machine without a
+CUDA device it runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here before the first
+import). Its ops (CPU Adam, async I/O for NVMe) are compiled just in time on first use, which
+takes minutes: the build directory (``TORCH_EXTENSIONS_DIR``) defaults to a per-user cache, so
+every later run reuses them. NVMe offload (ZeRO-Infinity) needs Linux AIO (Debian: ``libaio-dev``)
+to build its async I/O op and a writable ``parallel.nvme_path`` with room for the swapped state.
+Each missing piece is one ConfigError paragraph here, never a JIT-build traceback on every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import shutil
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+from shardwise.errors import ConfigError
+
+# Swapped per parameter under ZeRO-Infinity with both offloads on NVMe: the fp32 master weight
+# and AdamW's two moments (optimizer swapper), plus the parameter itself (parameter swapper),
+# 4 bytes each; DeepSpeed aligns swap buffers, so 10% more room is asked for.
+NVME_BYTES_PER_PARAM = 16
+NVME_HEADROOM = 1.1
+LIBAIO_HEADER = "/usr/include/libaio.h"
+
+
+def prepare_environment() -> None:
+    """Set the environment DeepSpeed reads at import time (callers' own values win)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "shardwise" / "torch_extensions"))
+
+
+def import_deepspeed() -> ModuleType:
+    """Return the ``deepspeed`` module, or raise ConfigError saying how to install it."""
+    prepare_environment()
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(
+            f"the DeepSpeed strategies (zero3-offload, zero3-nvme, deepspeed) need the deepspeed package, "
+            f"which is not importable here ({e}). Install it with `pip install 'shardwise[deepspeed]'` "
+            "(NVMe offload also needs Linux AIO: `apt-get install libaio-dev` on Debian/Ubuntu), or "
+            "choose a PyTorch strategy such as fsdp or fsdp-offload.") from None
+    return deepspeed
+
+
+def check_deepspeed_installed() -> None:
+    """Raise ConfigError when deepspeed is not installed, without importing it (fast)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        import_deepspeed()  # raises the install message
+
+
+def check_libaio() -> None:
+    """Raise ConfigError when Linux AIO (needed to build DeepSpeed's async I/O op) is missing."""
+    if ctypes.util.find_library("aio") is None or not os.path.exists(LIBAIO_HEADER):
+        raise ConfigError(
+            "NVMe offload (strategy zero3-nvme, or offload device \"nvme\" in a DeepSpeed config) needs "
+            f"Linux AIO to build DeepSpeed's async I/O op, and libaio or its header ({LIBAIO_HEADER}) is "
+            "missing. Install it with `apt-get install libaio-dev` (Debian/Ubuntu; `dnf install "
+            "libaio-devel` on Fedora/RHEL), or use CPU offload (strategy zero3-offload or fsdp-offload).")
+
+
+def check_nvme_path(path: str, params: int | None = None) -> Path:
+    """Check that ``path`` is a writable directory with room for ``params`` parameters' swap files.
+
+    Creates the directory when missing. ``params`` (the model's parameter count, when known)
+    sizes the free-space check; returns the absolute path.
+    """
+    if not path:
+        raise ConfigError("strategy zero3-nvme swaps parameters and optimizer state to a fast local disk: "
+                          "set parallel.nvme_path to a directory on it (e.g. --set parallel.nvme_path=/nvme/swap).")
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"parallel.nvme_path = {path!r} is a file, not a directory; name a directory on a "
+                          "fast local disk (it is created when missing).")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".shardwise-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"parallel.nvme_path = {path!r} is not writable ({e.strerror or e}); NVMe offload "
+                          "writes its swap files there. Name a writable directory on a local disk with room "
+                          "for the model's state.") from None
+    if params:
+        need = int(params * NVME_BYTES_PER_PARAM * NVME_HEADROOM)
+        free = shutil.disk_usage(target).free
+        if free < need:
+            raise ConfigError(
+                f"parallel.nvme_path = {path!r} has {free / 2**30:.2f} GiB free, but NVMe offload of "
+                f"{params:,} parameters swaps about {need / 2**30:.2f} GiB there ({NVME_BYTES_PER_PARAM} bytes "
+                "per parameter: fp32 weights, AdamW's two moments and the parameter itself). Free space, "
+                "or choose a larger disk.")
+    return target

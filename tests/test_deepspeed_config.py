@@ -1,0 +1,131 @@
+"""DeepSpeed kinds without starting ranks: "auto" filling, contradictions, set-up refusals."""
+
+import json
+import os
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.parallel.deepspeed_config import RunValues, builtin_config, fill, offload_devices
+from shardwise.parallel.deepspeed_setup import check_nvme_path
+from shardwise.parallel.registry import strategy_info
+
+VALUES = RunValues(grad_accum_steps=2, dp_size=2, precision="bf16-mixed", micro_batch_size=4, lr=3e-4,
+                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, nvme_path="/fast/swap")
+
+
+def test_auto_values_are_filled_from_shardwise_like_accelerate():
+    user = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": "auto"}}}
+    out = fill(user, VALUES, source="ds_config.json")
+    assert out["train_micro_batch_size_per_gpu"] == 4 and out["gradient_accumulation_steps"] == 2
+    assert out["train_batch_size"] == 4 * 2 * 2
+    assert out["bf16"] == {"enabled": True} and out["fp16"] == {"enabled": False}
+    assert out["optimizer"]["params"] == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    assert "reduce_bucket_size" not in out["zero_optimization"]  # DeepSpeed's own default
+    assert out["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/fast/swap"
+    assert user["train_batch_size"] == "auto"  # the caller's dict is left alone
+
+
+@pytest.mark.parametrize("key, value, names", [
+    ("gradient_accumulation_steps", 4, ["gradient_accumulation_steps = 4", "train.grad_accum_steps is 2"]),
+    ("train_micro_batch_size_per_gpu", 16, ["= 16", "train.micro_batch_size is 4"]),
+    ("train_batch_size", 64, ["= 64", "global batch"]),
+])
+def test_a_contradicting_value_names_both(key, value, names):
+    with pytest.raises(ConfigError) as e:
+        fill({key: value}, VALUES, source="ds_config.json")
+    assert all(n in str(e.value) for n in ["ds_config.json", *names])
+
+
+def test_precision_lr_and_scheduler_contradictions():
+    with pytest.raises(ConfigError, match=r"fp16.enabled = True.*parallel.precision is 'bf16-mixed'"):
+        fill({"fp16": {"enabled": True}}, VALUES, source="f")
+    with pytest.raises(ConfigError, match=r"lr = 0.1.*train.lr is 0.0003"):
+        fill({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, VALUES, source="f")
+    with pytest.raises(ConfigError, match="scheduler"):
+        fill({"scheduler": {"type": "WarmupLR"}}, VALUES, source="f")
+    with pytest.raises(ConfigError, match="stage"):
+        fill({"zero_optimization": {"stage": 4}}, VALUES, source="f")
+    same = fill({"gradient_accumulation_steps": 2, "optimizer": {"params": {"lr": 3e-4}}}, VALUES, source="f")
+    assert same["gradient_accumulation_steps"] == 2
+
+
+def test_builtin_kinds():
+    cpu = builtin_config("zero3-offload", VALUES)
+    nvme = builtin_config("zero3-nvme", VALUES)
+    assert offload_devices(cpu) == {"cpu"} and offload_devices(nvme) == {"nvme"}
+    assert nvme["zero_optimization"]["offload_param"]["nvme_path"] == "/fast/swap"
+    assert cpu["zero_optimization"]["stage"] == 3 and cpu["zero_force_ds_cpu_optimizer"] is False
+    for name in ("zero3-offload", "zero3-nvme"):
+        assert strategy_info(name).offload and strategy_info(name).dp_kind == "fsdp"
+
+
+def test_nvme_path_checks(tmp_path):
+    assert check_nvme_path(str(tmp_path / "new" / "swap")).is_dir()  # created
+    with pytest.raises(ConfigError, match="set parallel.nvme_path"):
+        check_nvme_path("")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_nvme_path(str(f))
+    with pytest.raises(ConfigError, match=r"GiB free.*16 bytes per parameter"):
+        check_nvme_path(str(tmp_path), params=10**15)  # a petabyte of swap: the disk is "full"
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="not writable"):
+            check_nvme_path(str(ro))
+
+
+def test_preflight_refuses_before_any_rank(tmp_path):
+    """Bad DeepSpeed settings fail in check_run (what train/verify call before launching)."""
+    pytest.importorskip("deepspeed")
+    from shardwise.preflight import check_run
+
+    base = ["model.preset=nano", "train.micro_batch_size=4", "train.grad_accum_steps=2"]
+    with pytest.raises(ConfigError, match="set parallel.nvme_path"):
+        check_run(load_config(None, [*base, "parallel.strategy=zero3-nvme"]), 2)
+    with pytest.raises(ConfigError, match="is not a file"):
+        check_run(load_config(None, [*base, "parallel.strategy=deepspeed",
+                                     f"parallel.deepspeed_config={tmp_path / 'missing.json'}"]), 2)
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 8.*train.grad_accum_steps is 2"):
+        check_run(load_config(None, [*base, "parallel.strategy=deepspeed", f"parallel.deepspeed_config={ds}"]), 2)
+    with pytest.raises(ConfigError, match="bf16-true"):
+        check_run(load_config(None, [*base, "parallel.strategy=zero3-offload", "parallel.precision=bf16-true"]), 2)
+    ok = check_run(load_config(None, [*base, "parallel.strategy=zero3-nvme",
+                                      f"parallel.nvme_path={tmp_path / 'swap'}"]), 2)
+    assert ok.layout.strategy == "zero3-nvme" and (tmp_path / "swap").is_dir()
+
+
+def test_planner_offload_math():
+    from shardwise.plan.offload import command, estimate, nvme_gbs_for, offload_candidates
+
+    n = 13_000_000_000  # 13B on one node of 8 GPUs
+    cpu = estimate("zero3-offload", n, 8, 1.0, gpu_kind="h100")
+    nvme = estimate("zero3-nvme", n, 8, 1.0, gpu_kind="h100")
+    assert cpu.host_bytes_per_node == 16 * n and nvme.nvme_bytes_per_node == 16 * n
+    assert nvme.host_bytes_per_node < cpu.host_bytes_per_node and nvme.step_s > cpu.step_s > 1.0
+    slow = estimate("zero3-nvme", n, 8, 1.0, nvme_gbs=0.5)
+    assert slow.step_s > nvme.step_s  # a slower disk, a slower step
+    assert nvme_gbs_for("h100-sxm") == 3.0 and nvme_gbs_for("x", 7.0) == 7.0
+    # 128 GiB of host RAM cannot hold 13B x 16 bytes: only NVMe is proposed, with a runnable command.
+    rows = offload_candidates(n, 8, 1.0, host_ram_gib=128)
+    assert [r.strategy for r in rows] == ["zero3-nvme"]
+    assert command(rows[0], 8).startswith("shardwise train --nproc 8 --strategy zero3-nvme --set parallel.nvme_path=")
+    assert [r.strategy for r in offload_candidates(n, 8, 1.0, host_ram_gib=2048)][0] == "zero3-offload"
+
+
+def test_nvme_state_is_recognised_for_the_resume_refusal():
+    from shardwise.parallel.deepspeed_checkpoint import swaps_to_nvme
+
+    assert swaps_to_nvme(builtin_config("zero3-nvme", VALUES))
+    assert not swaps_to_nvme(builtin_config("zero3-offload", VALUES)) and not swaps_to_nvme({})
