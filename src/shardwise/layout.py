@@ -385,6 +385,9 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
     given = {"pp": options.pp if options.pp > 1 else 0, "tp": options.tp if options.tp > 1 else 0,
              "dp": options.dp}
     dims = ("pp", "dp", "tp")
+    lacking = {dim: given[dim] for dim in dims if dim not in active and given[dim] > 1}
+    if lacking:  # a degree the strategy does not have: Layout refuses it (the one owner of that rule)
+        return {**dict.fromkeys(dims, 1), **lacking}
     degrees = {dim: given[dim] if dim in active else 1 for dim in dims}
     open_dims = [d for d in dims if degrees[d] == 0]
     known = 1
@@ -405,9 +408,7 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
             f"dp x tp x pp must equal the world size: {degrees['dp']} x {degrees['tp']} x "
             f"{degrees['pp']} = {degrees['pp'] * degrees['dp'] * degrees['tp']}, but {world_size} ranks "
             "were launched. Change --nproc or the parallel.dp/tp/pp degrees.")
-    # A degree the strategy does not have, or an active one below 2, is Layout's to refuse (one
-    # owner for those rules): pass on what was given.
-    degrees.update({dim: given[dim] for dim in dims if dim not in active and given[dim] > 1})
+    # An active degree below 2 is Layout's to refuse (one owner for that rule).
     return degrees
 
 
