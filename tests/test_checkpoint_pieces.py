@@ -93,9 +93,13 @@ def test_a_piece_is_one_entry_and_lands_where_its_kind_says(tmp_path):
         assert all(torch.equal(ema.shadow[k], ema2.shadow[k]) for k in ema.shadow)
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
         # A checkpoint without a piece (saved before it was added) loads: the piece keeps its state.
-        t.checkpoint_pieces["later"] = Counter(3)
+        later_ema = Ema(model2)
+        for v in later_ema.shadow.values():
+            v.fill_(3.0)
+        t.checkpoint_pieces.update(later=Counter(3), later_ema=later_ema)
         t.load(tmp_path / "ckpt")
         assert t.checkpoint_pieces["later"].n == 3
+        assert all(bool((v == 3.0).all()) for v in later_ema.shadow.values())
     finally:
         t.close()
 

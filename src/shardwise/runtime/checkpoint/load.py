@@ -123,11 +123,17 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it without an "
                               "optimizer, or resume from a training checkpoint.")
 
-    payload: dict[str, Any] = {}
+    payload: dict[str, Any] = {"model": model_state}
+    absent: list[str] = []
     for name, piece in tensor_pieces.items():
         prefix = f"{name}."
-        payload[name] = (model_state if name == "model" else
-                         piece.load_template({k[len(prefix):] for k in saved_keys if k.startswith(prefix)}))
+        keys = {k[len(prefix):] for k in saved_keys if k.startswith(prefix)}
+        if name == "model":
+            continue
+        if not keys:  # saved before this piece existed: it keeps its state
+            absent.append(name)
+            continue
+        payload[name] = piece.load_template(keys)
     reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"], files=manifest["files"],
                                   identities=identities)
     try:
@@ -140,11 +146,13 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         # DCP gathers every rank's failure into one CheckpointException (a BaseException).
         raise dcp_error(path, e) from None
     # Optimizer before model, as torch's set_state_dict does.
-    for name in sorted(tensor_pieces, key=lambda n: n == "model"):
+    for name in sorted(payload, key=lambda n: n == "model"):
         tensor_pieces[name].load_state_dict(payload[name])
 
     loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),
                               manifest=manifest)
+    for name in absent:
+        _restore(tensor_pieces[name], name, None, path, loaded)
     for name, piece in manifest_pieces.items():
         _restore(piece, name, manifest.get(name), path, loaded)
     extra, extra0, error = None, None, None
