@@ -253,3 +253,15 @@ def test_config_layout_and_table_import_no_torch_and_reach_each_other_directly(c
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert not re.fullmatch(r"shardwise(\.\w+)+:\w+", node.value), f"{name}: import string {node.value!r}"
         assert "import_module" not in (root / name).read_text(), f"{name} imports modules by name"
+
+
+def test_resolve_layout_leaves_the_degree_rules_to_layout():
+    # One owner: the config route and a Layout built directly refuse alike, naming the config key.
+    with pytest.raises(ConfigError, match="parallel.tp=2 is set, but strategy 'ddp\\+pp' has no tp dimension"):
+        resolve_layout(ParallelConfig(strategy="ddp+pp", tp=2), 4)
+    with pytest.raises(ConfigError, match="parallel.tp=2 is set, but strategy 'ddp\\+pp' has no tp dimension"):
+        Layout("ddp+pp", dp=1, tp=2, pp=2)
+    with pytest.raises(ConfigError, match="'fsdp\\+tp' needs parallel.tp >= 2 \\(got 1 on 2 ranks\\)"):
+        resolve_layout(ParallelConfig(strategy="fsdp+tp", dp=2), 2)
+    with pytest.raises(ConfigError, match="'fsdp\\+tp' needs parallel.tp >= 2 \\(got 1 on 2 ranks\\)"):
+        Layout("fsdp+tp", dp=2)

@@ -38,7 +38,8 @@ from shardwise.strategies import (
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
 
-__all__ = ["Layout", "local_stage_ids", "ranks_per_node", "resolve_layout", "stage_layer_ranges", "tp_indivisible"]
+__all__ = ["Layout", "data_parallel_degree", "local_stage_ids", "ranks_per_node", "resolve_layout",
+           "stage_layer_ranges", "tp_indivisible"]
 
 
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
@@ -146,11 +147,14 @@ class Layout:
         for dim in ("dp", "tp", "pp"):
             if getattr(self, dim) > 1 and dim not in info.degrees:
                 raise ConfigError(
-                    f"strategy {self.strategy!r} has no {dim} dimension (its degrees: "
-                    f"{', '.join(info.degrees) or 'none'}), but {dim}={getattr(self, dim)}.")
+                    f"parallel.{dim}={getattr(self, dim)} is set, but strategy {self.strategy!r} has no {dim} "
+                    f"dimension (its dimensions: {', '.join(info.degrees) or 'none'}). Pick a strategy that "
+                    f"includes it, e.g. 'fsdp+tp+pp', or leave parallel.{dim} unset.")
         for dim in info.degrees:
             if dim != "dp" and getattr(self, dim) < 2:
-                raise ConfigError(f"strategy {self.strategy!r} needs {dim} >= 2, got {getattr(self, dim)}.")
+                raise ConfigError(
+                    f"strategy {self.strategy!r} needs parallel.{dim} >= 2 (got {getattr(self, dim)} on "
+                    f"{self.world_size} ranks); launch more ranks or set parallel.{dim}.")
         if info.max_world is not None and self.world_size > info.max_world:
             raise ConfigError(f"strategy {self.strategy!r} runs at most {info.max_world} rank(s).")
         set_(self, "shard", self._checked_shard(info))
@@ -426,12 +430,9 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
     given = {"pp": options.pp if options.pp > 1 else 0, "tp": options.tp if options.tp > 1 else 0,
              "dp": options.dp}
     dims = ("pp", "dp", "tp")
-    for dim in dims:
-        if dim not in active and given[dim] > 1:
-            raise ConfigError(
-                f"parallel.{dim}={given[dim]} is set, but strategy {info.name!r} has no {dim} dimension "
-                f"(its dimensions: {', '.join(active)}). Pick a strategy that includes it, e.g. "
-                f"'fsdp+tp+pp', or leave parallel.{dim} unset.")
+    lacking = {dim: given[dim] for dim in dims if dim not in active and given[dim] > 1}
+    if lacking:  # a degree the strategy does not have: Layout refuses it (the one owner of that rule)
+        return {**dict.fromkeys(dims, 1), **lacking}
     degrees = {dim: given[dim] if dim in active else 1 for dim in dims}
     open_dims = [d for d in dims if degrees[d] == 0]
     known = 1
@@ -452,11 +453,7 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
             f"dp x tp x pp must equal the world size: {degrees['dp']} x {degrees['tp']} x "
             f"{degrees['pp']} = {degrees['pp'] * degrees['dp'] * degrees['tp']}, but {world_size} ranks "
             "were launched. Change --nproc or the parallel.dp/tp/pp degrees.")
-    for dim in active:
-        if dim != "dp" and degrees[dim] < 2:
-            raise ConfigError(
-                f"strategy {info.name!r} needs parallel.{dim} >= 2 (got {degrees[dim]} on {world_size} "
-                f"ranks); launch more ranks or set parallel.{dim}.")
+    # An active degree below 2 is Layout's to refuse (one owner for that rule).
     return degrees
 
 
@@ -465,6 +462,16 @@ def ranks_per_node(world_size: int, *, nproc: int = 0, local_world_size: int = 0
     else ``parallel.nproc`` (``--nproc``), else every rank (one node). HSDP's default shard group
     and the planner's intra-node links read it."""
     return local_world_size or nproc or world_size
+
+
+def data_parallel_degree(world_size: int, *, tp: int = 1, pp: int = 1) -> int:
+    """The data-parallel degree (cp ranks included, as ``Layout.dp``) that ``tp`` and ``pp`` leave of
+    ``world_size`` ranks: the rule world = dp x tp x pp, for callers (the planner's candidates) that
+    need it before a strategy is picked. ConfigError when tp x pp does not divide the world."""
+    if world_size % (tp * pp):
+        raise ConfigError(f"tp {tp} x pp {pp} = {tp * pp} does not divide the {world_size} ranks: "
+                          "world size = dp x tp x pp.")
+    return world_size // (tp * pp)
 
 
 def tp_indivisible(tp: int, sizes: Mapping[str, int | None]) -> dict[str, int]:

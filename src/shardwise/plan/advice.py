@@ -9,7 +9,7 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.layout import resolve_layout
+from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.memory import (
@@ -229,10 +229,15 @@ class Plan:
     skipped: list[str] = field(default_factory=list)
 
 
+def _tp_sizes(spec: ModelSpec) -> dict[str, int | None]:
+    """The sizes of ``spec`` that the runtime's TP plans split, for the layout's divisibility rule."""
+    return {"attention heads": spec.n_heads, "key/value heads": spec.kv_heads, "hidden size": spec.hidden,
+            "MLP width": spec.ffn_hidden}
+
+
 def _tp_divides(spec: ModelSpec, tp: int) -> bool:
-    """Whether ``tp`` divides every size the runtime's TP plans split (heads, KV heads, widths)."""
-    sizes = [spec.n_heads, spec.kv_heads, spec.hidden, spec.ffn_hidden]
-    return bool(spec.n_heads) and all(not v or v % tp == 0 for v in sizes)
+    """Whether ``tp`` divides every size the runtime's TP plans split (asks ``layout.tp_indivisible``)."""
+    return bool(spec.n_heads) and not tp_indivisible(tp, _tp_sizes(spec))
 
 
 def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
@@ -269,7 +274,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     skipped: list[str] = []
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t)):
         t, p = degrees["tp"], degrees["pp"]
-        dp = world // (t * p)
+        dp = data_parallel_degree(world, tp=t, pp=p)
         for info in REGISTRY.values():
             if not info.planned:  # DeepSpeed kinds: plan/offload.py (issue 23), added by the search
                 continue
@@ -307,8 +312,9 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if tp is not None:
         if tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {tp}.")
-        if spec.n_heads and spec.n_heads % tp:
-            divisors = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
+        bad = tp_indivisible(tp, {"attention heads": spec.n_heads})
+        if bad:
+            divisors = [d for d in range(1, spec.n_heads + 1) if not tp_indivisible(d, bad)]
             raise ConfigError(f"--tp {tp} does not divide the {spec.n_heads} attention heads of {spec.name}; "
                               f"allowed: {', '.join(map(str, divisors))}.")
         if cluster.gpus_per_node % tp:
@@ -319,9 +325,12 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if pp is not None:
         if pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {pp}.")
-        if spec.n_layers and pp > spec.n_layers:
-            raise ConfigError(f"--pp {pp} asks for more pipeline stages than {spec.name}'s {spec.n_layers} layers; "
-                              f"use at most {spec.n_layers}.")
+        if spec.n_layers:
+            try:
+                stage_layer_ranges(spec.n_layers, pp)  # the layout's rule: each stage needs a layer
+            except ConfigError:
+                raise ConfigError(f"--pp {pp} asks for more pipeline stages than {spec.name}'s {spec.n_layers} "
+                                  f"layers; use at most {spec.n_layers}.") from None
         if pp > 1 and not REGISTRY["pp"].supports(spec.family):
             raise ConfigError(f"--pp {pp}: {REGISTRY['pp'].unsupported_reason(spec.family)}.")
     if cluster.world % ((tp or 1) * (pp or 1)):

@@ -125,13 +125,23 @@ def restore_scheduler(scheduler: Scheduler, state: dict[str, Any] | None, where:
         return (f"{where} holds no LR scheduler state (it was saved without one): the scheduler starts "
                 "from its first step")
     try:
-        scheduler.load_state_dict(state)
+        apply_scheduler_state(scheduler, state)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"cannot restore the LR scheduler ({type(scheduler).__name__}) from "
-                              f"{where}: {type(e).__name__}: {e}. Was it saved with another scheduler?") from None
+        raise CheckpointError(scheduler_load_error(scheduler, where, e)) from None
+    return None
+
+
+def apply_scheduler_state(scheduler: Scheduler, state: dict[str, Any]) -> None:
+    """Load ``state`` into ``scheduler`` and write its current learning rates into its optimizer."""
+    scheduler.load_state_dict(state)
     last = getattr(scheduler, "_last_lr", None)
     groups = scheduler.optimizer.param_groups
     if last is not None and len(last) == len(groups):
         for group, lr in zip(groups, last):
             group["lr"] = lr
-    return None
+
+
+def scheduler_load_error(scheduler: Scheduler, where: str, e: BaseException) -> str:
+    """Why a saved scheduler state could not be loaded into ``scheduler``."""
+    return (f"cannot restore the LR scheduler ({type(scheduler).__name__}) from {where}: "
+            f"{type(e).__name__}: {e}. Was it saved with another scheduler?")

@@ -52,7 +52,7 @@ from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
-from shardwise.runtime.scheduler import prepare_scheduler, restore_scheduler, scheduler_state
+from shardwise.runtime.scheduler import prepare_scheduler, scheduler_state
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "mean": dist.ReduceOp.SUM}
@@ -138,6 +138,9 @@ class Session:
         self.model: nn.Module | None = None
         # The LR scheduler prepare() returned; save() and load() include it unless told otherwise.
         self.scheduler: Any = None
+        # More pieces every save()/load() includes, by name (runtime.checkpoint.pieces): one entry
+        # adds something to the checkpoint, e.g. ``session.checkpoint_pieces["ema"] = EmaPiece(ema)``.
+        self.checkpoint_pieces: dict[str, Any] = {}
         # What save()/load() cover by default (issue 17): the optimizer prepare() returned, the
         # training loader (the first dataloader() not made with shuffle=False) and the number of
         # step() calls (restored by load()).
@@ -676,31 +679,34 @@ class Session:
         ``shuffle=False``) and, for ``step``, the number of ``step()`` calls so far.
         """
         from shardwise.runtime.checkpoint import save_checkpoint
+        from shardwise.runtime.checkpoint.pieces import standard_pieces
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
-        scheduler = scheduler if scheduler is not None else self.scheduler
         # Everything the session prepared is saved unless told otherwise; the step defaults to
         # the number of step() calls (restored by load()).
+        scheduler = scheduler if scheduler is not None else self.scheduler
         optimizer = optimizer if optimizer is not None else self.optimizer
         loader = loader if loader is not None else self.loader
         step = self.steps_taken if step is None else step
-        # Checked on every rank before any file is written: a refusal cannot leave ranks waiting.
-        sched_state = scheduler_state(scheduler) if scheduler is not None else None
+        pieces = {**standard_pieces(model, optimizer, loader=loader, scheduler=scheduler, state=state,
+                                    scaler=self._scaler, trainable_only=self.trainable_only),
+                  **self.checkpoint_pieces}
         if self._watchdog is not None:
             self._watchdog.beat(phase="checkpoint save")
         engine_io = self.strategy.checkpoint_io()
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
+            sched_state = scheduler_state(scheduler) if scheduler is not None else None
             out = engine_io.save(self, path, model, optimizer, step=step, state=state, loader=loader,
                                  scheduler_state=sched_state, keep_last=keep_last, on_written=on_written)
             if self._watchdog is not None:
                 self._watchdog.beat(phase="train")
             return out
+        # Every piece's state is checked on every rank before any file is written (save_checkpoint).
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
-                              world_size=self.world_size, state=state, loader=loader,
-                              scaler=self._scaler, scheduler_state=sched_state, keep_last=keep_last,
-                              on_written=on_written, trainable_only=self.trainable_only,
-                              export=self._export_info(model), job=self.launch_id)
+                              world_size=self.world_size, keep_last=keep_last, on_written=on_written,
+                              trainable_only=self.trainable_only, export=self._export_info(model),
+                              job=self.launch_id, pieces=pieces)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return out
@@ -715,6 +721,7 @@ class Session:
         ``scheduler`` (default: the one prepare() returned) continues from its saved state.
         """
         from shardwise.runtime.checkpoint import load_checkpoint
+        from shardwise.runtime.checkpoint.pieces import standard_pieces
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
@@ -727,13 +734,11 @@ class Session:
                                     restore_rng=restore_rng)
             self.steps_taken = loaded.step
             return loaded
-        loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size, loader=loader,
-                                 scaler=self._scaler, restore_rng=restore_rng,
-                                 trainable_only=self.trainable_only)
-        if scheduler is not None:
-            note = restore_scheduler(scheduler, loaded.manifest.get("scheduler"), str(loaded.path))
-            if note:
-                loaded.notes.append(note)
+        pieces = {**standard_pieces(model, optimizer, loader=loader, scheduler=scheduler, scaler=self._scaler,
+                                    trainable_only=self.trainable_only, restore_rng=restore_rng),
+                  **self.checkpoint_pieces}
+        loaded = load_checkpoint(path, model, optimizer, world_size=self.world_size,
+                                 trainable_only=self.trainable_only, pieces=pieces)
         self.steps_taken = loaded.step
         return loaded
 

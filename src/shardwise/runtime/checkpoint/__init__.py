@@ -31,7 +31,9 @@ SHA-256 against the manifest and then unpickles it with an allow-list of DCP's o
 
 Modules, one job each: ``manifest`` (names, the manifest, checksums, the model fingerprint),
 ``safe_read`` (DCP metadata and entries read without running code), ``locate`` (finding complete
-checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state dicts), ``save``,
+checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state dicts), ``pieces``
+(what a checkpoint holds: a dict of named Stateful pieces, each stored in DCP, in the manifest or in
+the per-rank file; adding one is one entry, see its docstring and docs/checkpoints.md), ``save``,
 ``load``, ``export`` (inspect, consolidate, write weights), ``hf_export`` (Hugging Face and PEFT
 folders) and ``preflight`` (checks before launch).
 """

@@ -26,11 +26,12 @@ from shardwise.runtime.checkpoint.manifest import (
     tensor_shapes,
     verify_files,
 )
+from shardwise.runtime.checkpoint.pieces import Piece, split_pieces, standard_pieces
 from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from shardwise.runtime.checkpoint.state import set_state_dicts, single_process_ok, state_dicts
+from shardwise.runtime.checkpoint.state import single_process_ok
 from shardwise.runtime.collective import barrier, distributed, first_error, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
-from shardwise.runtime.rng import check_rng_state, restore_rng_state
+from shardwise.runtime.rng import check_rng_state
 
 
 @dataclass
@@ -48,14 +49,20 @@ class LoadedCheckpoint:
 
 def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, world_size: int, loader: Any = None, scaler: Any = None,
-                    restore_rng: bool = True, trainable_only: bool = False) -> LoadedCheckpoint:
+                    restore_rng: bool = True, trainable_only: bool = False,
+                    pieces: dict[str, Piece] | None = None) -> LoadedCheckpoint:
     """Restore model, optimizer, data position, scaler (and RNG) from ``source`` on every rank.
 
     Collective. Verifies the manifest and every file's checksum (split across ranks) and the model
     shapes before DCP reads anything; raises CheckpointError, on every rank alike, when a check fails.
     ``trainable_only``: the model's frozen parameters are not in the checkpoint (LoRA on a pretrained
-    model) and are left as they are.
+    model) and are left as they are. ``pieces`` (see ``checkpoint.pieces``) says what to restore;
+    without it, the standard pieces of the other arguments.
     """
+    if pieces is None:
+        pieces = standard_pieces(model, optimizer, loader=loader, scaler=scaler, trainable_only=trainable_only,
+                                 restore_rng=restore_rng)
+    tensor_pieces, manifest_pieces, rank_pieces = split_pieces(pieces)
     rank = global_rank()
     # Rank 0 resolves 'latest' once, so all ranks read the same checkpoint even if a save lands now.
     path_or_err: tuple[str | None, str | None]
@@ -107,7 +114,7 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
                 "holds every weight, but the model to load it into trains LoRA adapters on a frozen base")
         raise CheckpointError(f"checkpoint {path} {what}. Load it with the [lora] and model.pretrained "
                               "settings it was trained with.")
-    model_state, optim_state = state_dicts(model, optimizer, trainable_only)
+    model_state = tensor_pieces["model"].state_dict()
     mine = tensor_shapes(model_state)
     saved = manifest["model_tensors"]
     local_diffs = shape_mismatch({k: v for k, v in saved.items() if k in mine}, mine)
@@ -116,19 +123,21 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         union.update(shapes)
     diffs = local_diffs or shape_mismatch(saved, union)
     raise_on_every_rank(str(incompatible_error(path, diffs)) if diffs else None, CheckpointError)
-    if optimizer is not None and not manifest.get("has_optimizer", True):
+    if "optim" in tensor_pieces and not manifest.get("has_optimizer", True):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it without an "
                               "optimizer, or resume from a training checkpoint.")
 
     payload: dict[str, Any] = {"model": model_state}
-    kept: dict[str, Any] = {}
-    if optim_state is not None:
-        # An LR scheduler adds ``initial_lr`` to the param groups, so a checkpoint saved without one
-        # lacks it. It is the scheduler's own value (its base_lrs, restored from its JSON state):
-        # keep the current one rather than refuse the checkpoint.
-        kept = {k: v for k, v in optim_state.items()
-                if k.endswith(".initial_lr") and f"optim.{k}" not in saved_keys}
-        payload["optim"] = {k: v for k, v in optim_state.items() if k not in kept}
+    absent: list[str] = []
+    for name, piece in tensor_pieces.items():
+        prefix = f"{name}."
+        keys = {k[len(prefix):] for k in saved_keys if k.startswith(prefix)}
+        if name == "model":
+            continue
+        if not keys:  # saved before this piece existed: it keeps its state
+            absent.append(name)
+            continue
+        payload[name] = piece.load_template(keys)
     reader = SafeFileSystemReader(path, manifest["files"][DCP_METADATA]["sha256"], files=manifest["files"],
                                   identities=identities)
     try:
@@ -140,40 +149,53 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     except (Exception, dcp.api.CheckpointException) as e:
         # DCP gathers every rank's failure into one CheckpointException (a BaseException).
         raise dcp_error(path, e) from None
-    if kept:
-        payload["optim"].update(kept)
-    set_state_dicts(model, optimizer if optim_state is not None else None, payload, trainable_only)
+    # Optimizer before model, as torch's set_state_dict does.
+    for name in sorted(payload, key=lambda n: n == "model"):
+        tensor_pieces[name].load_state_dict(payload[name])
 
     loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),
                               manifest=manifest)
-    if loader is not None and manifest.get("data") is not None:
-        try:
-            loader.load_state_dict(manifest["data"])
-        except ValueError as e:
-            raise CheckpointError(f"cannot continue the data order of {path}: {e}.") from None
+    for name in absent:
+        _restore(tensor_pieces[name], name, None, path, loaded)
+    for name, piece in manifest_pieces.items():
+        _restore(piece, name, manifest.get(name), path, loaded)
     extra, extra0, error = None, None, None
     try:
         if manifest["world_size"] == world_size and f"rng-rank{rank}.json" in manifest["files"]:
             extra = _read_rank_file(path, f"rng-rank{rank}.json")
-        elif scaler is not None and "rng-rank0.json" in manifest["files"]:
+        elif (any(p.from_rank0_when_resharded for p in rank_pieces.values())
+              and "rng-rank0.json" in manifest["files"]):
             extra0 = _read_rank_file(path, "rng-rank0.json")
     except CheckpointError as e:
         error = str(e)
     raise_on_every_rank(error, CheckpointError)
     if extra is not None:
-        loaded.rng = extra["rng"]
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-        if restore_rng:
-            restore_rng_state(loaded.rng)
+        for name, piece in rank_pieces.items():
+            _restore(piece, name, extra.get(name), path, loaded)
     else:
         loaded.notes.append(f"saved on {manifest['world_size']} ranks, loaded on {world_size}: "
                             "model, optimizer and data position are continued; per-rank RNG streams "
                             "(dropout) start afresh")
-        if scaler is not None and extra0 is not None and extra0.get("scaler"):
-            scaler.load_state_dict(extra0["scaler"])
+        for name, piece in rank_pieces.items():
+            if piece.from_rank0_when_resharded and extra0 is not None and extra0.get(name) is not None:
+                _restore(piece, name, extra0[name], path, loaded)
+    rng = rank_pieces.get("rng")
+    loaded.rng = getattr(rng, "value", None) if extra is not None else None
     barrier()
     return loaded
+
+
+def _restore(piece: Piece, name: str, state: Any, path: Path, loaded: LoadedCheckpoint) -> None:
+    """Load one JSON piece's saved ``state`` (None: the checkpoint has none; the piece may add a note)."""
+    if state is None:
+        note = piece.absent(path)
+        if note:
+            loaded.notes.append(note)
+        return
+    try:
+        piece.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(piece.load_error(name, path, e)) from None
 
 
 def _read_rank_file(path: Path, name: str) -> dict[str, Any]:

@@ -47,12 +47,12 @@ from shardwise.runtime.checkpoint.manifest import (
     step_dir_name,
     tensor_shapes,
 )
-from shardwise.runtime.checkpoint.state import single_process_ok, state_dicts
+from shardwise.runtime.checkpoint.pieces import JsonPiece, Piece, split_pieces, standard_pieces
+from shardwise.runtime.checkpoint.state import single_process_ok
 from shardwise.runtime.collective import barrier, distributed, gather
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.identity import launch_id, process_record
 from shardwise.runtime.lifeline import ensure_alive
-from shardwise.runtime.rng import capture_rng_state
 
 
 def partial_dir_name(step: int, job: str) -> str:
@@ -65,19 +65,31 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
                     loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
                     keep_last: int = 0, on_written: Callable[[Path], None] | None = None,
                     trainable_only: bool = False, export: dict[str, Any] | None = None,
-                    job: str | None = None) -> Path:
+                    job: str | None = None, pieces: dict[str, Piece] | None = None) -> Path:
     """Write a sharded checkpoint of ``step`` under ``root`` on every rank; return its final path.
 
-    Collective: every rank must call it. ``state`` is JSON data of the caller (rank 0's is kept);
-    ``loader`` is a ShardedLoader whose position is recorded; ``scheduler_state`` is the LR
-    scheduler's state_dict as JSON data (kept in the manifest, never pickled); ``keep_last`` > 0
-    removes this job's older checkpoints; ``on_written(partial_dir)`` runs on each rank after its
-    files are on disk and before the checkpoint is published (fault-injection tests use it).
-    ``trainable_only`` leaves frozen parameters out (LoRA: the base comes from model.pretrained);
-    ``export`` is what ``ckpt export --format hf/peft`` needs to write the model back (JSON data,
-    rank 0's is kept). ``job`` names the job (default: ``identity.launch_id()``); only checkpoints
-    of the same job are ever rotated away.
+    Collective: every rank must call it. What is saved is ``pieces`` (see ``checkpoint.pieces``);
+    without it, the standard pieces of ``model``, ``optimizer``, ``loader`` (a ShardedLoader whose
+    position is recorded), ``scheduler_state`` (the LR scheduler's state_dict as JSON data, kept in
+    the manifest, never pickled), ``scaler``, every rank's RNG streams and ``state`` (JSON data of the
+    caller; rank 0's is kept). ``keep_last`` > 0 removes this job's older checkpoints;
+    ``on_written(partial_dir)`` runs on each rank after its files are on disk and before the
+    checkpoint is published (fault-injection tests use it). ``trainable_only`` leaves frozen
+    parameters out (LoRA: the base comes from model.pretrained); ``export`` is what
+    ``ckpt export --format hf/peft`` needs to write the model back (JSON data, rank 0's is kept).
+    ``job`` names the job (default: ``identity.launch_id()``); only checkpoints of the same job are
+    ever rotated away.
     """
+    if pieces is None:
+        pieces = standard_pieces(model, optimizer, loader=loader, state=state, scaler=scaler,
+                                 trainable_only=trainable_only)
+        if scheduler_state is not None:
+            pieces["scheduler"] = JsonPiece(scheduler_state)
+    tensor_pieces, manifest_pieces, rank_pieces = split_pieces(pieces)
+    # Every piece's state is taken on every rank before anything is written: a piece that refuses
+    # (state that is not JSON data) raises on every rank alike and leaves no partial directory.
+    payload: dict[str, Any] = {name: piece.state_dict() for name, piece in tensor_pieces.items()}
+    job_state = {name: piece.state_dict() for name, piece in manifest_pieces.items()}
     root = Path(root)
     rank = global_rank()
     job = job or launch_id()
@@ -100,10 +112,6 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise save_failed(root, step, [setup_error])
     partial = Path(where)
 
-    model_state, optim_state = state_dicts(model, optimizer, trainable_only)
-    payload: dict[str, Any] = {"model": model_state}
-    if optim_state is not None:
-        payload["optim"] = optim_state
     # A full disk (or any I/O error) on any rank must not leave the others waiting, a partial
     # directory filling the disk, or 'latest' moved: every rank reports its outcome in the gather
     # below, and all raise the same CheckpointError once rank 0 has removed the partial save.
@@ -113,8 +121,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
         with single_process_ok():
             dcp.save(payload, storage_writer=faults.storage_writer(partial, step, rank),
                      no_dist=not distributed())
-        extra = {"rank": rank, "rng": capture_rng_state(),
-                 "scaler": scaler.state_dict() if scaler is not None else None}
+        extra = {"rank": rank, **{name: piece.state_dict() for name, piece in rank_pieces.items()}}
         rank_file = partial / f"rng-rank{rank}.json"
         atomic_write_text(rank_file, json.dumps(extra), durable=True)
         # Each rank checksums what it wrote (in parallel); rank 0 assembles the manifest.
@@ -124,7 +131,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
             on_written(partial)
     except (OSError, CheckpointException) as e:
         failure = describe_io_failure(e, rank)
-    gathered = gather({"files": mine, "shapes": tensor_shapes(model_state), "error": failure})
+    gathered = gather({"files": mine, "shapes": tensor_shapes(payload["model"]), "error": failure})
     errors = [item["error"] for item in gathered if item.get("error")]
     if errors:
         if rank == 0:
@@ -137,9 +144,8 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
     if rank == 0:
         try:
             _write_manifest_and_publish(root, partial, final, job, gathered, step=step, strategy=strategy,
-                                        world_size=world_size, optim_state=optim_state, loader=loader,
-                                        scheduler_state=scheduler_state, state=state,
-                                        trainable_only=trainable_only, export=export)
+                                        world_size=world_size, has_optimizer="optim" in payload,
+                                        job_state=job_state, trainable_only=trainable_only, export=export)
             rotate(root, keep_last, job)
         except OSError as e:
             published = describe_io_failure(e, rank)
@@ -193,8 +199,8 @@ def save_failed(root: Path, step: int, errors: list[str]) -> CheckpointError:
 
 
 def _write_manifest_and_publish(root: Path, partial: Path, final: Path, job: str, gathered: list[Any], *,
-                                step: int, strategy: str, world_size: int, optim_state: Any, loader: Any,
-                                scheduler_state: Any, state: Any, trainable_only: bool, export: Any) -> None:
+                                step: int, strategy: str, world_size: int, has_optimizer: bool,
+                                job_state: dict[str, Any], trainable_only: bool, export: Any) -> None:
     """Rank 0: write the manifest, then rename the partial directory into place and move ``latest``."""
     files: dict[str, Any] = {}
     shapes: dict[str, list] = {}
@@ -207,11 +213,9 @@ def _write_manifest_and_publish(root: Path, partial: Path, final: Path, job: str
         "format": FORMAT, "version": FORMAT_VERSION, "step": step,
         "strategy": strategy, "world_size": world_size,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "has_optimizer": optim_state is not None,
+        "torch": torch.__version__, "has_optimizer": has_optimizer,
         "fingerprint": fingerprint(shapes), "model_tensors": shapes,
-        "data": loader.state_dict() if loader is not None else None,
-        "scheduler": scheduler_state,
-        "state": state or {}, "files": files, "job": job,
+        **job_state, "files": files, "job": job,
         "frozen_excluded": trainable_only, "export": export,
     }
     manifest["checksum"] = body_checksum(manifest)

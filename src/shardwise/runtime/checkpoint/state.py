@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
 
@@ -50,24 +50,23 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return _TRAINABLE if trainable_only else _OPTIONS
 
 
-def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                trainable_only: bool = False) -> tuple[dict, dict | None]:
-    """(model state, optimizer state or None), name-keyed, as this rank holds them.
-
-    ``trainable_only`` leaves frozen parameters out of the model state.
-    """
-    options = _options(trainable_only)
-    if optimizer is None:
-        return get_model_state_dict(model, options=options), None
-    return get_state_dict(model, _local_optimizer(optimizer), options=options)
+def model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The model's state as this rank holds it, name-keyed; ``trainable_only`` leaves frozen parameters out."""
+    return get_model_state_dict(model, options=_options(trainable_only))
 
 
-def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    payload: dict[str, Any], trainable_only: bool = False) -> None:
-    options = _options(trainable_only)
-    if optimizer is None:
-        set_model_state_dict(model, payload["model"], options=options)
-        return
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainable_only: bool = False) -> dict[str, Any]:
+    """The optimizer's state as this rank holds it, keyed by parameter name (flattened)."""
+    return get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
+
+
+def set_model_state(model: nn.Module, state: dict[str, Any], trainable_only: bool = False) -> None:
+    set_model_state_dict(model, state, options=_options(trainable_only))
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                        trainable_only: bool = False) -> None:
     local = _local_optimizer(optimizer)
     # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
     # such an empty group (it reads the group's first parameter name), and the group has no state
@@ -75,12 +74,10 @@ def set_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     groups = local.param_groups
     local.param_groups = [g for g in groups if g["params"]]
     try:
-        set_state_dict(model, local, model_state_dict=payload["model"],
-                       optim_state_dict=payload["optim"], options=options)
+        set_optimizer_state_dict(model, local, state, options=_options(trainable_only))
     finally:
         loaded = iter(local.param_groups)
         local.param_groups = [next(loaded) if g["params"] else g for g in groups]
-
 
 
 @contextlib.contextmanager
