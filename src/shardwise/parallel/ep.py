@@ -64,6 +64,13 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
         raise ConfigError(
             "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
             "experts take the whole sequence on every TP rank); unset it, TP itself works.")
+    if layout.ep > 1 and any(not isinstance(layer, nn.Module) for _, layer in layers):
+        # [issue 20, h20b] Hugging Face MoE blocks (models/hf_moe.py) train under fsdp/ddp; their
+        # fused experts index their 3-D weights per expert inside transformers' own forward, which
+        # a Shard(0) DTensor cannot serve without a local-weights forward of our own (not built yet).
+        raise ConfigError(
+            f"parallel.ep={layout.ep}: expert parallel runs the built-in GPT's experts; Hugging Face MoE "
+            f"models ({type(model).__name__}) train under fsdp or ddp with parallel.ep = 1 for now.")
     if layout.ep > 1:
         n_experts = {layer.n_experts for _, layer in layers}
         bad = sorted(n for n in n_experts if n % layout.ep)
