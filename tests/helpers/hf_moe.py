@@ -23,17 +23,13 @@ def hf_moe_train(rank: int, world_size: int, folder: str, strategy: str = "singl
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
     model, opt = session.prepare(model, opt)
     if load_dir:
-        from shardwise.runtime.checkpoint import load_checkpoint
-
-        load_checkpoint(load_dir, model, opt, world_size=world_size)
+        session.load(load_dir, model, opt)
     data = fixed_batches(steps, global_batch, SEQ, VOCAB)
     stats: list[dict] = []
     run = train_fixed_batches(session, model, opt, data, max_norm=1.0, loss_fn=with_aux_loss(lm_loss),
                               steps=range(start, steps), after_step=lambda s: stats.append(take_moe_stats(model)))
     if ckpt_dir:
-        from shardwise.runtime.checkpoint import save_checkpoint
-
-        save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name, world_size=world_size)
+        session.save(ckpt_dir, model, opt, step=steps)
     result = {"losses": run["losses"], "params": full_params(model), "stats": stats}
     session.close()
     return result
