@@ -107,3 +107,12 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
     x = torch.randint(0, VOCAB, (2, SEQ))
     with torch.no_grad():
         assert (exported(x).logits - trained(x).logits).abs().max().item() <= 1e-5
+
+
+def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
+    """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
+    (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files."""
+    ref = hf_moe_train(0, 1, folders["mixtral"])
+    (got,) = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                             cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2)])[0]
+    assert_parity(ref, got)
