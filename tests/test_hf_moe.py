@@ -116,3 +116,19 @@ def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
     (got,) = run_distributed(hf_moe_cases, 4, timeout_s=300,
                              cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2)])[0]
     assert_parity(ref, got)
+
+
+def test_bundled_configs_and_planner_specs_count_what_transformers_builds():
+    """The planner reads Mixtral / Qwen3-MoE config.json into the same specs as its presets, and
+    counts exactly what transformers builds from the bundled configs."""
+    from shardwise.models.hf import build_hf_model
+    from shardwise.plan.presets import model_preset
+    from shardwise.plan.spec import from_hf_config
+
+    for name in ("mixtral-tiny", "qwen3-moe-tiny"):
+        built = build_hf_model(name)
+        assert from_hf_config(name).n_params == sum(p.numel() for p in built.parameters()), name
+    for name, total in (("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)):
+        spec = from_hf_config(name)
+        assert spec.n_params == model_preset(name).n_params == total
+        assert spec.moe == model_preset(name).moe
