@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "PP_FAMILIES", "RECORD_KINDS",
+__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "MOE_FAMILIES", "PP_FAMILIES",
+           "RECORD_KINDS",
            "TP_FAMILIES", "Family"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
@@ -48,9 +49,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True),
     Family("gpt2"),
+    # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
+    # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
+    # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.
+    Family("mixtral", moe=True),
+    Family("qwen2_moe", moe=True),
+    Family("qwen3_moe", moe=True),
+    Family("olmoe", moe=True),
 )}
 
 LLAMA_LIKE: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.llama_like)
 TP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.tp_plan)
 PP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.pp_split)
 HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)
+MOE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.moe)

@@ -236,6 +236,16 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
         build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id)
+        from shardwise.families import MOE_FAMILIES
+
+        if family in MOE_FAMILIES:  # [issue 20, h20b] Hugging Face MoE (models/hf_moe.py)
+            from shardwise.models.moe import with_aux_loss
+
+            if token_loss:
+                raise ConfigError(f"a mixture-of-experts model ({family}) trains on text, token and Shakespeare "
+                                  f"data, not yet on data.kind = {dc.kind!r} records (their response-only "
+                                  "token-mean loss would need its own scale for the routers' aux loss).")
+            loss_fn = with_aux_loss(cross_entropy_loss)
     else:
         if not mc.factory:
             raise ConfigError("model.kind = 'custom' needs model.factory = 'module:function' returning "

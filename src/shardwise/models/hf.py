@@ -190,6 +190,9 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
         with _no_init_weights(transformers)():
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         hf.tie_weights()  # skipped with the init above; the files hold only one of tied tensors
+    from shardwise.models.hf_moe import attach_hf_moe
+
+    attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
     model = HFCausalLM(hf, export_config=export, pretrained=folder)
     if folder is not None and not any(p.is_meta for p in hf.parameters()):
         # Built for real (outside Session.build, or with model.init = "eager"): load now, whole.

@@ -202,11 +202,18 @@ class MoE(nn.Module):
         self.window_calls += 1
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
-    """Every MoE layer of ``model`` with its (wrapper-free) name."""
+def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """Every MoE layer of ``model`` with its (wrapper-free) name: ``MoE`` modules, and the
+    ``HFMoELayer`` records of Hugging Face MoE blocks (``models/hf_moe.py``)."""
     from shardwise.parallel.checkpointing import clean_name
 
-    return [(clean_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    out: list[tuple[str, Any]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            out.append((clean_name(name), m))
+        elif getattr(m, "shardwise_moe", None) is not None:  # a Hugging Face MoE block (models/hf_moe.py)
+            out.append((clean_name(name), m.shardwise_moe))
+    return out
 
 
 def take_moe_stats(model: nn.Module) -> dict[str, float]:
@@ -231,7 +238,7 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
             device = counts.device  # the collective's device (NCCL needs the accelerator's)
             c = counts.double().cpu()
             every.append(c)
-            short = name.replace("blocks.", "").replace(".mlp", "")
+            short = name.replace("hf.model.layers.", "").replace("blocks.", "").replace(".mlp", "")
             out[f"moe/{short}/tokens_min"] = float(c.min())
             out[f"moe/{short}/tokens_mean"] = float(c.mean())
             out[f"moe/{short}/tokens_max"] = float(c.max())

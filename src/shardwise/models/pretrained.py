@@ -290,6 +290,36 @@ def file_key(aliases: list[str], tensors: dict[str, Any], base_prefix: str) -> s
     return None
 
 
+_EXPERTS = "<experts>:"  # mapping value of a fused expert tensor read from per-expert keys
+
+
+def _moe_key(aliases: list[str], shape: tuple[int, ...], tensors: dict[str, Any], base_prefix: str) -> str | None:
+    """A Hugging Face MoE tensor under its original name: Mixtral's ``block_sparse_moe`` router, or
+    fused experts (``experts.gate_up_proj``) stored per expert (``models/hf_moe.py``)."""
+    from shardwise.models.hf_moe import expert_sources, legacy_key
+
+    for name in map(hf_name, aliases):
+        old = legacy_key(name)
+        if old is not None and (key := file_key([old], tensors, base_prefix)) is not None:
+            return key
+        sources = expert_sources(name, shape, tensors)
+        if sources is not None:
+            _check_expert_shapes(name, shape, sources, tensors)
+            return _EXPERTS + name
+    return None
+
+
+def _check_expert_shapes(name: str, shape: tuple[int, ...], sources: list[list[str]], tensors: dict[str, Any]) -> None:
+    for keys in sources:
+        parts = [tuple(tensors[k].shape) for k in keys]
+        rows = sum(p[0] for p in parts)
+        if any(len(p) != 2 for p in parts) or (rows, *parts[0][1:]) != tuple(shape[1:]):
+            raise ConfigError(
+                f"the pretrained expert tensors {', '.join(keys)} have shapes {[list(p) for p in parts]}, which do "
+                f"not make one expert of {name} {list(shape[1:])}. model.overrides must not change the "
+                "architecture of a pretrained model (expert sizes, number of experts).")
+
+
 def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, str]:
     """Return {registered tensor name of ``hf``: file key}; ConfigError on any mismatch.
 
@@ -305,7 +335,12 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     for group in tensor_groups(hf):
         key = file_key(group, folder.tensors, base_prefix)
         if key is None:
+            key = _moe_key(group, tuple(tensors[group[0]].shape), folder.tensors, base_prefix)
+        if key is None:
             missing.append(hf_name(group[0]))
+            continue
+        if key.startswith(_EXPERTS):
+            mapping.update(dict.fromkeys(group, key))  # built from per-expert keys: shapes checked there
             continue
         want, have = tuple(tensors[group[0]].shape), tuple(folder.tensors[key].shape)
         if want != have:
@@ -346,6 +381,14 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
     tensors.update(hf.named_buffers(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
     for name, key in mapping.items():
+        if key.startswith(_EXPERTS):
+            # Fused experts stored per expert: each rank reads the experts it holds (models/hf_moe.py).
+            from shardwise.models.hf_moe import expert_sources, load_fused_experts
+
+            sources = expert_sources(hf_name(name), tuple(tensors[name].shape), folder.tensors)
+            assert sources is not None, name  # checked by check_model_tensors
+            load_fused_experts(tensors[name].detach(), sources, folder)
+            continue
         # One destination per key: tied aliases share it. detach() keeps the storage (a DTensor's
         # local shard), so DCP writes straight into the parameter.
         state.setdefault(key, tensors[name].detach())

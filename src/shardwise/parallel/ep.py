@@ -153,8 +153,11 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
             dt = distribute_tensor(param.data, ep_dim, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         dispatcher = ExpertDispatcher(layer.n_experts, layout.ep, group)
-        experts.register_forward_pre_hook(dispatcher.dispatch)
-        experts.register_forward_hook(dispatcher.combine)
+        if isinstance(layer, nn.Module):
+            experts.register_forward_pre_hook(dispatcher.dispatch)
+            experts.register_forward_hook(dispatcher.combine)
+        else:
+            _hf_expert_parallel(experts, layer.top_k, dispatcher)
         experts.ep_dispatcher = dispatcher
         fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
         # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
@@ -162,3 +165,39 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
         if fsdp_dim.size() > 1 and dist.get_backend(fsdp_dim.get_group()) == "gloo":
             # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
             experts.set_force_sum_reduction_for_comms(True)
+
+
+def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispatcher) -> None:
+    """Expert parallel for transformers' fused experts module (``models/hf_moe.py``). [issue 20, h20b]
+
+    transformers' own forward picks ``gate_up_proj[e]`` for global expert ids, which a ``Shard(0)``
+    DTensor cannot serve, so the module's forward is replaced (on this instance, from outside) by
+    the same computation in dispatch order: tokens sorted by expert, sent to the rank holding their
+    expert (``ExpertDispatcher``), run through the local experts with transformers' formula
+    ``down_e(act(gate_e x) * up_e x)`` (gate and up concatenated in ``gate_up_proj[e]``), returned,
+    weighted by the router's top-k weights and summed per token, as transformers does.
+    """
+    import torch.nn.functional as F
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        flat = top_k_index.reshape(-1)
+        counts = torch.bincount(flat, minlength=dispatcher.n_experts)
+        order = flat.argsort(stable=True)
+        token = order // top_k
+        got, local_counts = dispatcher.dispatch(experts, (hidden_states[token], counts))
+        gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+        outs = []
+        for e, chunk in enumerate(got.split(local_counts.tolist())):
+            if chunk.shape[0]:
+                gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+                outs.append(F.linear(experts.act_fn(gate) * up, down[e]))
+        out = torch.cat(outs) if outs else got.new_zeros(0, down.shape[1])
+        routed = dispatcher.combine(experts, None, out)
+        scale = top_k_weights.reshape(-1)[order].to(routed.dtype).unsqueeze(-1)
+        return torch.zeros_like(hidden_states).index_add_(0, token, (routed * scale).to(hidden_states.dtype))
+
+    experts.forward = forward
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

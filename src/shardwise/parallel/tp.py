@@ -58,10 +58,16 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
         what = f"the {family} model" if family else type(model).__name__
         why = (" (GPT-2 fuses q, k and v into one Conv1D, which a column split would cut across heads)"
                if family == "gpt2" else "")
+        from shardwise.families import MOE_FAMILIES
+
+        # Mixture-of-experts families do not run under pipeline parallel (parallel/ep.py); their
+        # expert split is parallel.ep under fsdp.
+        other = ("fsdp with parallel.ep (expert parallel)" if family in MOE_FAMILIES
+                 else "pipeline parallel")
         raise ConfigError(
             f"tensor parallel has no plan for {what}{why}: plans exist for the built-in GPT and "
             f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
-            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
+            f"strategy (ddp, fsdp, hsdp) or {other} for this model."
         )
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:

@@ -60,7 +60,16 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "gpt-lab": _gpt_preset("lab"),
     "gpt-moe-nano": _gpt_preset("moe-nano"),
     "gpt-moe-lab": _gpt_preset("moe-lab"),
+    # Hugging Face MoE (plan/moe.py MOE_SPECS, exact published totals; built by model.hf_config).
+    "mixtral-8x7b": lambda: _moe_spec("mixtral-8x7b"),
+    "qwen3-30b-a3b": lambda: _moe_spec("qwen3-30b-a3b"),
 }
+
+
+def _moe_spec(name: str) -> ModelSpec:
+    from shardwise.plan.moe import MOE_SPECS
+
+    return MOE_SPECS[name]()
 
 MODEL_ALIASES: dict[str, str] = {
     "gpt2-124m": "gpt2", "gpt2-350m": "gpt2-medium", "gpt2-355m": "gpt2-medium", "gpt2-774m": "gpt2-large",

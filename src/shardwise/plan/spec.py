@@ -271,6 +271,22 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
         except KeyError as e:
             raise ConfigError(
                 f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
+    if model_type in ("mixtral", "qwen3_moe"):  # [issue 20, h20b] Hugging Face MoE (plan/moe.py)
+        from shardwise.plan.moe import moe_llama_spec
+
+        try:
+            return moe_llama_spec(
+                name, n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+                head_dim=cfg.get("head_dim"), vocab=cfg["vocab_size"],
+                n_experts=cfg["num_local_experts" if model_type == "mixtral" else "num_experts"],
+                top_k=cfg["num_experts_per_tok"],
+                moe_ffn=cfg["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"],
+                max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
+                family=model_type, qk_norm=model_type == "qwen3_moe")
+        except KeyError as e:
+            raise ConfigError(
+                f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
     if model_type == "gpt2":
         return from_gpt2_like(name, n_layers=cfg.get("n_layer", 12), hidden=cfg.get("n_embd", 768),
                               n_heads=cfg.get("n_head", 12), vocab=cfg.get("vocab_size", 50257),

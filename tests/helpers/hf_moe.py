@@ -1,0 +1,40 @@
+"""Rank functions for the Hugging Face mixture-of-experts tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.config import ParallelConfig
+from shardwise.models.hf import build_hf_model
+from shardwise.models.moe import take_moe_stats, with_aux_loss
+from shardwise.runtime.session import Session
+from shardwise.testing import fixed_batches, lm_loss, train_fixed_batches
+from tests.helpers.mp import full_params
+
+VOCAB, SEQ = 64, 16
+
+
+def hf_moe_train(rank: int, world_size: int, folder: str, strategy: str = "single", steps: int = 4,
+                 global_batch: int = 4, ckpt_dir: str = "", load_dir: str = "", start: int = 0,
+                 **options: object) -> dict:
+    """Train a pretrained HF MoE folder (meta build, each rank reads its shards) on fixed batches."""
+    session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
+    model = session.build(lambda: build_hf_model(pretrained=folder, output_router_logits=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
+    model, opt = session.prepare(model, opt)
+    if load_dir:
+        session.load(load_dir, model, opt)
+    data = fixed_batches(steps, global_batch, SEQ, VOCAB)
+    stats: list[dict] = []
+    run = train_fixed_batches(session, model, opt, data, max_norm=1.0, loss_fn=with_aux_loss(lm_loss),
+                              steps=range(start, steps), after_step=lambda s: stats.append(take_moe_stats(model)))
+    if ckpt_dir:
+        session.save(ckpt_dir, model, opt, step=steps)
+    result = {"losses": run["losses"], "params": full_params(model), "stats": stats}
+    session.close()
+    return result
+
+
+def hf_moe_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Several ``hf_moe_train`` configurations in one spawn."""
+    return [hf_moe_train(rank, world_size, **case) for case in cases]

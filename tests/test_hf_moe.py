@@ -1,0 +1,134 @@
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) under shardwise (issue 20).
+
+Tiny folders are written by transformers' own ``save_pretrained`` (the per-expert layout of the
+released checkpoints); shardwise reads them into transformers 5's fused experts. The loss is
+transformers' own (cross-entropy + ``router_aux_loss_coef`` x its load-balancing loss), formed
+over the global batch under data parallel; fsdp and fsdp+ep at 2 ranks match one process; a
+checkpoint saved under ep=2 resumes under plain fsdp; ``ckpt export --format hf`` is read back by
+``from_pretrained`` with the trained logits.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.testing import run_distributed
+from tests.helpers.hf_moe import SEQ, VOCAB, hf_moe_cases, hf_moe_train
+
+LOSS_TOL, PARAM_TOL = 1e-5, 2e-5
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+FAMILIES = {"mixtral": dict(num_local_experts=4),
+            "qwen3_moe": dict(num_experts=4, moe_intermediate_size=24, head_dim=8, norm_topk_prob=True),
+            "olmoe": dict(num_experts=4, eos_token_id=None, pad_token_id=None)}
+
+
+def save_tiny_moe(folder, family: str, seed: int = 0):
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {family: str(save_tiny_moe(root / family, family)) for family in FAMILIES}
+
+
+def assert_parity(ref: dict, got: dict) -> None:
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert set(got["params"]) == set(ref["params"])
+    worst = max((ref["params"][k] - got["params"][k]).abs().max().item() for k in ref["params"])
+    assert worst <= PARAM_TOL, worst
+
+
+def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
+    """Each family, read from the per-expert layout: the training loss is transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.models.hf import build_hf_model
+    from shardwise.models.moe import take_moe_stats, with_aux_loss
+    from shardwise.testing import fixed_batches, lm_loss
+
+    batch = fixed_batches(1, 4, SEQ, VOCAB)[0]
+    x, y = batch[:, :-1], batch[:, 1:]
+    for family, folder in folders.items():
+        ref = AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, dtype=torch.float32).train()
+        out = ref(input_ids=x, use_cache=False)
+        want = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)) + \
+            ref.config.router_aux_loss_coef * out.aux_loss
+        model = build_hf_model(pretrained=folder, output_router_logits=True).train()
+        got = with_aux_loss(lm_loss)(model(x), y)
+        assert abs(got.item() - want.item()) <= 1e-6, (family, got.item(), want.item())
+        stats = take_moe_stats(model)
+        assert stats["moe/tokens_per_expert_mean"] == 4 * SEQ * 2 / 4  # tokens x top-k / experts
+        assert stats["moe/aux_loss"] == pytest.approx(ref.config.router_aux_loss_coef * out.aux_loss.item())
+        # Without output_router_logits transformers adds no aux loss, and neither does shardwise.
+        plain = build_hf_model(pretrained=folder).train()
+        assert with_aux_loss(lm_loss)(plain(x), y).item() == pytest.approx(
+            F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)).item(), abs=1e-6)
+
+
+def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_path, capsys):
+    """One 2-rank spawn: Mixtral under fsdp, fsdp ep=2 (saving at step 2), the ep=2 checkpoint
+    resumed under plain fsdp for steps 3-4, and Qwen3-MoE under fsdp ep=2."""
+    mixtral, qwen = folders["mixtral"], folders["qwen3_moe"]
+    ref = hf_moe_train(0, 1, mixtral)
+    ref_q = hf_moe_train(0, 1, qwen)
+    ckpt = str(tmp_path / "ckpt")
+    cases = [dict(folder=mixtral, strategy="fsdp"), dict(folder=mixtral, strategy="fsdp", ep=2),
+             dict(folder=mixtral, strategy="fsdp", ep=2, steps=2, ckpt_dir=ckpt),
+             dict(folder=mixtral, strategy="fsdp", start=2, load_dir=ckpt),
+             dict(folder=qwen, strategy="fsdp", ep=2)]
+    fsdp, ep2, first, resumed, qwen_ep2 = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)[0]
+    assert_parity(ref, fsdp)
+    assert_parity(ref, ep2)
+    assert_parity(ref_q, qwen_ep2)
+    assert first["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
+    assert_parity({"losses": ref["losses"][2:], "params": ref["params"]}, resumed)
+    # Routing statistics are the global batch's, as one process saw them.
+    assert ep2["stats"] == [pytest.approx(s, rel=1e-5) for s in ref["stats"]]
+
+    # ckpt export --format hf of the ep=2 checkpoint: transformers' own names and fused layout.
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.cli import main
+
+    out = tmp_path / "export"
+    assert main(["ckpt", "export", ckpt, "--format", "hf", "--out", str(out)]) == 0, capsys.readouterr().err
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32).eval()
+    # The weights after step 2 (run again in one process, where they are plain tensors).
+    two = hf_moe_train(0, 1, mixtral, steps=2)
+    trained.load_state_dict({k.removeprefix("hf."): v for k, v in two["params"].items()}, strict=True)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        assert (exported(x).logits - trained(x).logits).abs().max().item() <= 1e-5
+
+
+def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
+    """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
+    (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files."""
+    ref = hf_moe_train(0, 1, folders["mixtral"])
+    (got,) = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                             cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2)])[0]
+    assert_parity(ref, got)
+
+
+def test_bundled_configs_and_planner_specs_count_what_transformers_builds():
+    """The planner reads Mixtral / Qwen3-MoE config.json into the same specs as its presets, and
+    counts exactly what transformers builds from the bundled configs."""
+    from shardwise.models.hf import build_hf_model
+    from shardwise.plan.presets import model_preset
+    from shardwise.plan.spec import from_hf_config
+
+    for name in ("mixtral-tiny", "qwen3-moe-tiny"):
+        built = build_hf_model(name)
+        assert from_hf_config(name).n_params == sum(p.numel() for p in built.parameters()), name
+    for name, total in (("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)):
+        spec = from_hf_config(name)
+        assert spec.n_params == model_preset(name).n_params == total
+        assert spec.moe == model_preset(name).moe
