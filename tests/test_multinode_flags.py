@@ -13,9 +13,9 @@ import pytest
 from shardwise.cli import apply_scheduler_defaults, main
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.job.multinode import expand_first_host, rendezvous_id, slurm_environment
+from shardwise.job.runlock import LOCK_FILE, RunLock, read_lock
 from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, split_launch_argv, torchrun_args
-from shardwise.runtime.multinode import expand_first_host, rendezvous_id, slurm_environment
-from shardwise.runtime.runlock import LOCK_FILE, RunLock, read_lock
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 
 SLURM_2_NODES = {"SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "train", "SLURM_JOB_NODELIST": "gpu[003-004]",

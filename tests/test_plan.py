@@ -151,7 +151,7 @@ def test_llama3_8b_on_8_h100_recommends_something_that_fits():
     train, torchrun = plan.commands
     assert train.startswith("shardwise train hf-shakespeare ") and "--nproc 8" in train
     assert "--set model.hf_config=llama-3-8b --set model.overrides.block_size=8192" in train
-    assert torchrun.startswith("torchrun --standalone --nproc-per-node=8 -m shardwise.runtime.worker hf-shakespeare")
+    assert torchrun.startswith("torchrun --standalone --nproc-per-node=8 -m shardwise.job.worker hf-shakespeare")
     # make_plan without a model the runtime can build prints no command, and says why.
     bare = make_plan(model_preset("llama-3-8b"), Cluster(gpu("h100-sxm")), Workload(seq=8192))
     assert bare.commands == [] and any("no command is printed" in w for w in bare.warnings)

@@ -28,6 +28,7 @@ from shardwise.cli import build_parser as cli_parser
 from shardwise.cli import resolve_run
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.job.worker import build_parser as worker_parser_factory
 from shardwise.layout import Layout
 from shardwise.parallel.registry import REGISTRY
 from shardwise.plan import cli as plan_cli
@@ -36,7 +37,6 @@ from shardwise.plan.memory import PRECISIONS, state_bytes
 from shardwise.plan.presets import GPUS, MODEL_PRESETS, gpu, model_preset
 from shardwise.plan.spec import ROOT_UNIT, from_hf_config, from_module
 from shardwise.preflight import check_run, meta_model, resolve_config
-from shardwise.runtime.worker import build_parser as worker_parser_factory
 from shardwise.workloads import build_workload
 
 NODES = (1, 2, 8, 64)
@@ -94,11 +94,11 @@ def dry_run_train(command: str) -> tuple[str, int]:
 
 @functools.cache
 def dry_run_torchrun(command: str) -> tuple[str, int]:
-    """Resolve a printed ``torchrun ... -m shardwise.runtime.worker ...`` command as each rank would."""
+    """Resolve a printed ``torchrun ... -m shardwise.job.worker ...`` command as each rank would."""
     words = shell_words(command)
     assert words[0] == "torchrun", command
     split = words.index("-m")
-    assert words[split + 1] == "shardwise.runtime.worker"
+    assert words[split + 1] == "shardwise.job.worker"
     flags = dict(w.removeprefix("--").split("=", 1) for w in words[1:split] if "=" in w)
     nnodes = int(flags.get("nnodes", 1))
     if nnodes > 1:

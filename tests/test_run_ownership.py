@@ -27,11 +27,11 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import checkpoint as ckpt
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 
-LOCK_FILE = ".shardwise.lock"  # runtime.runlock.LOCK_FILE (imported lazily: the tests run on old code too)
+LOCK_FILE = ".shardwise.lock"  # job.runlock.LOCK_FILE (imported lazily: the tests run on old code too)
 
 
 def process_start_time(pid: int) -> int | None:
-    from shardwise.runtime.identity import process_start_time as start_time
+    from shardwise.job.identity import process_start_time as start_time
 
     return start_time(pid)
 
@@ -206,8 +206,8 @@ def test_a_lock_held_on_another_host_is_refused_with_how_to_clear_it(tmp_path, d
 
 
 def test_a_launcher_of_the_same_job_joins_the_lock(tmp_path):
-    from shardwise.runtime import runlock
-    from shardwise.runtime.runlock import RunLock
+    from shardwise.job import runlock
+    from shardwise.job.runlock import RunLock
 
     assert runlock.LOCK_FILE == LOCK_FILE
     run = tmp_path / "run"

@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _holds_results(out: Path) -> bool:
-    from shardwise.runtime.rundir import holds_run
+    from shardwise.job.rundir import holds_run
 
     return holds_run(out) or (out / "bench.json").exists() or any(
         holds_run(child) for child in out.iterdir() if child.is_dir() and not child.is_symlink())
@@ -299,9 +299,9 @@ def run(args: argparse.Namespace) -> int:
     import datetime
 
     from shardwise.config import load_config
+    from shardwise.job.identity import new_launch_id
+    from shardwise.job.rundir import lock_run_dir, move_run_aside
     from shardwise.reference import check_reference, is_reference
-    from shardwise.runtime.identity import new_launch_id
-    from shardwise.runtime.rundir import lock_run_dir, move_run_aside
 
     names, notes = _parse_names(args.strategies)
     limits = (("nproc", args.nproc, 4096), ("steps", args.steps, 10**9), ("repeat", args.repeat, 1000))

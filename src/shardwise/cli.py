@@ -86,7 +86,7 @@ def apply_scheduler_defaults(args: argparse.Namespace, env: dict[str, str] | Non
     """
     import os
 
-    from shardwise.runtime.multinode import slurm_environment
+    from shardwise.job.multinode import slurm_environment
 
     env = dict(os.environ) if env is None else env
     slurm = slurm_environment(env) if args.nnodes is None else None
@@ -131,9 +131,9 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     """
     from shardwise.config import check_text, load_config, replace_in
     from shardwise.device import default_nproc
+    from shardwise.job.rundir import default_run_dir
     from shardwise.launch import check_launch_flags
     from shardwise.preflight import check_run
-    from shardwise.runtime.rundir import default_run_dir
 
     overrides = list(args.overrides)
     if args.strategy:
@@ -148,7 +148,7 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
     cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
     # A multi-node run without --out proposes this default; the first node's proposal wins
-    # (runtime.multinode.agree), so the nodes' clocks never need to agree.
+    # (job.multinode.agree), so the nodes' clocks never need to agree.
     return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "")
 
 
@@ -168,9 +168,9 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     """
     from shardwise.config import replace_in
     from shardwise.errors import CheckpointError
+    from shardwise.job.rundir import CHECKPOINTS_DIR
     from shardwise.runtime.checkpoint import preflight, tensor_shapes
     from shardwise.runtime.checkpoint.locate import resume_source
-    from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
     ck = cfg.checkpoint
     if ck.resume in ("", "auto"):
@@ -251,7 +251,7 @@ def _check_train_flags(args: argparse.Namespace) -> None:
             check_text(flag, value, kind="path")
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     if args.rdzv_id:
-        from shardwise.runtime.multinode import check_rdzv_id
+        from shardwise.job.multinode import check_rdzv_id
 
         check_rdzv_id(args.rdzv_id)
     if args.local_addr and (not args.local_addr.isprintable() or " " in args.local_addr):
@@ -265,7 +265,7 @@ def _check_train_flags(args: argparse.Namespace) -> None:
 def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
     """``train --dry-run``: every check a real launch makes (run directory and resume checkpoint
     included), then the layout and the memory prediction; nothing is written."""
-    from shardwise.runtime.rundir import check_claim
+    from shardwise.job.rundir import check_claim
 
     check_claim(run.out, run.config, overwrite=args.overwrite, only_lock=True)
     cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
@@ -279,9 +279,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.config import replace_in, to_toml
     from shardwise.device import accelerator_count
     from shardwise.fsutil import atomic_write_text
+    from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
+    from shardwise.job.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, run_torchrun
-    from shardwise.runtime.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
-    from shardwise.runtime.rundir import admit_run, clear_launch_reports, lock_run_dir
     from shardwise.runtime.trainer import train
 
     apply_scheduler_defaults(args)
@@ -343,7 +343,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         agent_report = out / "logs" / f"agent-{launch_id}.json"
         agent_report.parent.mkdir(exist_ok=True)
-        rc = run_torchrun(spec, ["-m", "shardwise.runtime.worker", str(out / "config.toml"),
+        rc = run_torchrun(spec, ["-m", "shardwise.job.worker", str(out / "config.toml"),
                                  "--out", str(out)], env=env, agent_report=agent_report)
         return _report_interrupt(out, started) or _report_ranks(rc, out, agent_report)
     finally:
@@ -353,7 +353,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str) -> tuple[Any, str]:
     """Find the job's rendezvous id and agree with the other nodes on run directory and launch id."""
     from shardwise.config import replace_in, to_toml
-    from shardwise.runtime.multinode import agree, rendezvous_id
+    from shardwise.job.multinode import agree, rendezvous_id
 
     # What every node's command has in common: not --out (the first node's one is used anyway).
     common = to_toml(replace_in(run.config, out_dir=""))
@@ -367,8 +367,8 @@ def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str
 
 
 def _report_ranks(rc: int, out: Path, agent_report: Path | None = None) -> int:
-    """Turn a failed torchrun into one clear paragraph naming the failing rank(s) (runtime.outcome)."""
-    from shardwise.runtime.outcome import report_ranks
+    """Turn a failed torchrun into one clear paragraph naming the failing rank(s) (job.outcome)."""
+    from shardwise.job.outcome import report_ranks
 
     return report_ranks(rc, out, agent_report)
 
@@ -397,8 +397,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from shardwise.config import check_text
     from shardwise.device import default_nproc
+    from shardwise.job.multinode import rendezvous_id
     from shardwise.launch import LaunchSpec, check_launch_flags, run_torchrun
-    from shardwise.runtime.multinode import rendezvous_id
 
     apply_scheduler_defaults(args)
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
@@ -417,7 +417,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                                     " ".join([str(script), *args.script_args]))[0]
     # Through shardwise's agent (torchrun itself): the ranks die with this launcher, and a failed
     # rank is one line here (its own output is above) instead of torchrun's traceback.
-    from shardwise.runtime.outcome import report_script_ranks
+    from shardwise.job.outcome import report_script_ranks
 
     with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as tmp:
         report = Path(tmp) / "agent.json"

@@ -46,7 +46,7 @@ def check_launch_flags(nproc: int | None, nnodes: int | str, node_rank: int, rdz
     needs ``--rdzv-endpoint HOST:PORT`` (without one every node would wait for the others on its
     own localhost forever), and ``--node-rank`` must lie in ``[0, max nodes)``.
     """
-    from shardwise.runtime.multinode import check_endpoint_resolves, parse_nnodes
+    from shardwise.job.multinode import check_endpoint_resolves, parse_nnodes
 
     if nproc is not None and not 1 <= nproc <= MAX_NPROC:
         raise ConfigError(f"--nproc must be at least 1 (and at most {MAX_NPROC}), got {nproc}.")
@@ -125,13 +125,13 @@ def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | 
                  agent_report: str | os.PathLike | None = None) -> int:
     """Run torchrun in the foreground and return its exit code.
 
-    The agent is ``shardwise.runtime.agent`` (torchrun itself, tied to this process's life and
+    The agent is ``shardwise.job.agent`` (torchrun itself, tied to this process's life and
     without torchrun's tracebacks); with ``agent_report`` it writes the failing ranks there as
-    JSON (see ``runtime.agent``). The agent and every rank die with this process (see
-    ``runtime.lifeline``), so a killed launcher leaves no rank behind.
+    JSON (see ``job.agent``). The agent and every rank die with this process (see
+    ``job.lifeline``), so a killed launcher leaves no rank behind.
     """
-    from shardwise.runtime.agent import REPORT_ENV
-    from shardwise.runtime.lifeline import launcher_env
+    from shardwise.job.agent import REPORT_ENV
+    from shardwise.job.lifeline import launcher_env
 
     full_env = dict(os.environ, **(env or {}), **launcher_env())
     if agent_report is not None:
@@ -139,7 +139,7 @@ def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | 
     # One thread per CPU rank unless the user chose otherwise; torchrun does the same but warns.
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise.runtime.agent", *torchrun_args(spec), *target],
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.job.agent", *torchrun_args(spec), *target],
                             env=full_env)
     # While torchrun runs, this process must not die on a signal: subprocess.call would SIGKILL
     # torchrun on KeyboardInterrupt, orphaning ranks that are saving their interrupt checkpoint.

@@ -296,8 +296,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         print(dry_run_report(ResolvedRun(cfg, checked, args.nproc, 1, out), what="verify"))
         return 0
-    from shardwise.runtime.identity import new_launch_id
-    from shardwise.runtime.rundir import holds_run, lock_run_dir
+    from shardwise.job.identity import new_launch_id
+    from shardwise.job.rundir import holds_run, lock_run_dir
 
     # The verify folder is verify's own (rewritten by every verify into it), held for the job.
     lock = lock_run_dir(out, new_launch_id(), "shardwise verify")

@@ -31,6 +31,7 @@ from torch import nn
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
+from shardwise.job.identity import process_record
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, _read_rank_file
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint, rotate
 from shardwise.runtime.checkpoint.manifest import (
@@ -52,7 +53,6 @@ from shardwise.runtime.checkpoint.save import _publish, partial_dir_name
 from shardwise.runtime.collective import barrier, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.collective import world_size as global_world
-from shardwise.runtime.identity import process_record
 from shardwise.runtime.rng import capture_rng_state, restore_rng_state
 
 ENGINE = "deepspeed"

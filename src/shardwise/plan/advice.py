@@ -460,7 +460,7 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     g, n = cluster.gpus_per_node, cluster.nodes
     if n == 1:
         return [f"shardwise train {args} --nproc {g}",
-                f"torchrun --standalone --nproc-per-node={g} -m shardwise.runtime.worker {args}"]
+                f"torchrun --standalone --nproc-per-node={g} -m shardwise.job.worker {args}"]
     # `shardwise train`: the nodes agree on the run directory through the endpoint. Plain torchrun
     # ranks name it themselves, so every node is given the same --out (on a shared file system).
     # The c10d rendezvous numbers the nodes itself: no --node-rank.
@@ -468,7 +468,7 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     return [
         f"shardwise train {args} --nproc {g} --nnodes {n} --rdzv-endpoint $MASTER_ADDR:29500",
         f"torchrun --nproc-per-node={g} --nnodes={n} --rdzv-backend=c10d "
-        f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.runtime.worker {args} --out {out}",
+        f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.job.worker {args} --out {out}",
     ]
 
 

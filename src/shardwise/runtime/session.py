@@ -39,6 +39,7 @@ from shardwise import logs
 from shardwise.config import ParallelConfig
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.job.identity import launch_id as launch_id_from_env
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
@@ -49,7 +50,6 @@ from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.data import ShardedLoader
-from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.scheduler import prepare_scheduler, scheduler_state
@@ -105,13 +105,13 @@ class Session:
         self.loss_chunks = loss_chunks
         parse_loss_chunks(loss_chunks)
         self.loss_plan: Any = None
-        # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
+        # Names this job in heartbeats and checkpoint manifests (see job.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
-            from shardwise.runtime import lifeline
+            from shardwise.job import lifeline
 
             lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
@@ -147,7 +147,7 @@ class Session:
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: ShardedLoader | None = None
         self.steps_taken = 0
-        self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
+        self._watchdog: Any = None  # a job.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
         # What build() recorded: (the meta model, its init program); None for an eager build.
@@ -749,12 +749,12 @@ class Session:
 
     # ------------------------------------------------------------------ hang detection
     def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0) -> Any:
-        """Start this rank's hang watchdog (see runtime.watchdog) and return it.
+        """Start this rank's hang watchdog (see job.watchdog) and return it.
 
         ``step()``, ``eval_loss()`` and ``save()`` count as progress; call ``heartbeat()`` in
         other long phases of your own loop.
         """
-        from shardwise.runtime.watchdog import Watchdog
+        from shardwise.job.watchdog import Watchdog
 
         if self._watchdog is None:
             self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt,

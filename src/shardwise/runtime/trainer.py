@@ -23,6 +23,7 @@ from torch import nn
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
+from shardwise.job.rundir import RunDir
 from shardwise.models.moe import take_moe_stats
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
@@ -39,7 +40,6 @@ from shardwise.runtime.checkpoint import (
 from shardwise.runtime.collective import gather
 from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
-from shardwise.runtime.rundir import RunDir
 from shardwise.runtime.session import Session
 from shardwise.runtime.token_loss import step_scale, token_sum_loss
 from shardwise.workloads import Workload, build_workload

@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 
 from shardwise.errors import CheckpointError
+from shardwise.job.identity import same_process_alive
+from shardwise.job.rundir import CHECKPOINTS_DIR
 from shardwise.runtime.checkpoint.manifest import (
     LATEST,
     MANIFEST,
@@ -22,8 +24,6 @@ from shardwise.runtime.checkpoint.manifest import (
     PARTIAL_PREFIX,
     is_step_dir_name,
 )
-from shardwise.runtime.identity import same_process_alive
-from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

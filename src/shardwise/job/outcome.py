@@ -51,7 +51,7 @@ def report_ranks(rc: int, out: Path, agent_report: str | os.PathLike | None = No
     """Print the paragraph for a torchrun that ended with ``rc``; return the exit code of ``train``."""
     if rc == 0:
         return 0
-    from shardwise.runtime.watchdog import HANG_EXIT_CODE, describe_hang
+    from shardwise.job.watchdog import HANG_EXIT_CODE, describe_hang
 
     hang = describe_hang(out)
     if hang:

@@ -1,6 +1,6 @@
 """The run directory contract: config.toml, metrics.jsonl (rank 0), summary.json, checkpoints/.
 
-A run directory belongs to one job at a time (``runtime.runlock``), and a fresh run never writes
+A run directory belongs to one job at a time (``job.runlock``), and a fresh run never writes
 into a directory that already holds a run: ``claim_run_dir`` lets a job in only when it continues
 the run there (``--resume``, ``checkpoint.resume = "auto"`` with a ``latest`` checkpoint, or the
 same job restarted before its first checkpoint), or when ``--overwrite`` has moved the old run
@@ -22,7 +22,7 @@ from typing import Any
 from shardwise.config import RunConfig, check_text, to_toml
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.fsutil import atomic_write_text
-from shardwise.runtime.runlock import GUARD_FILE, LOCK_FILE, RunLock
+from shardwise.job.runlock import GUARD_FILE, LOCK_FILE, RunLock
 
 # What makes a directory "hold a run": any of these written by an earlier job.
 # The one name of a run's checkpoint directory (the launcher, the trainer and checkpoint lookup ask here).

@@ -14,7 +14,7 @@ that finds it:
   the machine rebooted since) **takes it over**, with a log line: a killed job leaves its lock;
   but only when every *rank* of that job is gone too. Each rank adds itself to the lock's
   ``ranks`` (``register_rank``: host, PID, start time), so a rank that outlived its launcher
-  (which ``runtime.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
+  (which ``job.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
   locked: a ``--resume`` never shares the directory with a survivor of the old job;
 * held on another host, whose liveness cannot be checked from here, is **refused** with how to
   clear the lock by hand if that job is gone.
@@ -38,7 +38,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json
-from shardwise.runtime.identity import process_record, same_process_alive
+from shardwise.job.identity import process_record, same_process_alive
 
 LOCK_FILE = ".shardwise.lock"
 GUARD_FILE = ".shardwise.lock.guard"

@@ -1,7 +1,7 @@
-"""Per-rank entry point started by torchrun: ``python -m shardwise.runtime.worker RECIPE [...]``.
+"""Per-rank entry point started by torchrun: ``python -m shardwise.job.worker RECIPE [...]``.
 
 It takes the same arguments as ``shardwise train`` (recipe or TOML, --strategy, --set, --out), so
-plain ``torchrun --nproc-per-node=N -m shardwise.runtime.worker gpt-shakespeare`` works too.
+plain ``torchrun --nproc-per-node=N -m shardwise.job.worker gpt-shakespeare`` works too.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any, TextIO
 
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
-from shardwise.runtime import lifeline
-from shardwise.runtime.identity import JOB_ID_ENV, launch_id
-from shardwise.runtime.runlock import register_rank
+from shardwise.job import lifeline
+from shardwise.job.identity import JOB_ID_ENV, launch_id
+from shardwise.job.runlock import register_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise.runtime.worker",
+    p = argparse.ArgumentParser(prog="shardwise.job.worker",
                                 description="Train one rank (started by torchrun).")
     p.add_argument("recipe", nargs="?", default=None)
     p.add_argument("--strategy", default=None)
@@ -187,8 +187,8 @@ def _claim_without_launcher(cfg: object, out: str, rank: int) -> object | None:
     is gone); a fresh run into another run's directory is refused as from the CLI. Returns the
     lock to release, or None.
     """
-    from shardwise.runtime.identity import LAUNCH_ID_ENV, launch_id
-    from shardwise.runtime.rundir import claim_run_dir
+    from shardwise.job.identity import LAUNCH_ID_ENV, launch_id
+    from shardwise.job.rundir import claim_run_dir
 
     if rank != 0 or os.environ.get(LAUNCH_ID_ENV):
         return None  # the launcher holds it (or rank 0 does)

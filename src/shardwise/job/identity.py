@@ -22,7 +22,7 @@ from typing import Any
 
 LAUNCH_ID_ENV = "SHARDWISE_LAUNCH_ID"
 # The id of the job holding the run lock (the rendezvous id of a multi-node job, else the launch
-# id); ranks register themselves in that lock (runtime.runlock.register_rank).
+# id); ranks register themselves in that lock (job.runlock.register_rank).
 JOB_ID_ENV = "SHARDWISE_JOB_ID"
 
 

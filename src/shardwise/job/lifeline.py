@@ -15,7 +15,7 @@ run directory whose lock says its owner is gone. Two mechanisms, each enough on 
 ``ensure_alive()`` makes the same check synchronously; the checkpoint writer calls it right before
 publishing, so even a save in flight when the launcher died is never published.
 
-Both are started by the agent wrapper (``runtime.agent``) and by every rank (``runtime.worker``);
+Both are started by the agent wrapper (``job.agent``) and by every rank (``job.worker``);
 they work the same on CUDA/NCCL clusters (nothing here touches devices), and on each node of a
 multi-node job each rank watches its own node's launcher.
 """
@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any
 
-from shardwise.runtime.identity import process_record, same_process_alive
+from shardwise.job.identity import process_record, same_process_alive
 
 LAUNCHER_ENV = "SHARDWISE_LAUNCHER"  # JSON process record (host, pid, start time, boot id)
 ORPHAN_EXIT_CODE = 137  # what a SIGKILL would report: the process was stopped from outside
