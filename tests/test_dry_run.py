@@ -85,7 +85,8 @@ def test_summary_json_predicts_what_the_dry_run_predicts(capsys, tmp_path):
     summary.json's prediction drifted from --dry-run's. Both make the same call now."""
     import json
 
-    from shardwise.cli import build_parser, dry_run_prediction, resolve_run
+    from shardwise.cli import build_parser
+    from shardwise.job.train import dry_run_prediction, resolve_run
 
     out_dir = tmp_path / "run"
     argv = ["train", "--nproc", "1", "--out", str(out_dir), *NANO, "--set", "train.steps=2",

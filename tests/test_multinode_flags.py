@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import apply_scheduler_defaults, main
+from shardwise.cli import main
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.job.multinode import expand_first_host, rendezvous_id, slurm_environment
 from shardwise.job.runlock import LOCK_FILE, RunLock, read_lock
+from shardwise.job.train import apply_scheduler_defaults
 from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, split_launch_argv, torchrun_args
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 

@@ -3,7 +3,7 @@
 The grid: every planner preset x 1, 2, 8 and 64 nodes x every GPU kind x every checkpointing mode.
 For each plan, the ``shardwise train`` command of every candidate (what ``plan`` prints when it is
 the recommended one) goes through the resolution of ``shardwise train --dry-run``, in-process: the
-real CLI parser, then ``cli.resolve_run`` (config, layout, the pipeline's batch check,
+real CLI parser, then ``job.train.resolve_run`` (config, layout, the pipeline's batch check,
 ``check_model`` on a meta-device copy of the model); both printed commands (that one and the
 torchrun form, through the worker's own parser and ``preflight.check_run``) likewise.
 The shell placeholder ``$MASTER_ADDR`` is expanded as a shell would.
@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from shardwise.cli import build_parser as cli_parser
-from shardwise.cli import resolve_run
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.job.train import resolve_run
 from shardwise.job.worker import build_parser as worker_parser_factory
 from shardwise.layout import Layout
 from shardwise.parallel.registry import REGISTRY

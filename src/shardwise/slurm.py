@@ -106,8 +106,8 @@ def sbatch_script(args: argparse.Namespace, name: str, python: str = sys.executa
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from shardwise.cli import resolve_run
     from shardwise.fsutil import atomic_write_text
+    from shardwise.job.train import resolve_run
 
     _check(args)
     if args.nproc is not None and args.nproc != args.gpus_per_node:

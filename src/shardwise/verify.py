@@ -292,7 +292,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/verify-{checked.layout.strategy.replace('+', '_')}")
     cfg = replace_in(checked.config, **{"parallel.nproc": args.nproc})
     if args.dry_run:
-        from shardwise.cli import ResolvedRun, dry_run_report
+        from shardwise.job.train import ResolvedRun, dry_run_report
 
         print(dry_run_report(ResolvedRun(cfg, checked, args.nproc, 1, out), what="verify"))
         return 0
