@@ -217,7 +217,8 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
     return predict_run(plan.spec, c.layout, precision=TRAIN_PRECISION[w.precision], seq=w.seq,
                        micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
                        activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
-                       ranks_per_node=plan.cluster.gpus_per_node)
+                       ranks_per_node=plan.cluster.gpus_per_node,
+                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks)
 
 
 def _per_rank(pred: RunPrediction) -> list[dict]:
