@@ -114,9 +114,10 @@ def test_llama3_70b_on_4x8_h100_at_8k_is_planned_and_runs_as_printed():
     train, torchrun = plan.commands
     assert f"parallel.activation_checkpointing={best.checkpoint}" in train
     assert dry_run_train(train) == (best.layout.strategy, 32) == dry_run_torchrun(torchrun)
-    # Global batch held: micro-batch x accumulation x data-parallel replicas = one sequence per GPU.
+    # Global batch held: micro-batch x accumulation x data-parallel replicas = one sequence per GPU
+    # (context-parallel ranks, part of dp, read the same sequences).
     for c in plan.candidates:
-        assert c.micro_batch * c.grad_accum * c.layout.dp == 32, c.name
+        assert c.micro_batch * c.grad_accum * c.layout.dp // c.layout.cp == 32, c.name
 
 
 def test_what_the_user_fixes_stays_fixed():
@@ -188,7 +189,7 @@ def test_verdicts_fits_tight_no_in_table_json_and_reasons():
 
 def test_degree_sets_are_one_list_and_searchable_settings_are_named():
     sets = degree_sets(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=3))
-    assert {"tp": 1, "pp": 1} in sets and {"tp": 2, "pp": 3} in sets
+    assert {"tp": 1, "pp": 1, "cp": 1, "ep": 1} in sets and {"tp": 2, "pp": 3, "cp": 1, "ep": 1} in sets
     assert all(6 % (s["tp"] * s["pp"]) == 0 for s in sets)
     assert SEARCHABLE == ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
     with pytest.raises(Exception, match="cannot search"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 
 GIB = 1024**3
+LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)
 RUNTIME_RESERVE_GIB = 2.0  # CUDA context, NCCL and cuBLAS workspaces: never available to tensors
 
 
@@ -110,6 +112,10 @@ class Workload:
     # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
     # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
     lora_rank: int = 0
+    # train.loss_chunks parsed (config.parse_loss_chunks): None auto (the runtime's default), 0 off,
+    # N chunks. 0 here by default so other stacks' published runs keep their own loss; the CLI
+    # passes the runtime's default (auto) unless --loss-chunks says otherwise.
+    loss_chunks: int | None = 0
 
     def __post_init__(self) -> None:
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
@@ -149,16 +155,31 @@ class Workload:
                 f"give it --pp-stages-per-rank {'>= 2' if multi else '1'} (got {self.pp_stages_per_rank}).")
 
 
-def layout_label(strategy: str, tp: int, pp: int, stages_per_rank: int = 1) -> str:
+def layout_label(strategy: str, tp: int, pp: int, stages_per_rank: int = 1, cp: int = 1, ep: int = 1) -> str:
     """A candidate's name in tables: the strategy and its model-parallel degrees, e.g. fsdp+tp(tp4)
-    (``v3``: three interleaved pipeline stages per rank)."""
-    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("pp", pp), ("v", stages_per_rank)) if n > 1)
+    (``v3``: three interleaved pipeline stages per rank; ``cp2`` context parallel, ``ep4`` expert
+    parallel)."""
+    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("v", stages_per_rank))
+                     if n > 1)
     return f"{strategy}({extra})" if extra else strategy
 
 
 def layout_key(layout: Layout) -> tuple:
     """What makes two layouts one table row: the strategy and its degrees (not searched settings)."""
-    return (layout.strategy, layout.tp, layout.pp)
+    return (layout.strategy, layout.tp, layout.pp, layout.cp, layout.ep)
+
+
+def replicas(layout: Layout) -> int:
+    """Data-parallel replicas that read different sequences: dp without its context-parallel ranks."""
+    return layout.dp // layout.cp
+
+
+def loss_chunked(spec: ModelSpec, layout: Layout, work: Workload) -> bool:
+    """Whether the runtime chunks this candidate's loss (plan/cp.chunked_loss_off: the runtime's rule)."""
+    from shardwise.plan.cp import chunked_loss_off
+
+    return work.kernels.loss == "torch" and not chunked_loss_off(
+        spec.family, spec.vocab, spec.hidden, work.loss_chunks, tp=layout.tp, pp=layout.pp)
 
 
 @dataclass
@@ -175,10 +196,12 @@ class Candidate:
     checkpoint: str = "none"  # parallel.activation_checkpointing it runs with
     micro_batch: int = 1  # sequences per GPU per micro-batch
     device_bytes: float = 0.0  # the GPU's whole memory (the line between "tight" and "no")
+    loss_chunked: bool = False  # the runtime chunks the loss (train.loss_chunks) on this layout
 
     @property
     def name(self) -> str:
-        return layout_label(self.layout.strategy, self.layout.tp, self.layout.pp, self.layout.pp_stages_per_rank)
+        lay = self.layout
+        return layout_label(lay.strategy, lay.tp, lay.pp, lay.pp_stages_per_rank, lay.cp, lay.ep)
 
     @property
     def verdict(self) -> str:
@@ -198,9 +221,10 @@ class Candidate:
         m, t = self.memory, self.time
         return {
             "strategy": self.layout.strategy, "label": self.name, "dp": self.layout.dp, "tp": self.layout.tp,
-            "pp": self.layout.pp, "shard": self.layout.shard, "grad_accum": self.grad_accum,
+            "pp": self.layout.pp, "cp": self.layout.cp, "ep": self.layout.ep,
+            "shard": self.layout.shard, "grad_accum": self.grad_accum,
             "grad_sync": self.grad_sync, "checkpoint": self.checkpoint, "micro_batch": self.micro_batch,
-            "pp_stages_per_rank": self.layout.pp_stages_per_rank,
+            "pp_stages_per_rank": self.layout.pp_stages_per_rank, "loss_chunked": self.loss_chunked,
             "bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "master": m.master,
                       "activations": m.activations, "transient": m.transient, "fragmentation": m.fragmentation,
                       "allocated": m.allocated, "total": m.total},
@@ -256,7 +280,8 @@ def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
 
 
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int | None = None,
-                      pp: int | None = None) -> tuple[list[Layout], list[str]]:
+                      pp: int | None = None, cp: int | None = None,
+                      ep: int | None = None) -> tuple[list[Layout], list[str]]:
     """Every layout the runtime can run for this model and cluster, and why the others are left out.
 
     Candidates come from the strategy registry (the runtime's own list), each resolved by the
@@ -264,17 +289,22 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     exactly what that command runs. TP stays inside a node (a divisor of gpus_per_node that divides
     the heads and widths); PP spans nodes (one stage group per node) unless --pp asks otherwise; DP
     takes the rest. Strategies whose model family the runtime cannot split (TP plans, pipeline
-    stages) are skipped with the reason.
+    stages) are skipped with the reason. Context / expert parallel degrees the search adds on its own
+    (``search.degree_sets``) are left out quietly where the runtime refuses them (e.g. ep under ddp);
+    pinned ones (``--cp``, ``--ep``) say why.
     """
+    from shardwise.plan.cp import chunked_loss_off
     from shardwise.plan.search import degree_sets, stages_per_rank_choices
 
     world, g = cluster.world, cluster.gpus_per_node
-    _validate_degrees(spec, cluster, tp, pp)
+    _validate_degrees(spec, cluster, tp, pp, cp, ep)
     layouts: list[Layout] = []
     skipped: list[str] = []
-    for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t)):
-        t, p = degrees["tp"], degrees["pp"]
+    for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
+                               seq=work.seq):
+        t, p, c, x = degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"]
         dp = data_parallel_degree(world, tp=t, pp=p)
+        quiet = (c > 1 and cp is None) or (x > 1 and ep is None)  # the search's own extras
         for info in REGISTRY.values():
             if not info.planned:  # DeepSpeed kinds: plan/offload.py (issue 23), added by the search
                 continue
@@ -282,20 +312,32 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 continue
             if ("dp" not in info.degrees and dp > 1) or _is_duplicate(info, dp, world, cluster.nodes):
                 continue
-            label = layout_label(info.name, t, p)
+            label = layout_label(info.name, t, p, cp=c, ep=x)
             if not info.supports(spec.family):
-                skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
+                if not quiet:
+                    skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
                 continue
-            accum, _ = _grad_accum(work, dp, world)
+            if work.loss_chunks and (why := chunked_loss_off(spec.family, spec.vocab, spec.hidden,
+                                                             work.loss_chunks, tp=t, pp=p)):
+                if not quiet:
+                    skipped.append(f"{label}: train.loss_chunks = {work.loss_chunks} cannot run here: {why}")
+                continue
+            if dp % c:
+                continue
+            accum, _ = _grad_accum(work, dp // c, world)
             if p > 1 and accum < p:
+                if quiet:
+                    continue
                 skipped.append(f"{label}: its {p} pipeline stages need at least {p} micro-batches per step, but "
                                f"the global batch gives {accum} per replica; raise --global-batch or --grad-accum")
                 continue
             errors = []
             for v in stages_per_rank_choices(work) if p > 1 else (1,):
                 options = ParallelConfig(
-                    strategy=info.name, tp=t, pp=p, hsdp_shard_size=g if info.hybrid else 0,
-                    precision=TRAIN_PRECISION[work.precision], sequence_parallel=t > 1 and not work.lora_rank,
+                    strategy=info.name, tp=t, pp=p, cp=c, ep=x, hsdp_shard_size=g if info.hybrid else 0,
+                    precision=TRAIN_PRECISION[work.precision],
+                    # The runtime runs LoRA and MoE blocks without sequence parallel.
+                    sequence_parallel=t > 1 and not work.lora_rank and spec.moe is None,
                     pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
@@ -303,12 +345,28 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
                 except ConfigError as e:
                     errors.append(e)
-            if errors and not any(layout_key(lay) == (info.name, t, p) for lay in layouts):
+            if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
     return layouts, skipped
 
 
-def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None) -> None:
+def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None, cp: int | None = None,
+                      ep: int | None = None) -> None:
+    for flag, value in (("--cp", cp), ("--ep", ep)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}.")
+    if ep is not None and ep > 1 and spec.moe is None:
+        raise ConfigError(f"--ep {ep}: {spec.name} has no mixture-of-experts layers to split over expert-parallel "
+                          "ranks; expert parallel applies to MoE models (e.g. --model gpt-moe-lab).")
+    if ep is not None and spec.moe is not None and spec.moe.n_experts % ep:
+        divisors = [d for d in range(1, spec.moe.n_experts + 1) if spec.moe.n_experts % d == 0]
+        raise ConfigError(f"--ep {ep} does not divide the {spec.moe.n_experts} experts of {spec.name}; allowed: "
+                          f"{', '.join(map(str, divisors))}.")
+    if cp is not None and cp > 1 and spec.n_heads and spec.n_heads % cp:
+        divisors = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
+        raise ConfigError(f"--cp {cp} does not divide the {spec.n_heads} attention heads of {spec.name} (each "
+                          f"context-parallel rank attends over heads / cp heads); allowed: "
+                          f"{', '.join(map(str, divisors))}.")
     if tp is not None:
         if tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {tp}.")
@@ -352,10 +410,13 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
                       calib: Calibration | None = None, grad_sync: str | None = None) -> StepTime:
     """Step time of one layout alone (``evaluate`` without the memory model)."""
     calib = calib or cluster.calibration
-    accum, _ = _grad_accum(work, layout.dp, cluster.world)
+    accum, _ = _grad_accum(work, replicas(layout), cluster.world)
+    kernels = work.kernels
+    if loss_chunked(spec, layout, work):
+        kernels = dataclasses.replace(kernels, loss="chunked")
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
-                     every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=work.kernels, calib=calib)
+                     every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=kernels, calib=calib)
 
 
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -365,17 +426,20 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     calib = calib or cluster.calibration
     grad_sync = grad_sync or work.grad_sync
     prec = precision(work.precision)
-    accum, note = _grad_accum(work, layout.dp, cluster.world)
+    accum, note = _grad_accum(work, replicas(layout), cluster.world)
+    chunked = loss_chunked(spec, layout, work)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
                            attention=work.attention, every=work.ac_every, grad_sync=grad_sync,
-                           fragmentation=calib.fragmentation, kernels=work.kernels)
+                           fragmentation=calib.fragmentation,
+                           kernels=dataclasses.replace(work.kernels, loss="chunked") if chunked else work.kernels,
+                           loss_chunks=work.loss_chunks)
     time = predict_step_time(spec, cluster, work, layout, calib, grad_sync)
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders
     return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note,
-                     grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB)
+                     grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB, chunked)
 
 
 def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -434,12 +498,18 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
                  f"parallel.pp_schedule={lay.pp_schedule}"]
         if lay.pp_stages_per_rank > 1:
             sets.append(f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}")
+    if lay.cp > 1:
+        sets.append(f"parallel.cp={lay.cp}")
+    if lay.ep > 1:
+        sets.append(f"parallel.ep={lay.ep}")
     if lay.info.hybrid:
         sets.append(f"parallel.hsdp_shard_size={lay.shard}")
     if cand.grad_sync != "step":
         sets.append(f"parallel.grad_sync={cand.grad_sync}")
     if work.compile:
         sets.append("train.compile=true")
+    if work.loss_chunks != LOSS_CHUNKS_DEFAULT:  # the runtime's default (auto) goes unsaid
+        sets.append(f"train.loss_chunks={work.loss_chunks}")
     return sets
 
 
@@ -473,9 +543,10 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
 
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None,
-              pp: int | None = None, calib: Calibration | None = None) -> Plan:
+              pp: int | None = None, calib: Calibration | None = None, cp: int | None = None,
+              ep: int | None = None) -> Plan:
     """Evaluate every candidate layout over the settings ``work.search`` leaves open; recommend the
     fastest one that fits (``plan.search``: ranking, ties and reasons)."""
     from shardwise.plan.search import make_plan as search_plan
 
-    return search_plan(spec, cluster, work, tp=tp, pp=pp, calib=calib)
+    return search_plan(spec, cluster, work, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)

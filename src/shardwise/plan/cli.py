@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 
+from shardwise.config import parse_loss_chunks
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.plan import finetune, presets, spec
 from shardwise.plan.advice import (
@@ -91,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or math")
     w.add_argument("--tp", type=int, help="only consider this tensor-parallel degree")
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
+    w.add_argument("--cp", type=int, help="only consider this context-parallel degree (parallel.cp; default: "
+                   "searched from --seq 8192 on)")
+    w.add_argument("--ep", type=int, help="only consider this expert-parallel degree for a mixture-of-experts "
+                   "model (parallel.ep; default: searched)")
+    w.add_argument("--loss-chunks", default="auto", metavar="auto|0|N",
+                   help="the chunked loss as train.loss_chunks: auto (the runtime's default: on where the "
+                   "vocabulary dwarfs the hidden size), 0 (off) or N chunks per micro-batch")
     w.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
                    help="pipeline schedule of the pipeline candidates (default 1f1b)")
     w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
@@ -187,10 +195,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
-                    extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora)
+                    extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
+                    loss_chunks=parse_loss_chunks(args.loss_chunks))
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
-    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp)
+    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     plan.warnings[:0] = target_warnings
     return plan
 
@@ -208,7 +217,8 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
     return predict_run(plan.spec, c.layout, precision=TRAIN_PRECISION[w.precision], seq=w.seq,
                        micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
                        activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
-                       ranks_per_node=plan.cluster.gpus_per_node)
+                       ranks_per_node=plan.cluster.gpus_per_node,
+                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks)
 
 
 def _per_rank(pred: RunPrediction) -> list[dict]:
@@ -226,7 +236,8 @@ def _per_rank(pred: RunPrediction) -> list[dict]:
 def _settings(c: Candidate) -> dict:
     """The settings the recommendation runs with (searched or given)."""
     return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
-            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "verdict": c.verdict}
+            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "cp": c.layout.cp,
+            "ep": c.layout.ep, "loss_chunked": c.loss_chunked, "verdict": c.verdict}
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -241,6 +252,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "workload": {"seq": w.seq, "micro_batch": w.micro_batch, "global_batch": w.global_batch,
                      "precision": w.precision, "optimizer": w.optimizer, "checkpoint": w.checkpoint,
                      "ac_every": w.ac_every, "grad_sync": w.grad_sync, "compile": w.compile,
+                     "loss_chunks": "auto" if w.loss_chunks is None else w.loss_chunks,
                      "safety_margin": w.safety_margin, "searched": list(searched(w))},
         "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],
@@ -296,7 +308,8 @@ def format_table(plan: Plan) -> str:
     if plan.recommended:
         r = plan.recommended
         lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
-                     f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync} - {gib(r.memory.total)} "
+                     f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync}"
+                     f"{', chunked loss' if r.loss_chunked else ''} - {gib(r.memory.total)} "
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
                      f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")

@@ -39,6 +39,7 @@ from shardwise.plan.memory import (
     outer_activation_bytes,
     recompute_share,
 )
+from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
 from shardwise.plan.spec import ModelSpec
 
@@ -236,6 +237,15 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
                      layers=_busiest_stage_layers(spec, layout),
                      recompute=recompute_share(spec, checkpoint, every).tp_collectives,
                      alpha_s=calib.hop_latency_s) * grad_accum
+    if kernels.loss == "chunked" and spec.hidden and spec.vocab:
+        # The chunked loss recomputes each chunk's logits in backward: one more head forward.
+        compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / (
+            fabric.peak_tflops * 1e12 * calib.matmul_efficiency)
+    # Expert parallel (plan/moe.py): token dispatch + combine all-to-alls, forward and backward, not
+    # overlapped; the ep ranks are consecutive data-parallel ranks, tp apart.
+    ep = getattr(layout, "ep", 1) or 1
+    ep_s = ep_all_to_all_s(spec, seq // cp * micro_batch, ep, fabric.collective_gbs(ep, tp), prec.act,
+                           calib.hop_latency_s) * grad_accum if ep > 1 else 0.0
     compute = compute_micro * grad_accum
 
     # Mesh order, innermost first: tp (stride 1), then the data-parallel dims, then pp.
@@ -312,8 +322,8 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         from shardwise.plan.pipeline import idle_ratio
 
         bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
-    exposed += cp_s
-    total += cp_s
+    exposed += cp_s + ep_s
+    total += cp_s + ep_s
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)

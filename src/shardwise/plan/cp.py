@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["alltoall_bytes_per_layer", "alltoall_s", "cp_candidates", "cp_comm_s", "cp_degree",
-           "logits_bytes"]
+__all__ = ["CHUNKED_HEAD_FAMILIES", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens", "chunked_loss_off",
+           "cp_candidates", "cp_comm_s", "cp_degree", "logits_bytes"]
 
-AUTO_CHUNK_BYTES = 64 * 2**20  # shardwise.loss.AUTO_CHUNK_BYTES (kept torch-free here)
+# The runtime's rule (shardwise.loss: AUTO_CHUNK_BYTES, _PLAIN_HEAD_FAMILIES, plan_chunked_head),
+# restated torch-free for the planner; tests/test_plan_cp_ep.py checks the two agree.
+AUTO_CHUNK_BYTES = 64 * 2**20
+CHUNKED_HEAD_FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
 LONG_SEQ = 8192  # from this sequence length on, the planner offers cp candidates
 
 
@@ -68,11 +71,43 @@ def cp_comm_s(spec: Any, layout: Any, fabric: Any, act_bytes: int, *, seq: int, 
     return (8 + 4 * recompute) * one * layers
 
 
-def logits_bytes(tokens: int, vocab: int, *, tp: int = 1, chunked: bool = False) -> int:
-    """Bytes the output head + loss hold for ``tokens`` tokens (fp32 logits; vocab-parallel under TP)."""
+def chunk_tokens(tokens: int, vocab: int, chunks: int | None = None) -> int:
+    """Tokens per chunk of the chunked loss (``shardwise.loss.ChunkPlan.chunk_tokens``): ``tokens / N``
+    for ``train.loss_chunks = N``, else as many as fit ``AUTO_CHUNK_BYTES`` of fp32 logits."""
+    if chunks:
+        return max(1, -(-tokens // chunks))
+    return min(tokens, max(1, AUTO_CHUNK_BYTES // (4 * vocab)))
+
+
+def chunked_loss_off(family: str, vocab: int | None, hidden: int | None, chunks: int | None, *, tp: int = 1,
+                     pp: int = 1) -> str:
+    """Why the runtime would not chunk the loss here ('' when it does): ``shardwise.loss.plan_chunked_head``.
+
+    ``chunks``: ``train.loss_chunks`` parsed (None auto, 0 off, N). An explicit N where the reason is
+    not '' is refused by the runtime; 'auto' quietly stays off.
+    """
+    if chunks == 0:
+        return "train.loss_chunks = 0"
+    if family not in CHUNKED_HEAD_FAMILIES or not vocab or not hidden:
+        return (f"the model ({family}) has no plain output head the chunked loss knows (the built-in GPT and "
+                f"Hugging Face {', '.join(CHUNKED_HEAD_FAMILIES[1:])})")
+    if tp > 1:
+        return "tensor parallel already splits the logits over the vocabulary (loss_parallel)"
+    if pp > 1:
+        return "pipeline parallel computes the loss inside its schedule, per microbatch"
+    if chunks is None and vocab <= 4 * hidden:
+        return f"the vocabulary ({vocab}) is small beside the hidden size ({hidden})"
+    return ""
+
+
+def logits_bytes(tokens: int, vocab: int, *, tp: int = 1, chunked: bool = False, chunks: int | None = None) -> int:
+    """Bytes the output head + loss hold for ``tokens`` tokens (fp32 logits; vocab-parallel under TP).
+
+    Chunked (``chunks``: ``train.loss_chunks``, None = auto size): one chunk's fp32 logits, softmax
+    and gradient, and one fp32 log-sum-exp per token.
+    """
     if chunked:
-        chunk_tokens = min(tokens, max(1, AUTO_CHUNK_BYTES // (4 * vocab)))
-        return 3 * 4 * chunk_tokens * vocab + 4 * tokens  # a chunk's logits, softmax, grad; one lse each
+        return 3 * 4 * chunk_tokens(tokens, vocab, chunks) * vocab + 4 * tokens
     return 2 * 4 * tokens * vocab // tp  # the fp32 logits and their log-softmax
 
 

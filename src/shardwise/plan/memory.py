@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
-from shardwise.plan.cp import cp_degree
+from shardwise.plan.cp import cp_degree, logits_bytes
+from shardwise.plan.moe import expert_unit_bytes
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
 from shardwise.strategies import AC_MODES, GRAD_SYNC_MODES
 
@@ -48,7 +49,7 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 # The runtime's parallel.activation_checkpointing and parallel.grad_sync modes, defined once in
 # shardwise.strategies (the planner plans exactly what the runtime runs).
 CHECKPOINT_MODES = AC_MODES
-LOSS_KINDS = ("torch", "fused")
+LOSS_KINDS = ("torch", "fused", "chunked")
 NORM_KINDS = ("eager", "fused")
 
 
@@ -61,7 +62,8 @@ class Kernels:
 
     * ``loss``: "torch" is F.cross_entropy on fp32-upcast logits (log_softmax keeps an fp32 copy,
       backward makes another); "fused" a fused cross-entropy kernel (flash-attn's, Liger) that keeps
-      the logits and a per-token log-sum-exp and writes the gradient in place.
+      the logits and a per-token log-sum-exp and writes the gradient in place; "chunked" shardwise's
+      chunked loss (``train.loss_chunks``, plan/cp.py): one chunk of logits at a time.
     * ``norm``: "eager" is RMSNorm written in PyTorch ops (HF, torchtitan's default: keeps an fp32
       copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
       its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
@@ -401,7 +403,10 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
             4 * h + 2 * h * e + 4 if kernels.norm == "eager" else 2 * h * e + 4)
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
         # under TP); a fused loss keeps the logits themselves instead.
-        kept = 4 * spec.vocab // tp if kernels.loss == "torch" else e * spec.vocab // tp + 4
+        # The chunked loss keeps no logits between forward and backward (plan/cp.logits_bytes
+        # counts its chunk and per-token log-sum-exp as a transient).
+        kept = (4 * spec.vocab // tp if kernels.loss == "torch" else
+                0 if kernels.loss == "chunked" else e * spec.vocab // tp + 4)
         total += tokens * (final_norm + kept)
     return total
 
@@ -553,8 +558,12 @@ class MemoryBreakdown:
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
                      attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
-                     fragmentation: float = 0.0, kernels: Kernels = SHARDWISE_KERNELS) -> MemoryBreakdown:
+                     fragmentation: float = 0.0, kernels: Kernels = SHARDWISE_KERNELS,
+                     loss_chunks: int | None = None) -> MemoryBreakdown:
     """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage).
+
+    ``loss_chunks`` (``train.loss_chunks``: None auto-sized chunks, N) sizes the chunks when
+    ``kernels.loss`` is "chunked".
 
     ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
     reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
@@ -580,6 +589,10 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            kernels=kernels)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
+    # Expert parallel (plan/moe.py): FSDP gathers a MoE block's n_experts / ep experts, not all.
+    ep = getattr(layout, "ep", 1) or 1
+    if ep > 1 and spec.moe is not None:
+        unit -= spec.moe.n_experts * spec.moe.params_per_expert - int(expert_unit_bytes(spec, ep, 1))
     if layout.tp > 1:
         unit = math.ceil(unit / layout.tp)
     full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
@@ -612,10 +625,16 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         in_flight = min(layout.pp, grad_accum) if layout.pp_schedule not in ("gpipe", "looped-bfs") else grad_accum
         if in_flight > 1:
             parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
+    tokens_here = seq // cp_degree(layout) * micro_batch  # context parallel: seq / cp tokens per rank
+    if ep > 1 and spec.moe is not None:
+        # Dispatch/combine buffers: this rank's routed token copies sent and received.
+        parts["all-to-all buffers (ep)"] = 2 * tokens_here * spec.moe.top_k * spec.moe.hidden * prec.act
     if spec.has_structure and spec.vocab and kernels.loss == "torch":
         # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
         # loss keeps the logits, counted with the activations, and writes the gradient in place.)
-        parts["logits + loss"] = seq * micro_batch * (spec.vocab // layout.tp) * (prec.act + 4)
+        parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
+    elif spec.has_structure and spec.vocab and kernels.loss == "chunked":
+        parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
     host = 0
     params, grads, opt, master = state.params, state.grads, state.optimizer, state.master
     if layout.offload:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from shardwise.layout import Layout
 from shardwise.layout import ranks_per_node as rank_count_per_node
 from shardwise.plan.memory import (
+    SHARDWISE_KERNELS,
+    Kernels,
     Precision,
     StateBytes,
     _local_params,
@@ -165,12 +167,18 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
 
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
                 grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
-                grad_sync: str = "step", ranks_per_node: int = 1) -> RunPrediction:
+                grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0) -> RunPrediction:
     """Predict every rank's bytes for ``spec`` trained under ``layout`` with AdamW (the trainer's).
 
     ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
-    tokens per sample (1 for images: activations are then not modelled).
+    tokens per sample (1 for images: activations are then not modelled); ``loss_chunks`` is
+    ``train.loss_chunks`` (the chunked loss's logits where the runtime's rule turns it on).
     """
+    from shardwise.config import parse_loss_chunks
+    from shardwise.plan.cp import chunked_loss_off
+
+    chunks = parse_loss_chunks(loss_chunks)
+    chunked = not chunked_loss_off(spec.family, spec.vocab, spec.hidden, chunks, tp=layout.tp, pp=layout.pp)
     prec = RUNTIME_PRECISIONS[precision]
     if layout.n_blocks is None and spec.n_layers and layout.pp > 1:
         layout = layout.with_blocks(spec.n_layers)
@@ -184,7 +192,9 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     # materialises; model state in what the run stores.
     breakdown = memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
                                  micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
-                                 gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync)
+                                 gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
+                                 kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
+                                 loss_chunks=chunks)
     ranks = []
     states: dict[tuple[int, int], StateBytes] = {}
     full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
@@ -221,6 +231,7 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
+                       loss_chunks=getattr(cfg.train, "loss_chunks", 0),
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
                                                                             nproc=cfg.parallel.nproc))
 

@@ -2,8 +2,9 @@
 
 Two lists own what the planner explores, so a new dimension plugs into one place:
 
-* :func:`degree_sets` — the model-parallel degree combinations (``tp``, ``pp``; expert / context
-  parallel and the other helpers' dimensions append their axis here). Data parallelism takes
+* :func:`degree_sets` — the model-parallel degree combinations (``tp``, ``pp``, context parallel
+  ``cp`` for long sequences, expert parallel ``ep`` for mixture-of-experts models; other
+  dimensions append their axis here). Data parallelism takes
   whatever the degrees leave of the world; the strategy registry then names the strategies that
   run each set (``advice.candidate_layouts``).
 * :data:`SEARCHABLE` — the runtime settings searched per layout when the user does not fix them
@@ -45,28 +46,43 @@ VERDICTS = ("fits", "tight", "no")
 assert set(CHECKPOINT_SEARCH) == set(CHECKPOINT_MODES)
 
 
-def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None,
-                pp: int | None = None, tp_ok=None) -> list[dict[str, int]]:
+def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp: int | None = None, tp_ok=None,
+                cp: int | None = None, ep: int | None = None, seq: int = 0) -> list[dict[str, int]]:
     """Every model-parallel degree combination the planner considers: THE list of candidate sets.
 
     TP stays inside a node (a divisor of gpus_per_node that ``tp_ok`` accepts: it divides the
-    heads and widths); PP spans nodes (one stage group per node). A pinned degree (``--tp``,
-    ``--pp``) is the only value of its axis. Each set must divide the world; data parallelism takes
-    the rest. New dimensions (``ep``, ``cp``, ...) add their axis here, with their own pin.
+    heads and widths); PP spans nodes (one stage group per node). ``tp x pp`` must divide the world;
+    data parallelism takes the rest, and context / expert parallel are carved out of it (the
+    runtime's layout: cp ranks are a factor of dp, ep ranks are borrowed from the FSDP shard ranks):
+
+    * ``cp``: for a long ``seq`` (plan/cp.py ``cp_candidates``: from ``LONG_SEQ`` tokens, degrees
+      dividing dp, the heads per TP rank and the sequence); not with a pipeline (the runtime refuses).
+    * ``ep``: for a mixture-of-experts model (plan/moe.py ``ep_candidates``: divisors of dp that
+      divide the expert count); the registry's strategies that run it are found by the layout.
+
+    A pinned degree (``--tp``, ``--pp``, ``--cp``, ``--ep``) is the only value of its axis.
     """
-    g = cluster.gpus_per_node
+    from shardwise.plan.cp import cp_candidates
+    from shardwise.plan.moe import ep_candidates
+
+    g, world = cluster.gpus_per_node, cluster.world
     tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and (tp_ok is None or tp_ok(t)))]
     # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
     pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
-    sets = [{"tp": t, "pp": p} for p in pps for t in tps]
-    return [s for s in sets if cluster.world % _product(s) == 0]
-
-
-def _product(degrees: dict[str, int]) -> int:
-    out = 1
-    for v in degrees.values():
-        out *= v
-    return out
+    moe = getattr(spec, "moe", None)
+    sets = []
+    for p in pps:
+        for t in tps:
+            if world % (t * p):
+                continue
+            dp = world // (t * p)
+            if cp:
+                cps = [cp] if dp % cp == 0 and (not spec.n_heads or (spec.n_heads // t) % cp == 0) else []
+            else:
+                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t) if p == 1 else [1]
+            eps = [ep] if ep else (ep_candidates(dp, moe.n_experts) if moe is not None and p == 1 else [1])
+            sets += [{"tp": t, "pp": p, "cp": c, "ep": e} for c in cps for e in eps]
+    return sets
 
 
 # ------------------------------------------------------------------------------------- settings
@@ -133,7 +149,7 @@ def _printed(c: Candidate) -> tuple[float, float]:
 def moving_parts(c: Candidate) -> int:
     """How many things a run has to get right beyond plain data parallelism."""
     lay = c.layout
-    return (sum(d > 1 for d in (lay.tp, lay.pp)) + int(lay.info.hybrid) + int(bool(lay.offload))
+    return (sum(d > 1 for d in (lay.tp, lay.pp, lay.cp, lay.ep)) + int(lay.info.hybrid) + int(bool(lay.offload))
             + int(c.checkpoint != "none") + int(c.grad_sync != "step") + int(lay.pp_stages_per_rank > 1))
 
 
@@ -193,10 +209,11 @@ def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workloa
 
 # --------------------------------------------------------------------------------------- search
 def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None, pp: int | None = None,
-           calib: Calibration | None = None) -> tuple[list[Candidate], list[str]]:
+           calib: Calibration | None = None, cp: int | None = None,
+           ep: int | None = None) -> tuple[list[Candidate], list[str]]:
     """One candidate per layout (its best settings), best first; and the layouts left out, with why."""
     from shardwise.parallel.registry import REGISTRY
-    from shardwise.plan.advice import candidate_layouts, evaluate, layout_key
+    from shardwise.plan.advice import candidate_layouts, evaluate, layout_key, replicas
 
     order = {name: i for i, name in enumerate(REGISTRY)}
     global_batch, micro_batches = micro_batch_choices(work, cluster)
@@ -204,12 +221,12 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
     skipped: dict[str, str] = {}
     for mb in micro_batches:
         at_mb = dataclasses.replace(work, micro_batch=mb, global_batch=global_batch)
-        layouts, left_out = candidate_layouts(spec, cluster, at_mb, tp, pp)
+        layouts, left_out = candidate_layouts(spec, cluster, at_mb, tp, pp, cp, ep)
         if mb == micro_batches[0]:
             for line in left_out:
                 skipped.setdefault(line.split(":", 1)[0], line)
         for lay in layouts:
-            if not exact_micro_batch(mb, lay.dp, global_batch):
+            if not exact_micro_batch(mb, replicas(lay), global_batch):
                 continue
             for ckpt in checkpoint_choices(work):
                 at = dataclasses.replace(at_mb, checkpoint=ckpt)
@@ -235,7 +252,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
 
 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None, pp: int | None = None,
-              calib: Calibration | None = None) -> Plan:
+              calib: Calibration | None = None, cp: int | None = None, ep: int | None = None) -> Plan:
     """Search every layout and open setting; recommend the best fitting one (see module docstring)."""
     from shardwise.plan.advice import Plan, launch_commands
 
@@ -250,7 +267,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
                         "--layers/--hidden/--heads/--vocab for a complete answer.")
     if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
         warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
-    cands, skipped = search(spec, cluster, work, tp=tp, pp=pp, calib=calib)
+    cands, skipped = search(spec, cluster, work, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)
     best = next((c for c in cands if c.verdict == "fits"), None)
     if best is None:
         best = next((c for c in cands if c.verdict == "tight"), None)

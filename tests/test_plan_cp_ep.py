@@ -1,0 +1,141 @@
+"""The planner's search over context parallel, expert parallel and the chunked loss (issue 24).
+
+Pure arithmetic, one process; the printed commands are resolved in-process as ``train --dry-run``
+resolves them (``tests.test_plan_grid``'s resolvers: config, layout and preflight on the meta model).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.plan import cli as plan_cli
+from shardwise.plan.advice import Cluster, Workload, evaluate
+from shardwise.plan.cp import AUTO_CHUNK_BYTES, CHUNKED_HEAD_FAMILIES, chunked_loss_off
+from shardwise.plan.memory import Layout
+from shardwise.plan.presets import gpu, model_preset
+from shardwise.plan.search import degree_sets
+from tests.test_plan_grid import dry_run_torchrun, dry_run_train, plan_args
+from tests.test_plan_search import check_reasons, parse_table
+
+
+def _plan(*argv: str):
+    plan = plan_cli.build_plan(plan_args(*argv))
+    text = plan_cli.format_table(plan)
+    assert check_reasons(text, plan.cluster.gpu.memory_gib) == len(plan.candidates) - 1
+    return plan, text
+
+
+def test_long_sequences_search_cp_and_the_printed_cp_command_dry_runs():
+    # A short sequence offers no cp; from plan.cp.LONG_SEQ on, the degrees that divide dp and the heads.
+    spec = model_preset("gpt-lab")
+    cluster = Cluster(gpu("h100"), gpus_per_node=4)
+    assert {s["cp"] for s in degree_sets(spec, cluster, seq=2048)} == {1}
+    assert {s["cp"] for s in degree_sets(spec, cluster, seq=16384) if s["tp"] == 1} == {1, 2}  # 6 heads
+    plan, text = _plan("--model", "gpt-lab", "--gpus-per-node", "4", "--seq", "16384")
+    rows, _, _ = parse_table(text)
+    assert "fsdp(cp2)" in rows and "ddp(cp2)" in rows
+    # Context parallel: activations of seq / cp tokens, same model state, global batch held.
+    by = {c.name: c for c in plan.candidates}
+    assert by["fsdp(cp2)"].memory.activations < by["fsdp"].memory.activations
+    assert by["fsdp(cp2)"].memory.params == by["fsdp"].memory.params
+    for c in plan.candidates:
+        assert c.micro_batch * c.grad_accum * c.layout.dp // c.layout.cp == 4, c.name
+    out = plan_cli.plan_to_dict(plan)
+    assert {(c["label"], c["cp"]) for c in out["candidates"]} >= {("fsdp(cp2)", 2), ("fsdp", 1)}
+    # --cp pins it, and the command runs it as printed.
+    pinned, _ = _plan("--model", "gpt-lab", "--gpus-per-node", "4", "--seq", "16384", "--cp", "2")
+    assert {c.layout.cp for c in pinned.candidates} == {2}
+    train, torchrun = pinned.commands
+    assert "--set parallel.cp=2" in train and "--set parallel.cp=2" in torchrun
+    assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
+    assert json.loads(json.dumps(plan_cli.plan_to_dict(pinned)))["recommended_settings"]["cp"] == 2
+
+
+def test_bad_cp_and_ep_pins_are_config_errors():
+    with pytest.raises(ConfigError, match="--cp 4 does not divide the 6 attention heads"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--cp", "4"))
+    with pytest.raises(ConfigError, match="--cp 0 must be|--cp must be >= 1"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--cp", "0"))
+    with pytest.raises(ConfigError, match="no mixture-of-experts layers"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--ep", "2"))
+    with pytest.raises(ConfigError, match="--ep 3 does not divide the 8 experts"):
+        plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--gpus-per-node", "4", "--ep", "3"))
+    with pytest.raises(ConfigError, match="train.loss_chunks must be"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--loss-chunks", "many"))
+
+
+def test_chunked_loss_memory_flag_and_commands():
+    # llama-3-8b: a 128k vocabulary beside 4k hidden, so 'auto' chunks it (as the runtime would).
+    spec, cluster = model_preset("llama-3-8b"), Cluster(gpu("h100-sxm"))
+    lay = Layout("fsdp", dp=8, shard=8)
+    dense = evaluate(spec, cluster, Workload(seq=8192, loss_chunks=0), lay)
+    auto = evaluate(spec, cluster, Workload(seq=8192, loss_chunks=None), lay)
+    four = evaluate(spec, cluster, Workload(seq=8192, loss_chunks=4), lay)
+    assert not dense.loss_chunked and auto.loss_chunked and four.loss_chunked
+    assert "logits + loss" in dense.memory.transient_parts
+    saved = dense.memory.allocated - auto.memory.allocated
+    assert saved > 4 * 8192 * 128256  # at least the fp32 logits' bytes
+    assert auto.memory.allocated < four.memory.allocated < dense.memory.allocated  # 4 chunks of 2k > 64 MiB
+    assert auto.time.compute_s > dense.time.compute_s  # backward recomputes each chunk's logits
+    # On the CLI: the default is the runtime's (auto, unsaid); 0 / N are printed and TP layouts,
+    # which cannot chunk, are left out for an explicit N with the runtime's reason.
+    plan, text = _plan("--model", "gpt-lab", "--gpus-per-node", "2")
+    assert "train.loss_chunks" not in plan.commands[0]
+    off, _ = _plan("--model", "gpt-lab", "--gpus-per-node", "2", "--loss-chunks", "0")
+    assert "--set train.loss_chunks=0" in off.commands[0]
+    n, text = _plan("--model", "llama-3-8b", "--loss-chunks", "8")
+    assert all(c.layout.tp == 1 and c.loss_chunked for c in n.candidates)
+    assert "not offered fsdp+tp(tp2): train.loss_chunks = 8 cannot run here: tensor parallel" in text
+    assert "--set train.loss_chunks=8" in n.commands[0]
+    assert plan_cli.plan_to_dict(n)["workload"]["loss_chunks"] == 8
+
+
+def test_the_planners_chunk_rule_is_the_runtimes():
+    import shardwise.loss as runtime_loss
+
+    assert AUTO_CHUNK_BYTES == runtime_loss.AUTO_CHUNK_BYTES
+    assert CHUNKED_HEAD_FAMILIES == runtime_loss._PLAIN_HEAD_FAMILIES
+    assert chunked_loss_off("llama", 128256, 4096, None) == ""
+    assert chunked_loss_off("gpt", 256, 384, None)  # small vocabulary: auto stays off
+    assert chunked_loss_off("gpt", 256, 384, 4) == ""  # an explicit N runs
+    assert "tensor parallel" in chunked_loss_off("llama", 128256, 4096, 4, tp=2)
+    assert chunked_loss_off("gpt2", 50257, 768, None)
+
+
+def test_moe_models_search_ep_and_the_printed_ep_command_dry_runs():
+    spec = model_preset("gpt-moe-lab")
+    assert {s["ep"] for s in degree_sets(spec, Cluster(gpu("h100"), gpus_per_node=4))} == {1, 2, 4}
+    assert {s["ep"] for s in degree_sets(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=4))} == {1}
+    plan, text = _plan("--model", "gpt-moe-lab", "--gpus-per-node", "4", "--checkpoint", "none",
+                       "--micro-batch", "1")
+    by = {c.name: c for c in plan.candidates}
+    assert {"fsdp(ep2)", "fsdp(ep4)", "fsdp+tp(tp2,ep2)"} <= set(by)
+    assert not any("ep" in n for n in by if not n.startswith("fsdp"))  # ep runs under fsdp / fsdp+tp only
+    # EP: same bytes at rest, a smaller gathered expert unit, and all-to-all time on top.
+    fsdp, ep2 = by["fsdp"], by["fsdp(ep2)"]
+    assert ep2.memory.params == fsdp.memory.params
+    assert ep2.memory.transient_parts["all-gather (2 units, prefetch)"] < \
+        fsdp.memory.transient_parts["all-gather (2 units, prefetch)"]
+    assert "all-to-all buffers (ep)" in ep2.memory.transient_parts
+    assert ep2.time.comm_exposed_s > fsdp.time.comm_exposed_s
+    # --ep pins it; the printed command sets parallel.ep and resolves as train --dry-run does.
+    pinned, _ = _plan("--model", "gpt-moe-lab", "--gpus-per-node", "4", "--ep", "2")
+    assert {c.layout.ep for c in pinned.candidates} == {2}
+    assert {c.layout.strategy for c in pinned.candidates} <= {"fsdp", "fsdp+tp"}
+    for cmd in pinned.commands:
+        assert "--set parallel.ep=2" in cmd and "model.preset=moe-lab" in cmd
+    train, torchrun = pinned.commands
+    assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
+    tp_cmd = next(c for c in pinned.candidates if c.layout.tp > 1)
+    assert not tp_cmd.layout.sequence_parallel  # the runtime refuses MoE with sequence parallel
+
+
+def test_searching_the_new_degrees_stays_under_a_second():
+    start = time.perf_counter()
+    plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--nodes", "4", "--seq", "32768"))
+    plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--nodes", "4"))
+    assert time.perf_counter() - start < 2.0  # each < 1 s (generous for a loaded CI machine)
