@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "MOE_FAMILIES", "PP_FAMILIES",
-           "RECORD_KINDS",
-           "TP_FAMILIES", "Family"]
+__all__ = ["CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "MOE_FAMILIES",
+           "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
@@ -31,7 +30,8 @@ class Family:
     ``hf``: built from a Hugging Face ``config.json`` (``model.kind = 'hf'``). ``llama_like``: its
     layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
-    ``moe``: has mixture-of-experts layers (expert parallel applies).
+    ``moe``: has mixture-of-experts layers (expert parallel applies). ``cp``: context parallel's
+    all-to-all attention knows its attention modules (``parallel/cp.py``).
     """
 
     name: str
@@ -40,14 +40,15 @@ class Family:
     tp_plan: bool = False
     pp_split: bool = False
     moe: bool = False
+    cp: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("gpt", hf=False, tp_plan=True, pp_split=True),
-    Family("llama", llama_like=True, tp_plan=True, pp_split=True),
-    Family("mistral", llama_like=True, tp_plan=True, pp_split=True),
-    Family("qwen2", llama_like=True, tp_plan=True, pp_split=True),
-    Family("qwen3", llama_like=True, tp_plan=True, pp_split=True),
+    Family("gpt", hf=False, tp_plan=True, pp_split=True, cp=True),
+    Family("llama", llama_like=True, tp_plan=True, pp_split=True, cp=True),
+    Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True),
+    Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True),
+    Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True),
     Family("gpt2"),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
@@ -63,3 +64,4 @@ TP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.tp_plan
 PP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.pp_split)
 HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)
 MOE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.moe)
+CP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.cp)

@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from shardwise.families import CP_FAMILIES
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
 from shardwise.plan.pipeline import pipeline_degrees
 from shardwise.pp_schedules import schedule_info
@@ -76,10 +77,13 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
             if world % (t * p):
                 continue
             dp = world // (t * p)
+            # Only the families whose attention context parallel knows (families.CP_FAMILIES; a model
+            # of unknown family, e.g. a bare parameter count, is planned as if it were one).
+            cp_ok = not spec.family or spec.family in CP_FAMILIES
             if cp:
-                cps = [cp] if dp % cp == 0 and (not spec.n_heads or (spec.n_heads // t) % cp == 0) else []
+                cps = [cp] if cp_ok and dp % cp == 0 and (not spec.n_heads or (spec.n_heads // t) % cp == 0) else []
             else:
-                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t) if p == 1 else [1]
+                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t) if p == 1 and cp_ok else [1]
             eps = [ep] if ep else (ep_candidates(dp, moe.n_experts) if moe is not None and p == 1 else [1])
             sets += [{"tp": t, "pp": p, "cp": c, "ep": e} for c in cps for e in eps]
     return sets
