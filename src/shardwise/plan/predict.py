@@ -218,7 +218,8 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         # Offloaded state is still this rank's (the ledger counts it wherever it lives).
         ranks.append(RankPrediction(rank, sb.params + sb.master, sb.grads, sb.optimizer, act, breakdown.transient))
     if layout.offload:
-        notes.append("fsdp-offload: parameters, gradients and optimizer state live in host memory")
+        where = "on NVMe (parallel.nvme_path)" if layout.strategy == "zero3-nvme" else "in host memory"
+        notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
     return RunPrediction(spec.name, spec.n_params, layout, precision, seq, micro_batch, micro_batches,
                          checkpoint, tuple(ranks), tuple(notes))
 
