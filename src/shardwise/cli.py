@@ -289,9 +289,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
-    run = resolve_run(args)
     if args.dry_run:
-        return _dry_run(run, args)
+        from shardwise.data.cache import read_only
+
+        with read_only():  # "nothing was written": the data cache is only read (issue 17)
+            return _dry_run(resolve_run(args), args)
+    run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
     launch_id = new_launch_id()
     agreement, rdzv_id = None, ""
