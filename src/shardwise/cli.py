@@ -173,9 +173,10 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     from shardwise.runtime.rundir import CHECKPOINTS_DIR
 
     ck = cfg.checkpoint
-    if ck.resume in ("", "auto"):
-        return cfg
-    source = Path(resume_source(ck.resume, out / CHECKPOINTS_DIR) or "")
+    found = resume_source(ck.resume, out / CHECKPOINTS_DIR)
+    if not found:
+        return cfg  # a fresh start ("" or "auto" with nothing saved yet)
+    source = Path(found)
     # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
     shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
     try:
@@ -185,7 +186,7 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
             raise CheckpointError(f"{e} --resume without a PATH continues the run given by --out; "
                                   "pass --out RUN_DIR, or --resume PATH.") from None
         raise
-    if ck.resume != "latest":
+    if ck.resume not in ("latest", "auto"):
         # Every rank and every restart loads this very checkpoint.
         return replace_in(cfg, **{"checkpoint.resume": str(path.resolve())})
     return cfg
