@@ -50,6 +50,40 @@ from shardwise.runtime.identity import process_record, same_process_alive
 
 HANG_EXIT_CODE = 3
 
+# A rank whose heartbeat has not been rewritten for this long is gone: its watchdog thread writes
+# one every poll (at most 1 s) for as long as the process lives, even while the rank is blocked
+# in a collective. Generous on purpose: it also absorbs clock skew between hosts and the attribute
+# caching of a shared file system (the run lock asks this for ranks on other hosts).
+STALE_HEARTBEAT_S = 120.0
+
+
+def heartbeat_age(run_dir: str | os.PathLike, record: dict[str, Any], now: float | None = None) -> float | None:
+    """Seconds since the rank process ``record`` (host, pid, start time) last wrote its heartbeat
+    in ``run_dir``; None when no heartbeat of that very process is there (watchdog off, or it
+    never started). The newer of the heartbeat's own time and the file's modification time counts,
+    so a clock running behind never makes a live rank look stale."""
+    now = time.time() if now is None else now
+    key = (record.get("host"), record.get("pid"), record.get("start_time"))
+    for beat in Path(run_dir, "heartbeat").glob("rank*.json"):
+        try:
+            info = json.loads(beat.read_text(encoding="utf-8"))
+            mtime = beat.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or (info.get("host"), info.get("pid"), info.get("start_time")) != key:
+            continue
+        written = info.get("time")
+        newest = max(mtime, written) if isinstance(written, (int, float)) and not isinstance(written, bool) else mtime
+        return max(0.0, now - newest)
+    return None
+
+
+def rank_alive_by_heartbeat(run_dir: str | os.PathLike, record: dict[str, Any]) -> bool | None:
+    """Whether rank process ``record`` (on any host) still runs, judged by its heartbeat alone:
+    False when it is older than ``STALE_HEARTBEAT_S``, True when newer, None without one."""
+    age = heartbeat_age(run_dir, record)
+    return None if age is None else age <= STALE_HEARTBEAT_S
+
 
 class Watchdog:
     """One rank's hang detector; ``start()`` arms it, ``beat()`` records progress, ``stop()`` disarms."""
