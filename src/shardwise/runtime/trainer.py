@@ -30,7 +30,7 @@ from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
-from shardwise.runtime import ledger
+from shardwise.runtime import faults, ledger
 from shardwise.runtime.checkpoint import (
     latest_checkpoint,
     resume_source,
@@ -557,6 +557,7 @@ class Trainer:
         if self._fault_active(d.hang_rank, d.hang_at_step):
             while True:  # stop participating; the watchdog must notice
                 time.sleep(3600)
+        faults.signal_after_step(self.state.step, self.session.rank)  # SHARDWISE_DEBUG_SIGNAL (tests)
 
     def _fault_in_checkpoint(self, partial: Path) -> None:
         d = self.cfg.debug
