@@ -17,7 +17,7 @@ that finds it:
   (which ``runtime.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
   locked: a ``--resume`` never shares the directory with a survivor of the old job;
 * held on another host, whose processes cannot be checked from here, is judged by the heartbeats
-  its ranks write into the run directory (``watchdog.heartbeat_age``): taken over when every rank
+  its ranks write into the run directory (``watchdog.heartbeat_times``): taken over when every rank
   the lock names on that host has a heartbeat older than ``watchdog.STALE_HEARTBEAT_S``, and
   otherwise **refused**, naming the host and how to clear the lock by hand if that job is gone.
 
@@ -257,12 +257,13 @@ class RunLock:
         """Whether the job still runs on ``host`` (another host), from the heartbeats of the ranks the
         lock names there: False when every one is stale, True when one is fresh, None when a rank
         has no heartbeat or the lock names no rank there (its launcher alone proves nothing)."""
-        from shardwise.runtime.watchdog import rank_alive_by_heartbeat
+        from shardwise.runtime.watchdog import heartbeat_times, rank_alive_by_heartbeat
 
         there = [r for r in ranks if r.get("host") == host]
         if not there:
             return None
-        verdicts = [rank_alive_by_heartbeat(self.run_dir, r) for r in there]
+        beats = heartbeat_times(self.run_dir)
+        verdicts = [rank_alive_by_heartbeat(beats, r) for r in there]
         if any(v is True for v in verdicts):
             return True
         return False if all(v is False for v in verdicts) else None
