@@ -100,3 +100,51 @@ def test_summary_json_predicts_what_the_dry_run_predicts(capsys, tmp_path):
     assert code == 0, err
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["memory"]["ranks"][0]["predicted"] == predicted.ranks[0].to_dict()
+
+
+def _tree(root):
+    """Every path under ``root`` with its size and modification time (what a write would change)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def test_dry_run_leaves_the_data_cache_and_run_folder_as_they_were(capsys, tmp_path):
+    """Issue 17: "nothing was written" was untrue: a dry run built the token cache, and left its
+    .lock files even when it refused. Now it reads the cache, creates nothing there, and builds a
+    missing entry in a temporary folder that it removes; accepted or refused alike."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from helpers.text import corpus_text, make_tokenizer, text_overrides
+
+    from shardwise.config import load_config
+    from shardwise.data.text import load_text
+
+    tok = make_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data" / "corpus.txt"
+    data.parent.mkdir()
+    data.write_text(corpus_text(6000), encoding="utf-8")
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    sets = [a for o in text_overrides(data, tok, cache) for a in ("--set", o)]
+    before = _tree(tmp_path)
+    code, out, err = run_main(capsys, "train", "--dry-run", "--nproc", "1", "--out", str(run), *sets)
+    assert code == 0, err
+    assert "nothing was written" in out and "for this dry run only" in err
+    code, out, err = run_main(capsys, "train", "--dry-run", "--nproc", "1", "--out", str(run), "--resume", *sets)
+    assert code == 2 and "no checkpoint to resume" in err and "Traceback" not in err
+    code, out, err = run_main(capsys, "verify", "--dry-run", "--strategy", "ddp", "--nproc", "1", "--out", str(run),
+                              *sets)
+    assert code == 0, err
+    assert _tree(tmp_path) == before  # no cache folder, no .lock file, no run folder
+
+    # A cache entry that exists is read as it is (no rebuild, no new file, not even a lock file).
+    cfg = load_config(None, [*text_overrides(data, tok, cache)])
+    load_text(cfg.data, 32)
+    capsys.readouterr()
+    run.mkdir()
+    (run / "notes.txt").write_text("the user's own file\n")
+    before = _tree(tmp_path)
+    for extra in ([], ["--resume"]):
+        code, out, err = run_main(capsys, "train", "--dry-run", "--nproc", "1", "--out", str(run), *extra, *sets)
+        assert code == (2 if extra else 0), err
+        assert "tokenising" not in err
+    assert _tree(tmp_path) == before

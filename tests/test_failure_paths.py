@@ -226,14 +226,45 @@ def test_launch_of_a_failing_user_script_says_which_rank_without_torchruns_trace
     assert f"error: {script} failed: rank 1 exited with code 5" in proc.stderr, proc.stderr
 
 
-def test_a_damaged_checkpoint_refusal_names_the_newest_earlier_complete_one(tmp_path):
+def test_a_damaged_newest_checkpoint_is_named_with_the_newest_intact_one_to_resume(tmp_path, capsys):
+    """Issue 17: ``resume = "auto"`` over a newest checkpoint whose manifest.json is missing said
+    "no 'latest' pointer"; a damaged one said ``--resume .../step-...``. Every refusal now says what
+    is wrong with which checkpoint and names the newest intact earlier one, before any rank starts."""
+    import shutil
+
     from shardwise.runtime.checkpoint.manifest import corruption_error
 
-    root = tmp_path / "checkpoints"
-    for step, complete in ((1, True), (2, True), (3, False), (4, True)):
-        (root / f"step-{step:08d}").mkdir(parents=True)
-        if complete:
-            (root / f"step-{step:08d}" / "manifest.json").write_text("{}")
-    text = str(corruption_error(root / "step-00000004", ["a flipped byte"]))
-    assert f"--resume {root / 'step-00000002'}" in text and "step-..." not in text, text
-    assert "No earlier complete checkpoint" in str(corruption_error(root / "step-00000001", ["x"]))
+    data = small_text(tmp_path)
+    base = tmp_path / "base"
+    overrides = [*cli_args(fast_overrides(data, steps=3, every=1)), "--set", "checkpoint.keep_last=3"]
+    assert main(["train", *ONE, "--out", str(base), *overrides]) == 0, capsys.readouterr().err
+    more = [*overrides, "--set", "train.steps=5"]
+
+    def refusal(name: str, damage, *resume: str) -> str:
+        run = tmp_path / name
+        shutil.copytree(base, run)
+        damage(run / "checkpoints")
+        capsys.readouterr()
+        code = main(["train", *ONE, "--out", str(run), *more, *resume])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err and "no 'latest' pointer" not in err, err
+        assert "rank" not in err, err  # refused by the launcher, before any rank started
+        return err
+
+    intact = f"--resume {tmp_path}/{{}}/checkpoints/step-00000002 "
+    for resume in (["--set", "checkpoint.resume=auto"], ["--resume"]):
+        err = refusal(f"missing-{len(resume)}", lambda c: (c / "step-00000003" / "manifest.json").unlink(), *resume)
+        assert "latest names step-00000003, but its manifest.json is missing" in err, err
+        assert intact.format(f"missing-{len(resume)}") in err, err
+    err = refusal("truncated", lambda c: (c / "step-00000003" / "manifest.json").write_text('{"trunc'),
+                  "--set", "checkpoint.resume=auto")
+    assert "step-00000003/manifest.json is not valid JSON" in err and intact.format("truncated") in err, err
+
+    def two_bad(c: Path) -> None:  # the newest intact one is older than the newest that has a manifest
+        (c / "step-00000003" / "manifest.json").unlink()
+        (c / "step-00000002" / "manifest.json").write_text("{}")
+
+    err = refusal("two", two_bad, "--resume")
+    assert f"--resume {tmp_path}/two/checkpoints/step-00000001 " in err, err
+    text = str(corruption_error(base / "checkpoints" / "step-00000001", ["x"]))
+    assert "No earlier intact checkpoint" in text, text

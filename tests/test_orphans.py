@@ -186,3 +186,58 @@ def test_lifeline_thread_alone_stops_an_orphan(tmp_path, cli_env, who):
         for proc in (parent, stand_in):
             proc.kill()
             proc.wait()
+
+
+def test_a_lock_held_on_another_host_is_taken_over_only_when_its_rank_heartbeats_are_stale(tmp_path, capsys):
+    """Issue 17: a lock whose job ran on another host is taken over once every rank the lock names
+    there has a stale heartbeat (the watchdog's files in the shared run directory); a fresh or
+    missing heartbeat refuses, naming the host and how to clear the lock. Fabricated records:
+    no second host is needed."""
+    from shardwise.errors import ConfigError
+    from shardwise.job.runlock import LOCK_FILE, RunLock
+    from shardwise.job.watchdog import STALE_HEARTBEAT_S
+
+    host = "gpu-node-17.example"
+    ranks = [{"host": host, "pid": 4000 + r, "start_time": 777 + r, "boot_id": "b", "rank": r} for r in (0, 1)]
+    launcher = {"host": host, "pid": 3999, "start_time": 5, "boot_id": "b", "member_id": "m"}
+
+    def plant(name: str, ages: dict[int, float | None]) -> Path:
+        run = tmp_path / name
+        (run / "heartbeat").mkdir(parents=True)
+        (run / LOCK_FILE).write_text(json.dumps({**launcher, "job_id": "old-job", "time": time.time() - 9999,
+                                                 "command": "shardwise train", "members": [launcher],
+                                                 "ranks": ranks}))
+        for rank, age in ages.items():
+            if age is None:
+                continue
+            beat = run / "heartbeat" / f"rank{rank}.json"
+            beat.write_text(json.dumps({**ranks[rank], "launch_id": "l", "attempt": 0, "step": 7,
+                                        "time": time.time() - age}))
+            os.utime(beat, (time.time() - age, time.time() - age))
+        return run
+
+    stale = STALE_HEARTBEAT_S + 60
+    run = plant("stale", {0: stale, 1: stale})
+    lock = RunLock(run, job_id="new-job").acquire()
+    assert json.loads((run / LOCK_FILE).read_text())["job_id"] == "new-job"
+    err = capsys.readouterr().err
+    assert "took over the stale lock" in err and host in err and "no heartbeat for over" in err, err
+    lock.release()
+
+    for name, ages, words in (("fresh", {0: stale, 1: 2.0}, "still write heartbeats"),
+                              ("missing", {0: stale}, "left no heartbeat"),
+                              ("none", {}, "left no heartbeat")):
+        run = plant(name, ages)
+        before = (run / LOCK_FILE).read_text()
+        with pytest.raises(ConfigError) as e:
+            RunLock(run, job_id="new-job").acquire()
+        text = str(e.value)
+        assert words in text and host in text and f"delete {run / LOCK_FILE}" in text, text
+        assert (run / LOCK_FILE).read_text() == before
+
+    # A heartbeat file's own clock running behind (skew) does not make a live rank look stale:
+    # its modification time is newer.
+    run = plant("skew", {0: stale, 1: stale})
+    os.utime(run / "heartbeat" / "rank1.json")
+    with pytest.raises(ConfigError, match="still write heartbeats"):
+        RunLock(run, job_id="new-job").acquire()

@@ -16,6 +16,7 @@ final parameter difference, and exits 0 only when both are within the precision'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -288,7 +289,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
     cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
-    checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
+    from shardwise.data.cache import read_only
+
+    # --dry-run writes nothing: the data cache is only read (issue 17).
+    with read_only() if args.dry_run else contextlib.nullcontext():
+        checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
     out = Path(args.out or f"runs/verify-{checked.layout.strategy.replace('+', '_')}")
     cfg = replace_in(checked.config, **{"parallel.nproc": args.nproc})
     if args.dry_run:

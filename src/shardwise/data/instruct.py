@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from shardwise.config import DataConfig
-from shardwise.data.cache import cache_key, cache_root, exclusive, file_identity
+from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
 from shardwise.data.records import Record, hf_disk_splits, is_hf_disk, read_records, record_files
 from shardwise.data.tokenizer import EOS_CANDIDATES, tokenizer_fingerprint
 from shardwise.errors import ConfigError
@@ -371,6 +371,9 @@ def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, 
             cached = _load(entry)
             if cached is not None:
                 return cached, True
+        # A dry run builds the entry in its scratch folder: the cache is left as it was.
+        real_root, root = root, build_root(root)
+        entry = root / entry.name
         t0 = time.perf_counter()
         tok = load_hf_tokenizer(dc.tokenizer, dc.chat_template)
         renderer = RecordRenderer(tok, dc)
@@ -383,8 +386,8 @@ def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, 
             if val_path is None and hf_val is None:
                 train_idx, val_idx = split_by_record(len(records), dc.val_fraction)
                 records = [records[i] for i in (train_idx if part == "train" else val_idx)]
-        print(f"shardwise: tokenising {len(records):,} {dc.kind} records ({part}) of {str(source)!r} into {root}; "
-              "later runs reuse them", file=sys.stderr, flush=True)
+        print(f"shardwise: tokenising {len(records):,} {dc.kind} records ({part}) of {str(source)!r} "
+              f"{where_built(real_root)}", file=sys.stderr, flush=True)
         enc = encode_records(records, renderer, block_size, dc.truncation)
         if not enc.ids:
             raise ConfigError(f"{key} {str(source)!r}: no {part} record is left to train on ({enc.records} read, "

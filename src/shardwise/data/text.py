@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from shardwise.config import DataConfig
-from shardwise.data.cache import cache_key, cache_root, exclusive, file_identity
+from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
 from shardwise.data.tokenizer import NEEDS_TOKENIZER, TextTokenizer, load_tokenizer, tokenizer_fingerprint
 from shardwise.data.tokens import LMData, TokenFile, pack
 from shardwise.errors import ConfigError
@@ -215,11 +215,14 @@ def _cached_tokens(files: list[Path], dc: DataConfig, what: str) -> tuple[TokenF
     with exclusive(root / f"text-{key}.lock"):
         cached = _read_entry(bin_path, meta_path)
         if cached is None:
+            # A dry run builds the entry in its scratch folder: the cache is left as it was.
+            real_root, root = root, build_root(root)
+            bin_path, meta_path = root / bin_path.name, root / meta_path.name
             tokenizer = load_tokenizer(dc.tokenizer)
             size_mb = sum(f.stat().st_size for f in files) / 1e6
             # Once per corpus (the ranks then find the entry), and possibly long: say what is going on.
             print(f"shardwise: tokenising {what} ({len(files)} file(s), {size_mb:.1f} MB) with "
-                  f"{str(tok_path)!r} into {root}; later runs reuse it", file=sys.stderr, flush=True)
+                  f"{str(tok_path)!r} {where_built(real_root)}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             tmp = bin_path.with_name(f"{bin_path.name}.tmp-{os.getpid()}")
             try:

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardwise.config import TOKEN_DTYPES, DataConfig
-from shardwise.data.cache import cache_key, cache_root, file_identity
+from shardwise.data.cache import build_root, cache_key, cache_root, file_identity
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json
 
@@ -119,7 +119,8 @@ def id_range(tokens: TokenFile, cache_dir: str) -> tuple[int, int]:
         low = lo if low is None else min(low, lo)
         high = hi if high is None else max(high, hi)
     assert low is not None and high is not None
-    atomic_write_json(stats, {"min": low, "max": high, "file": str(tokens.path)})
+    # A dry run remembers it in its scratch folder (removed at its end): the cache stays as it was.
+    atomic_write_json(build_root(root) / stats.name, {"min": low, "max": high, "file": str(tokens.path)})
     return low, high
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config import RunConfig, check_text, to_toml
-from shardwise.errors import CheckpointError, ConfigError
+from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_text
 from shardwise.job.runlock import GUARD_FILE, LOCK_FILE, RunLock
 
@@ -117,11 +117,9 @@ def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
     if resume == "latest":
         return  # continues this run (its checkpoint was checked before)
     if resume == "auto":
-        try:
-            if latest_checkpoint(root) is not None:
-                return
-        except CheckpointError:
-            pass  # a damaged pointer: treated like a missing one below
+        # A damaged pointer or newest checkpoint raises its own message (what is wrong, what to resume).
+        if latest_checkpoint(root) is not None:
+            return
         complete = complete_checkpoints(root)
         if complete:
             raise missing_latest_error(root, complete, 'checkpoint.resume = "auto"')

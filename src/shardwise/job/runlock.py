@@ -16,8 +16,10 @@ that finds it:
   ``ranks`` (``register_rank``: host, PID, start time), so a rank that outlived its launcher
   (which ``job.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
   locked: a ``--resume`` never shares the directory with a survivor of the old job;
-* held on another host, whose liveness cannot be checked from here, is **refused** with how to
-  clear the lock by hand if that job is gone.
+* held on another host, whose processes cannot be checked from here, is judged by the heartbeats
+  its ranks write into the run directory (``watchdog.heartbeat_times``): taken over when every rank
+  the lock names on that host has a heartbeat older than ``watchdog.STALE_HEARTBEAT_S``, and
+  otherwise **refused**, naming the host and how to clear the lock by hand if that job is gone.
 
 Deciding and writing happen under an ``flock`` on ``<run>/.shardwise.lock.guard`` (taken for
 milliseconds), so two launchers racing for one directory cannot both win; the lock file itself is
@@ -73,6 +75,12 @@ def _guard(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the flock
+
+
+def _stale_s() -> float:
+    from shardwise.job.watchdog import STALE_HEARTBEAT_S
+
+    return STALE_HEARTBEAT_S
 
 
 def describe_holder(record: dict[str, Any]) -> str:
@@ -137,6 +145,7 @@ class RunLock:
         self.command = command
         self.joined = False  # True: another launcher of the same job holds it (this one joined)
         self.took_over: dict[str, Any] | None = None  # the stale lock replaced, if any
+        self.remote: dict[Any, bool | None] = {}  # other hosts of the last lock checked: alive by heartbeat
         self._held = False
         self._member_id = uuid.uuid4().hex  # names this launcher among the lock's members
 
@@ -164,8 +173,11 @@ class RunLock:
             atomic_write_json(self.path, record, durable=True, indent=1)
             self._held = True
         if self.took_over is not None:
+            gone = [h for h, alive in self.remote.items() if alive is False]
+            how = (f" (its ranks on {', '.join(map(str, gone))} have written no heartbeat for over "
+                   f"{_stale_s():g}s)" if gone else "")
             print(f"shardwise: took over the stale lock of {self.run_dir}: it was held by "
-                  f"{describe_holder(self.took_over)}, which is no longer running.", file=sys.stderr)
+                  f"{describe_holder(self.took_over)}, which is no longer running{how}.", file=sys.stderr)
         return self
 
     def check(self) -> None:
@@ -192,6 +204,15 @@ class RunLock:
             return live
         ranks = lock_ranks(held)
         rank_states = [(r, same_process_alive(r)) for r in ranks]
+        # Processes on other hosts: judged by their host's rank heartbeats (None: cannot tell).
+        here = process_record()["host"]
+        hosts = {r.get("host") for r, alive in rank_states if alive is None} | \
+                {m.get("host") for m, alive in states if alive is None}
+        verdicts = {h: self._remote_host_alive(h, ranks) for h in hosts if h != here}
+        self.remote = verdicts
+        states = [(m, verdicts.get(m.get("host")) if alive is None else alive) for m, alive in states]
+        rank_states = [(r, verdicts.get(r.get("host")) if alive is None else alive) for r, alive in rank_states]
+        live = [m for m, alive in states if alive is not False]
         live_ranks = [r for r, alive in rank_states if alive is not False]
         if not live and live_ranks:
             survivor = {**held, **live_ranks[0]}
@@ -199,12 +220,13 @@ class RunLock:
                 raise ConfigError(
                     f"run directory {self.run_dir} is locked by a job whose launcher ({describe_holder(held)}) "
                     f"is gone, but whose rank {survivor.get('rank')} ran on host {survivor.get('host')}, where "
-                    f"shardwise cannot check from here whether it still runs. If it does not, delete "
-                    f"{self.path} and retry; otherwise stop it first, or choose another --out.")
+                    f"shardwise cannot check from here whether it still runs{self._no_heartbeat}. If it does "
+                    f"not, delete {self.path} and retry; otherwise stop it first, or choose another --out.")
             raise ConfigError(
                 f"run directory {self.run_dir} is still in use by the job that locked it: its launcher "
                 f"({describe_holder(held)}) is gone, but rank {survivor.get('rank')} of that job still runs "
-                f"as pid {survivor.get('pid')} on host {survivor.get('host')}. Two jobs writing one run "
+                f"as pid {survivor.get('pid')} on host {survivor.get('host')}{self._fresh_heartbeat(survivor)}. "
+                "Two jobs writing one run "
                 "directory would mix their checkpoints; stop that process (it is an orphan of the killed "
                 "job) and retry, or choose another --out."
             )
@@ -214,21 +236,53 @@ class RunLock:
         holder = {**held, **live[0]}
         if any(alive is True for _, alive in states):
             raise ConfigError(
-                f"run directory {self.run_dir} is in use by a running job: {describe_holder(holder)}. "
-                "Wait for it to finish (or stop it), or choose another --out. Two jobs writing one run "
-                "directory would mix their metrics and delete each other's checkpoints."
+                f"run directory {self.run_dir} is in use by a running job: {describe_holder(holder)}"
+                f"{self._fresh_heartbeat(holder)}. Wait for it to finish (or stop it), or choose another --out. "
+                "Two jobs writing one run directory would mix their metrics and delete each other's checkpoints."
             )
         if live[0].get("host") != process_record()["host"]:
             raise ConfigError(
                 f"run directory {self.run_dir} is locked by {describe_holder(holder)}; shardwise "
-                f"cannot check from this host whether that job is still running. If it is not, "
-                f"delete {self.path} and retry; otherwise choose another --out."
+                f"cannot check from this host whether that job is still running on host "
+                f"{holder.get('host')}{self._no_heartbeat}. If it is not, delete {self.path} and retry "
+                f"(or run this command on {holder.get('host')}, which can check); otherwise choose another --out."
             )
         raise ConfigError(
             f"run directory {self.run_dir} is locked by {describe_holder(holder)}, and this "
             f"platform cannot tell whether that process is still the same job. If it is not, "
             f"delete {self.path} and retry; otherwise choose another --out."
         )
+
+    def _remote_host_alive(self, host: Any, ranks: list[dict[str, Any]]) -> bool | None:
+        """Whether the job still runs on ``host`` (another host), from the heartbeats of the ranks the
+        lock names there: False when every one is stale, True when one is fresh, None when a rank
+        has no heartbeat or the lock names no rank there (its launcher alone proves nothing)."""
+        from shardwise.job.watchdog import heartbeat_times, rank_alive_by_heartbeat
+
+        there = [r for r in ranks if r.get("host") == host]
+        if not there:
+            return None
+        beats = heartbeat_times(self.run_dir)
+        verdicts = [rank_alive_by_heartbeat(beats, r) for r in there]
+        if any(v is True for v in verdicts):
+            return True
+        return False if all(v is False for v in verdicts) else None
+
+    def _fresh_heartbeat(self, holder: dict[str, Any]) -> str:
+        # Said only for another host, where "running" rests on the heartbeats, not on the process.
+        if self.remote.get(holder.get("host")) is not True:
+            return ""
+        return (f" (its ranks there still write heartbeats into {self.run_dir / 'heartbeat'}; the lock is "
+                f"taken over once they have been silent for {_stale_s():g}s. If that job is gone, e.g. its "
+                f"host was switched off, delete {self.path} and retry)")
+
+    @property
+    def _no_heartbeat(self) -> str:
+        from shardwise.job.watchdog import STALE_HEARTBEAT_S
+
+        return (f" (its ranks left no heartbeat in {self.run_dir / 'heartbeat'} to tell: the lock is taken "
+                f"over once every rank there has been silent for {STALE_HEARTBEAT_S:g}s, which needs the "
+                "watchdog on)")
 
     def release(self) -> None:
         """Leave the lock; the last member of the job removes it."""

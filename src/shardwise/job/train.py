@@ -119,9 +119,10 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     from shardwise.runtime.checkpoint.locate import resume_source
 
     ck = cfg.checkpoint
-    if ck.resume in ("", "auto"):
-        return cfg
-    source = Path(resume_source(ck.resume, out / CHECKPOINTS_DIR) or "")
+    found = resume_source(ck.resume, out / CHECKPOINTS_DIR)
+    if not found:
+        return cfg  # a fresh start ("" or "auto" with nothing saved yet)
+    source = Path(found)
     # The model's tensor shapes, from its meta-device copy (without one, the ranks check at load).
     shapes = tensor_shapes(meta_model.state_dict()) if meta_model is not None else None  # type: ignore[attr-defined]
     try:
@@ -131,7 +132,7 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
             raise CheckpointError(f"{e} --resume without a PATH continues the run given by --out; "
                                   "pass --out RUN_DIR, or --resume PATH.") from None
         raise
-    if ck.resume != "latest":
+    if ck.resume not in ("latest", "auto"):
         # Every rank and every restart loads this very checkpoint.
         return replace_in(cfg, **{"checkpoint.resume": str(path.resolve())})
     return cfg
@@ -237,9 +238,12 @@ def run_train(args: argparse.Namespace) -> int:
     _use_run_config_for_resume(args)
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
-    run = resolve_run(args)
     if args.dry_run:
-        return _dry_run(run, args)
+        from shardwise.data.cache import read_only
+
+        with read_only():  # "nothing was written": the data cache is only read
+            return _dry_run(resolve_run(args), args)
+    run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
     launch_id = new_launch_id()
     agreement, rdzv_id = None, ""

@@ -50,6 +50,44 @@ from shardwise.job.identity import process_record, same_process_alive
 
 HANG_EXIT_CODE = 3
 
+# A rank whose heartbeat has not been rewritten for this long is gone: its watchdog thread writes
+# one every poll (at most 1 s) for as long as the process lives, even while the rank is blocked
+# in a collective. Generous on purpose: it also absorbs clock skew between hosts and the attribute
+# caching of a shared file system (the run lock asks this for ranks on other hosts).
+STALE_HEARTBEAT_S = 120.0
+
+
+def heartbeat_times(run_dir: str | os.PathLike) -> dict[tuple[Any, Any, Any], float]:
+    """When each rank process (host, pid, start time) last wrote its heartbeat in ``run_dir``
+    (read once: a lock check asks about every rank of a large job). The newer of the heartbeat's
+    own time and the file's modification time counts, so a clock running behind never makes a
+    live rank look stale."""
+    out: dict[tuple[Any, Any, Any], float] = {}
+    for beat in Path(run_dir, "heartbeat").glob("rank*.json"):
+        try:
+            info = json.loads(beat.read_text(encoding="utf-8"))
+            mtime = beat.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict):
+            continue
+        written = info.get("time")
+        ok = isinstance(written, (int, float)) and not isinstance(written, bool) and written == written
+        key = (info.get("host"), info.get("pid"), info.get("start_time"))
+        out[key] = max(out.get(key, 0.0), max(mtime, written) if ok else mtime)
+    return out
+
+
+def rank_alive_by_heartbeat(beats: dict[tuple[Any, Any, Any], float], record: dict[str, Any],
+                            now: float | None = None) -> bool | None:
+    """Whether rank process ``record`` (on any host) still runs, judged by its heartbeat alone
+    (``beats``: ``heartbeat_times``): False when older than ``STALE_HEARTBEAT_S``, True when newer,
+    None when that very process left none (watchdog off, or it never started)."""
+    written = beats.get((record.get("host"), record.get("pid"), record.get("start_time")))
+    if written is None:
+        return None
+    return (time.time() if now is None else now) - written <= STALE_HEARTBEAT_S
+
 
 class Watchdog:
     """One rank's hang detector; ``start()`` arms it, ``beat()`` records progress, ``stop()`` disarms."""

@@ -23,6 +23,7 @@ from torch import nn
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
+from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import take_moe_stats
 from shardwise.observe.hooks import RunHooks
@@ -557,6 +558,7 @@ class Trainer:
         if self._fault_active(d.hang_rank, d.hang_at_step):
             while True:  # stop participating; the watchdog must notice
                 time.sleep(3600)
+        faults.signal_after_step(self.state.step, self.session.rank)  # SHARDWISE_DEBUG_SIGNAL (tests)
 
     def _fault_in_checkpoint(self, partial: Path) -> None:
         d = self.cfg.debug

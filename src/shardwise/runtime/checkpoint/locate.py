@@ -23,6 +23,7 @@ from shardwise.runtime.checkpoint.manifest import (
     PARTIAL_OWNER,
     PARTIAL_PREFIX,
     is_step_dir_name,
+    resume_instead,
 )
 
 
@@ -65,6 +66,12 @@ def latest_checkpoint(root: Path) -> Path | None:
     except (OSError, UnicodeDecodeError):
         name = "?"
     target = Path(root) / name
+    if is_step_dir_name(name) and target.is_dir() and not target.is_symlink() and not (target / MANIFEST).is_file():
+        # The save publishes 'latest' only after the manifest: it was deleted or damaged since.
+        what = "is not a regular file" if os.path.lexists(target / MANIFEST) else "is missing"
+        raise CheckpointError(f"{pointer} names {name}, but its {MANIFEST} {what}: that checkpoint was "
+                              f"damaged after it was saved (shardwise writes the manifest before "
+                              f"'{LATEST}') and cannot be loaded. {resume_instead(target)}")
     if not is_step_dir_name(name) or target.is_symlink() or not (target / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint in "
                               f"{root}. Pass --resume with one of: "

@@ -91,16 +91,60 @@ def body_checksum(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Return the manifest of checkpoint ``path`` after checking its format, self-checksum and schema."""
+def newest_intact(root: Path, before: str | None = None) -> Path | None:
+    """The newest step-N checkpoint in ``root`` (older than the step directory named ``before``)
+    whose manifest reads whole (format, self-checksum, schema); None when there is none.
+
+    The one rule for "which checkpoint to resume from instead" in every refusal. Its shard files
+    are not hashed here: they are verified when it loads.
+    """
+    try:
+        steps = sorted((p for p in Path(root).iterdir() if is_step_dir_name(p.name) and not p.is_symlink()
+                        and p.is_dir() and (before is None or p.name < before)), key=lambda p: p.name)
+    except OSError:
+        return None
+    for candidate in reversed(steps):
+        try:
+            _read_manifest(candidate)
+        except (CheckpointError, OSError):
+            continue
+        return candidate
+    return None
+
+
+def resume_instead(path: Path) -> str:
+    """The sentence that ends a refusal of checkpoint ``path``: the newest intact earlier one to resume from."""
     path = Path(path)
+    earlier = newest_intact(path.parent, before=path.name) if is_step_dir_name(path.name) else None
+    if earlier is not None:
+        return (f"Resume from the newest earlier intact checkpoint with --resume {earlier} (its files are "
+                "verified again when it loads).")
+    return (f"No earlier intact checkpoint is in {path.parent}: start a fresh run "
+            "(--overwrite keeps the old one).")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Return the manifest of checkpoint ``path`` after checking its format, self-checksum and schema.
+
+    A refusal names the newest earlier intact checkpoint (``resume_instead``).
+    """
+    path = Path(path)
+    try:
+        return _read_manifest(path)
+    except CheckpointError as e:
+        if path.is_symlink() or not is_step_dir_name(path.name):
+            raise
+        raise CheckpointError(f"{e} {resume_instead(path)}") from None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
     if path.is_symlink():
         raise CheckpointError(f"{path} is a symbolic link; shardwise reads a checkpoint only from a real "
                               "directory (pass the link's target itself if you trust it).")
     file = path / MANIFEST
     if not os.path.lexists(file):
         raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete shardwise checkpoint "
-                              "(an interrupted save leaves no manifest).")
+                              "(its save did not finish, or the file was deleted).")
     fd = open_regular(file)
     with os.fdopen(fd, "rb") as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
@@ -228,15 +272,7 @@ def removed_error(path: Path) -> CheckpointError:
 def corruption_error(path: Path, problems: list[str]) -> CheckpointError:
     """The error for a checkpoint whose files do not match its manifest."""
     path = Path(path)
-    try:
-        earlier = sorted((p for p in path.parent.iterdir() if p.name < path.name and is_step_dir_name(p.name)
-                          and not p.is_symlink() and (p / MANIFEST).is_file()), key=lambda p: p.name)
-    except OSError:
-        earlier = []
-    how = (f"Resume from the newest earlier complete checkpoint with --resume {earlier[-1]} (its files are "
-           "verified again when it loads)" if earlier else
-           f"No earlier complete checkpoint is in {path.parent}: start a fresh run (--overwrite keeps the old one)")
-    return CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}. {how}.")
+    return CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}. {resume_instead(path)}")
 
 
 
