@@ -194,8 +194,9 @@ class Layout:
             raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
         if ep == 1:
             return
-        if self.external is None and (self.info.dp_kind != "fsdp" or self.info.hybrid or self.offload
-                                      or self.pp > 1):
+        # FSDP2 kinds only (the DeepSpeed engine has dp_kind "fsdp" too but never splits experts).
+        if self.external is None and (self.info.dp_kind != "fsdp" or self.info.impl not in ("fsdp", "model-parallel")
+                                      or self.info.hybrid or self.offload or self.pp > 1):
             raise ConfigError(
                 f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp' or 'fsdp+tp', not "
                 f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "

@@ -149,11 +149,13 @@ def output_head(model: nn.Module) -> nn.Linear | None:
 _PLAIN_HEAD_FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
 
 
-def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1) -> ChunkPlan:
+def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1,
+                      plain_ce: bool = True) -> ChunkPlan:
     """Whether ``model``'s head would be chunked under ``train.loss_chunks = setting``; changes nothing.
 
     ConfigError when chunks are asked for explicitly where they cannot run; 'auto' quietly stays
     off there (the plan's ``reason`` says why). Preflight calls it on the meta model before launch.
+    ``plain_ce``: the run's loss is the token-mean CE (``Workload.plain_token_ce``).
     """
     from shardwise.parallel.blocks import model_family
 
@@ -163,7 +165,10 @@ def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 
     head = output_head(model)
     family = model_family(model) if head is not None else ""
     why = ""
-    if head is None or family not in _PLAIN_HEAD_FAMILIES:
+    if not plain_ce:
+        why = ("the run's loss is not the plain token-mean cross-entropy (records' response-only token sum, "
+               "packed documents, or an MoE aux loss)")
+    elif head is None or family not in _PLAIN_HEAD_FAMILIES:
         why = (f"the model ({family or type(model).__name__}) has no plain output head the chunked loss knows "
                f"(the built-in GPT and Hugging Face {', '.join(_PLAIN_HEAD_FAMILIES[1:])})")
     elif head.bias is not None:

@@ -96,7 +96,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         # h21: the chunked loss and context parallel refuse what they cannot run before launch.
         from shardwise.loss import plan_chunked_head
 
-        plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp)
+        plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
         if layout.cp > 1:
             from shardwise.parallel.cp import check_cp_model
 

@@ -48,6 +48,12 @@ class Workload:
     # per-micro-batch means (runtime.token_loss): for labels with -100 (prompts, padding, packing).
     token_loss: bool = False
 
+    @property
+    def plain_token_ce(self) -> bool:
+        """Whether the training loss is the plain token-mean cross-entropy, the one loss the chunked
+        head computes (shardwise.loss): not the token-sum of records, not CE + an MoE aux loss."""
+        return not self.token_loss and self.loss_fn is cross_entropy_loss
+
 
 def import_factory(spec: str, key: str) -> Callable[..., Any]:
     """Import ``module:function``; ConfigError says what failed."""

@@ -146,7 +146,8 @@ def dry_run_prediction(run: ResolvedRun) -> Any:
     if run.checked.meta_model is None:
         return None
     return predict_for_model(run.checked.meta_model, run.layout, run.config,
-                             seq=run.checked.workload.tokens_per_sample, ranks_per_node=run.nproc)
+                             seq=run.checked.workload.tokens_per_sample, ranks_per_node=run.nproc,
+                             plain_ce=run.checked.workload.plain_token_ce)
 
 
 def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
@@ -279,7 +280,12 @@ def run_train(args: argparse.Namespace) -> int:
             agreement.wait_ready() if lock.joined else agreement.publish_ready()
         started = time.time() - 1.0
         if nproc == 1 and not run.multi_node and not args.max_restarts:
-            train(cfg, out, launch_id=launch_id)
+            try:
+                train(cfg, out, launch_id=launch_id)
+            except (ShardwiseError, KeyboardInterrupt, SystemExit, GeneratorExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - as on N ranks: one line, the traceback in the log
+                return _report_in_process_failure(e, out)
             return _report_interrupt(out, started) or 0
         env = {LAUNCH_ID_ENV: launch_id, JOB_ID_ENV: job_id}
         if accelerator_count():
@@ -300,6 +306,29 @@ def run_train(args: argparse.Namespace) -> int:
         return _report_interrupt(out, started) or _report_ranks(rc, out, agent_report)
     finally:
         lock.release()  # (the rendezvous store this launcher may serve lives as long as `agreement`)
+
+
+def _report_in_process_failure(error: BaseException, out: Path) -> int:
+    """A one-process run's unexpected failure, worded as a rank's is (``job.worker``): one line on
+    the console, the traceback in ``logs/rank-0.log``. A full disk stays the CLI's exit 2."""
+    import errno
+    import traceback
+
+    from shardwise.job.worker import INTERNAL_EXIT_CODE, describe_unexpected
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise error
+    log = out / "logs" / "rank-0.log"
+    where = ""
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            traceback.print_exception(error, file=f)
+        where = f" (traceback in {log})"
+    except OSError:
+        traceback.print_exception(error, file=sys.stderr)  # no log to keep it: the console is all there is
+    print(f"error: {describe_unexpected(error)}{where}", file=sys.stderr)
+    return INTERNAL_EXIT_CODE
 
 
 def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str) -> tuple[Any, str]:

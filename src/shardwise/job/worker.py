@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         # Under plain torchrun (no job id from a launcher) ranks on other hosts derive other
         # launch ids than rank 0: they register only where the ids agree.
         job = os.environ.get(JOB_ID_ENV)
-        register_rank(out, job or launch_id(), rank, strict=bool(job))
         try:
+            register_rank(out, job or launch_id(), rank, strict=bool(job))
             train(cfg, out, attempt=attempt)
         finally:
             if lock is not None:

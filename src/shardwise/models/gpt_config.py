@@ -76,7 +76,9 @@ def moe_block_params(cfg: GPTConfig) -> tuple[int, int]:
     c, h, e = cfg.n_embd, cfg.expert_hidden, cfg.n_experts
     b = 1 if cfg.bias else 0
     expert = 2 * c * h
-    shared = cfg.moe_shared_experts * ((c * h + b * h) + (h * c + b * c))
+    # The shared experts are one MLP of width s * h (models/moe.py SharedExperts): one output bias.
+    hs = cfg.moe_shared_experts * h
+    shared = (c * hs + b * hs) + (hs * c + b * c) if hs else 0
     return c * e + e * expert + shared, c * e + cfg.moe_top_k * expert + shared
 
 

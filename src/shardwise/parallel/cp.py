@@ -182,12 +182,15 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
     """ConfigError unless ``model`` is one context parallel can run (heads divisible, known attention)."""
     if cp == 1:
         return
-    from shardwise.parallel.tp import model_family, tp_shape_sizes
+    from shardwise.families import CP_FAMILIES
+    from shardwise.parallel.blocks import model_family
+    from shardwise.parallel.tp import tp_shape_sizes
 
-    if not _attention_modules(model) or not model_family(model):
+    family = model_family(model)
+    if not _attention_modules(model) or family not in CP_FAMILIES:
         raise ConfigError(
-            f"context parallel (parallel.cp={cp}) runs the built-in GPT and Llama-family Hugging Face models "
-            f"(sdpa attention); {type(model).__name__} is neither. Set parallel.cp = 1.")
+            f"context parallel (parallel.cp={cp}) runs the model families {', '.join(CP_FAMILIES)} (sdpa "
+            f"attention); {family or type(model).__name__} is not one of them. Set parallel.cp = 1.")
     sizes = tp_shape_sizes(model)
     heads = sizes.get("n_head") or sizes["num_attention_heads"]
     if (heads // tp) % cp:

@@ -279,6 +279,16 @@ def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
     return False
 
 
+def _compile_refusal(work: Workload, tp: int, pp: int, cp: int) -> str:
+    """Why the runtime refuses ``train.compile`` for these degrees ('' when it compiles): the same
+    rules preflight applies (context parallel, the zero-bubble schedules' split backward)."""
+    from shardwise.pp_schedules import compile_refusal
+
+    if cp > 1:
+        return "context parallel's all-to-all attention is not compiled"
+    return (compile_refusal(work.pp_schedule) or "") if pp > 1 else ""
+
+
 def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int | None = None,
                       pp: int | None = None, cp: int | None = None,
                       ep: int | None = None) -> tuple[list[Layout], list[str]]:
@@ -323,6 +333,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     skipped.append(f"{label}: train.loss_chunks = {work.loss_chunks} cannot run here: {why}")
                 continue
             if dp % c:
+                continue
+            if work.compile and (why := _compile_refusal(work, t, p, c)):
+                if not quiet:
+                    skipped.append(f"{label}: train.compile cannot run here: {why}")
                 continue
             accum, _ = _grad_accum(work, dp // c, world)
             if p > 1 and accum < p:

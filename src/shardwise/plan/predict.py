@@ -225,25 +225,26 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
 
 
 def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
-                     ranks_per_node: int | None = None) -> RunPrediction:
+                     ranks_per_node: int | None = None, plain_ce: bool = True) -> RunPrediction:
     """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
-    arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes."""
+    arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes.
+    ``plain_ce``: the loss is the token-mean CE (``Workload.plain_token_ce``), else never chunked."""
     return predict_run(spec, layout, precision=cfg.parallel.precision, seq=seq,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
-                       loss_chunks=getattr(cfg.train, "loss_chunks", 0),
+                       loss_chunks=getattr(cfg.train, "loss_chunks", 0) if plain_ce else 0,
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
                                                                             nproc=cfg.parallel.nproc))
 
 
 def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",
-                      ranks_per_node: int | None = None) -> RunPrediction:
+                      ranks_per_node: int | None = None, plain_ce: bool = True) -> RunPrediction:
     """``predict_for_spec`` for an ``nn.Module`` (a meta-device copy is enough)."""
     from shardwise.plan.spec import from_module
 
     spec = from_module(model, name=name or model_name(cfg.model))
-    return predict_for_spec(spec, layout, cfg, seq=seq, ranks_per_node=ranks_per_node)
+    return predict_for_spec(spec, layout, cfg, seq=seq, ranks_per_node=ranks_per_node, plain_ce=plain_ce)
 
 
 def model_name(m: Any) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
-from shardwise.families import HF_FAMILIES, LLAMA_LIKE
+from shardwise.families import HF_FAMILIES, LLAMA_LIKE, MOE_FAMILIES
 
 # Architecture families the activation model knows (see memory.activation_bytes):
 #   "gpt"   LayerNorm, GELU MLP, learned positions (our GPT and GPT-2);
@@ -252,6 +252,12 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
 # HF config.json
 
 
+# The Hugging Face MoE families whose config.json the planner reads (qwen2_moe's shared experts and
+# olmoe's full-width q/k norms are not counted yet), and every family it plans.
+_MOE_READ = ("mixtral", "qwen3_moe")
+_PLANNED_HF = tuple(f for f in HF_FAMILIES if f not in MOE_FAMILIES or f in _MOE_READ)
+
+
 def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
     """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``)."""
     model_type = str(cfg.get("model_type", "")).lower()
@@ -271,7 +277,7 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
         except KeyError as e:
             raise ConfigError(
                 f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
-    if model_type in ("mixtral", "qwen3_moe"):  # [issue 20, h20b] Hugging Face MoE (plan/moe.py)
+    if model_type in _MOE_READ:  # Hugging Face MoE (plan/moe.py)
         from shardwise.plan.moe import moe_llama_spec
 
         try:
@@ -292,7 +298,7 @@ def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSp
                               n_heads=cfg.get("n_head", 12), vocab=cfg.get("vocab_size", 50257),
                               n_positions=cfg.get("n_positions", 1024), ffn_hidden=cfg.get("n_inner"))
     raise ConfigError(f"{name}: model_type {model_type or '(missing)'!r} is not supported by the planner; "
-                      f"supported: {', '.join(HF_FAMILIES)}. Use --model-factory module:function to count "
+                      f"supported: {', '.join(_PLANNED_HF)}. Use --model-factory module:function to count "
                       "any nn.Module on the meta device, or --params N for a bare count.")
 
 

@@ -141,6 +141,10 @@ class Trainer:
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
         self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
+        if not self.workload.plain_token_ce:
+            # The chunked head computes the token-mean CE only; other losses see whole logits
+            # (an explicit train.loss_chunks was refused before launch: preflight).
+            self.session.loss_chunks = 0
         # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
         if self.workload.token_loss and self.session.layout.pp > 1:
             raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
@@ -186,7 +190,8 @@ class Trainer:
         # ledger's measurements, so every job checks the planner.
         # The same call as --dry-run's (predict_for_spec): the two predictions cannot drift.
         self.prediction = predict_for_spec(spec, self.session.layout, cfg, seq=self.workload.tokens_per_sample,
-                                           ranks_per_node=self.session.ranks_per_node)
+                                           ranks_per_node=self.session.ranks_per_node,
+                                           plain_ce=self.workload.plain_token_ce)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers)
         val_batch = t.micro_batch_size
