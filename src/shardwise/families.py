@@ -48,7 +48,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", llama_like=True, tp_plan=True, pp_split=True),
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True),
-    Family("gpt2"),
+    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py).
+    Family("gpt2", tp_plan=True),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.

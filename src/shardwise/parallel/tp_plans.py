@@ -115,7 +115,38 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
     return TPPlan(top=top, block=block, blocks_path="hf.model.layers")
 
 
-PLANS = {"gpt": gpt_plan, "llama": llama_plan}
+def gpt2_plan(sequence_parallel: bool) -> TPPlan:
+    """Return the TP plan for Hugging Face GPT-2 wrapped as ``HFCausalLM`` (``.hf``).
+
+    Its projections are ``Conv1D`` (weight ``(in, out)``), hence the Conv1D-aware styles, and its
+    fused ``c_attn`` is first split into ``c_attn.q/k/v`` (``parallel/tp_gpt2.py``). The input
+    embedding is usually tied to ``lm_head``: both split the vocabulary rows (``Shard(0)`` of the
+    one ``(vocab, hidden)`` weight), so the tie survives.
+    """
+    from shardwise.parallel.tp_gpt2 import Conv1DColwise, Conv1DRowwise
+
+    if sequence_parallel:
+        from shardwise.errors import ConfigError
+
+        raise ConfigError("parallel.sequence_parallel is not supported for GPT-2 models (its learned position "
+                          "embedding is added before the first block); run tensor parallel without it.")
+    top: dict[str, ParallelStyle] = {
+        "hf.transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "hf.transformer.wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "hf.lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attn.c_attn.q": Conv1DColwise(),
+        "attn.c_attn.k": Conv1DColwise(),
+        "attn.c_attn.v": Conv1DColwise(),
+        "attn.c_proj": Conv1DRowwise(),
+        "mlp.c_fc": Conv1DColwise(),
+        "mlp.c_proj": Conv1DRowwise(),
+    }
+    return TPPlan(top=top, block=block, blocks_path="hf.transformer.h")
+
+
+PLANS = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
 
 
 def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, ParallelStyle]:
