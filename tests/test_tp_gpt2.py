@@ -1,11 +1,12 @@
 """GPT-2 (Hugging Face, fused Conv1D q/k/v) under tensor parallel equals one process.
 
 A tiny GPT-2 folder is made with save_pretrained (tied embedding/head, sharded files). One spawn of
-2 gloo ranks runs ``tp`` (tp=2) and ``fsdp+tp`` with sequence parallel (dp=1 x tp=2) from the pretrained folder,
-5 fp32 AdamW steps each, and ``tp`` from a random init (meta init replays the fused c_attn into its
-q/k/v slices); each must equal the single-process run, whose first loss is transformers' own. The tp
-run's checkpoint is exported with ``ckpt export --format hf`` and reloaded with from_pretrained:
-the fused c_attn comes back and the logits equal the trained model's.
+2 gloo ranks runs ``tp`` (tp=2) and ``fsdp+tp`` with sequence parallel (dp=1 x tp=2) from the
+pretrained folder, 5 fp32 AdamW steps each, and ``tp`` from a random init (meta init replays the
+fused c_attn into its q/k/v slices); each must equal the single-process run, whose first loss is
+transformers' own. The tp run's checkpoint is exported with ``ckpt export --format hf`` and
+reloaded with from_pretrained: the fused c_attn comes back and the logits equal the trained
+model's. Resuming that checkpoint under fsdp (fused c_attn) is refused, naming the way out.
 """
 
 from __future__ import annotations
@@ -67,11 +68,30 @@ def random_case(rank: int, world_size: int, strategy: str, steps: int, global_ba
     return result
 
 
-def gpt2_cases(rank: int, world_size: int, cases: list[dict]) -> list:
-    """The pretrained cases (``hf_cases``) then the random-init ones, in one spawn."""
+def load_under(rank: int, world_size: int, folder: str, ckpt_dir: str, strategy: str) -> str:
+    """Load a checkpoint into the model built under ``strategy``; the error message, or "loaded"."""
+    from shardwise.errors import CheckpointError
+    from shardwise.models.hf import build_hf_model
+
+    session = Session(parallel=ParallelConfig(strategy=strategy), seed=0)  # type: ignore[arg-type]
+    model = session.build(lambda: build_hf_model(pretrained=folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = session.prepare(model, opt)
+    try:
+        session.load(ckpt_dir, model, opt)
+        return "loaded"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def gpt2_cases(rank: int, world_size: int, cases: list[dict], load: dict) -> list:
+    """The pretrained cases (``hf_cases``), the random-init ones, then ``load_under(**load)``: one spawn."""
     pretrained = [c for c in cases if "folder" in c]
-    return hf_cases(rank, world_size, pretrained) + [random_case(rank, world_size, **c)
-                                                      for c in cases if "folder" not in c]
+    return (hf_cases(rank, world_size, pretrained)
+            + [random_case(rank, world_size, **c) for c in cases if "folder" not in c]
+            + [load_under(rank, world_size, **load)])
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +113,10 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
         {"strategy": "tp", "tp": 2, **STEPS},
     ]
     random_ref = random_case(0, 1, "single", **STEPS)
-    results = run_distributed(gpt2_cases, 2, timeout_s=300, cases=cases)
+    load = {"folder": folder, "ckpt_dir": str(ckpt), "strategy": "fsdp"}
+    results = run_distributed(gpt2_cases, 2, timeout_s=300, cases=cases, load=load)
+    # The TP checkpoint names c_attn's parts: resuming it without TP is refused with the way out.
+    assert "holds c_attn as c_attn.q/k/v" in results[0][-1] and "--format hf" in results[0][-1], results[0][-1]
     for i, case in enumerate(cases):
         want = ref if "folder" in case else random_ref
         for rank in results:
