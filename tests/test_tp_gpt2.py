@@ -138,3 +138,19 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
     assert not torch.equal(trained.lm_head.weight, reference_model(gpt2_folder).lm_head.weight)  # it trained
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=x).logits, trained(input_ids=x).logits, atol=1e-5, rtol=0)
+
+
+def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
+    from shardwise.config import LoraConfig
+    from shardwise.errors import ConfigError
+    from shardwise.models.hf import build_hf_model
+    from shardwise.parallel.tp import check_tp_model
+
+    with torch.device("meta"):
+        model = build_hf_model(pretrained=str(gpt2_folder))
+        lora = build_hf_model(pretrained=str(gpt2_folder), lora=LoraConfig(rank=4, targets=["c_attn"]))
+    check_tp_model(model, 2)
+    with pytest.raises(ConfigError, match="n_head=4.*not divisible by 3"):
+        check_tp_model(model, 3)
+    with pytest.raises(ConfigError, match="LoRA on a GPT-2 model is not supported"):
+        check_tp_model(lora, 2)
