@@ -31,7 +31,8 @@ class Family:
     ``hf``: built from a Hugging Face ``config.json`` (``model.kind = 'hf'``). ``llama_like``: its
     layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
-    ``moe``: has mixture-of-experts layers (expert parallel applies).
+    ``moe``: has mixture-of-experts layers (expert parallel applies). ``tp_lora``: LoRA adapters
+    run under its TP plan (GPT-2's split c_attn cannot carry them).
     """
 
     name: str
@@ -40,6 +41,7 @@ class Family:
     tp_plan: bool = False
     pp_split: bool = False
     moe: bool = False
+    tp_lora: bool = True
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -49,7 +51,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True),
     # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py).
-    Family("gpt2", tp_plan=True),
+    Family("gpt2", tp_plan=True, tp_lora=False),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.

@@ -70,7 +70,10 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
             f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
             f"strategy (ddp, fsdp, hsdp) or {other} for this model."
         )
-    if model_family(model) == "gpt2" and getattr(model, "lora", None):
+    from shardwise.families import FAMILIES
+
+    family = FAMILIES.get(model_family(model))
+    if family is not None and not family.tp_lora and getattr(model, "lora", None):
         raise ConfigError(
             f"parallel.tp={tp} with LoRA on a GPT-2 model is not supported: tensor parallel splits GPT-2's fused "
             "q/k/v projection (c_attn) into three, which a LoRA-wrapped c_attn does not allow, and adapters on its "

@@ -9,6 +9,7 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
+from shardwise.families import FAMILIES
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
@@ -285,6 +286,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
             label = layout_label(info.name, t, p)
             if not info.supports(spec.family):
                 skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
+                continue
+            if t > 1 and work.lora_rank and spec.family in FAMILIES and not FAMILIES[spec.family].tp_lora:
+                skipped.append(f"{label}: LoRA on {spec.family} does not run under tensor parallel")
                 continue
             accum, _ = _grad_accum(work, dp, world)
             if p > 1 and accum < p:
