@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardwise.config import ParallelConfig
+from shardwise.parallel.tp_gpt2 import fuse_split_state
 from shardwise.runtime.session import Session
 from shardwise.testing import fixed_batches, lm_loss, run_distributed, train_fixed_batches
 from tests.helpers.hf import VOCAB, hf_case, hf_cases, reference_model, save_tiny
@@ -29,24 +30,11 @@ LOSS_ATOL = 1e-5
 PARAM_ATOL = 5e-5
 
 
-def _fused(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full parameters with c_attn.q/k/v concatenated back into c_attn (transformers' names)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in params.items():
-        stem, _, leaf = name.rpartition(".")
-        if stem.endswith("c_attn.q"):
-            base = stem[: -len(".q")]
-            out[f"{base}.{leaf}"] = torch.cat([params[f"{base}.{part}.{leaf}"] for part in "qkv"], dim=-1)
-        elif not stem.endswith(("c_attn.k", "c_attn.v")):
-            out[name] = p
-    return out
-
-
 def _assert_parity(ref: dict, got: dict, case: object) -> None:
     assert not isinstance(got, str), got
     for step, (a, b) in enumerate(zip(ref["losses"], got["losses"], strict=True)):
         assert abs(a - b) < LOSS_ATOL, (case, step, a, b)
-    want, have = _fused(ref["params"]), _fused(got["params"])
+    want, have = fuse_split_state(ref["params"]), fuse_split_state(got["params"])
     assert set(want) == set(have), case
     for name in want:
         diff = (want[name] - have[name]).abs().max().item()
@@ -132,7 +120,9 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
     reloaded = reference_model(out)
     assert "transformer.h.0.attn.c_attn.weight" in dict(reloaded.named_parameters())
     trained = reference_model(gpt2_folder)
-    loaded = trained.load_state_dict(_fused({k.removeprefix("hf."): v for k, v in results[0][0]["params"].items()}),
+    tp_params = results[0][0]["params"]
+    assert "hf.transformer.h.0.attn.c_attn.q.weight" in tp_params  # trained as q/k/v under TP
+    loaded = trained.load_state_dict(fuse_split_state({k.removeprefix("hf."): v for k, v in tp_params.items()}),
                                      strict=False)
     assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}  # tied to wte
     assert not torch.equal(trained.lm_head.weight, reference_model(gpt2_folder).lm_head.weight)  # it trained

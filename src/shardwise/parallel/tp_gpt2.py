@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardwise.errors import ConfigError
 
-__all__ = ["PARTS", "Conv1DColwise", "Conv1DRowwise", "SplitQKV", "fused_sources", "split_qkv"]
+__all__ = ["PARTS", "Conv1DColwise", "Conv1DRowwise", "SplitQKV", "fuse_split_state", "fused_sources", "split_qkv"]
 
 PARTS = ("q", "k", "v")
 
@@ -143,4 +143,20 @@ def fused_sources(model: nn.Module) -> dict[str, tuple[str, int, int]]:
             for tensor in ("weight", "bias"):
                 width = getattr(module, part).nf
                 out[f"{name}.{part}.{tensor}"] = (f"{name}.{tensor}", i * width, width)
+    return out
+
+
+def fuse_split_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (full tensors by name) with every ``X.q/k/v.T`` triple of a ``SplitQKV`` named
+    ``X`` concatenated back into ``X.T``: the names and layout of the model before ``split_qkv``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        stem, _, leaf = name.rpartition(".")
+        owner, _, part = stem.rpartition(".")
+        names = [f"{owner}.{p}.{leaf}" for p in PARTS]
+        if part in PARTS and owner.endswith("c_attn") and all(n in state for n in names):
+            if part == PARTS[0]:
+                out[f"{owner}.{leaf}"] = torch.cat([state[n] for n in names], dim=-1)
+            continue
+        out[name] = tensor
     return out
