@@ -244,11 +244,20 @@ def test_interleaved_pipeline_from_the_plan_cli():
 @pytest.mark.parametrize("argv, message", [
     (("--model", "gpt2", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts the built-in GPT and the Hugging Face "
                                                         "families llama, mistral, qwen2, qwen3 into stages; gpt2"),
-    (("--model", "gpt2", "--tp", "2"), "tensor parallel has plans for"),
+    (("--model", "gpt2", "--nodes", "2", "--tp", "2", "--pp", "2"), "pipeline parallel cuts"),
 ])
 def test_strategies_the_runtime_cannot_run_on_the_model_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         plan_cli.build_plan(plan_args(*argv))
+
+
+def test_gpt2_tensor_parallel_candidates_pass_train_dry_run():
+    # GPT-2 has a TP plan (parallel/tp_gpt2.py): the planner offers tp, and its command resolves.
+    plan = plan_cli.build_plan(plan_args("--model", "gpt2", "--tp", "2"))
+    assert plan.recommended.layout.tp == 2
+    assert "--set parallel.tp=2" in plan.commands[0]
+    strategy, world = dry_run_train(plan.commands[0])
+    assert "tp" in strategy and world == 8
 
 
 def test_planner_stage_split_and_blocks_are_the_runtimes():

@@ -31,7 +31,8 @@ class Family:
     layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
     ``moe``: has mixture-of-experts layers (expert parallel applies). ``cp``: context parallel's
-    all-to-all attention knows its attention modules (``parallel/cp.py``).
+    all-to-all attention knows its attention modules (``parallel/cp.py``). ``tp_lora``: LoRA
+    adapters run under its TP plan (GPT-2's split c_attn cannot carry them).
     """
 
     name: str
@@ -41,6 +42,7 @@ class Family:
     pp_split: bool = False
     moe: bool = False
     cp: bool = False
+    tp_lora: bool = True
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -49,7 +51,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True),
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True),
-    Family("gpt2"),
+    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py).
+    Family("gpt2", tp_plan=True, tp_lora=False),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.

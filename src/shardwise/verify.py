@@ -168,6 +168,9 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
             parts: list[Any] = [None] * session.world_size
             dist.all_gather_object(parts, params)
             params = {k: v for part in parts for k, v in part.items()}
+        from shardwise.parallel.tp_gpt2 import fuse_split_state
+
+        params = fuse_split_state(params)  # GPT-2 under TP trains c_attn as q/k/v: compare it fused
         result = {"losses": losses, "params": params, "dp_size": session.dp_size,
                   "world_size": session.world_size, "strategy": session.strategy_name}
         return result if session.is_main else None

@@ -291,6 +291,7 @@ def file_key(aliases: list[str], tensors: dict[str, Any], base_prefix: str) -> s
 
 
 _EXPERTS = "<experts>:"  # mapping value of a fused expert tensor read from per-expert keys
+_PART = "<part>:"  # mapping value "<part>:START:LENGTH:KEY" of a slice (last dim) of a file tensor
 
 
 def _moe_key(aliases: list[str], shape: tuple[int, ...], tensors: dict[str, Any], base_prefix: str) -> str | None:
@@ -332,8 +333,24 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     tensors.update(hf.named_buffers(remove_duplicate=False))
     mapping: dict[str, str] = {}
     missing, wrong = [], []
+    from shardwise.parallel.tp_gpt2 import fused_sources
+
+    parts = fused_sources(hf)
     for group in tensor_groups(hf):
         key = file_key(group, folder.tensors, base_prefix)
+        if key is None and group[0] in parts:
+            # A slice of a fused tensor the files hold whole (GPT-2's c_attn split for TP).
+            source, start, length = parts[group[0]]
+            key = file_key([source], folder.tensors, base_prefix)
+            have = tuple(folder.tensors[key].shape) if key is not None else ()
+            want = tuple(tensors[group[0]].shape)
+            if key is not None and (have[:-1] != want[:-1] or have[-1] < start + length):
+                wrong.append(f"{key} is {list(have)} in {folder.tensors[key].file}, the config builds a slice "
+                             f"{list(want)} of it at {start}")
+                continue
+            if key is not None:
+                mapping.update(dict.fromkeys(group, f"{_PART}{start}:{length}:{key}"))
+                continue
         if key is None:
             key = _moe_key(group, tuple(tensors[group[0]].shape), folder.tensors, base_prefix)
         if key is None:
@@ -389,6 +406,9 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
             assert sources is not None, name  # checked by check_model_tensors
             load_fused_experts(tensors[name].detach(), sources, folder)
             continue
+        if key.startswith(_PART):
+            _load_part(tensors[name].detach(), key, folder)
+            continue
         # One destination per key: tied aliases share it. detach() keeps the storage (a DTensor's
         # local shard), so DCP writes straight into the parameter.
         state.setdefault(key, tensors[name].detach())
@@ -397,6 +417,27 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
         # One process without a process group is intended here; DCP would warn that it "assumes" so.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=_make_reader(folder), no_dist=not distributed)
+
+
+def _load_part(dest: Any, value: str, folder: PretrainedFolder) -> None:
+    """Fill ``dest`` (plain or DTensor) with its slice ``value`` (``_PART``) of a tensor in the files.
+
+    Reads the part's columns of the fused tensor only (each rank then keeps its own shard of them):
+    for GPT-2's q/k/v that is a third of ``c_attn`` per part, per layer, held briefly.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from shardwise.runtime.meta_init import _copy_into
+
+    start, length, key = value[len(_PART):].split(":", 2)
+    begin, end = int(start), int(start) + int(length)
+    with safe_open(str(folder.path / folder.tensors[key].file), framework="pt") as f:
+        piece = f.get_slice(key)
+        rank = len(piece.get_shape())
+        part = piece[tuple([slice(None)] * (rank - 1) + [slice(begin, end)])]
+    with torch.no_grad():
+        _copy_into(dest, part.to(dtype=dest.dtype, device=dest.device))
 
 
 def _make_reader(folder: PretrainedFolder) -> Any:

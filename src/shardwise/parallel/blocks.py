@@ -128,8 +128,8 @@ def model_family(model: nn.Module) -> str:
 
 
 def tp_plan_family(model: nn.Module) -> str:
-    """The tensor-parallel plan family of ``model`` ("gpt", "llama") or "" when no plan exists."""
+    """The tensor-parallel plan family of ``model`` ("gpt", "gpt2", "llama") or "" when no plan exists."""
     family = model_family(model)
-    if family == "gpt":
-        return "gpt"
+    if family in ("gpt", "gpt2"):
+        return family
     return "llama" if family in LLAMA_LIKE else ""

@@ -39,6 +39,9 @@ def tp_shape_sizes(model: nn.Module) -> dict[str, int]:
     if family == "gpt":
         c = model.config  # type: ignore[union-attr]
         return {"n_head": c.n_head, "n_embd": c.n_embd, "mlp hidden (4 x n_embd)": 4 * c.n_embd}
+    if family == "gpt2":
+        c = model.hf.config  # type: ignore[union-attr]
+        return {"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd}
     if family == "llama":
         c = model.hf.config  # type: ignore[union-attr]
         return {"num_attention_heads": c.num_attention_heads,
@@ -56,8 +59,6 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
 
         family = family_of(model)
         what = f"the {family} model" if family else type(model).__name__
-        why = (" (GPT-2 fuses q, k and v into one Conv1D, which a column split would cut across heads)"
-               if family == "gpt2" else "")
         from shardwise.families import MOE_FAMILIES
 
         # Mixture-of-experts families do not run under pipeline parallel (parallel/ep.py); their
@@ -65,10 +66,18 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
         other = ("fsdp with parallel.ep (expert parallel)" if family in MOE_FAMILIES
                  else "pipeline parallel")
         raise ConfigError(
-            f"tensor parallel has no plan for {what}{why}: plans exist for the built-in GPT and "
+            f"tensor parallel has no plan for {what}: plans exist for the built-in GPT, GPT-2 and "
             f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
             f"strategy (ddp, fsdp, hsdp) or {other} for this model."
         )
+    from shardwise.families import FAMILIES
+
+    family = FAMILIES.get(model_family(model))
+    if family is not None and not family.tp_lora and getattr(model, "lora", None):
+        raise ConfigError(
+            f"parallel.tp={tp} with LoRA on a GPT-2 model is not supported: tensor parallel splits GPT-2's fused "
+            "q/k/v projection (c_attn) into three, which a LoRA-wrapped c_attn does not allow, and adapters on its "
+            "Conv1D layers have no TP plan. Train LoRA on GPT-2 with fsdp or ddp (parallel.tp = 1).")
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -94,7 +103,13 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     Parts set to ``None`` (a pipeline stage that does not own the embeddings or the head) are
     skipped, so the same call works on every pipeline stage.
     """
-    plan: TPPlan = PLANS[model_family(model)](sequence_parallel)
+    family = model_family(model)
+    plan: TPPlan = PLANS[family](sequence_parallel)
+    if family == "gpt2":
+        from shardwise.parallel.tp_gpt2 import split_qkv
+
+        # The fused q/k/v projection becomes three column-splittable ones (see tp_gpt2).
+        split_qkv(model, tp_mesh.size())
     top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
     if top:
         parallelize_module(model, tp_mesh, with_lora(top, model))

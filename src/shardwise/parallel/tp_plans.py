@@ -115,7 +115,48 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
     return TPPlan(top=top, block=block, blocks_path="hf.model.layers")
 
 
-PLANS = {"gpt": gpt_plan, "llama": llama_plan}
+def gpt2_plan(sequence_parallel: bool) -> TPPlan:
+    """Return the TP plan for Hugging Face GPT-2 wrapped as ``HFCausalLM`` (``.hf``).
+
+    Its projections are ``Conv1D`` (weight ``(in, out)``), hence the Conv1D-aware styles, and its
+    fused ``c_attn`` is first split into ``c_attn.q/k/v`` (``parallel/tp_gpt2.py``). The input
+    embedding is usually tied to ``lm_head``: both split the vocabulary rows (``Shard(0)`` of the
+    one ``(vocab, hidden)`` weight), so the tie survives. Under SP the learned positions are looked
+    up as ``(1, T, hidden)`` and reduce-scattered along the sequence like the token embeddings, so
+    the two sequence shards add up; the residual stream stays a DTensor as in the Llama plan.
+    """
+    from shardwise.parallel.tp_gpt2 import Conv1DColwise, Conv1DRowwise
+
+    resid = Shard(1) if sequence_parallel else Replicate()
+    local = not sequence_parallel
+    top: dict[str, ParallelStyle] = {
+        "hf.transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+                                              use_local_output=local),
+        "hf.transformer.wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+                                              use_local_output=local),
+        "hf.lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attn.c_attn.q": Conv1DColwise(),
+        "attn.c_attn.k": Conv1DColwise(),
+        "attn.c_attn.v": Conv1DColwise(),
+        "attn.c_proj": Conv1DRowwise(output_layouts=resid, use_local_output=local),
+        "mlp.c_fc": Conv1DColwise(),
+        "mlp.c_proj": Conv1DRowwise(output_layouts=resid, use_local_output=local),
+    }
+    if sequence_parallel:
+        top["hf.transformer.ln_f"] = SequenceParallel()
+        block.update({
+            "ln_1": SequenceParallel(),
+            "ln_2": SequenceParallel(),
+            # GPT-2 passes hidden_states to its attention and MLP positionally.
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return TPPlan(top=top, block=block, blocks_path="hf.transformer.h")
+
+
+PLANS = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
 
 
 def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, ParallelStyle]:

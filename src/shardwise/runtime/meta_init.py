@@ -235,13 +235,22 @@ class InitProgram:
         if any(t.is_meta for t in _tensors(model)):
             model.to_empty(device=device)
         self._retie(model, name_of)
-        destinations: dict[int, list[torch.Tensor]] = {}
+        destinations: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        # A tensor the strategy cut out of a recorded one (GPT-2's c_attn split into q/k/v for TP,
+        # parallel/tp_gpt2.py) takes its slice of the recorded value along the last dim.
+        from shardwise.parallel.tp_gpt2 import fused_sources
+
+        parts = fused_sources(model)
         for name, tensor in _named_tensors(model):
             fqn = name_of(name)
+            part = None
+            if fqn not in self.targets and name in parts:
+                source, start, length = parts[name]
+                fqn, part = name_of(source), (start, length)
             ref = self.targets.get(fqn)
             if ref is None or fqn in skip:
                 continue
-            destinations.setdefault(ref.key, []).append(tensor)
+            destinations.setdefault(ref.key, []).append((tensor, part))
         # Plain tensor attributes that are still meta (e.g. a rotary module's ``original_inv_freq``)
         # become real tensors holding their recorded value.
         attributes: dict[int, list[tuple[nn.Module, str, _Ref]]] = {}
@@ -257,8 +266,12 @@ class InitProgram:
             views.setdefault(ref.key, []).append(ref)
         with torch.no_grad():
             for key, storage in self._replay(wanted):
-                for dest in destinations.get(key, []):
-                    _copy_into(dest, _view(storage, _matching_view(views[key], dest)))
+                for dest, part in destinations.get(key, []):
+                    if part is None:
+                        _copy_into(dest, _view(storage, _matching_view(views[key], dest)))
+                        continue
+                    whole = _view(storage, _matching_view(views[key], dest, cut=True))
+                    _copy_into(dest, whole.narrow(-1, *part))
                 for module, attr, ref in attributes.get(key, []):
                     setattr(module, attr, _view(storage, ref).clone().to(device))
 
@@ -356,11 +369,12 @@ class InitProgram:
                 storages[ref.key] = t.untyped_storage()
 
 
-def _matching_view(refs: list[_Ref], dest: torch.Tensor) -> _Ref:
-    """The recorded view of a storage whose shape is ``dest``'s (tied names share one storage)."""
+def _matching_view(refs: list[_Ref], dest: torch.Tensor, cut: bool = False) -> _Ref:
+    """The recorded view of a storage whose shape is ``dest``'s (tied names share one storage);
+    ``cut``: ``dest`` is a slice of it along the last dim, so only the other dims must match."""
     shape = tuple(dest.shape)
     for ref in refs:
-        if ref.size == shape:
+        if ref.size == shape or (cut and len(ref.size) == len(shape) and ref.size[:-1] == shape[:-1]):
             return ref
     raise RuntimeError(f"no recorded tensor of shape {shape} in this storage")
 

@@ -405,12 +405,24 @@ class Session:
         new_params = {}
         for n, p in prepared.named_parameters():
             new_params[clean_name(n)] = p  # without DDP's "module." and checkpoint-wrapper prefixes
+        # A parameter the strategy cut in slices (GPT-2's c_attn as q/k/v under TP, parallel/tp_gpt2.py)
+        # is optimized as its slices, in the same param group.
+        from shardwise.parallel.tp_gpt2 import fused_sources
+
+        by_name = dict(prepared.named_parameters())
+        sliced: dict[str, list[torch.Tensor]] = {}
+        for part, (source, _, _) in fused_sources(prepared).items():
+            if part in by_name:
+                sliced.setdefault(clean_name(source), []).append(by_name[part])
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
                 name = names.get(id(p))
                 if allow_missing and name is not None and name not in new_params:
                     continue  # another pipeline stage holds (and optimizes) this parameter
+                if name is not None and name not in new_params and name in sliced:
+                    swapped.extend(sliced[name])
+                    continue
                 if name is None or name not in new_params:
                     raise ShardwiseError(
                         "the optimizer holds a parameter that is not in the model passed to prepare(); "

@@ -240,20 +240,32 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
         skeleton = _hf_skeleton(info["config"])
         prefix = info.get("prefix", "hf.")
         names = [group[0] for group in tensor_groups(skeleton)]
-        absent = [n for n in names if prefix + n not in ck.tensors]
+        # A tensor trained as slices (GPT-2's c_attn as c_attn.q/k/v under TP) is written fused again.
+        split = {n: parts for n in names if prefix + n not in ck.tensors
+                 and (parts := _split_parts(prefix + n, ck.tensors)) is not None}
+        absent = [n for n in names if prefix + n not in ck.tensors and n not in split]
         if absent:
             raise CheckpointError(
                 f"checkpoint {ck.path} lacks {len(absent)} tensor(s) of its Hugging Face config, e.g. "
                 f"{', '.join(absent[:3])}: it was saved by another model. Export it with --format safetensors.")
         state = {}
-        trained = {n: ck.tensors[prefix + n].properties.dtype for n in names}
+        trained = {n: ck.tensors[split[n][0] if n in split else prefix + n].properties.dtype for n in names}
 
         def read(group: list[str]) -> dict[str, torch.Tensor]:
-            return {n[len(prefix):]: t for n, t in ck.read([prefix + n for n in group]).items()}
+            whole = ck.read([prefix + n for n in group if n not in split])
+            out = {n[len(prefix):]: t for n, t in whole.items()}
+            for n in group:
+                if n in split:
+                    pieces = ck.read(split[n])
+                    out[n] = torch.cat([pieces[p] for p in split[n]], dim=-1)
+            return out
 
     names = list(trained)
     final_dtype = out_dtype or next(iter(trained.values()))
     converted = (lambda group: {n: t.to(final_dtype) for n, t in read(group).items()})  # noqa: E731
+    if not merge:
+        state.update({n: torch.empty(sum(ck.tensors[p].size.numel() for p in parts), device="meta")
+                      for n, parts in split.items()})
     sizes = {n: _numel(ck, info, n, state) * torch.empty((), dtype=final_dtype).element_size() for n in names}
 
     def write(folder: Path) -> dict[str, Any]:
@@ -264,6 +276,15 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
                 "dtype": str(final_dtype).removeprefix("torch."), "merged": merge}
 
     return _publish(Path(out), write)
+
+
+def _split_parts(name: str, tensors: dict[str, Any]) -> list[str] | None:
+    """The checkpoint names of ``name``'s q/k/v slices (``parallel/tp_gpt2.py``), or None."""
+    from shardwise.parallel.tp_gpt2 import PARTS
+
+    stem, _, leaf = name.rpartition(".")
+    parts = [f"{stem}.{part}.{leaf}" for part in PARTS]
+    return parts if all(p in tensors for p in parts) else None
 
 
 def _with_base(info: dict[str, Any], base: str | os.PathLike | None) -> dict[str, Any]:

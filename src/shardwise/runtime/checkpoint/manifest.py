@@ -312,9 +312,15 @@ def shape_mismatch(saved: dict[str, list], mine: dict[str, list], limit: int = 4
 
 def incompatible_error(path: Path, diffs: list[str]) -> CheckpointError:
     """The error for a checkpoint saved from a model of another shape."""
+    # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tp_gpt2.py).
+    split = any(".c_attn." in d and "checkpoint" in d for d in diffs)
+    hint = (" A GPT-2 checkpoint saved under tensor parallel (tp > 1) holds c_attn as c_attn.q/k/v, one saved "
+            "without it holds the fused c_attn: resume it under the same kind of layout, or export it with "
+            "`shardwise ckpt export --format hf` and start the other run from that folder (model.pretrained)."
+            if split else "")
     return CheckpointError(
         f"checkpoint {path} was saved from a model of a different shape: {'; '.join(diffs)}. "
         "Resume with the same [model] settings it was trained with (see `shardwise ckpt inspect "
-        f"{path}`)."
+        f"{path}`).{hint}"
     )
 
