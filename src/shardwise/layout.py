@@ -27,7 +27,6 @@ from shardwise.errors import ConfigError
 from shardwise.pp_schedules import check_schedule, stage_ids_of
 from shardwise.strategies import (
     COMPOSED_MESH,
-    NOT_IMPLEMENTED_DEGREES,
     REGISTRY,
     StrategyInfo,
     canonical_strategy,
@@ -38,7 +37,7 @@ from shardwise.strategies import (
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
 
-__all__ = ["Layout", "data_parallel_degree", "local_stage_ids", "ranks_per_node", "resolve_layout",
+__all__ = ["Layout", "data_parallel_degree", "ranks_per_node", "resolve_layout",
            "stage_layer_ranges", "tp_indivisible"]
 
 
@@ -74,11 +73,6 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
         out.append(range(start, start + size))
         start += size
     return out
-
-
-def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Return the stage indices of ``pp_rank``: loop order, rank r owns r, r + pp, r + 2 pp, ..."""
-    return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
 @dataclass(frozen=True)
@@ -139,11 +133,6 @@ class Layout:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {key} must be an integer >= 1, got {value!r}.")
-        for key, what in NOT_IMPLEMENTED_DEGREES.items():
-            if getattr(self, key) > 1:
-                raise ConfigError(
-                    f"{what} = {getattr(self, key)}: this degree is not implemented yet in shardwise; the "
-                    f"layout accepts only parallel.{key} = 1 for now. Unset it (or set it to 1).")
         for dim in ("dp", "tp", "pp"):
             if getattr(self, dim) > 1 and dim not in info.degrees:
                 raise ConfigError(

@@ -26,7 +26,7 @@ from shardwise.families import PP_FAMILIES, TP_FAMILIES
 from shardwise.pp_schedules import PP_SCHEDULES  # the schedules and their rules have their own owner
 
 __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_SYNC_MODES", "MESH_ORDER",
-           "NOT_IMPLEMENTED_DEGREES", "PP_SCHEDULES", "REGISTRY", "StrategyInfo", "canonical_strategy",
+           "PP_SCHEDULES", "REGISTRY", "StrategyInfo", "canonical_strategy",
            "composition_for", "degree_set", "strategy_for_degrees", "strategy_info", "strategy_names"]
 
 # ----------------------------------------------------------------- modes (defined once, here)
@@ -44,9 +44,6 @@ GRAD_SYNC_MODES = ("step", "microbatch")
 # not a mesh dim of its own: it is borrowed from dp_shard x cp, as in torchtitan.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEGREES = (*MESH_ORDER, "ep")
-# Degrees the layout accepts and validates but the runtime does not run yet (refused when > 1 by
-# ``Layout``); empty since context parallel (issue 21) and expert parallel (issue 20) landed.
-NOT_IMPLEMENTED_DEGREES: dict[str, str] = {}
 # How data-parallel ranks hold model state.
 DP_KINDS = ("replicate", "zero1", "zero2", "fsdp")
 # Mesh of the model-parallel compositions: the MESH_ORDER with the data-parallel degrees as one

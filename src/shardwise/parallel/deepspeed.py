@@ -126,11 +126,8 @@ class DeepSpeedStrategy(Strategy):
     def generation_unsupported(self) -> str | None:
         return "ZeRO-3 partitions every parameter; generation would need a gather per layer"
 
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        # The whole model is materialised (host memory under offload), then partitioned by
-        # deepspeed.initialize in initialize_engine, once the optimizer is known.
-        self.materialize(model, ctx)
-        return model
+    # ``wrap`` (the base class's) materialises the whole model (host memory under offload); the
+    # engine partitions it in initialize_engine, once the optimizer is known.
 
     def initialize_engine(self, session: Any, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         """``deepspeed.initialize``; return (engine, the optimizer the caller keeps stepping)."""

@@ -29,10 +29,10 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout, local_stage_ids, stage_layer_ranges
+from shardwise.layout import Layout, stage_layer_ranges
 from shardwise.pp_schedules import schedule_info, stage_rank
 
-__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "local_stage_ids", "n_pipeline_blocks",
+__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "n_pipeline_blocks",
            "prune_to_stages", "stage_layer_ranges", "stage_view"]
 
 
