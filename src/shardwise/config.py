@@ -698,6 +698,11 @@ def check_section(obj: Any, prefix: str = "") -> None:
             _check_scalar(key, value, rule)
 
 
+# train.loss_chunks = "auto": chunks of at most this many bytes of fp32 logits (shardwise.loss; the
+# planner counts the same).
+AUTO_CHUNK_BYTES = 64 * 2**20
+
+
 def parse_loss_chunks(value: Any) -> int | None:
     """``train.loss_chunks`` as a number: None for 'auto', 0 for off, N > 0 chunks."""
     if isinstance(value, str):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE", "MODEL_KINDS", "MOE_FAMILIES",
-           "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family"]
+__all__ = ["CHUNKED_HEAD_FAMILIES", "CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE",
+           "MODEL_KINDS", "MOE_FAMILIES", "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
@@ -32,7 +32,9 @@ class Family:
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
     ``moe``: has mixture-of-experts layers (expert parallel applies). ``cp``: context parallel's
     all-to-all attention knows its attention modules (``parallel/cp.py``). ``tp_lora``: LoRA
-    adapters run under its TP plan (GPT-2's split c_attn cannot carry them).
+    adapters run under its TP plan (GPT-2's split c_attn cannot carry them). ``plain_head``: the
+    last hidden states go straight into a bias-free ``lm_head`` whose output is the logits (no
+    soft-capping or scaling), so the chunked loss (``shardwise.loss``) can replace it.
     """
 
     name: str
@@ -43,14 +45,15 @@ class Family:
     moe: bool = False
     cp: bool = False
     tp_lora: bool = True
+    plain_head: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("gpt", hf=False, tp_plan=True, pp_split=True, cp=True),
-    Family("llama", llama_like=True, tp_plan=True, pp_split=True, cp=True),
-    Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True),
-    Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True),
-    Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True),
+    Family("gpt", hf=False, tp_plan=True, pp_split=True, cp=True, plain_head=True),
+    Family("llama", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
+    Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
+    Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
+    Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py).
     Family("gpt2", tp_plan=True, tp_lora=False),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
@@ -68,3 +71,4 @@ PP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.pp_spli
 HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)
 MOE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.moe)
 CP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.cp)
+CHUNKED_HEAD_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.plain_head)

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import parse_loss_chunks  # the rule lives with the setting (torch-free)
+from shardwise.config import AUTO_CHUNK_BYTES, parse_loss_chunks  # the rule lives with the setting
 from shardwise.errors import ConfigError
+from shardwise.families import CHUNKED_HEAD_FAMILIES
 
 __all__ = ["AUTO_CHUNK_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_chunked_head", "is_token_ce",
            "plan_chunked_head",
@@ -44,7 +45,6 @@ __all__ = ["AUTO_CHUNK_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_ch
 # auto: each chunk's fp32 logits at most this many bytes (64 MiB: 4k tokens at a 4k vocabulary,
 # 128 tokens at 128k). Small enough to be noise beside the activations, large enough that the
 # head's matmuls stay efficient.
-AUTO_CHUNK_BYTES = 64 * 2**20
 IGNORE_INDEX = -100  # F.cross_entropy's default, which workloads.cross_entropy_loss uses
 
 # The targets of the micro-batch being run, set by token_loss_context around the model's forward.
@@ -144,9 +144,8 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     return head if isinstance(head, nn.Linear) else None
 
 
-# Hugging Face families whose forward feeds the last hidden states straight into lm_head and
-# returns its output as the logits (no soft-capping or scaling after the head).
-_PLAIN_HEAD_FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+# The families whose head the chunks may replace: families.CHUNKED_HEAD_FAMILIES (the planner asks too).
+_PLAIN_HEAD_FAMILIES = CHUNKED_HEAD_FAMILIES
 
 
 def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 1,

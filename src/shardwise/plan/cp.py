@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.config import AUTO_CHUNK_BYTES
+from shardwise.families import CHUNKED_HEAD_FAMILIES
+
 __all__ = ["CHUNKED_HEAD_FAMILIES", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens", "chunked_loss_off",
            "cp_candidates", "cp_comm_s", "cp_degree", "logits_bytes"]
 
-# The runtime's rule (shardwise.loss: AUTO_CHUNK_BYTES, _PLAIN_HEAD_FAMILIES, plan_chunked_head),
-# restated torch-free for the planner; tests/test_plan_cp_ep.py checks the two agree.
-AUTO_CHUNK_BYTES = 64 * 2**20
-CHUNKED_HEAD_FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+# The runtime's rule (shardwise.loss.plan_chunked_head) restated torch-free for the planner, from
+# the same owners (config.AUTO_CHUNK_BYTES, families.CHUNKED_HEAD_FAMILIES); tests/test_plan_cp_ep.py
+# checks the two agree.
 LONG_SEQ = 8192  # from this sequence length on, the planner offers cp candidates
 
 
