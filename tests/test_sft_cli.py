@@ -48,6 +48,21 @@ def test_the_readme_commands_train_and_export(tmp_path, cli_env):
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "my-qwen-sft"))
     assert AutoTokenizer.from_pretrained(str(tmp_path / "my-qwen-sft")).chat_template
 
+    # LoRA after instruction tuning (the same command, adapters on the frozen base, one process):
+    # the PEFT export loads with peft, and its adapters trained.
+    peft = pytest.importorskip("peft")
+    proc = run_command([sys.executable, "-m", "shardwise", *train[1:], *QUICK, "--set", "lora.rank=4",
+                        "--strategy", "single", "--nproc", "1", "--out", "runs/sft-lora"],
+                       timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_command([sys.executable, "-m", "shardwise", "ckpt", "export", "runs/sft-lora", "--format", "peft",
+                        "--out", "my-qwen-lora"], timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lora = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "models" / "my-qwen")),
+                                          str(tmp_path / "my-qwen-lora"))
+    b = [p for n, p in lora.named_parameters() if "lora_B" in n]
+    assert b and any(p.abs().max() > 0 for p in b)  # peft starts B at zero: these were trained
+
 
 def test_a_bad_record_is_refused_before_any_rank_starts(tmp_path, cli_env):
     save_qwen2(tmp_path / "my-qwen")
@@ -63,3 +78,4 @@ def test_a_bad_record_is_refused_before_any_rank_starts(tmp_path, cli_env):
     assert proc.returncode != 0
     assert "chat.jsonl' line 31: turn 1 has role 'model'; allowed roles: system, user, assistant, tool" in proc.stderr
     assert "Traceback" not in proc.stderr and "rank 0" not in proc.stderr
+
