@@ -3,6 +3,7 @@ token against the rendered template, the response-only loss against a hand compu
 against each record run alone (built-in GPT and a Hugging Face Qwen2), the record-level validation
 split, every malformed input refused with its file and line, and a datasets folder from save_to_disk."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -190,8 +191,6 @@ def test_workload_from_a_folder_user_records_and_truncation_counts(qwen, tmp_pat
     assert set(x) == {"input_ids", "position_ids", "doc_ids"} and x["input_ids"].shape == (SEQ,)
     # A second build reads the cache; truncation = "error" refuses the long record by name.
     assert "cache hit" in "\n".join(build_workload(mc, dc).notes)
-    import dataclasses
-
     with pytest.raises(ConfigError, match=r"line 41 is \d+ tokens long"):
         build_workload(mc, dataclasses.replace(dc, truncation="error"))
 
@@ -207,7 +206,13 @@ def test_a_datasets_folder_written_by_save_to_disk(qwen, tmp_path):
     w = build_workload(mc, dc)
     notes = "\n".join(w.notes)
     assert "train (tokenised): 24 records" in notes and "val (tokenised): 6 records" in notes, notes
-    assert set(w.train_set[0][0]) == {"input_ids", "attention_mask"}  # pack = false: padded rows
+    assert set(w.train_set[0][0]) == {"input_ids", "position_ids", "doc_ids"}  # pack = "auto": packed
+    w = build_workload(mc, dataclasses.replace(dc, pack="false"))
+    assert set(w.train_set[0][0]) == {"input_ids", "attention_mask"}  # padded rows
+    # Dynamic padding: the trainer's batches are as long as their longest record, not the block.
+    x, y = w.collate_fn([w.train_set[i] for i in range(4)])
+    longest = max(int(w.train_set[i][0]["attention_mask"].sum()) for i in range(4))
+    assert y.shape == x["input_ids"].shape == x["attention_mask"].shape == (4, longest) and longest < SEQ
 
 
 GOOD = ('{"prompt": "ok", "response": "fine", "messages": [{"role": "user", "content": "a"}, '

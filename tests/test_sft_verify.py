@@ -2,16 +2,26 @@
 fp32, 5 steps): chat records packed under fsdp, prompt/response records padded under ddp with
 gradient accumulation, and LoRA under ddp. The loss is the token mean over the global batch
 (runtime.token_loss), so the ranks' different trained-token counts do not change the numbers.
-One spawn runs every case; the single-process references run in this process."""
+In the same spawn: per-record losses packed vs padded vs one record at a time under ddp and fsdp
+at 2 ranks equal one process's (1e-5). The single-process references run in this process."""
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from shardwise.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
-from tests.helpers.sft import chat_records, instruct_records, save_qwen2, verify_cases, write_jsonl  # noqa: E402
+from tests.helpers.sft import (  # noqa: E402
+    chat_records,
+    encoded_chat,
+    instruct_records,
+    per_record_losses,
+    save_qwen2,
+    sft_rank,
+    write_jsonl,
+)
 
 STEPS = 5
 
@@ -43,10 +53,27 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
     except ImportError:
         pass
     refs = {name: run_steps(reference_config(cfg, 2), STEPS, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
-    ranks = run_distributed(verify_cases, 2, timeout_s=400, cases=[
-        {"cfg": cfg, "steps": STEPS, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()])
+    records = chat_records(10, seed=4)
+    ranks = run_distributed(sft_rank, 2, timeout_s=400, cases=[
+        {"cfg": cfg, "steps": STEPS, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()],
+        model_folder=str(model), records=records, block=192)
     for i, name in enumerate(cases):
-        report = compare(refs[name], ranks[0][i], "fp32")
+        report = compare(refs[name], ranks[0]["verify"][i], "fp32")
         assert report.passed, f"{name}:\n{report.table()}"
         if "lora" not in name:  # (5 LoRA steps from B = 0 barely move the loss)
             assert refs[name]["losses"][-1] < refs[name]["losses"][0], name  # it trained
+
+    # Per record: packed, padded and alone on each of 2 ranks (ddp, fsdp) equal one process alone.
+    from shardwise.models.hf import build_hf_model
+
+    enc, pad = encoded_chat(model, records, 192)
+    one = per_record_losses(build_hf_model(pretrained=str(model)).eval(), enc, pad, 192)["alone"]
+    for strategy, parts in ranks[0]["per_record"].items():
+        seen = []
+        for part in parts:
+            for k, i in enumerate(part["index"]):
+                for how in ("packed", "padded", "alone"):
+                    torch.testing.assert_close(part[how][k], one[i], atol=1e-5, rtol=1e-5,
+                                               msg=lambda m, s=strategy, h=how, i=i: f"{s} {h} record {i}: {m}")
+                seen.append(i)
+        assert sorted(seen) == list(range(len(enc))), strategy

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-from shardwise.families import DATA_KINDS, MODEL_KINDS
+from shardwise.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
 from shardwise.strategies import (  # modes live with the degrees (re-exported)
     AC_MODES,
     GRAD_SYNC_MODES,
@@ -187,8 +187,14 @@ class DataConfig:
     train_on_prompt: bool = False  # chat/instruct: also train on prompt/template tokens (default: response only)
     # chat/instruct: a record longer than the sequence is cut on the right, dropped, or an error
     truncation: str = setting("right", choices=("right", "drop", "error"), label="data.truncation")
-    # text/chat/instruct: several documents per sequence, positions reset and attention kept within each
-    pack: bool = False
+    # text/chat/instruct: several documents per sequence, positions reset and attention kept within each.
+    # "auto": packed for chat/instruct records, not for text (families.packs owns the rule); true/false.
+    pack: str = setting("auto", choices=PACK_MODES, label="data.pack")
+
+    @property
+    def packed(self) -> bool:
+        """Whether this data is packed (``data.pack`` resolved for its kind)."""
+        return packs(self.kind, self.pack)
 
 
 @dataclass(frozen=True)
@@ -503,8 +509,11 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
                 raise ConfigError(f"{full!r} is a section; set its keys, e.g. {full}.<key>=value.")
             kwargs[key] = _build(tp, value, f"{full}.")
         else:
-            value = _coerce(value, tp, full)
             rule = rule_of(fields[key])
+            if tp is str and isinstance(value, bool) and rule is not None and rule.choices \
+                    and {"true", "false"} <= set(rule.choices):
+                value = "true" if value else "false"  # a word setting that also takes TOML true/false (data.pack)
+            value = _coerce(value, tp, full)
             kwargs[key] = rule.canonical(value) if rule is not None else value
     return cls(**kwargs)
 

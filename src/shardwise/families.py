@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE",
-           "MODEL_KINDS", "MOE_FAMILIES", "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family"]
+           "MODEL_KINDS", "MOE_FAMILIES", "PACK_MODES", "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family",
+           "packs"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
@@ -21,6 +22,16 @@ MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
 DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "chat", "instruct", "custom")
 # Data kinds whose examples are separate records with -100 labels: trained with a token-mean loss.
 RECORD_KINDS = ("chat", "instruct")
+# data.pack: "auto" packs records (chat/instruct: packing is what fine-tuning wants) but not text (a
+# text run's numbers would change under a new default); "true"/"false" force it.
+PACK_MODES = ("auto", "true", "false")
+
+
+def packs(kind: str, pack: str | bool) -> bool:
+    """Whether data of ``kind`` with ``data.pack = pack`` is packed: the one owner of that rule."""
+    if isinstance(pack, bool):  # DataConfig(pack=True) built in Python
+        return pack
+    return pack == "true" or (pack == "auto" and kind in RECORD_KINDS)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class Workload:
     # The step's loss is sum(token losses) / (trained tokens of the whole global batch), not a mean of
     # per-micro-batch means (runtime.token_loss): for labels with -100 (prompts, padding, packing).
     token_loss: bool = False
+    # How a list of items becomes a batch (None: torch's default_collate). Records: dynamic padding
+    # (shardwise.data.collate.collate_rows cuts the columns after the batch's last real token).
+    collate_fn: Callable[[list[Any]], Any] | None = None
 
     @property
     def plain_token_ce(self) -> bool:
@@ -152,6 +155,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     max_token_id: int | None = None
     notes: list[str] = []
     token_loss = False
+    collate_fn = None
     if dc.kind in RECORD_KINDS:
         from shardwise.data.sft import load_instruct
 
@@ -159,6 +163,9 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         lm = load_instruct(dc, seq)
         train, val, notes = lm.train, lm.val, lm.notes
         tokens_per_sample, vocab_size, max_token_id, token_loss = seq, lm.vocab_size, lm.max_token_id, True
+        from shardwise.data.collate import collate_rows
+
+        collate_fn = collate_rows
     elif dc.kind in ("text", "tokens"):
         seq = block_size_of(mc)
         if dc.kind == "text":
@@ -170,7 +177,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
 
             lm = load_tokens(dc, seq)
         train, val, tokenizer, notes = lm.train, lm.val, lm.tokenizer, lm.notes
-        if dc.pack:
+        if dc.packed:
             if dc.kind != "text":
                 raise ConfigError("data.pack = true needs to know where documents start: it works for data.kind "
                                   "'text' (documents end with the tokenizer's EOS), 'chat' and 'instruct'; "
@@ -259,11 +266,12 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         factory = import_factory(mc.factory, "model.factory")
         check_call(factory, mc.overrides, "model.overrides", mc.factory)
         build = lambda: _module_from(factory, mc.overrides, mc.factory)  # noqa: E731
-    if dc.pack and dc.kind not in ("text", *RECORD_KINDS):
+    if dc.packed and dc.kind not in ("text", *RECORD_KINDS):
         raise ConfigError(f"data.pack = true works for data.kind 'text', 'chat' and 'instruct', not {dc.kind!r}.")
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     loss_fn=loss_fn, tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,
-                    sample_text=sample, notes=notes, token_loss=token_loss)
+                    sample_text=sample, notes=notes, token_loss=token_loss,
+                    collate_fn=collate_fn)
 
 
 def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_size: int | None,

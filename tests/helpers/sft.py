@@ -86,3 +86,68 @@ def verify_cases(rank: int, world_size: int, cases: list[dict]) -> list:
     from shardwise.verify import run_steps
 
     return [run_steps(case["cfg"], case["steps"], case["out"]) for case in cases]
+
+
+def per_record_losses(model, records: list[dict], pad_id: int, block: int) -> dict[str, list]:
+    """Each record's per-token losses (trained targets only, record order) computed three ways: packed
+    rows of ``block`` tokens, one padded batch, and each record alone."""
+    import torch.nn.functional as F
+
+    from shardwise.data.collate import RecordCollator
+    from shardwise.data.packing import RowSequences
+
+    def losses(x, y, key):
+        dev = next(model.parameters()).device
+        with torch.no_grad():
+            logits = model({k: v.to(dev) for k, v in x.items()})
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        per = F.cross_entropy(logits.flatten(0, 1).float().cpu(), y.flatten(), ignore_index=-100,
+                              reduction="none").view(y.shape)
+        out = []
+        for row in range(y.shape[0]):
+            docs = x[key][row]
+            for d in (sorted(set(docs.tolist()) - {-1}) if key == "doc_ids" else [1]):
+                out.append(per[row][(docs == d) & (y[row] != -100)])
+        return out
+
+    packed = losses(*RecordCollator(pad_id, pack=True, block_size=block)(records), "doc_ids")
+    rows = RowSequences([r["input_ids"] for r in records], [r["labels"] for r in records], block, True, pad_id).rows
+    order = [i for row in rows for i in row]
+    by_record = [None] * len(records)
+    for k, i in enumerate(order):
+        by_record[i] = packed[k]
+    return {"packed": by_record,
+            "padded": losses(*RecordCollator(pad_id)(records), "attention_mask"),
+            "alone": [losses(*RecordCollator(pad_id)([r]), "attention_mask")[0] for r in records]}
+
+
+def encoded_chat(model_folder: Path, records: list[dict], block: int) -> tuple[list[dict], int]:
+    """``records`` rendered and tokenised by the folder's tokenizer: [{input_ids, labels}], pad id."""
+    from shardwise.config import DataConfig
+    from shardwise.data.instruct import RecordRenderer, encode_records, load_hf_tokenizer
+
+    r = RecordRenderer(load_hf_tokenizer(str(model_folder)), DataConfig(kind="chat", tokenizer=str(model_folder)))
+    enc = encode_records([(f"rec {i}", rec) for i, rec in enumerate(records)], r, block, "error")
+    return [{"input_ids": i, "labels": lab} for i, lab in zip(enc.ids, enc.labels)], r.tok.pad_token_id
+
+
+def sft_rank(rank: int, world_size: int, cases: list[dict], model_folder: str, records: list[dict],
+             block: int) -> dict:
+    """Rank function of the one spawn: ``verify_cases``, then per-record losses under ddp and fsdp
+    (each rank its own share of the records: packed, padded and alone), gathered on rank 0."""
+    import torch.distributed as dist
+
+    from shardwise import Session
+    from shardwise.models.hf import build_hf_model
+
+    out = {"verify": verify_cases(rank, world_size, cases), "per_record": {}}
+    enc, pad = encoded_chat(Path(model_folder), records, block)
+    mine = list(range(rank, len(enc), world_size))
+    for strategy in ("ddp", "fsdp"):
+        with Session(strategy) as session:
+            model, _ = session.prepare(build_hf_model(pretrained=model_folder).eval())
+            got = per_record_losses(model, [enc[i] for i in mine], pad, block)
+            parts: list = [None] * world_size
+            dist.all_gather_object(parts, {"index": mine, **got})
+            out["per_record"][strategy] = parts
+    return out

@@ -19,6 +19,9 @@ RECORD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 Record = tuple[str, dict[str, Any]]
+# A tiny chat dataset shipped in the package (64 short records: capitals, sums, synonyms, ...), for
+# the README's instruction-tuning example and the tests; in a clone it is src/shardwise/data/samples/.
+SAMPLE_CHAT = Path(__file__).resolve().parent / "samples" / "chat.jsonl"
 
 
 def is_hf_disk(path: Path) -> bool:

@@ -27,8 +27,8 @@ def load_instruct(dc: DataConfig, block_size: int) -> LMData:
         parts[part] = enc
     tok = load_hf_tokenizer(dc.tokenizer, dc.chat_template)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train = RowSequences(parts["train"].ids, parts["train"].labels, block_size, dc.pack, pad_id)
-    val = RowSequences(parts["val"].ids, parts["val"].labels, block_size, dc.pack, pad_id)
+    train = RowSequences(parts["train"].ids, parts["train"].labels, block_size, dc.packed, pad_id)
+    val = RowSequences(parts["val"].ids, parts["val"].labels, block_size, dc.packed, pad_id)
     notes += [train.describe("train"), val.describe("val")]
     max_id = max(int(max(i.max() for i in e.ids)) for e in parts.values())
     return LMData(train=train, val=val, max_token_id=max(max_id, pad_id), vocab_size=len(tok), tokenizer=None,

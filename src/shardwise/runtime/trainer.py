@@ -147,19 +147,19 @@ class Trainer:
             self.session.loss_chunks = 0
         # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
         if self.workload.token_loss and self.session.layout.pp > 1:
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
+            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
                               "supported under pipeline parallelism yet (pp > 1): its token-mean loss and "
                               "packed inputs do not go through the pipeline schedule. Use pp = 1.")
         if self.workload.token_loss and cfg.parallel.sequence_parallel:
             # Sequence-parallel plans declare the attention's inputs; the per-row mask is not one of them.
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
+            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
                               "supported with parallel.sequence_parallel = true yet (the document/padding mask "
                               "is not among the attention inputs the sequence-parallel plan shards). Turn "
                               "sequence_parallel off.")
         if self.workload.token_loss and self.session.layout.cp > 1:
             # CP attention takes no mask yet (a packed row's document mask would have to be built from
             # the whole sequence's doc ids), and the token-mean denominator would have to span cp ranks.
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.pack else ''} is not "
+            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
                               "supported with context parallel yet (parallel.cp > 1): the document/padding mask "
                               "does not go through the all-to-all attention. Use parallel.cp = 1.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
@@ -193,13 +193,15 @@ class Trainer:
                                            ranks_per_node=self.session.ranks_per_node,
                                            plain_ce=self.workload.plain_token_ce)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
-                                                    seed=t.seed, num_workers=cfg.data.num_workers)
+                                                    seed=t.seed, num_workers=cfg.data.num_workers,
+                                                    collate_fn=self.workload.collate_fn)
         val_batch = t.micro_batch_size
         if self.workload.token_loss:
             # A token-mean validation loss does not depend on the batch size: a small held-out set of
             # records (a few packed rows) is read in smaller batches rather than refused.
             val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
-        self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False)
+        self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False,
+                                                  collate_fn=self.workload.collate_fn)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
