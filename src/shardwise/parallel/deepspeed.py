@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any
 
 import torch
@@ -140,6 +141,10 @@ class DeepSpeedStrategy(Strategy):
         self.ds_config = ds
         own_optimizer = "optimizer" in ds
         kwargs: dict[str, Any] = {"model": model, "config": ds, "dist_init_required": False}
+        # One rank started without a launcher (--nproc 1): DeepSpeed insists on the launcher's
+        # LOCAL_RANK, which a launcher sets on every rank of a larger run.
+        if session.world_size == 1:
+            os.environ.setdefault("LOCAL_RANK", "0")
         if own_optimizer:
             groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else None
             kwargs["model_parameters"] = groups or [p for p in model.parameters() if p.requires_grad]

@@ -12,9 +12,9 @@ streams are shardwise's own JSON, so a resume continues mid-epoch exactly.
 Loading checks the manifest and every file's SHA-256 before DeepSpeed opens anything (DeepSpeed
 reads its files with ``torch.load(weights_only=False)``: only files whose checksums match the
 manifest written with them are read). A DCP checkpoint (from fsdp, ddp, ...) is refused with the
-way across (``ckpt export``, then ``model.pretrained``), and so is a different number of ranks:
-ZeRO's optimizer partitions are per rank, and DeepSpeed's universal-checkpoint conversion is not
-wired in yet.
+way across (``ckpt export``, then ``model.pretrained``). On a different number of ranks, the
+checkpoint is converted with DeepSpeed's universal checkpoint (``ds_to_universal``) and loaded
+from the converted copy (``_load_universal``).
 """
 
 from __future__ import annotations
@@ -176,12 +176,6 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
         manifest = read_manifest(path)
         if manifest.get("engine") != ENGINE:
             error = str(foreign_error(path, manifest))
-        elif manifest["world_size"] != world:
-            error = (f"checkpoint {path} was saved by {manifest['world_size']} DeepSpeed ranks and this run has "
-                     f"{world}: ZeRO's optimizer partitions are per rank, and resuming on another number of ranks "
-                     f"(DeepSpeed's universal checkpoint) is not supported yet. Resume on {manifest['world_size']} "
-                     f"ranks, or export the weights (`shardwise ckpt export {path} --format safetensors`) and "
-                     "start a new run from them.")
         elif swaps_to_nvme(session.strategy.ds_config or {}):
             error = (f"cannot resume from {path} under NVMe offload: DeepSpeed {_ds_version()} restores ZeRO-3 "
                      "state into the swapped-out buffers of offload_optimizer/offload_param = nvme without "
@@ -203,9 +197,13 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
     problems = [p for ps in gather(mine) for p in ps]
     if problems:
         raise removed_error(path) if not path.is_dir() else corruption_error(path, problems)
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name,
-                                          load_optimizer_states=optimizer is not None,
-                                          load_lr_scheduler_states=False)
+    if manifest["world_size"] == world:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name,
+                                              load_optimizer_states=optimizer is not None,
+                                              load_lr_scheduler_states=False)
+    else:
+        load_path = _load_universal(engine, path, int(manifest["world_size"]), world, optimizer is not None,
+                                    session.launch_id)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not read checkpoint {path}.")
     loaded = LoadedCheckpoint(path=path, step=int(manifest["step"]), state=manifest.get("state", {}),
@@ -225,6 +223,60 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
         restore_rng_state(loaded.rng)
     barrier()
     return loaded
+
+
+def _load_universal(engine: Any, path: Path, saved_world: int, world: int, with_optimizer: bool,
+                    job: str) -> str | None:
+    """Resume a checkpoint of ``saved_world`` ranks on ``world`` ranks (collective).
+
+    ZeRO's partitions are per rank, so rank 0 converts the verified checkpoint with DeepSpeed's
+    ``ds_to_universal`` (one file per parameter and state: fp32 weight, exp_avg, exp_avg_sq) into
+    ``.universal-<step>.<job>`` beside it, every rank loads its new partition from there
+    (``load_universal_checkpoint``), and the converted copy is removed: it is derived from files
+    whose checksums were just checked, and the checkpoint itself stays untouched.
+    """
+    rank = global_rank()
+    work = path.parent / f".universal-{path.name}.{job}"
+    target = work / path.name
+    error = None
+    if rank == 0:
+        try:
+            _convert_universal(path, target)
+        except Exception as e:  # DeepSpeed's converter: name what failed, on every rank
+            error = (f"cannot resume {path} (saved by {saved_world} DeepSpeed ranks) on {world} ranks: DeepSpeed's "
+                     f"universal-checkpoint conversion failed ({type(e).__name__}: {e}). Resume on {saved_world} "
+                     f"ranks, or export the weights (`shardwise ckpt export {path} --format safetensors`) and start "
+                     "a new run from them.")
+            shutil.rmtree(work, ignore_errors=True)
+    raise_on_every_rank(gather(error)[0], CheckpointError)
+    # DeepSpeed reads this flag from its config at load time; it is this load's, not the run's.
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        load_path, _ = engine.load_checkpoint(str(work), tag=path.name, load_optimizer_states=with_optimizer,
+                                              load_lr_scheduler_states=False)
+    finally:
+        config.load_universal_checkpoint = before
+        barrier()
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+    return load_path
+
+
+def _convert_universal(source: Path, target: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one checkpoint directory, in this process (quietly)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shutil.rmtree(target.parent, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal(args)
 
 
 def verify_nested(path: Path, manifest: dict[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ class Cluster:
     intra_gbs: float | None = None  # explicit overrides of the link presets, GB/s per GPU per direction
     inter_gbs: float | None = None
     host_ram_gib: float | None = None
+    nvme_gbs: float | None = None  # NVMe GB/s per GPU for zero3-nvme (None: the GPU kind's default, plan.offload)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -252,6 +253,9 @@ class Plan:
     # Layouts the runtime cannot run for this model (unsupported model family, too few
     # micro-batches for the pipeline, ...), each with the reason; never candidates.
     skipped: list[str] = field(default_factory=list)
+    # ZeRO-3 offload rows (plan.offload.OffloadEstimate) when nothing fits on the GPUs; then
+    # ``commands`` run the first one.
+    offload: list[Any] = field(default_factory=list)
 
 
 def _tp_sizes(spec: ModelSpec) -> dict[str, int | None]:

@@ -9,7 +9,7 @@ import sys
 
 from shardwise.config import parse_loss_chunks
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.plan import finetune, presets, spec
+from shardwise.plan import finetune, offload, presets, spec
 from shardwise.plan.advice import (
     RUNTIME_RESERVE_GIB,
     TRAIN_PRECISION,
@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--intra-gbs", type=float, help="override intra-node GB/s per GPU per direction")
     c.add_argument("--inter-gbs", type=float, help="override inter-node GB/s per GPU per direction")
     c.add_argument("--host-ram-gib", type=float, help="host RAM per node, for fsdp-offload")
+    c.add_argument("--nvme-gbs", type=float, help="NVMe GB/s per GPU, for zero3-nvme when nothing fits on the GPUs "
+                   "(default: the GPU kind's servers, plan.offload)")
     w = p.add_argument_group("workload")
     w.add_argument("--seq", type=int, help="sequence length (default: the model's context, at most 8192)")
     w.add_argument("--micro-batch", type=int,
@@ -182,7 +184,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
         gpu=gpu_from_args(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
         intra=presets.link(args.intra_link) if args.intra_link else None,
         inter=presets.link(args.inter_link) if args.inter_link else None,
-        intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib)
+        intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, host_ram_gib=args.host_ram_gib,
+        nvme_gbs=args.nvme_gbs)
+    if args.nvme_gbs is not None:
+        offload.nvme_gbs_for(cluster.gpu.name, args.nvme_gbs)  # a clear error for a rate <= 0
     seq = args.seq or min(model.max_seq or 2048, 8192)
     recipe, sets, target_warnings = run_target(args, model, seq)
     # What the user leaves out, the planner searches (per layout); what they give stays fixed.
@@ -260,6 +265,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "recommended_settings": _settings(plan.recommended) if plan.recommended else None,
         "recommended_per_rank": _per_rank(pred) if (pred := run_prediction(plan)) else None,
         "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
+        "offload": [offload.to_dict(r) for r in plan.offload],
     }
 
 

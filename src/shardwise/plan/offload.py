@@ -24,6 +24,9 @@ transfer, plus the optimizer step (which does not overlap: it runs between steps
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from shardwise.errors import ConfigError
 
 GIB = 2**30
 
@@ -69,7 +72,7 @@ def nvme_gbs_for(gpu_kind: str, override: float | None = None) -> float:
     """NVMe GB/s per GPU: ``--nvme-gbs`` when given, else the default of the GPU kind."""
     if override is not None:
         if override <= 0:
-            raise ValueError(f"--nvme-gbs must be > 0, got {override}")
+            raise ConfigError(f"--nvme-gbs must be a positive rate in GB/s per GPU, got {override}.")
         return override
     key = gpu_kind.lower()
     return next((v for k, v in NVME_GBS_PER_GPU.items() if key.startswith(k)), DEFAULT_NVME_GBS)
@@ -111,7 +114,52 @@ def offload_candidates(params: int, gpus_per_node: int, compute_s: float, *, hos
     return sorted((r for r in rows if r.fits(host_ram_gib)), key=lambda r: r.step_s)
 
 
-def command(row: OffloadEstimate, gpus_per_node: int, nvme_path: str = "/local_nvme/shardwise") -> str:
-    """A command that runs the candidate."""
-    extra = f" --set parallel.nvme_path={nvme_path}" if row.strategy == "zero3-nvme" else ""
-    return f"shardwise train --nproc {gpus_per_node} --strategy {row.strategy}{extra}"
+def to_dict(row: OffloadEstimate) -> dict[str, object]:
+    """One offload row as the plan's JSON lists it."""
+    return {"strategy": row.strategy, "host_gib_per_node": round(row.host_bytes_per_node / GIB, 1),
+            "nvme_gib_per_node": round(row.nvme_bytes_per_node / GIB, 1), "transfer_s": round(row.transfer_s, 3),
+            "optimizer_s": round(row.optimizer_s, 3), "step_s": round(row.step_s, 3)}
+
+
+def offload_advice(spec: Any, cluster: Any, work: Any, cands: list[Any],
+                   nvme_path: str = "/local_nvme/shardwise") -> tuple[list[OffloadEstimate], list[str], str]:
+    """The planner's last row (``plan.search.make_plan`` calls it when no GPU layout fits).
+
+    Returns (offload rows that fit the node's host RAM, fastest first; the commands of the fastest,
+    as ``advice.launch_commands`` prints them; one line for the plan's warnings). The rows take the
+    GPU compute of the plain data-parallel candidate (the cost model's step time without offload)
+    and its micro-batch / accumulation, since the offload engines run data parallel over the
+    node's GPUs (ZeRO-3 partitions the state over every rank of the job).
+    """
+    from shardwise.plan.advice import TRAIN_PRECISION, runtime_batch
+    from shardwise.plan.finetune import shell_word
+
+    plain = [c for c in cands if c.layout.tp == 1 and c.layout.pp == 1 and not c.layout.info.hybrid]
+    base = min(plain or cands, key=lambda c: c.time.step_s) if (plain or cands) else None
+    compute_s = base.time.compute_s if base else 0.0
+    host_gib = cluster.host_ram_gib or cluster.gpu.host_ram_gib
+    nodes = cluster.nodes
+    rows = offload_candidates(-(-spec.n_params // nodes), cluster.gpus_per_node, compute_s, host_ram_gib=host_gib,
+                              gpu_kind=cluster.gpu.name, nvme_gbs=getattr(cluster, "nvme_gbs", None),
+                              mixed=work.precision != "fp32")
+    if not rows:
+        return [], [], (f"no offload fits either: zero3-nvme still needs {spec.n_params * 4 / nodes / GIB:.0f} GiB "
+                        f"of host RAM per node for the gradients (this node has {host_gib:.0f} GiB; --host-ram-gib).")
+    best = rows[0]
+    line = ("nothing fits on the GPUs; offloading does: " + "; ".join(
+        f"{r.strategy} ~{r.step_s:.2f} s/step ({r.host_bytes_per_node / GIB:.0f} GiB host RAM"
+        + (f", {r.nvme_bytes_per_node / GIB:.0f} GiB NVMe" if r.nvme_bytes_per_node else "") + " per node)"
+        for r in rows) + f". Recommended: {best.strategy} (DeepSpeed: pip install 'shardwise[deepspeed]').")
+    if not work.recipe:
+        return rows, [], line
+    sets = list(work.extra_sets) + [f"parallel.precision={TRAIN_PRECISION[work.precision]}"]
+    if base is not None:
+        mb, accum = runtime_batch(base.layout, base.micro_batch, base.grad_accum)
+        sets += [f"train.micro_batch_size={mb}", f"train.grad_accum_steps={accum}"]
+    if best.strategy == "zero3-nvme":
+        sets.append(f"parallel.nvme_path={nvme_path}")
+    args = f"{shell_word(work.recipe)} --strategy {best.strategy} " + " ".join(f"--set {shell_word(s)}" for s in sets)
+    g, n = cluster.gpus_per_node, cluster.nodes
+    if n == 1:
+        return rows, [f"shardwise train {args} --nproc {g}"], line
+    return rows, [f"shardwise train {args} --nproc {g} --nnodes {n} --rdzv-endpoint $MASTER_ADDR:29500"], line
