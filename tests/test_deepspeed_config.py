@@ -68,6 +68,8 @@ def test_builtin_kinds():
 
 
 def test_nvme_path_checks(tmp_path):
+    # The launcher's preflight (create=False) writes nothing, a dry run included; a rank creates it.
+    assert not check_nvme_path(str(tmp_path / "new" / "swap"), params=1000, create=False).exists()
     assert check_nvme_path(str(tmp_path / "new" / "swap")).is_dir()  # created
     with pytest.raises(ConfigError, match="set parallel.nvme_path"):
         check_nvme_path("")
@@ -75,13 +77,15 @@ def test_nvme_path_checks(tmp_path):
     f.write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         check_nvme_path(str(f))
-    with pytest.raises(ConfigError, match=r"GiB free.*16 bytes per parameter"):
-        check_nvme_path(str(tmp_path), params=10**15)  # a petabyte of swap: the disk is "full"
+    for create in (True, False):
+        with pytest.raises(ConfigError, match=r"GiB free.*on this node.*16 bytes per parameter"):
+            check_nvme_path(str(tmp_path / "later"), params=10**15, create=create)  # a petabyte: "full"
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        with pytest.raises(ConfigError, match="not writable"):
-            check_nvme_path(str(ro))
+        for create in (True, False):
+            with pytest.raises(ConfigError, match="not writable"):
+                check_nvme_path(str(ro / "swap"), create=create)
 
 
 def test_preflight_refuses_before_any_rank(tmp_path):
@@ -101,9 +105,29 @@ def test_preflight_refuses_before_any_rank(tmp_path):
         check_run(load_config(None, [*base, "parallel.strategy=deepspeed", f"parallel.deepspeed_config={ds}"]), 2)
     with pytest.raises(ConfigError, match="bf16-true"):
         check_run(load_config(None, [*base, "parallel.strategy=zero3-offload", "parallel.precision=bf16-true"]), 2)
-    ok = check_run(load_config(None, [*base, "parallel.strategy=zero3-nvme",
-                                      f"parallel.nvme_path={tmp_path / 'swap'}"]), 2)
-    assert ok.layout.strategy == "zero3-nvme" and (tmp_path / "swap").is_dir()
+    nvme = load_config(None, [*base, "parallel.strategy=zero3-nvme", f"parallel.nvme_path={tmp_path / 'swap'}"])
+    ok = check_run(nvme, 2)
+    # The launcher checks the disk without writing to it (a dry run writes nothing); a rank creates it.
+    assert ok.layout.strategy == "zero3-nvme" and not (tmp_path / "swap").exists()
+
+
+def test_nvme_preflight_sizes_the_swap_per_node(tmp_path, monkeypatch):
+    """ZeRO-3 partitions over every rank of the job: each node's disk holds 1/nodes of the state."""
+    pytest.importorskip("deepspeed")
+    from shardwise.parallel import deepspeed as ds_strategy
+    from shardwise.preflight import check_run, meta_model
+    from shardwise.workloads import build_workload
+
+    cfg = load_config(None, ["model.preset=nano", "train.micro_batch_size=4", "parallel.strategy=zero3-nvme",
+                             f"parallel.nvme_path={tmp_path / 'swap'}"])
+    workload = build_workload(cfg.model, cfg.data)
+    meta = meta_model(workload, builtin=True)
+    total = sum(p.numel() for p in meta.parameters())
+    seen: list = []
+    monkeypatch.setattr(ds_strategy, "check_nvme_path", lambda path, params=None, **kw: seen.append((params, kw)))
+    check_run(cfg, 4, ranks_per_node=4, workload=workload, meta=meta)  # one node of 4
+    check_run(cfg, 4, ranks_per_node=2, workload=workload, meta=meta)  # two nodes of 2
+    assert seen == [(total, {"create": False}), (-(-total // 2), {"create": False})]
 
 
 def test_planner_offload_math():

@@ -105,7 +105,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         if blocks is not None:
             layout = layout.with_blocks(len(blocks), blocks.path)
     # The strategy's own checks (DeepSpeed: installed, config fills, NVMe path usable).
-    strategy.preflight(resolved, world_size, meta)
+    strategy.preflight(resolved, world_size, meta, ranks_per_node=ranks_per_node)
     return Preflight(resolved, layout, strategy, workload, meta)
 
 

@@ -158,7 +158,8 @@ class Strategy:
     # True when backward and the optimizer step go through the strategy (``backward``/``step``).
     owns_step = False
 
-    def preflight(self, cfg: Any, world_size: int, meta: nn.Module | None = None) -> None:
+    def preflight(self, cfg: Any, world_size: int, meta: nn.Module | None = None, *,
+                  ranks_per_node: int | None = None) -> None:
         """Checks before any rank starts beyond the layout's (packages, disks); raise ConfigError."""
 
     def initialize_engine(self, session: Any, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:

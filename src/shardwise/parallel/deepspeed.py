@@ -83,7 +83,8 @@ class DeepSpeedStrategy(Strategy):
         raw, source = self.raw_config(options)
         return fill(raw, values, source=source)
 
-    def preflight(self, cfg: Any, world_size: int, meta: nn.Module | None = None) -> None:
+    def preflight(self, cfg: Any, world_size: int, meta: nn.Module | None = None, *,
+                  ranks_per_node: int | None = None) -> None:
         """Before any rank starts: deepspeed installed, the config fills, NVMe usable."""
         check_deepspeed_installed()
         if cfg.parallel.precision == "bf16-true":
@@ -98,8 +99,12 @@ class DeepSpeedStrategy(Strategy):
         if "nvme" in offload_devices(ds):
             check_libaio()
             params = sum(p.numel() for p in meta.parameters()) if meta is not None else None
+            if params:
+                # ZeRO-3 partitions over every rank: this node's disk holds its ranks' share.
+                nodes = max(1, world_size // (ranks_per_node or cfg.parallel.nproc or world_size))
+                params = -(-params // nodes)
             for path in nvme_paths(ds):
-                check_nvme_path(path, params)
+                check_nvme_path(path, params, create=False)
 
     def run_values(self, session: Any, optimizer: Any) -> RunValues:
         group = optimizer.param_groups[0] if isinstance(optimizer, torch.optim.Optimizer) else {}

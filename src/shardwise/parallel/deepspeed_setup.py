@@ -70,11 +70,14 @@ def check_libaio() -> None:
             "libaio-devel` on Fedora/RHEL), or use CPU offload (strategy zero3-offload or fsdp-offload).")
 
 
-def check_nvme_path(path: str, params: int | None = None) -> Path:
+def check_nvme_path(path: str, params: int | None = None, *, create: bool = True) -> Path:
     """Check that ``path`` is a writable directory with room for ``params`` parameters' swap files.
 
-    Creates the directory when missing. ``params`` (the model's parameter count, when known)
-    sizes the free-space check; returns the absolute path.
+    ``params``: the parameters whose swap files land on this node's disk (the model's count
+    divided by the nodes, since ZeRO-3 partitions over every rank of the job). ``create``: make
+    the directory when missing (each rank's engine does); the launcher's preflight passes False,
+    so that a dry run writes nothing, and checks the nearest existing parent instead. Returns the
+    absolute path.
     """
     if not path:
         raise ConfigError("strategy zero3-nvme swaps parameters and optimizer state to a fast local disk: "
@@ -83,22 +86,30 @@ def check_nvme_path(path: str, params: int | None = None) -> Path:
     if target.exists() and not target.is_dir():
         raise ConfigError(f"parallel.nvme_path = {path!r} is a file, not a directory; name a directory on a "
                           "fast local disk (it is created when missing).")
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        probe = target / f".shardwise-probe-{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"x" * 4096)
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"parallel.nvme_path = {path!r} is not writable ({e.strerror or e}); NVMe offload "
-                          "writes its swap files there. Name a writable directory on a local disk with room "
-                          "for the model's state.") from None
+    unwritable = ("NVMe offload writes its swap files there. Name a writable directory on a local disk with "
+                  "room for the model's state.")
+    if create:
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            probe = target / f".shardwise-probe-{uuid.uuid4().hex[:8]}"
+            probe.write_bytes(b"x" * 4096)
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"parallel.nvme_path = {path!r} is not writable ({e.strerror or e}); "
+                              + unwritable) from None
+        where = target
+    else:
+        where = next(p for p in (target, *target.parents) if p.exists())
+        if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(f"parallel.nvme_path = {path!r} is not writable ({where} does not let this user "
+                              "create files); " + unwritable)
     if params:
         need = int(params * NVME_BYTES_PER_PARAM * NVME_HEADROOM)
-        free = shutil.disk_usage(target).free
+        free = shutil.disk_usage(where).free
         if free < need:
             raise ConfigError(
                 f"parallel.nvme_path = {path!r} has {free / 2**30:.2f} GiB free, but NVMe offload of "
-                f"{params:,} parameters swaps about {need / 2**30:.2f} GiB there ({NVME_BYTES_PER_PARAM} bytes "
-                "per parameter: fp32 weights, AdamW's two moments and the parameter itself). Free space, "
-                "or choose a larger disk.")
+                f"{params:,} parameters on this node swaps about {need / 2**30:.2f} GiB there "
+                f"({NVME_BYTES_PER_PARAM} bytes per parameter: fp32 weights, AdamW's two moments and the "
+                "parameter itself). Free space, or choose a larger disk.")
     return target
