@@ -147,7 +147,30 @@ class CPState:
     reads the same mask."""
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self._mask
+
+    @mask.setter
+    def mask(self, mask: torch.Tensor | None) -> None:
+        self._mask, self._bias = mask, None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as SDPA's additive float mask in the queries' dtype (0 / -inf), made once per batch.
+
+        SDPA turns a bool mask into such a float copy on every call and saves it for backward: one
+        ``4 S^2`` bytes per layer and row. Handing every layer the same tensor keeps one copy; the
+        numbers are the same (it is the conversion SDPA does itself).
+        """
+        if self._mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            self._bias = torch.zeros(self._mask.shape, dtype=dtype, device=self._mask.device).masked_fill_(
+                ~self._mask, float("-inf"))
+        return self._bias
 
 
 class _UlyssesMode(TorchFunctionMode):
@@ -173,7 +196,7 @@ class _UlyssesMode(TorchFunctionMode):
                 raise RuntimeError(f"context parallel: the batch's mask covers {full.shape[-1]} tokens but the "
                                    f"attention runs on {q.shape[2]} x cp {self.cp}; a forward ran on a batch "
                                    "that did not go through session.forward_backward / eval_loss")
-            attn_mask, is_causal = full, False
+            attn_mask, is_causal = self.state.bias(q.dtype), False
         elif attn_mask is not None:
             # A mask built on this rank's chunk covers [S/cp, S/cp], not the whole sequence.
             raise ConfigError(
