@@ -125,3 +125,15 @@ def test_chunk_batch_keeps_the_whole_sequence_mask_and_cuts_tokens_and_positions
     assert x["position_ids"].tolist() == [[3, 4, 5]] * 2 and state.mask.shape == (2, 1, 6, 6)
     x, _ = chunk_batch(ids[:, :6], y[:, :6], 1, 2, state)
     assert state.mask is None and torch.equal(x, ids[:, 3:6])
+
+
+def test_a_chunk_mask_without_the_whole_sequence_is_refused():
+    import torch.nn.functional as F
+
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.cp import CPState, _UlyssesMode
+
+    q = torch.zeros(1, 2, 4, 8)
+    refused = pytest.raises(ConfigError, match="attention mask built for one chunk.*session.forward_backward")
+    with refused, _UlyssesMode(None, 2, CPState()):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
