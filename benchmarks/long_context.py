@@ -7,6 +7,10 @@ activations" is the RSS a forward adds on top of the built, sharded model (what 
 free); "predicted" is the planner's ``activation_bytes`` for ``seq / cp`` tokens (plan/cp.py).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --seqs 4096 16384 --cps 1 2 4
+
+``--packed N``: every sequence is packed documents of N tokens (``doc_ids`` / ``position_ids``,
+models.masking), so attention runs with the whole sequence's document mask (a dense ``seq^2``
+bool per row on every rank, built by parallel.cp.chunk_batch under cp) instead of plain causal.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def _rss_mib() -> float:
 
 
 def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int, heads: int,
-          vocab: int) -> dict:
+          vocab: int, packed: int = 0) -> dict:
     import torch
 
     from shardwise.config import ParallelConfig
@@ -46,10 +50,22 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
     from shardwise.loss import token_loss_context
     from shardwise.parallel.cp import split_sequence
 
+    def inputs(x: torch.Tensor) -> object:
+        if not packed:
+            return x
+        at = torch.arange(seq)
+        return {"input_ids": x, "doc_ids": (at // packed)[None], "position_ids": (at % packed)[None]}
+
     x, y = data[0, :, :-1], data[0, :, 1:]
-    xs = split_sequence(x, session.cp_rank, world) if world > 1 else x
-    ys = split_sequence(y, session.cp_rank, world) if world > 1 else y
     before = _rss_mib()
+    if packed and world > 1:
+        from shardwise.parallel.cp import chunk_batch
+
+        xs, ys = chunk_batch(inputs(x), y, session.cp_rank, world, session.cp_state)  # the mask counts too
+    elif world > 1:
+        xs, ys = split_sequence(x, session.cp_rank, world), split_sequence(y, session.cp_rank, world)
+    else:
+        xs, ys = inputs(x), y
     with token_loss_context(model, cross_entropy_loss, ys) as loss_fn:
         loss = loss_fn(model(xs), ys)
     act_mib = _rss_mib() - before
@@ -58,7 +74,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
     session.step(opt)
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
-        session.forward_backward(model, data[s, :, :-1], data[s, :, 1:], cross_entropy_loss)
+        session.forward_backward(model, inputs(data[s, :, :-1]), data[s, :, 1:], cross_entropy_loss)
         session.step(opt)
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -75,6 +91,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--packed", type=int, default=0, metavar="N",
+                   help="pack documents of N tokens per sequence (document mask + positions); 0: plain causal")
     args = p.parse_args()
 
     from shardwise.models.gpt import GPTConfig
@@ -83,7 +101,8 @@ def main() -> None:
     from shardwise.testing import run_distributed
 
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}; fp32, "
-          "one sequence per step, fsdp over the cp ranks")
+          f"one sequence per step, fsdp over the cp ranks"
+          f"{f'; packed documents of {args.packed} tokens (dense document mask)' if args.packed else ''}")
     print(f"{'seq':>6} {'cp':>3} {'peak RSS/rank MiB':>18} {'act measured MiB':>17} {'act predicted MiB':>18} "
           f"{'tokens/s':>9}")
     for seq in args.seqs:
@@ -93,7 +112,8 @@ def main() -> None:
             predicted = activation_bytes(spec, seq // cp, 1, 4).saved / 2**20
             try:
                 rows = run_distributed(_rank, cp, timeout_s=args.timeout, seq=seq, steps=args.steps,
-                                       layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab)
+                                       layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                                       packed=args.packed)
             except Exception as e:  # one case failing (memory, time) must not hide the others
                 print(f"{seq:>6} {cp:>3} failed: {str(e).splitlines()[0][:100]}")
                 continue

@@ -12,7 +12,9 @@ A batch's inputs are either a ``(B, T)`` tensor of token ids or a mapping with t
 * ``attention_mask`` ``(B, T)`` 0/1: Hugging Face's padding mask (1 = a real token) for rows that
   hold one record each, right-padded. Absent: every token is real.
 
-Context-parallel attention (issue 21) reads the same ``position_ids``/``doc_ids``.
+Under context parallel, ``shardwise.parallel.cp.chunk_batch`` builds the whole sequence's mask with
+``attention_mask_4d`` from these keys before the sequence is cut; the model gets its chunk of
+``input_ids`` and ``position_ids`` only.
 """
 
 from __future__ import annotations

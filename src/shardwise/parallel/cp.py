@@ -16,7 +16,21 @@ entered inside the attention module's forward, so activation checkpointing's rec
 through it too. Positions are made global: a pre-hook on the GPT's learned position table and on a
 Hugging Face model's ``position_ids`` adds ``cp_rank * chunk``.
 
-The loss is each rank's token mean over its chunk; equal chunks make the mean of those means the
+Packed documents and padded records (inputs with ``doc_ids`` / ``attention_mask``, see
+``models.masking``): the cp ranks read the same batch, so ``chunk_batch`` sees every token's document
+id and position before the sequence is cut. It builds the WHOLE sequence's ``[B, 1, S, S]`` mask
+(causal within documents, padding keys hidden: ``attention_mask_4d``, the one owner of that rule)
+into the group's ``CPState``, and gives the model only its chunk of ``input_ids`` and of the whole
+sequence's ``position_ids`` (restarting per document). The model then runs plain causal attention
+on its chunk, and the all-to-all attention swaps in the whole-sequence mask, which is what each
+rank's heads see after the all-to-all. A batch whose length is not a multiple of cp (dynamic
+padding) is padded on the right first (padding is masked and its labels are -100: no number
+changes). The mask costs ``S^2`` bytes per row on every rank, as in one process.
+
+A token-sum loss (``runtime.token_loss``, what records and packed text train on) divides by the
+trained tokens of the whole global batch and is multiplied by the ranks gradients are averaged
+over, cp ranks included (``step_scale``), so cp ranks may hold any share of the trained tokens.
+For plain token batches the loss is each rank's token mean over its chunk; equal chunks make the mean of those means the
 token mean of the whole sequence, and the data-parallel gradient average (DDP/FSDP over dp x cp,
 torchtitan's layout: FSDP shards over dp_shard x cp) is then the gradient of that global mean.
 
@@ -41,9 +55,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.errors import ConfigError
+from shardwise.models.masking import attention_mask_4d, split_inputs
 
-__all__ = ["CP_IMPLS", "apply_cp", "check_cp_model", "cp_groups", "gather_heads", "resolve_cp_impl",
-           "scatter_heads", "split_sequence"]
+__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "gather_heads",
+           "pad_to_multiple", "resolve_cp_impl", "scatter_heads", "split_sequence"]
 
 CP_IMPLS = ("auto", "alltoall", "ring")
 
@@ -125,12 +140,45 @@ def gather_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
 # --------------------------------------------------------------------------- attention
 
 
+class CPState:
+    """What a cp group's attention needs beyond its chunk: the whole-sequence mask of the batch being
+    run (``[B, 1, S, S]`` bool, True = may attend; None = plain causal attention). ``chunk_batch``
+    sets it for every batch, so activation checkpointing's recomputation in that batch's backward
+    reads the same mask."""
+
+    def __init__(self) -> None:
+        self._mask: torch.Tensor | None = None
+        self._bias: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self._mask
+
+    @mask.setter
+    def mask(self, mask: torch.Tensor | None) -> None:
+        self._mask, self._bias = mask, None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as SDPA's additive float mask in the queries' dtype (0 / -inf), made once per batch.
+
+        SDPA turns a bool mask into such a float copy on every call and saves it for backward: one
+        ``4 S^2`` bytes per layer and row. Handing every layer the same tensor keeps one copy; the
+        numbers are the same (it is the conversion SDPA does itself).
+        """
+        if self._mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            self._bias = torch.zeros(self._mask.shape, dtype=dtype, device=self._mask.device).masked_fill_(
+                ~self._mask, float("-inf"))
+        return self._bias
+
+
 class _UlyssesMode(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` on sequence chunks through the all-to-alls."""
 
-    def __init__(self, group: Any, cp: int) -> None:
+    def __init__(self, group: Any, cp: int, state: CPState) -> None:
         super().__init__()
-        self.group, self.cp = group, cp
+        self.group, self.cp, self.state = group, cp, state
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -140,12 +188,22 @@ class _UlyssesMode(TorchFunctionMode):
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
-        if attn_mask is not None:
+        full = self.state.mask
+        if full is not None:
+            # The whole sequence's document/padding mask (causal included), built by chunk_batch from
+            # every token's doc ids; whatever the model built on its chunk is not what these heads see.
+            if full.shape[-1] != q.shape[2] * self.cp:
+                raise RuntimeError(f"context parallel: the batch's mask covers {full.shape[-1]} tokens but the "
+                                   f"attention runs on {q.shape[2]} x cp {self.cp}; a forward ran on a batch "
+                                   "that did not go through session.forward_backward / eval_loss")
+            attn_mask, is_causal = self.state.bias(q.dtype), False
+        elif attn_mask is not None:
             # A mask built on this rank's chunk covers [S/cp, S/cp], not the whole sequence.
             raise ConfigError(
-                "context parallel (parallel.cp > 1) runs attention over the whole sequence, but the model passed an "
-                "explicit attention mask built for one chunk (padding or packed documents). Causal attention without "
-                "a mask is supported; document masks under cp need the mask built from all ranks' document ids.")
+                "context parallel (parallel.cp > 1) runs attention over the whole sequence, but the model was "
+                "called with an attention mask built for one chunk. Pass packed/padded batches (doc_ids, "
+                "attention_mask) whole to session.forward_backward / eval_loss, which build the whole sequence's "
+                "mask from every token's document ids (shardwise.parallel.cp.chunk_batch).")
         if dropout_p:
             raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
                               "mask); set the model's attention dropout to 0.")
@@ -162,7 +220,8 @@ class _UlyssesMode(TorchFunctionMode):
             kwargs["enable_gqa"] = True
         elif "enable_gqa" in kwargs:
             kwargs["enable_gqa"] = False
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=is_causal, **kwargs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
+                                           **kwargs)
         return gather_heads(y, self.group)
 
 
@@ -202,11 +261,14 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
                           f"(it is {model.hf.config._attn_implementation!r}).")
 
 
-def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int) -> nn.Module:
-    """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring)."""
+def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState | None = None) -> nn.Module:
+    """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring).
+
+    ``state``: where ``chunk_batch`` leaves each batch's whole-sequence mask (the session's own).
+    """
     if cp == 1:
         return model
-    mode_args = (group, cp)
+    mode_args = (group, cp, state if state is not None else CPState())
     for attn in _attention_modules(model):
         dense = attn.forward
 
@@ -217,8 +279,11 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int) -> nn.Module:
         attn.forward = forward  # type: ignore[method-assign]
     pos_emb = getattr(model, "pos_emb", None)
     if isinstance(pos_emb, nn.Embedding):
-        # The GPT indexes its table with arange(chunk); this rank's tokens sit cp_rank chunks later.
-        pos_emb.register_forward_pre_hook(lambda m, args: (args[0] + cp_rank * args[0].numel(),))
+        # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit cp_rank chunks
+        # later. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
+        # sequence's positions (chunk_batch) and pass unchanged.
+        pos_emb.register_forward_pre_hook(
+            lambda m, args: (args[0] + cp_rank * args[0].numel(),) if args[0].dim() == 1 else None)
     if hasattr(model, "hf"):
         def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if kwargs.get("position_ids") is None:
@@ -239,6 +304,44 @@ def split_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
                           "rank takes an equal chunk. Change the sequence length (model block_size / seq_len).")
     chunk = seq // cp
     return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]
+
+
+def pad_to_multiple(inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                    cp: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A masked batch (``doc_ids`` or ``attention_mask``) right-padded to a multiple of ``cp`` tokens:
+    padding keys are hidden by the mask and padding labels are -100, so no loss changes."""
+    seq = targets.shape[1]
+    extra = (-seq) % cp
+    if not extra:
+        return inputs, targets
+    fill = {"doc_ids": -1, "attention_mask": 0, "position_ids": 0, "input_ids": 0}
+    pad = lambda t, v: torch.cat([t, t.new_full((t.shape[0], extra), v)], dim=1)  # noqa: E731
+    return {k: pad(v, fill[k]) for k, v in inputs.items()}, pad(targets, -100)
+
+
+def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
+                state: CPState) -> tuple[Any, torch.Tensor]:
+    """This rank's chunk of one batch, and the whole-sequence mask into ``state`` (see module docstring).
+
+    ``inputs``: a ``(B, T)`` tensor of token ids, or a mapping with the keys of ``models.masking``
+    (packed rows, padded records). The mapping's chunk holds ``input_ids`` and ``position_ids`` (the
+    whole sequence's positions, cut): the document/padding mask goes to the attention through
+    ``state``, built from all ``T`` tokens' ``doc_ids`` / ``attention_mask``.
+    """
+    cut = lambda t: split_sequence(t, cp_rank, cp)  # noqa: E731
+    if isinstance(inputs, torch.Tensor):
+        state.mask = None
+        return cut(inputs), cut(targets)
+    ids, extra = split_inputs(inputs)
+    if "doc_ids" in extra or "attention_mask" in extra:
+        inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp)
+        ids, extra = split_inputs(inputs)
+    seq = ids.shape[1]
+    positions = extra.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=ids.device).expand(ids.shape[0], seq)
+    state.mask = attention_mask_4d(extra, seq, ids.device)
+    return {"input_ids": cut(ids), "position_ids": cut(positions)}, cut(targets)
 
 
 def cp_groups(layout: Any, rank: int) -> tuple[Any, int]:

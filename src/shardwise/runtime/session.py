@@ -184,9 +184,12 @@ class Session:
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
         # Context parallel (h21): this rank's group of cp ranks and which sequence chunk it holds.
         self.cp_group: Any = None
+        self.cp_state: Any = None  # parallel.cp.CPState: the whole-sequence mask of the batch being run
         self.cp_rank = self.layout.cp_rank(self.rank)
         if self.layout.cp > 1:
-            from shardwise.parallel.cp import cp_groups, resolve_cp_impl
+            from shardwise.parallel.cp import CPState, cp_groups, resolve_cp_impl
+
+            self.cp_state = CPState()
 
             self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
             if self.compile:
@@ -346,7 +349,7 @@ class Session:
             from shardwise.parallel.cp import apply_cp, check_cp_model
 
             check_cp_model(model, self.layout.cp, self.layout.tp)
-            apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp)
+            apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp, self.cp_state)
         # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
         prepared = parallelize(model, self.strategy, self.ctx)
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
@@ -501,15 +504,13 @@ class Session:
             return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
 
     def _cp_chunk(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise)."""
+        """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise);
+        a packed/padded batch's whole-sequence mask goes to the attention (parallel.cp.chunk_batch)."""
         if self.layout.cp == 1:
             return inputs, targets
-        from shardwise.parallel.cp import split_sequence
+        from shardwise.parallel.cp import chunk_batch
 
-        cut = lambda t: split_sequence(t, self.cp_rank, self.layout.cp)  # noqa: E731
-        # A mapping of per-token tensors (input_ids, position_ids, ... of packed rows) is cut alike.
-        chunk = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
-        return chunk, cut(targets)
+        return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state)
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""

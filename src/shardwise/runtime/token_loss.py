@@ -15,6 +15,9 @@ trainer reads the step's A micro-batches first, counts their labels on the host 
 count (one small all-reduce, no host sync). One process and N ranks therefore compute the same loss
 and the same gradient, whatever the split. Ranks that are not data-parallel replicas (tensor or
 pipeline parallel peers) hold the same batch, so the all-reduced count is divided by their number.
+Context-parallel ranks also hold the same batch (counted before it is cut), but each computes the
+loss of its own sequence chunk and gradients are averaged over them too (they are part of the
+data-parallel dimension): the scale is ``dp * cp * A / N``.
 """
 
 from __future__ import annotations
@@ -45,5 +48,7 @@ def step_scale(session: Any, micro_batches: list[tuple[Any, torch.Tensor]]) -> t
     if session.is_distributed:
         dist.all_reduce(counts)
         counts = counts / (session.world_size // session.dp_size)  # non-dp peers hold the same batch
-    scale = (session.dp_size * len(micro_batches)) / counts[0].clamp(min=1.0)
+    # Gradients are averaged over every data-parallel rank, the cp ranks of a sequence included.
+    replicas = session.dp_size * session.layout.cp
+    scale = (replicas * len(micro_batches)) / counts[0].clamp(min=1.0)
     return scale.float(), counts[1]

@@ -93,7 +93,9 @@ def evaluate(session: Session, model: nn.Module, workload: Workload, loader: Any
             if i >= max_batches:
                 break
             loss = session.eval_loss(model, session.to_device(x), y.to(session.device), token_sum_loss)
-            sums += torch.stack([loss.double(), (y != -100).sum().double().to(session.device)])
+            # Each cp rank's loss covers its sequence chunk, but it read the whole batch's labels.
+            trained = (y != -100).sum().double() / session.layout.cp
+            sums += torch.stack([loss.double(), trained.to(session.device)])
         model.train(was_training)
         sums = session.all_reduce(sums, op="sum")
         return float(sums[0] / sums[1].clamp(min=1))
@@ -156,12 +158,6 @@ class Trainer:
                               "supported with parallel.sequence_parallel = true yet (the document/padding mask "
                               "is not among the attention inputs the sequence-parallel plan shards). Turn "
                               "sequence_parallel off.")
-        if self.workload.token_loss and self.session.layout.cp > 1:
-            # CP attention takes no mask yet (a packed row's document mask would have to be built from
-            # the whole sequence's doc ids), and the token-mean denominator would have to span cp ranks.
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
-                              "supported with context parallel yet (parallel.cp > 1): the document/padding mask "
-                              "does not go through the all-to-all attention. Use parallel.cp = 1.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
         self._train_loss_fn = self.session.compile_loss(
             token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
