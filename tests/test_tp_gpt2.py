@@ -203,3 +203,31 @@ def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
         check_tp_model(model, 3)
     with pytest.raises(ConfigError, match="LoRA on a GPT-2 model is not supported"):
         check_tp_model(lora, 2)
+
+
+def test_checkpoint_names_fuse_and_cut_back():
+    """Model and flattened optimizer entries of q/k/v fuse to c_attn's names and layout and back."""
+    from shardwise.parallel.tp_gpt2 import fuse_shapes, fuse_state, split_names, unfuse_state
+
+    stem = "hf.transformer.h.0.attn.c_attn"
+    parts = {p: torch.randn(8, 4) for p in "qkv"}
+    split = {**{f"state.{stem}.{p}.weight.exp_avg": parts[p] for p in "qkv"},
+             **{f"state.{stem}.{p}.weight.step": torch.tensor(3.0) for p in "qkv"},
+             **{f"param_groups.{stem}.{p}.weight.lr": 1e-3 for p in "qkv"},
+             f"{stem}.q.bias": torch.zeros(4), "hf.transformer.h.0.mlp.c_fc.weight": torch.ones(2)}
+    assert set(split_names(split)) == {f"state.{stem}.weight.exp_avg", f"state.{stem}.weight.step",
+                                       f"param_groups.{stem}.weight.lr"}  # a lone q.bias is no group
+    fused = fuse_state(split)
+    assert torch.equal(fused[f"state.{stem}.weight.exp_avg"], torch.cat([parts[p] for p in "qkv"], dim=-1))
+    assert fused[f"state.{stem}.weight.step"].item() == 3.0 and fused[f"param_groups.{stem}.weight.lr"] == 1e-3
+    assert f"{stem}.q.bias" in fused and "hf.transformer.h.0.mlp.c_fc.weight" in fused
+    back = unfuse_state(fused, split)
+    assert set(back) == set(split)
+    for p in "qkv":
+        assert torch.equal(back[f"state.{stem}.{p}.weight.exp_avg"], parts[p])
+    steps = [back[f"state.{stem}.{p}.weight.step"] for p in "qkv"]
+    assert len({id(s) for s in steps}) == 3  # Adam increments each in place: never one shared tensor
+    with pytest.raises(ValueError, match="three parts"):
+        unfuse_state({f"state.{stem}.weight.exp_avg": torch.zeros(8, 6)}, split)
+    shapes = {f"{stem}.{p}.weight": [[64, 64], "float32"] for p in "qkv"}
+    assert fuse_shapes(shapes) == {f"{stem}.weight": [[64, 192], "float32"]}
