@@ -6,7 +6,13 @@ pretrained folder, 5 fp32 AdamW steps each, and ``tp`` from a random init (meta 
 fused c_attn into its q/k/v slices); each must equal the single-process run, whose first loss is
 transformers' own. The tp run's checkpoint is exported with ``ckpt export --format hf`` and
 reloaded with from_pretrained: the fused c_attn comes back and the logits equal the trained
-model's. Resuming that checkpoint under fsdp (fused c_attn) is refused, naming the way out.
+model's.
+
+Checkpoints hold the fused c_attn whatever the layout, so resume crosses layouts: in the same spawn
+fsdp+tp and fsdp each train 3 steps and save; tp resumes the fsdp checkpoint, and (in this process)
+a single process resumes the fsdp+tp one; both continue to step 5 on the uninterrupted run's losses
+(the resume tests' 1e-5). A checkpoint in the earlier format (c_attn as q/k/v, written by a piece
+that saves the slices) still resumes under tp and is refused under fsdp, naming the way out.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import torch
 
 from shardwise.config import ParallelConfig
 from shardwise.parallel.tp_gpt2 import fuse_split_state
+from shardwise.runtime.checkpoint.pieces import ModelPiece, OptimizerPiece
+from shardwise.runtime.checkpoint.state import model_state, optimizer_state
 from shardwise.runtime.session import Session
 from shardwise.testing import fixed_batches, lm_loss, run_distributed, train_fixed_batches
 from tests.helpers.hf import VOCAB, hf_case, hf_cases, reference_model, save_tiny
@@ -56,30 +64,53 @@ def random_case(rank: int, world_size: int, strategy: str, steps: int, global_ba
     return result
 
 
-def load_under(rank: int, world_size: int, folder: str, ckpt_dir: str, strategy: str) -> str:
-    """Load a checkpoint into the model built under ``strategy``; the error message, or "loaded"."""
+class SlicedModelPiece(ModelPiece):
+    """The model piece as shardwise wrote it before checkpoints held the fused c_attn (q/k/v slices)."""
+
+    def state_dict(self) -> dict:
+        return model_state(self.model, fused=False)
+
+
+class SlicedOptimizerPiece(OptimizerPiece):
+    def state_dict(self) -> dict:
+        return optimizer_state(self.model, self.optimizer, fused=False)
+
+
+def segment(rank: int, world_size: int, folder: str, strategy: str, steps: list[int], load: str = "",
+            save: str = "", sliced: bool = False, **options: object) -> dict | str:
+    """Train ``folder``'s GPT-2 under ``strategy`` on the fixed batches of ``steps`` (the STEPS run's),
+    after loading checkpoint ``load`` if given, then save to ``save``; the losses, or the load's error.
+    ``sliced``: save in the earlier format (c_attn as q/k/v)."""
     from shardwise.errors import CheckpointError
     from shardwise.models.hf import build_hf_model
 
-    session = Session(parallel=ParallelConfig(strategy=strategy), seed=0)  # type: ignore[arg-type]
-    model = session.build(lambda: build_hf_model(pretrained=folder))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = session.prepare(model, opt)
+    session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
     try:
-        session.load(ckpt_dir, model, opt)
-        return "loaded"
-    except CheckpointError as e:
-        return str(e)
+        model = session.build(lambda: build_hf_model(pretrained=folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=STEPS["lr"], weight_decay=0.0)
+        model, opt = session.prepare(model, opt)
+        if load:
+            try:
+                assert session.load(load, model, opt).step == steps[0]
+            except CheckpointError as e:
+                return str(e)
+        data = fixed_batches(STEPS["steps"], STEPS["global_batch"], STEPS["seq"], VOCAB)
+        losses = train_fixed_batches(session, model, opt, data, steps=range(steps[0], steps[1]))["losses"]
+        if save:
+            if sliced:
+                session.checkpoint_pieces.update(model=SlicedModelPiece(model), optim=SlicedOptimizerPiece(model, opt))
+            session.save(save, model, opt, step=steps[1])
+        return {"losses": losses}
     finally:
         session.close()
 
 
-def gpt2_cases(rank: int, world_size: int, cases: list[dict], load: dict) -> list:
-    """The pretrained cases (``hf_cases``), the random-init ones, then ``load_under(**load)``: one spawn."""
+def gpt2_cases(rank: int, world_size: int, cases: list[dict], segments: list[dict]) -> list:
+    """The pretrained cases (``hf_cases``), the random-init ones, then the ``segment``s: one spawn."""
     pretrained = [c for c in cases if "folder" in c]
     return (hf_cases(rank, world_size, pretrained)
             + [random_case(rank, world_size, **c) for c in cases if "folder" not in c]
-            + [load_under(rank, world_size, **load)])
+            + [segment(rank, world_size, **s) for s in segments])
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +132,32 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
         {"strategy": "tp", "tp": 2, **STEPS},
     ]
     random_ref = random_case(0, 1, "single", **STEPS)
-    load = {"folder": folder, "ckpt_dir": str(ckpt), "strategy": "fsdp"}
-    results = run_distributed(gpt2_cases, 2, timeout_s=300, cases=cases, load=load)
-    # The TP checkpoint names c_attn's parts: resuming it without TP is refused with the way out.
-    assert "holds c_attn as c_attn.q/k/v" in results[0][-1] and "--format hf" in results[0][-1], results[0][-1]
+    tp_ck, fsdp_ck, old_ck = (str(tmp_path / n) for n in ("fsdp_tp3", "fsdp3", "sliced3"))
+    segments = [
+        {"strategy": "fsdp+tp", "tp": 2, "steps": [0, 3], "save": tp_ck},
+        {"strategy": "fsdp", "steps": [0, 3], "save": fsdp_ck},
+        {"strategy": "tp", "tp": 2, "steps": [0, 3], "save": old_ck, "sliced": True},
+        {"strategy": "tp", "tp": 2, "steps": [3, 5], "load": fsdp_ck},  # fsdp -> tp
+        {"strategy": "tp", "tp": 2, "steps": [3, 5], "load": old_ck},  # the earlier format, under tp
+        {"strategy": "fsdp", "steps": [3, 5], "load": old_ck},  # ... and refused without tp
+    ]
+    results = run_distributed(gpt2_cases, 2, timeout_s=300, cases=cases,
+                              segments=[{"folder": folder, **s} for s in segments])
+    seg = results[0][len(cases):]
+    for first in seg[:3]:
+        assert first["losses"] == pytest.approx(ref["losses"][:3], abs=LOSS_ATOL), first
+    for resumed in seg[3:5]:  # fsdp -> tp, and the earlier q/k/v format under tp
+        assert resumed["losses"] == pytest.approx(ref["losses"][3:], abs=LOSS_ATOL), resumed
+    refused = seg[5]
+    assert "stored c_attn as c_attn.q/k/v" in refused and "tp > 1" in refused and "--format hf" in refused, refused
+    # fsdp+tp (2 ranks) -> one process without tp, in this process.
+    assert segment(0, 1, folder, "single", [3, 5], load=tp_ck)["losses"] == pytest.approx(ref["losses"][3:],
+                                                                                          abs=LOSS_ATOL)
+    from shardwise.runtime.checkpoint import read_manifest, resolve_checkpoint
+
+    for ck in (tp_ck, fsdp_ck):  # one format whatever the layout
+        names = read_manifest(resolve_checkpoint(ck))["model_tensors"]
+        assert "hf.transformer.h.0.attn.c_attn.weight" in names and not any(".c_attn.q." in n for n in names)
     for i, case in enumerate(cases):
         want = ref if "folder" in case else random_ref
         for rank in results:
@@ -128,6 +181,12 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
     assert not torch.equal(trained.lm_head.weight, reference_model(gpt2_folder).lm_head.weight)  # it trained
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=x).logits, trained(input_ids=x).logits, atol=1e-5, rtol=0)
+    # A checkpoint in the earlier format (q/k/v slices) exports as the fused one of the same 3 steps under fsdp.
+    export_hf(old_ck, tmp_path / "export_sliced")
+    export_hf(fsdp_ck, tmp_path / "export_fsdp")
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(tmp_path / "export_sliced")(input_ids=x).logits,
+                                   reference_model(tmp_path / "export_fsdp")(input_ids=x).logits, atol=1e-4, rtol=0)
 
 
 def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
@@ -144,3 +203,31 @@ def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
         check_tp_model(model, 3)
     with pytest.raises(ConfigError, match="LoRA on a GPT-2 model is not supported"):
         check_tp_model(lora, 2)
+
+
+def test_checkpoint_names_fuse_and_cut_back():
+    """Model and flattened optimizer entries of q/k/v fuse to c_attn's names and layout and back."""
+    from shardwise.parallel.tp_gpt2 import fuse_shapes, fuse_state, split_names, unfuse_state
+
+    stem = "hf.transformer.h.0.attn.c_attn"
+    parts = {p: torch.randn(8, 4) for p in "qkv"}
+    split = {**{f"state.{stem}.{p}.weight.exp_avg": parts[p] for p in "qkv"},
+             **{f"state.{stem}.{p}.weight.step": torch.tensor(3.0) for p in "qkv"},
+             **{f"param_groups.{stem}.{p}.weight.lr": 1e-3 for p in "qkv"},
+             f"{stem}.q.bias": torch.zeros(4), "hf.transformer.h.0.mlp.c_fc.weight": torch.ones(2)}
+    assert set(split_names(split)) == {f"state.{stem}.weight.exp_avg", f"state.{stem}.weight.step",
+                                       f"param_groups.{stem}.weight.lr"}  # a lone q.bias is no group
+    fused = fuse_state(split)
+    assert torch.equal(fused[f"state.{stem}.weight.exp_avg"], torch.cat([parts[p] for p in "qkv"], dim=-1))
+    assert fused[f"state.{stem}.weight.step"].item() == 3.0 and fused[f"param_groups.{stem}.weight.lr"] == 1e-3
+    assert f"{stem}.q.bias" in fused and "hf.transformer.h.0.mlp.c_fc.weight" in fused
+    back = unfuse_state(fused, split)
+    assert set(back) == set(split)
+    for p in "qkv":
+        assert torch.equal(back[f"state.{stem}.{p}.weight.exp_avg"], parts[p])
+    steps = [back[f"state.{stem}.{p}.weight.step"] for p in "qkv"]
+    assert len({id(s) for s in steps}) == 3  # Adam increments each in place: never one shared tensor
+    with pytest.raises(ValueError, match="three parts"):
+        unfuse_state({f"state.{stem}.weight.exp_avg": torch.zeros(8, 6)}, split)
+    shapes = {f"{stem}.{p}.weight": [[64, 64], "float32"] for p in "qkv"}
+    assert fuse_shapes(shapes) == {f"{stem}.weight": [[64, 192], "float32"]}

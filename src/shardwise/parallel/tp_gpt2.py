@@ -18,6 +18,7 @@ loading and the Hugging Face export ask it (one owner of the mapping).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardwise.errors import ConfigError
 
-__all__ = ["PARTS", "Conv1DColwise", "Conv1DRowwise", "SplitQKV", "fuse_split_state", "fused_sources", "split_qkv"]
+__all__ = ["PARTS", "Conv1DColwise", "Conv1DRowwise", "SplitQKV", "fuse_shapes", "fuse_split_state", "fuse_state",
+           "fused_sources", "has_split_qkv", "split_names", "split_qkv", "unfuse_state"]
 
 PARTS = ("q", "k", "v")
 
@@ -159,4 +161,141 @@ def fuse_split_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"{owner}.{leaf}"] = torch.cat([state[n] for n in names], dim=-1)
             continue
         out[name] = tensor
+    return out
+
+
+# ------------------------------------------------------------------------------ checkpoint names
+# A checkpoint holds the fused ``c_attn`` whatever the layout (as the pretrained files do), so one
+# saved under TP resumes without it and back, and export/reshard see one format. The model and
+# optimizer state dicts of a split model are mapped here: their q/k/v entries are concatenated
+# into the fused name on save, and the fused entry is cut back into the parts on load.
+_PART_NAME = re.compile(r"(?:^|\.)c_attn\.([qkv])\.(?:weight|bias)(?=\.|$)")
+
+
+def has_split_qkv(model: nn.Module) -> bool:
+    """Whether ``split_qkv`` replaced a ``c_attn`` of ``model``."""
+    return any(isinstance(m, SplitQKV) for m in model.modules())
+
+
+def split_names(names: Any) -> dict[str, list[str]]:
+    """{fused name: [its q, k, v names]} for the names among ``names`` that are q/k/v parts of a
+    ``SplitQKV`` (all three present); model keys (``X.c_attn.q.weight``) and flattened optimizer
+    keys (``state.X.c_attn.q.weight.exp_avg``, ``param_groups.X.c_attn.q.weight.lr``) alike."""
+    present = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in present:
+        m = _PART_NAME.search(name)
+        if m is None or m.group(1) != PARTS[0]:
+            continue
+        fused = name[:m.start(1)] + name[m.end(1) + 1:]
+        parts = [name[:m.start(1)] + p + name[m.end(1):] for p in PARTS]
+        if all(p in present for p in parts):
+            groups[fused] = parts
+    return groups
+
+
+def _fusable_placements(t: Any) -> list[Any]:
+    """``t``'s placements with every mesh dim that shards its last dim replicated instead."""
+    last = t.ndim - 1
+    return [Replicate() if getattr(p, "dim", None) is not None and p.dim % t.ndim == last else p
+            for p in t.placements]
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _fuse_values(values: list[Any]) -> Any:
+    """The parts' entries as the fused tensor's: tensors concatenated along the last dim (the
+    output features); scalars (Adam's ``step``) and hyper-parameters are shared, q's is kept."""
+    first = values[0]
+    if not isinstance(first, torch.Tensor) or first.ndim == 0:
+        return first
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if not isinstance(first, DTensor):
+            return torch.cat([v.detach() for v in values], dim=-1)
+        # Each part is column-split across the TP ranks ([q_r | k_r | v_r] is not one block of the
+        # fused tensor): gather the last dim over the mesh dims that split it, keep the others
+        # (FSDP's row shards are the same rows in the three parts), and concatenate locally.
+        placements = _fusable_placements(first)
+        local = torch.cat([v.detach().redistribute(v.device_mesh, placements).to_local() for v in values], dim=-1)
+        shape = (*first.shape[:-1], sum(v.shape[-1] for v in values))
+        return DTensor.from_local(local, first.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _part_value(fused: Any, index: int, like: Any) -> Any:
+    """Part ``index`` of a fused entry (as ``_fuse_values`` made it), laid out as ``like``."""
+    if not isinstance(like, torch.Tensor):
+        return fused
+    if like.ndim == 0:
+        return fused.detach().clone()  # one tensor per part: Adam increments ``step`` in place
+    from torch.distributed.tensor import DTensor
+
+    width = like.shape[-1]
+    if fused.shape[-1] != width * len(PARTS):
+        raise ValueError(f"a fused q/k/v entry of last dim {fused.shape[-1]} does not hold three parts of {width}")
+    columns = slice(index * width, (index + 1) * width)
+    with torch.no_grad():
+        if not isinstance(fused, DTensor):
+            return fused.detach()[..., columns].clone()
+        # The fused entry's last dim is whole on every rank (see _fuse_values): slice it locally,
+        # then scatter it as the part is laid out (a local chunk for the TP split).
+        local = fused.to_local()[..., columns].contiguous()
+        whole = DTensor.from_local(local, fused.device_mesh, fused.placements, run_check=False,
+                                   shape=like.shape, stride=_contiguous_stride(tuple(like.shape)))
+        if isinstance(like, DTensor):
+            return whole.redistribute(like.device_mesh, like.placements)
+        return whole.full_tensor()
+
+
+def fuse_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A model or (flattened) optimizer state dict of a split model under the fused names.
+
+    Collective when the parts are DTensors (their last dim is gathered over the TP ranks).
+    """
+    groups = split_names(state)
+    if not groups:
+        return state
+    first = {parts[0]: fused for fused, parts in groups.items()}
+    rest = {p for parts in groups.values() for p in parts[1:]}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if name in first:
+            out[first[name]] = _fuse_values([state[p] for p in groups[first[name]]])
+        elif name not in rest:
+            out[name] = value
+    return out
+
+
+def unfuse_state(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """``loaded`` (fused names, as ``fuse_state`` gives) under the names and layout of ``like``
+    (the split model's own state dict): each fused entry cut into its q/k/v parts. Entries
+    ``loaded`` holds under a part's own name (a checkpoint that saved the parts) are kept."""
+    groups = split_names(like)
+    if not groups:
+        return loaded
+    part_of = {p: (fused, i) for fused, parts in groups.items() for i, p in enumerate(parts)}
+    out = {name: value for name, value in loaded.items() if name not in groups}
+    for name, (fused, index) in part_of.items():
+        if name not in out and fused in loaded:
+            out[name] = _part_value(loaded[fused], index, like[name])
+    return out
+
+
+def fuse_shapes(shapes: dict[str, list]) -> dict[str, list]:
+    """A checkpoint manifest's ``{name: [shape, dtype]}`` with q/k/v slices (``split_names``) as the
+    fused tensor: what a checkpoint saved with the slices holds, under the unsplit model's names."""
+    groups = split_names(shapes)
+    rest = {p for parts in groups.values() for p in parts}
+    out = {name: spec for name, spec in shapes.items() if name not in rest}
+    for fused, parts in groups.items():
+        shape, dtype = shapes[parts[0]]
+        out[fused] = [[*shape[:-1], sum(shapes[p][0][-1] for p in parts)], dtype]
     return out

@@ -114,7 +114,10 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
                 "holds every weight, but the model to load it into trains LoRA adapters on a frozen base")
         raise CheckpointError(f"checkpoint {path} {what}. Load it with the [lora] and model.pretrained "
                               "settings it was trained with.")
-    model_state = tensor_pieces["model"].state_dict()
+    def saved_of(name: str) -> set[str]:
+        return {k[len(name) + 1:] for k in saved_keys if k.startswith(f"{name}.")}
+
+    model_state = tensor_pieces["model"].load_template(saved_of("model"))
     mine = tensor_shapes(model_state)
     saved = manifest["model_tensors"]
     local_diffs = shape_mismatch({k: v for k, v in saved.items() if k in mine}, mine)
@@ -122,7 +125,7 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     for shapes in gather(mine):
         union.update(shapes)
     diffs = local_diffs or shape_mismatch(saved, union)
-    raise_on_every_rank(str(incompatible_error(path, diffs)) if diffs else None, CheckpointError)
+    raise_on_every_rank(str(incompatible_error(path, diffs, saved)) if diffs else None, CheckpointError)
     if "optim" in tensor_pieces and not manifest.get("has_optimizer", True):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it without an "
                               "optimizer, or resume from a training checkpoint.")
@@ -130,10 +133,9 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     payload: dict[str, Any] = {"model": model_state}
     absent: list[str] = []
     for name, piece in tensor_pieces.items():
-        prefix = f"{name}."
-        keys = {k[len(prefix):] for k in saved_keys if k.startswith(prefix)}
         if name == "model":
             continue
+        keys = saved_of(name)
         if not keys:  # saved before this piece existed: it keeps its state
             absent.append(name)
             continue

@@ -310,13 +310,17 @@ def shape_mismatch(saved: dict[str, list], mine: dict[str, list], limit: int = 4
     return diffs[:limit] + ([f"... {len(diffs) - limit} more"] if len(diffs) > limit else [])
 
 
-def incompatible_error(path: Path, diffs: list[str]) -> CheckpointError:
-    """The error for a checkpoint saved from a model of another shape."""
-    # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tp_gpt2.py).
-    split = any(".c_attn." in d and "checkpoint" in d for d in diffs)
-    hint = (" A GPT-2 checkpoint saved under tensor parallel (tp > 1) holds c_attn as c_attn.q/k/v, one saved "
-            "without it holds the fused c_attn: resume it under the same kind of layout, or export it with "
-            "`shardwise ckpt export --format hf` and start the other run from that folder (model.pretrained)."
+def incompatible_error(path: Path, diffs: list[str], saved_names: Any = ()) -> CheckpointError:
+    """The error for a checkpoint saved from a model of another shape (``saved_names``: its tensors)."""
+    from shardwise.parallel.tp_gpt2 import split_names
+
+    # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tp_gpt2.py); checkpoints
+    # hold the fused c_attn whatever the layout, but those of shardwise before that held the slices.
+    split = bool(split_names(saved_names))
+    hint = (" It is a GPT-2 checkpoint saved under tensor parallel by an earlier shardwise, which stored c_attn "
+            "as c_attn.q/k/v: resume it under tp > 1 (every checkpoint written from then on holds the fused "
+            "c_attn, which resumes under any layout), or export it with `shardwise ckpt export --format hf` "
+            "and start the other run from that folder (model.pretrained)."
             if split else "")
     return CheckpointError(
         f"checkpoint {path} was saved from a model of a different shape: {'; '.join(diffs)}. "

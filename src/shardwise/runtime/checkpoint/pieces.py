@@ -96,6 +96,14 @@ class RankPiece(Piece):
 
 
 # ---------------------------------------------------------------------------------- DCP pieces
+def _saved_split(saved_keys: set[str]) -> bool:
+    """Whether a checkpoint holds GPT-2's c_attn as q/k/v slices (``parallel/tp_gpt2.py``): written
+    under TP by shardwise before checkpoints held the fused tensor whatever the layout."""
+    from shardwise.parallel.tp_gpt2 import split_names
+
+    return bool(split_names(saved_keys))
+
+
 class ModelPiece(TensorPiece):
     """The model's parameters and buffers, keyed by the plain model's names whatever the wrapping."""
 
@@ -104,6 +112,10 @@ class ModelPiece(TensorPiece):
 
     def state_dict(self) -> dict[str, Any]:
         return model_state(self.model, self.trainable_only)
+
+    def load_template(self, saved_keys: set[str]) -> dict[str, Any]:
+        # Saved as q/k/v slices (GPT-2 under TP, by shardwise before the fused format): read them as such.
+        return model_state(self.model, self.trainable_only, fused=not _saved_split(saved_keys))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state(self.model, state, self.trainable_only)
@@ -120,7 +132,7 @@ class OptimizerPiece(TensorPiece):
         return optimizer_state(self.model, self.optimizer, self.trainable_only)
 
     def load_template(self, saved_keys: set[str]) -> dict[str, Any]:
-        state = self.state_dict()
+        state = optimizer_state(self.model, self.optimizer, self.trainable_only, fused=not _saved_split(saved_keys))
         # An LR scheduler adds ``initial_lr`` to the param groups, so a checkpoint saved without one
         # lacks it. It is the scheduler's own value (its base_lrs, restored from its JSON state):
         # keep the current one rather than refuse the checkpoint.

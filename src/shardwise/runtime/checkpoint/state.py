@@ -2,7 +2,9 @@
 
 Both go through ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
 ``set_state_dict``), whose keys are the plain model's parameter names under DDP, FSDP2 and DTensor
-TP alike, so DCP can reshard a checkpoint onto any other strategy and rank count.
+TP alike, so DCP can reshard a checkpoint onto any other strategy and rank count. A tensor a
+strategy trains in slices (GPT-2's fused ``c_attn`` as q/k/v under TP, ``parallel/tp_gpt2.py``) is
+named and shaped as the unsplit model has it, so that too resumes under any layout.
 """
 
 from __future__ import annotations
@@ -50,24 +52,46 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return _TRAINABLE if trainable_only else _OPTIONS
 
 
-def model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
-    """The model's state as this rank holds it, name-keyed; ``trainable_only`` leaves frozen parameters out."""
-    return get_model_state_dict(model, options=_options(trainable_only))
+def _fused(model: nn.Module, state: dict[str, Any], fused: bool) -> dict[str, Any]:
+    from shardwise.parallel.tp_gpt2 import fuse_state, has_split_qkv
+
+    return fuse_state(state) if fused and has_split_qkv(model) else state
+
+
+def model_state(model: nn.Module, trainable_only: bool = False, fused: bool = True) -> dict[str, Any]:
+    """The model's state as this rank holds it, name-keyed; ``trainable_only`` leaves frozen parameters out.
+
+    ``fused``: a tensor trained in slices appears whole, under its own name (a fresh tensor, not the
+    parameters'); False gives the slices as the model holds them (what checkpoints of shardwise
+    before the fused format saved).
+    """
+    return _fused(model, get_model_state_dict(model, options=_options(trainable_only)), fused)
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainable_only: bool = False) -> dict[str, Any]:
-    """The optimizer's state as this rank holds it, keyed by parameter name (flattened)."""
-    return get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
+                    trainable_only: bool = False, fused: bool = True) -> dict[str, Any]:
+    """The optimizer's state as this rank holds it, keyed by parameter name (flattened); ``fused`` as
+    in ``model_state``."""
+    state = get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
+    return _fused(model, state, fused)
+
+
+def _unfused(model: nn.Module, state: dict[str, Any], own: Any) -> dict[str, Any]:
+    """``state`` (fused or sliced names) under the model's own names and layout (``own()`` gives them)."""
+    from shardwise.parallel.tp_gpt2 import has_split_qkv, unfuse_state
+
+    return unfuse_state(state, own()) if has_split_qkv(model) else state
 
 
 def set_model_state(model: nn.Module, state: dict[str, Any], trainable_only: bool = False) -> None:
+    state = _unfused(model, state, lambda: get_model_state_dict(model, options=_options(trainable_only)))
     set_model_state_dict(model, state, options=_options(trainable_only))
 
 
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                         trainable_only: bool = False) -> None:
     local = _local_optimizer(optimizer)
+    state = _unfused(model, state, lambda: get_optimizer_state_dict(model, local, options=_options(trainable_only)))
     # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
     # such an empty group (it reads the group's first parameter name), and the group has no state
     # to load anyway: load into the non-empty groups only, then put the empty ones back in place.
