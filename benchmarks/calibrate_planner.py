@@ -10,9 +10,10 @@ run's own strategy, degrees, micro-batch and checkpointing, and a zero safety ma
     python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
 
 The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
-tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies;
-shared by all, the elementwise traffic factor. The allocator fragmentation is fitted on the
-published peak-memory readings of the fitted runs. Held-out runs never enter the fit. The
+tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies,
+each with a weak prior at its typical value (PRIORS); shared by all, the elementwise traffic
+factor. The allocator fragmentation is fitted on the published peak-memory readings of the
+fitted runs. Held-out runs never enter the fit. The
 printed ``CALIBRATIONS`` block is what ``src/shardwise/plan/cost.py`` holds.
 """
 
