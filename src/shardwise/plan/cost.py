@@ -77,10 +77,10 @@ class Calibration:
 # jointly over all generations; the efficiencies per generation, each with a weak prior at its
 # typical value (calibrate_planner.PRIORS).
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.7094, attention_efficiency=0.5325, link_efficiency=0.7179,
-                        elementwise_passes=11.18, fragmentation=0.1428, fitted_runs=31),
-    "h100": Calibration("h100", matmul_efficiency=0.5647, attention_efficiency=0.3956, link_efficiency=0.7811,
-                        elementwise_passes=11.18, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_efficiency=0.7023, attention_efficiency=0.5212, link_efficiency=0.7216,
+                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=31),
+    "h100": Calibration("h100", matmul_efficiency=0.5537, attention_efficiency=0.3947, link_efficiency=0.7826,
+                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -272,10 +272,14 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     elif sharding in ("replicate", "zero1") and dp > 1:
         bw = fabric.collective_gbs(dp, tp)
         grad_bytes = prec.grad * local_params
-        ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
-        # Gradients sync once per step (no_sync during accumulation); DDP overlaps the all-reduce
-        # with the last micro-batch's backward (2/3 of its compute).
-        exposed += max(0.0, ar - compute_micro * 2 / 3)
+        if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
+            ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
+            exposed += ar
+        else:
+            ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
+            # Gradients sync once per step (no_sync during accumulation); DDP overlaps the
+            # all-reduce with the last micro-batch's backward (2/3 of its compute).
+            exposed += max(0.0, ar - compute_micro * 2 / 3)
         total += ar
         if sharding == "zero1":  # updated parameters are broadcast after the step: not overlapped
             bc = all_gather_s(dp, prec.param * local_params, bw, len(spec.params) or 1, alpha)
