@@ -73,13 +73,14 @@ class Calibration:
 
 
 # Fitted by benchmarks/calibrate_planner.py on benchmarks/published_runs.json (run it to
-# reproduce; it prints these lines). Shared constants (attention, elementwise, fragmentation) are
-# fitted jointly over all generations.
+# reproduce; it prints these lines). Shared constants (elementwise, fragmentation) are fitted
+# jointly over all generations; the efficiencies per generation, each with a weak prior at its
+# typical value (calibrate_planner.PRIORS).
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.7141, attention_efficiency=0.593, link_efficiency=0.5278,
-                        elementwise_passes=11, fragmentation=0.1428, fitted_runs=31),
-    "h100": Calibration("h100", matmul_efficiency=0.5883, attention_efficiency=0.3445, link_efficiency=0.9999,
-                        elementwise_passes=11, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_efficiency=0.7023, attention_efficiency=0.5212, link_efficiency=0.7216,
+                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=31),
+    "h100": Calibration("h100", matmul_efficiency=0.5537, attention_efficiency=0.3947, link_efficiency=0.7826,
+                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -258,13 +259,27 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         shard, replicate = layout.shard, dp // layout.shard
     else:
         shard, replicate = (dp, 1) if sharding in ("fsdp", "zero2") else (1, dp)
-    if sharding in ("replicate", "zero1") and dp > 1:
+    if sharding == "zero1" and dp > 1 and kernels.dp_overlap:
+        # Megatron's distributed optimizer (Kernels.dp_overlap): a bucketed reduce-scatter of the
+        # gradients hidden behind the last micro-batch's backward (2/3 of its compute) and a
+        # bucketed all-gather of the parameters behind the next step's first forward (1/3).
+        bw = fabric.collective_gbs(dp, tp)
+        buckets = math.ceil(local_params / max(40e6, 1e6 * dp))
+        rs = all_gather_s(dp, prec.grad * local_params, bw, buckets, alpha)
+        ag = all_gather_s(dp, prec.param * local_params, bw, buckets, alpha)
+        exposed += max(0.0, rs - compute_micro * 2 / 3) + max(0.0, ag - compute_micro / 3)
+        total += rs + ag
+    elif sharding in ("replicate", "zero1") and dp > 1:
         bw = fabric.collective_gbs(dp, tp)
         grad_bytes = prec.grad * local_params
-        ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
-        # Gradients sync once per step (no_sync during accumulation); DDP overlaps the all-reduce
-        # with the last micro-batch's backward (2/3 of its compute).
-        exposed += max(0.0, ar - compute_micro * 2 / 3)
+        if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
+            ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
+            exposed += ar
+        else:
+            ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
+            # Gradients sync once per step (no_sync during accumulation); DDP overlaps the
+            # all-reduce with the last micro-batch's backward (2/3 of its compute).
+            exposed += max(0.0, ar - compute_micro * 2 / 3)
         total += ar
         if sharding == "zero1":  # updated parameters are broadcast after the step: not overlapped
             bc = all_gather_s(dp, prec.param * local_params, bw, len(spec.params) or 1, alpha)

@@ -68,11 +68,21 @@ class Kernels:
       copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
       its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
     * ``tp_overlap``: TP collectives overlap the matmuls (Megatron's --tp-comm-overlap, async TP).
+    * ``dp_overlap``: Megatron's distributed optimizer with --overlap-grad-reduce and
+      --overlap-param-gather (a "zero1" data-parallel kind): gradients are reduce-scattered (not
+      all-reduced) in buckets of max(40M, 1M x dp) parameters during the last micro-batch's
+      backward, and the updated parameters all-gathered bucket by bucket during the next step's
+      first forward (megatron/core/distributed/distributed_data_parallel.py).
+    * ``grad_allreduce_after_backward``: Megatron-LM 2021's "local" DDP: one all-reduce of the
+      contiguous gradient buffer after the last micro-batch's backward has finished, not
+      overlapped (megatron/training.py train_step at 903f746c, April 2021).
     """
 
     loss: str = "torch"
     norm: str = "eager"
     tp_overlap: bool = False
+    dp_overlap: bool = False
+    grad_allreduce_after_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
