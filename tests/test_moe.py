@@ -160,3 +160,21 @@ def test_planner_moe_math():
     a2a = [all_to_all_s(mixtral, 4096, ep, 100) for ep in (1, 2, 8)]
     assert a2a[0] == 0 < a2a[1] < a2a[2]
 
+
+
+@pytest.mark.parametrize("argv, message", [
+    # 4 experts per layer, ep=3 divides the 3 shard ranks but not the experts.
+    (["--nproc", "3", "--set", "model.preset=moe-nano", "--set", "parallel.ep=3"],
+     "parallel.ep=3 does not divide the number of experts of MoE layer 'blocks.0.mlp' (4)"),
+    (["--nproc", "4", "--set", "model.preset=moe-nano", "--set", "model.overrides={n_experts = 6}",
+      "--set", "parallel.ep=4"], "on 4 data-parallel shard rank(s): 1, 2 (1: no expert parallel)"),
+    (["--nproc", "2", "--set", "model.preset=nano", "--set", "parallel.ep=2"], "GPT has no MoE layer"),
+])
+def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
+    """The model-shape EP rules run before launch (preflight), with the message the ranks would give."""
+    from shardwise.cli import main
+
+    code = main(["train", "--dry-run", "--strategy", "fsdp", *argv])
+    out = capsys.readouterr()
+    assert code == 2 and message in out.err and "Traceback" not in out.err, out.err
+    assert "dry run" not in out.out

@@ -23,6 +23,7 @@ divide_factor``) gives (1/dp) sum over every rank's loss, the same mean as the d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
 
-__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "ep_mesh"]
+__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "check_moe_model", "ep_mesh"]
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
@@ -41,12 +42,13 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     return moe_layers(model)
 
 
-def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
-    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+def check_moe_model(model: nn.Module, layout: Layout) -> None:
+    """Raise ConfigError when ``model``'s mixture-of-experts layers do not fit ``layout``.
 
-    Called by the Session before the strategy applies itself. The routers' token counts are summed
-    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
-    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
+    The one owner of the MoE/EP rules that need only the model's shape (a meta model works):
+    preflight calls it before any rank starts, ``attach_moe`` on every rank (for models that cannot
+    be built on meta). The degree rules that need no model (ep divides the dp shard ranks, FSDP
+    kinds only) are the layout's (``Layout._check_ep``).
     """
     layers = _moe_layers(model)
     if not layers:
@@ -65,12 +67,31 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
             "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
             "experts take the whole sequence on every TP rank); unset it, TP itself works.")
     if layout.ep > 1:
-        n_experts = {layer.n_experts for _, layer in layers}
-        bad = sorted(n for n in n_experts if n % layout.ep)
-        if bad:
+        counts = {name: int(layer.n_experts) for name, layer in layers}
+        bad = next(((name, n) for name, n in counts.items() if n % layout.ep), None)
+        if bad is not None:
+            # ep must divide both every layer's expert count and the dp shard ranks (the layout's rule).
+            common = math.gcd(*counts.values(), layout.dp_shard)
+            valid = [d for d in range(1, common + 1) if common % d == 0]
             raise ConfigError(
-                f"parallel.ep={layout.ep} must divide every MoE layer's number of experts ({bad[0]}): each "
-                f"rank of an expert group holds n_experts / ep experts.")
+                f"parallel.ep={layout.ep} does not divide the number of experts of MoE layer {bad[0]!r} "
+                f"({bad[1]}): each rank of an expert group holds n_experts / ep whole experts. Valid ep "
+                f"for this model on {layout.dp_shard} data-parallel shard rank(s): {', '.join(map(str, valid))} "
+                "(1: no expert parallel).")
+
+
+def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
+    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+
+    Called by the Session before the strategy applies itself. The routers' token counts are summed
+    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
+    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
+    The shape checks are ``check_moe_model``'s (run here too: not every model reaches preflight).
+    """
+    check_moe_model(model, layout)
+    layers = _moe_layers(model)
+    if not layers:
+        return
     group = None
     if layout.dp > 1 and mesh is not None:
         names = mesh.mesh_dim_names or ()
