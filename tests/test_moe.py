@@ -85,18 +85,21 @@ def test_ep_layout_checks():
 
 
 def test_ep_two_ranks_matches_one_process(reference, tmp_path):
-    """fsdp ep=2 (with and without accumulation), ddp, per-rank aux, and a checkpoint saved under
-    ep=2 after 3 steps resumed under plain fsdp (no EP) for steps 4-5: one 2-rank spawn."""
-    ckpt = str(tmp_path / "ckpt")
+    """fsdp ep=2 (with and without accumulation), ddp, per-rank aux, and one run resumed across EP
+    degrees: plain fsdp (no EP) for steps 1-2, ep=2 for steps 3-4, plain fsdp again for step 5: one
+    2-rank spawn."""
+    a, b = str(tmp_path / "ep1"), str(tmp_path / "ep2")
     cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=2, accum=2), dict(strategy="ddp"),
-             dict(strategy="ddp", local_aux=True), dict(strategy="fsdp", ep=2, steps=3, ckpt_dir=ckpt),
-             dict(strategy="fsdp", steps=5, start=3, load_dir=ckpt)]
+             dict(strategy="ddp", local_aux=True), dict(strategy="fsdp", steps=2, ckpt_dir=a),
+             dict(strategy="fsdp", ep=2, start=2, steps=4, load_dir=a, ckpt_dir=b),
+             dict(strategy="fsdp", steps=5, start=4, load_dir=b)]
     ranks = run_distributed(moe_cases, 2, timeout_s=300, cases=cases)
-    ep2, ep2_accum, ddp, ddp_local, first, resumed = (ranks[0][i] for i in range(len(cases)))
-    # Resume across EP degrees (DCP reshards the Shard(0)-over-ep experts into plain FSDP shards):
-    # the next steps' losses and the final weights are the uninterrupted run's.
-    assert first["losses"] == pytest.approx(reference[1]["losses"][:3], abs=LOSS_TOL)
-    assert_parity({"losses": reference[1]["losses"][3:], "params": reference[1]["params"]}, resumed)
+    ep2, ep2_accum, ddp, ddp_local, first, second, resumed = (ranks[0][i] for i in range(len(cases)))
+    # Resume across EP degrees (DCP reshards plain FSDP shards into Shard(0)-over-ep experts and
+    # back): every step's loss and the final weights are the uninterrupted run's.
+    assert first["losses"] == pytest.approx(reference[1]["losses"][:2], abs=LOSS_TOL)
+    assert second["losses"] == pytest.approx(reference[1]["losses"][2:4], abs=LOSS_TOL)
+    assert_parity({"losses": reference[1]["losses"][4:], "params": reference[1]["params"]}, resumed)
     assert_parity(reference[1], ep2)
     assert_parity(reference[2], ep2_accum)
     assert_parity(reference[1], ddp)
@@ -118,10 +121,16 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
     assert worst > 10 * PARAM_TOL
 
 
-def test_ep_four_ranks_routing_and_parity(reference):
+def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
     """Routing with tagging experts (ep 2 and 4), then dp_shard 2 x ep 2, ep 4 and fsdp+tp (tp 2, dp 2,
-    ep 2: experts whole on both TP ranks, split over the dp ranks) training."""
-    cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4), dict(strategy="fsdp+tp", tp=2, ep=2)]
+    ep 2: experts whole on both TP ranks, split over the dp ranks) training; then one run resumed
+    across EP degrees: ep=2 (steps 1-2) -> ep=4 (steps 3-4) -> ep=2, and -> hsdp without EP (step 5)."""
+    a, b = str(tmp_path / "ep2"), str(tmp_path / "ep4")
+    cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4), dict(strategy="fsdp+tp", tp=2, ep=2),
+             dict(strategy="fsdp", ep=2, steps=2, ckpt_dir=a),
+             dict(strategy="fsdp", ep=4, start=2, steps=4, load_dir=a, ckpt_dir=b),
+             dict(strategy="fsdp", ep=2, start=4, steps=5, load_dir=b),
+             dict(strategy="hsdp", hsdp_shard_size=2, start=4, steps=5, load_dir=b)]
     ranks = run_distributed(ep_suite, 4, timeout_s=300, routing_ep=[2, 4], cases=cases)
     for i, ep in enumerate((2, 4)):
         routes = [r["routing"][i] for r in ranks]
@@ -133,8 +142,32 @@ def test_ep_four_ranks_routing_and_parity(reference):
                 holder = members[e // (8 // ep)]
                 expected = sorted(i for m in members for i in m["sent"][e])
                 assert holder["seen"][e] == expected, (ep, e)
-    for i, case in enumerate(cases):
+    for i, case in enumerate(cases[:3]):
         assert_parity(reference[1], ranks[0]["cases"][i], PARAM_TOL_TP if "tp" in case else PARAM_TOL)
+    # Resume across EP degrees: DCP reshards the experts (saved as global tensors: Shard(0) over ep,
+    # FSDP-sharded over the rest) into each new split; every step's loss and the final weights are
+    # the uninterrupted run's.
+    ref = reference[1]
+    first, second, back_to_ep2, hsdp = ranks[0]["cases"][3:]
+    assert first["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
+    assert second["losses"] == pytest.approx(ref["losses"][2:4], abs=LOSS_TOL)
+    assert_parity({"losses": ref["losses"][4:], "params": ref["params"]}, back_to_ep2)
+    assert_parity({"losses": ref["losses"][4:], "params": ref["params"]}, hsdp)
+    # What makes that work: both checkpoints hold every expert tensor at its global shape (all 4
+    # experts), in the manifest and in DCP's own index, whatever the ep that saved it.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardwise.runtime.checkpoint.locate import resolve_checkpoint
+    from shardwise.runtime.checkpoint.manifest import read_manifest
+
+    for root in (a, b):
+        path = resolve_checkpoint(root)
+        listed = {k: v[0] for k, v in read_manifest(path)["model_tensors"].items() if ".experts.w_" in k}
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # The weights and their AdamW moments (the optimizer's step counters are scalars).
+        stored = {k: list(v.size) for k, v in meta.items() if ".experts.w_" in k and len(getattr(v, "size", ())) > 1}
+        assert len(listed) == 4 and all(shape[0] == 4 for shape in listed.values()), listed
+        assert len(stored) >= 4 and all(shape[0] == 4 for shape in stored.values()), stored
     # ep=4: each rank holds 1 of the 4 experts of each layer; ep=2: 2 of them, FSDP-sharded over
     # the 2 ranks outside its group: the same quarter of the expert bytes either way.
     assert ranks[0]["cases"][1]["param_bytes"] == ranks[0]["cases"][0]["param_bytes"]
