@@ -6,6 +6,8 @@ token all-to-alls). Inside one EP group each rank holds ``n_experts / ep`` exper
 layer (a ``Shard(0)`` DTensor on the ``ep`` mesh dim, so checkpoints keep the global expert
 tensors and DCP reshards them to any other EP degree); FSDP2 then shards those experts over the
 ``dp_shard_mod_ep`` ranks that hold the same experts. Dense parameters are sharded as before.
+Under hsdp the EP groups are carved out of each shard group and the experts, like the dense
+parameters, are replicated across the ``dp_replicate`` groups (a 2-D HSDP mesh for the experts).
 
 Dispatch (per MoE layer, forward): every rank sorts its tokens by expert (``models/moe.py``), the
 per-expert counts are exchanged (one ``all_to_all_single`` of E integers), then the tokens travel
@@ -17,13 +19,13 @@ forward hooks on the experts module (``distribute_module``'s input/output functi
 
 Gradients: an expert's gradient is the sum over the tokens of its whole EP group (the all-to-all's
 backward brings each rank's share home), then FSDP reduce-scatters over ``dp_shard_mod_ep`` ranks.
-FSDP would divide by those ``dp / ep`` ranks; dividing by the full ``dp`` instead (``set_gradient_
-divide_factor``) gives (1/dp) sum over every rank's loss, the same mean as the dense parameters.
+(hsdp: and all-reduces over the ``dp_replicate`` groups). FSDP would divide by those ``dp / ep``
+ranks; dividing by the full ``dp`` instead (``set_gradient_divide_factor``) gives (1/dp) sum over
+every rank's loss, the same mean as the dense parameters.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -67,12 +69,13 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
             "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
             "experts take the whole sequence on every TP rank); unset it, TP itself works.")
     if layout.ep > 1:
+        from shardwise.plan.moe import ep_candidates  # the arithmetic's owner (the planner searches it)
+
         counts = {name: int(layer.n_experts) for name, layer in layers}
-        bad = next(((name, n) for name, n in counts.items() if n % layout.ep), None)
+        valid = sorted(set.intersection(*(set(ep_candidates(layout.dp_shard, n)) for n in counts.values())))
+        bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_candidates(layout.dp_shard, n)),
+                   None)
         if bad is not None:
-            # ep must divide both every layer's expert count and the dp shard ranks (the layout's rule).
-            common = math.gcd(*counts.values(), layout.dp_shard)
-            valid = [d for d in range(1, common + 1) if common % d == 0]
             raise ConfigError(
                 f"parallel.ep={layout.ep} does not divide the number of experts of MoE layer {bad[0]!r} "
                 f"({bad[1]}): each rank of an expert group holds n_experts / ep whole experts. Valid ep "
@@ -101,15 +104,16 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
 
 
 def ep_mesh(layout: Layout, device_type: str) -> Any:
-    """The mesh that places experts: ``(pp, dp_shard_mod_ep, ep, tp)``, row-major over all ranks.
+    """The mesh that places experts: ``(pp, dp_replicate, dp_shard_mod_ep, ep, tp)``, row-major.
 
-    Its flattened ``(dp_shard_mod_ep, ep)`` index is each rank's dp index in the Session's mesh,
-    so EP groups are made of data-parallel ranks and TP groups are untouched.
+    Its flattened ``(dp_replicate, dp_shard_mod_ep, ep)`` index is each rank's dp index in the
+    Session's mesh (hsdp: replicate x shard, shard groups consecutive), so EP groups are made of
+    data-parallel ranks of one shard group and TP groups are untouched.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.pp, layout.dp_shard_mod_ep, layout.ep, layout.tp),
-                            mesh_dim_names=("pp", "dp_mod_ep", "ep", "tp"))
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard_mod_ep, layout.ep, layout.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
 
 
 class ExpertDispatcher:
@@ -166,7 +170,10 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = ep_mesh(layout, device.type)
-    ep_dim, fsdp_dim = mesh["ep"], mesh["dp_mod_ep"]
+    ep_dim, shard_dim = mesh["ep"], mesh["dp_mod_ep"]
+    # hsdp: each expert is sharded over its shard group's dp_mod_ep ranks and replicated across
+    # the groups (FSDP2 reads a 2-D mesh as HSDP), as the dense parameters are.
+    fsdp_dim = mesh["dp_replicate", "dp_mod_ep"] if layout.dp_replicate > 1 else shard_dim
     group = ep_dim.get_group()
     for _, layer in _moe_layers(model):
         experts = layer.experts
@@ -183,8 +190,9 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
         fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
         # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
         experts.set_gradient_divide_factor(float(layout.dp))
-        if fsdp_dim.size() > 1 and dist.get_backend(fsdp_dim.get_group()) == "gloo":
+        if shard_dim.size() > 1 and dist.get_backend(shard_dim.get_group()) == "gloo":
             # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
+            # (With one shard rank FSDP divides on its copy and HSDP's all-reduce is a plain sum.)
             experts.set_force_sum_reduction_for_comms(True)
 
 
