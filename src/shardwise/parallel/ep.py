@@ -69,13 +69,13 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
             "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
             "experts take the whole sequence on every TP rank); unset it, TP itself works.")
     if layout.ep > 1:
-        from shardwise.plan.moe import ep_candidates  # the arithmetic's owner (the planner searches it)
+        # The arithmetic's owner is the planner's (plan/moe.py), which searches the same degrees.
+        from shardwise.plan.moe import ep_candidates, ep_degrees
 
         counts = {name: int(layer.n_experts) for name, layer in layers}
-        valid = sorted(set.intersection(*(set(ep_candidates(layout.dp_shard, n)) for n in counts.values())))
-        bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_candidates(layout.dp_shard, n)),
-                   None)
+        bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
         if bad is not None:
+            valid = sorted(set.intersection(*(set(ep_candidates(layout.dp_shard, n)) for n in counts.values())))
             raise ConfigError(
                 f"parallel.ep={layout.ep} does not divide the number of experts of MoE layer {bad[0]!r} "
                 f"({bad[1]}): each rank of an expert group holds n_experts / ep whole experts. Valid ep "

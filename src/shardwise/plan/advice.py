@@ -25,6 +25,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
+from shardwise.plan.moe import ep_degrees
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 
@@ -381,10 +382,9 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if ep is not None and ep > 1 and spec.moe is None:
         raise ConfigError(f"--ep {ep}: {spec.name} has no mixture-of-experts layers to split over expert-parallel "
                           "ranks; expert parallel applies to MoE models (e.g. --model gpt-moe-lab).")
-    if ep is not None and spec.moe is not None and spec.moe.n_experts % ep:
-        divisors = [d for d in range(1, spec.moe.n_experts + 1) if spec.moe.n_experts % d == 0]
+    if ep is not None and spec.moe is not None and ep not in ep_degrees(spec.moe.n_experts):
         raise ConfigError(f"--ep {ep} does not divide the {spec.moe.n_experts} experts of {spec.name}; allowed: "
-                          f"{', '.join(map(str, divisors))}.")
+                          f"{', '.join(map(str, ep_degrees(spec.moe.n_experts)))}.")
     if cp is not None and cp > 1 and spec.n_heads and spec.n_heads % cp:
         divisors = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
         raise ConfigError(f"--cp {cp} does not divide the {spec.n_heads} attention heads of {spec.name} (each "

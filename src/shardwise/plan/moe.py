@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
-__all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "expert_bytes_per_rank",
-           "expert_unit_bytes", "inactive_matmul_params", "moe_llama_spec", "moe_of_gpt"]
+__all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
+           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_llama_spec", "moe_of_gpt"]
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,18 @@ def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act
     return 4 * info.n_moe_layers * per_call
 
 
-def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
-    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
+def ep_degrees(n_experts: int) -> list[int]:
+    """EP degrees an MoE layer of ``n_experts`` admits: the divisors of the count (each rank of an
+    expert group holds ``n_experts / ep`` whole experts). The one owner of that rule: the planner's
+    ``--ep`` check, its search and the runtime's ``parallel.ep.check_moe_model`` ask it."""
     if n_experts <= 0:
         return [1]
-    return [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and n_experts % d == 0]
+    return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+
+
+def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
+    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
+    return [d for d in ep_degrees(n_experts) if dp_shard % d == 0]
 
 
 def moe_of_gpt(cfg: Any) -> MoEInfo | None:
