@@ -60,18 +60,13 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
                 f"{type(model).__name__} has no MoE layer. Use an MoE model (e.g. model.preset = "
                 "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
         return
-    if layout.pp > 1:
-        raise ConfigError(
-            "mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
-            "of earlier stages would not reach the loss on the last stage. Use fsdp, fsdp+tp or ddp.")
-    if layout.sequence_parallel:
-        raise ConfigError(
-            "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
-            "experts take the whole sequence on every TP rank); unset it, TP itself works.")
-    if layout.ep > 1:
-        # The arithmetic's owner is the planner's (plan/moe.py), which searches the same degrees.
-        from shardwise.plan.moe import ep_candidates, ep_degrees
+    # The rules' owner is torch-free (plan/moe.py): the planner's search asks the same functions.
+    from shardwise.plan.moe import ep_candidates, ep_degrees, moe_layout_refusal
 
+    why = moe_layout_refusal(layout.pp, layout.sequence_parallel)
+    if why:
+        raise ConfigError(why)
+    if layout.ep > 1:
         counts = {name: int(layer.n_experts) for name, layer in layers}
         bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
         if bad is not None:

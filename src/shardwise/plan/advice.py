@@ -25,7 +25,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
-from shardwise.plan.moe import ep_degrees
+from shardwise.plan.moe import ep_degrees, moe_layout_refusal
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 
@@ -332,6 +332,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
             if not info.supports(spec.family):
                 if not quiet:
                     skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
+                continue
+            if spec.moe is not None and (why := moe_layout_refusal(p, sequence_parallel=False)):
+                if not quiet:
+                    skipped.append(f"{label}: {why}")
                 continue
             if t > 1 and work.lora_rank and spec.family in FAMILIES and not FAMILIES[spec.family].tp_lora:
                 if not quiet:
