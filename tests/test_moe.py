@@ -224,6 +224,8 @@ def test_planner_moe_math():
     (["--nproc", "4", "--set", "model.preset=moe-nano", "--set", "model.overrides={n_experts = 6}",
       "--set", "parallel.ep=4"], "on 4 data-parallel shard rank(s): 1, 2 (1: no expert parallel)"),
     (["--nproc", "2", "--set", "model.preset=nano", "--set", "parallel.ep=2"], "GPT has no MoE layer"),
+    (["--nproc", "2", "--strategy", "pp", "--set", "model.preset=moe-nano", "--set", "train.micro_batch_size=8"],
+     "mixture-of-experts models do not run under pipeline parallel yet"),
 ])
 def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     """The model-shape EP rules run before launch (preflight), with the message the ranks would give."""
