@@ -111,11 +111,15 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
 
 def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
     """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
-    (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files."""
+    (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files. Then
+    hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them."""
     ref = hf_moe_train(0, 1, folders["mixtral"])
-    (got,) = run_distributed(hf_moe_cases, 4, timeout_s=300,
-                             cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2)])[0]
-    assert_parity(ref, got)
+    fsdp, hsdp = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                                 cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
+                                        dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
+                                             ep=2)])[0]
+    assert_parity(ref, fsdp)
+    assert_parity(ref, hsdp)
 
 
 def test_bundled_configs_and_planner_specs_count_what_transformers_builds():

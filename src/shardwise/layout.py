@@ -183,13 +183,14 @@ class Layout:
             raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
         if ep == 1:
             return
-        # FSDP2 kinds only (the DeepSpeed engine has dp_kind "fsdp" too but never splits experts).
+        # FSDP2 kinds only (the DeepSpeed engine has dp_kind "fsdp" too but never splits experts);
+        # under hsdp the expert groups are carved out of each shard group (parallel/ep.py).
         if self.external is None and (self.info.dp_kind != "fsdp" or self.info.impl not in ("fsdp", "model-parallel")
-                                      or self.info.hybrid or self.offload or self.pp > 1):
+                                      or self.offload or self.pp > 1):
             raise ConfigError(
-                f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp' or 'fsdp+tp', not "
+                f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not "
                 f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "
-                "--strategy fsdp (or fsdp+tp), or set parallel.ep = 1.")
+                "--strategy fsdp (or hsdp, fsdp+tp), or set parallel.ep = 1.")
         if self.shard % ep:
             divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
             raise ConfigError(
@@ -373,6 +374,7 @@ class Layout:
             f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
             f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
             f"{f', cp {self.cp} (alltoall: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
+            f"{f', ep {self.ep} (groups of {self.ep} dp ranks split the experts)' if self.ep > 1 else ''}"
             f"{'; state offloaded to host memory' if self.offload else ''}",
             f"  each rank holds a part of: {self.info.shards}",
         ]

@@ -97,6 +97,10 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.loss import plan_chunked_head
 
         plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
+        # Mixture of experts: ep divides every layer's experts, no pp / sequence parallel (parallel/ep.py).
+        from shardwise.parallel.ep import check_moe_model
+
+        check_moe_model(meta, layout)
         if layout.cp > 1:
             from shardwise.parallel.cp import check_cp_model
 

@@ -6,6 +6,8 @@ token all-to-alls). Inside one EP group each rank holds ``n_experts / ep`` exper
 layer (a ``Shard(0)`` DTensor on the ``ep`` mesh dim, so checkpoints keep the global expert
 tensors and DCP reshards them to any other EP degree); FSDP2 then shards those experts over the
 ``dp_shard_mod_ep`` ranks that hold the same experts. Dense parameters are sharded as before.
+Under hsdp the EP groups are carved out of each shard group and the experts, like the dense
+parameters, are replicated across the ``dp_replicate`` groups (a 2-D HSDP mesh for the experts).
 
 Dispatch (per MoE layer, forward): every rank sorts its tokens by expert (``models/moe.py``), the
 per-expert counts are exchanged (one ``all_to_all_single`` of E integers), then the tokens travel
@@ -17,8 +19,9 @@ forward hooks on the experts module (``distribute_module``'s input/output functi
 
 Gradients: an expert's gradient is the sum over the tokens of its whole EP group (the all-to-all's
 backward brings each rank's share home), then FSDP reduce-scatters over ``dp_shard_mod_ep`` ranks.
-FSDP would divide by those ``dp / ep`` ranks; dividing by the full ``dp`` instead (``set_gradient_
-divide_factor``) gives (1/dp) sum over every rank's loss, the same mean as the dense parameters.
+(hsdp: and all-reduces over the ``dp_replicate`` groups). FSDP would divide by those ``dp / ep``
+ranks; dividing by the full ``dp`` instead (``set_gradient_divide_factor``) gives (1/dp) sum over
+every rank's loss, the same mean as the dense parameters.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
 
-__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "ep_mesh"]
+__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "check_moe_model", "ep_mesh"]
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
@@ -41,12 +44,13 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     return moe_layers(model)
 
 
-def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
-    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+def check_moe_model(model: nn.Module, layout: Layout) -> None:
+    """Raise ConfigError when ``model``'s mixture-of-experts layers do not fit ``layout``.
 
-    Called by the Session before the strategy applies itself. The routers' token counts are summed
-    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
-    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
+    The one owner of the MoE/EP rules that need only the model's shape (a meta model works):
+    preflight calls it before any rank starts, ``attach_moe`` on every rank (for models that cannot
+    be built on meta). The degree rules that need no model (ep divides the dp shard ranks, FSDP
+    kinds only) are the layout's (``Layout._check_ep``).
     """
     layers = _moe_layers(model)
     if not layers:
@@ -56,21 +60,36 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
                 f"{type(model).__name__} has no MoE layer. Use an MoE model (e.g. model.preset = "
                 "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
         return
-    if layout.pp > 1:
-        raise ConfigError(
-            "mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
-            "of earlier stages would not reach the loss on the last stage. Use fsdp, fsdp+tp or ddp.")
-    if layout.sequence_parallel:
-        raise ConfigError(
-            "mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
-            "experts take the whole sequence on every TP rank); unset it, TP itself works.")
+    # The rules' owner is torch-free (plan/moe.py): the planner's search asks the same functions.
+    from shardwise.plan.moe import ep_candidates, ep_degrees, moe_layout_refusal
+
+    why = moe_layout_refusal(layout.pp, layout.sequence_parallel)
+    if why:
+        raise ConfigError(why)
     if layout.ep > 1:
-        n_experts = {layer.n_experts for _, layer in layers}
-        bad = sorted(n for n in n_experts if n % layout.ep)
-        if bad:
+        counts = {name: int(layer.n_experts) for name, layer in layers}
+        bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
+        if bad is not None:
+            valid = sorted(set.intersection(*(set(ep_candidates(layout.dp_shard, n)) for n in counts.values())))
             raise ConfigError(
-                f"parallel.ep={layout.ep} must divide every MoE layer's number of experts ({bad[0]}): each "
-                f"rank of an expert group holds n_experts / ep experts.")
+                f"parallel.ep={layout.ep} does not divide the number of experts of MoE layer {bad[0]!r} "
+                f"({bad[1]}): each rank of an expert group holds n_experts / ep whole experts. Valid ep "
+                f"for this model on {layout.dp_shard} data-parallel shard rank(s): {', '.join(map(str, valid))} "
+                "(1: no expert parallel).")
+
+
+def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
+    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+
+    Called by the Session before the strategy applies itself. The routers' token counts are summed
+    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
+    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
+    The shape checks are ``check_moe_model``'s (run here too: not every model reaches preflight).
+    """
+    check_moe_model(model, layout)
+    layers = _moe_layers(model)
+    if not layers:
+        return
     group = None
     if layout.dp > 1 and mesh is not None:
         names = mesh.mesh_dim_names or ()
@@ -80,15 +99,16 @@ def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
 
 
 def ep_mesh(layout: Layout, device_type: str) -> Any:
-    """The mesh that places experts: ``(pp, dp_shard_mod_ep, ep, tp)``, row-major over all ranks.
+    """The mesh that places experts: ``(pp, dp_replicate, dp_shard_mod_ep, ep, tp)``, row-major.
 
-    Its flattened ``(dp_shard_mod_ep, ep)`` index is each rank's dp index in the Session's mesh,
-    so EP groups are made of data-parallel ranks and TP groups are untouched.
+    Its flattened ``(dp_replicate, dp_shard_mod_ep, ep)`` index is each rank's dp index in the
+    Session's mesh (hsdp: replicate x shard, shard groups consecutive), so EP groups are made of
+    data-parallel ranks of one shard group and TP groups are untouched.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.pp, layout.dp_shard_mod_ep, layout.ep, layout.tp),
-                            mesh_dim_names=("pp", "dp_mod_ep", "ep", "tp"))
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard_mod_ep, layout.ep, layout.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
 
 
 class ExpertDispatcher:
@@ -145,7 +165,10 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = ep_mesh(layout, device.type)
-    ep_dim, fsdp_dim = mesh["ep"], mesh["dp_mod_ep"]
+    ep_dim, shard_dim = mesh["ep"], mesh["dp_mod_ep"]
+    # hsdp: each expert is sharded over its shard group's dp_mod_ep ranks and replicated across
+    # the groups (FSDP2 reads a 2-D mesh as HSDP), as the dense parameters are.
+    fsdp_dim = mesh["dp_replicate", "dp_mod_ep"] if layout.dp_replicate > 1 else shard_dim
     group = ep_dim.get_group()
     for _, layer in _moe_layers(model):
         experts = layer.experts
@@ -162,8 +185,9 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
         fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
         # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
         experts.set_gradient_divide_factor(float(layout.dp))
-        if fsdp_dim.size() > 1 and dist.get_backend(fsdp_dim.get_group()) == "gloo":
+        if shard_dim.size() > 1 and dist.get_backend(shard_dim.get_group()) == "gloo":
             # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
+            # (With one shard rank FSDP divides on its copy and HSDP's all-reduce is a plain sum.)
             experts.set_force_sum_reduction_for_comms(True)
 
 

@@ -25,6 +25,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
+from shardwise.plan.moe import ep_degrees, moe_layout_refusal
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 
@@ -332,6 +333,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if not quiet:
                     skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
                 continue
+            if spec.moe is not None and (why := moe_layout_refusal(p, sequence_parallel=False)):
+                if not quiet:
+                    skipped.append(f"{label}: {why}")
+                continue
             if t > 1 and work.lora_rank and spec.family in FAMILIES and not FAMILIES[spec.family].tp_lora:
                 if not quiet:
                     skipped.append(f"{label}: LoRA on {spec.family} does not run under tensor parallel")
@@ -381,10 +386,9 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if ep is not None and ep > 1 and spec.moe is None:
         raise ConfigError(f"--ep {ep}: {spec.name} has no mixture-of-experts layers to split over expert-parallel "
                           "ranks; expert parallel applies to MoE models (e.g. --model gpt-moe-lab).")
-    if ep is not None and spec.moe is not None and spec.moe.n_experts % ep:
-        divisors = [d for d in range(1, spec.moe.n_experts + 1) if spec.moe.n_experts % d == 0]
+    if ep is not None and spec.moe is not None and ep not in ep_degrees(spec.moe.n_experts):
         raise ConfigError(f"--ep {ep} does not divide the {spec.moe.n_experts} experts of {spec.name}; allowed: "
-                          f"{', '.join(map(str, divisors))}.")
+                          f"{', '.join(map(str, ep_degrees(spec.moe.n_experts)))}.")
     if cp is not None and cp > 1 and spec.n_heads and spec.n_heads % cp:
         divisors = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
         raise ConfigError(f"--cp {cp} does not divide the {spec.n_heads} attention heads of {spec.name} (each "

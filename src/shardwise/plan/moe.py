@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
-__all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "expert_bytes_per_rank",
-           "expert_unit_bytes", "inactive_matmul_params", "moe_llama_spec", "moe_of_gpt"]
+__all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
+           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_layout_refusal",
+           "moe_llama_spec", "moe_of_gpt"]
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,30 @@ def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act
     return 4 * info.n_moe_layers * per_call
 
 
-def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
-    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
+def moe_layout_refusal(pp: int, sequence_parallel: bool) -> str:
+    """Why a mixture-of-experts model cannot run with these degrees ('' when it can): the one owner
+    of the rule, asked by the runtime (``parallel.ep.check_moe_model``) and the planner's search."""
+    if pp > 1:
+        return ("mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
+                "of earlier stages would not reach the loss on the last stage. Use fsdp, hsdp, fsdp+tp or ddp.")
+    if sequence_parallel:
+        return ("mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
+                "experts take the whole sequence on every TP rank); unset it, TP itself works.")
+    return ""
+
+
+def ep_degrees(n_experts: int) -> list[int]:
+    """EP degrees an MoE layer of ``n_experts`` admits: the divisors of the count (each rank of an
+    expert group holds ``n_experts / ep`` whole experts). The one owner of that rule: the planner's
+    ``--ep`` check, its search and the runtime's ``parallel.ep.check_moe_model`` ask it."""
     if n_experts <= 0:
         return [1]
-    return [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and n_experts % d == 0]
+    return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+
+
+def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
+    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
+    return [d for d in ep_degrees(n_experts) if dp_shard % d == 0]
 
 
 def moe_of_gpt(cfg: Any) -> MoEInfo | None:
