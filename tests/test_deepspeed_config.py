@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +184,19 @@ def test_plan_recommends_offload_when_nothing_fits_and_its_command_passes_dry_ru
     assert argv[:2] == ["shardwise", "train"]
     assert main([*argv[1:], "--dry-run", "--out", str(tmp_path / "run")]) == 0
     assert "every check passed" in capsys.readouterr().out
+
+
+def test_a_killed_build_leaves_no_lock_that_hangs_the_next_run():
+    """torch waits forever on the ``lock`` a killed JIT build leaves in the op's folder; the next
+    run's build_ops (under shardwise's flock, which dies with its holder) clears it and loads."""
+    pytest.importorskip("deepspeed")
+    from shardwise.parallel.deepspeed_setup import prepare_environment
+
+    prepare_environment()
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    (root / "cpu_adam").mkdir(parents=True, exist_ok=True)
+    (root / "cpu_adam" / "lock").touch()  # what a build killed midway leaves
+    code = "from shardwise.parallel.deepspeed_setup import build_ops; print(*build_ops())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "cpu_adam" in done.stdout.split(), done.stdout + done.stderr
+    assert not (root / "cpu_adam" / "lock").exists()

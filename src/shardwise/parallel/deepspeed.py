@@ -53,6 +53,7 @@ from shardwise.parallel.deepspeed_config import (
     read_user_config,
 )
 from shardwise.parallel.deepspeed_setup import (
+    build_ops,
     check_deepspeed_installed,
     check_libaio,
     check_nvme_path,
@@ -138,6 +139,8 @@ class DeepSpeedStrategy(Strategy):
     def initialize_engine(self, session: Any, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         """``deepspeed.initialize``; return (engine, the optimizer the caller keeps stepping)."""
         deepspeed = import_deepspeed()
+        with _quiet_deepspeed():
+            build_ops()  # one rank compiles at a time, and a killed build's lock cannot hang this one
         ds = self.build_config(session.options, self.run_values(session, optimizer))
         if "nvme" in offload_devices(ds):
             check_libaio()

@@ -11,10 +11,13 @@ Each missing piece is one ConfigError paragraph here, never a JIT-build tracebac
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
+import fcntl
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -50,6 +53,59 @@ def import_deepspeed() -> ModuleType:
             "(NVMe offload also needs Linux AIO: `apt-get install libaio-dev` on Debian/Ubuntu), or "
             "choose a PyTorch strategy such as fsdp or fsdp-offload.") from None
     return deepspeed
+
+
+# The ops the strategies load (CPU Adam for offload, async I/O for NVMe, shared-memory collectives
+# and pinned buffers on the CPU accelerator); a name the accelerator does not offer is skipped.
+JIT_OPS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder", "PinMemoryBuilder")
+BUILD_LOCK = ".shardwise-build.lock"
+
+
+@contextlib.contextmanager
+def _build_guard(ops: list[str]) -> Iterator[None]:
+    """Hold the cache's build lock; clear torch's build locks that a killed build left behind.
+
+    torch marks a build in progress with a ``lock`` file in the op's folder and waits, forever,
+    for it to go away; a build killed midway (a rank or a test run stopped) leaves it, and every
+    later run hangs at its first DeepSpeed step. Every shardwise build runs under this flock,
+    which the kernel drops when its holder dies, so a ``lock`` of these ops found while holding
+    it belongs to no living build.
+    """
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / BUILD_LOCK, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            for name in ops:
+                (root / name / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_ops() -> list[str]:
+    """Compile (or load, once compiled) DeepSpeed's just-in-time ops, one process at a time.
+
+    Each rank calls it before ``deepspeed.initialize``: the first compiles into the shared cache
+    while the others wait, then they load the built library (DeepSpeed keeps the loaded module,
+    so its own later load is free). ``scripts/test`` calls it once before the suite so that no
+    test's timeout includes minutes of compiling. Returns the ops now loaded; the async I/O op is
+    skipped where Linux AIO is missing (NVMe offload is then refused by ``check_libaio``).
+    """
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    builders = []
+    for kind in JIT_OPS:
+        builder = get_accelerator().create_op_builder(kind)
+        if builder is None or (kind == "AsyncIOBuilder" and ctypes.util.find_library("aio") is None):
+            continue
+        if builder.is_compatible(verbose=False):
+            builders.append(builder)
+    with _build_guard([b.NAME for b in builders]):
+        for builder in builders:
+            builder.load(verbose=False)
+    return [b.NAME for b in builders]
 
 
 def check_deepspeed_installed() -> None:
