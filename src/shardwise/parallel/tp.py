@@ -22,6 +22,7 @@ from shardwise.errors import ConfigError
 from shardwise.families import LLAMA_LIKE
 from shardwise.layout import tp_indivisible
 from shardwise.parallel.blocks import tp_plan_family
+from shardwise.parallel.ties import retie, tied_groups
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
@@ -121,6 +122,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
         parallelize_module(block, tp_mesh, with_lora(styles, block))
+    # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
+    # anything else wraps the model (parallel/ties.py says what breaks otherwise).
     retie(model, ties)
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
@@ -130,48 +133,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         if isinstance(p, DTensor) and p.requires_grad and any(pl.is_shard() for pl in p.placements):
             p.register_post_accumulate_grad_hook(_shard_grad_like_param)
     return model
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The names of every parameter ``model`` registers under two or more names (tied input
-    embedding and output head), one list per shared tensor, in registration order."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
-def retie(model: nn.Module, groups: list[list[str]]) -> None:
-    """Make each group of names (``tied_groups`` before the plan) one Parameter again.
-
-    ``parallelize_module`` gives every planned module a new DTensor parameter, so a tied embedding
-    and head come out as two tensors with equal values: they would then train apart (eager init),
-    and FSDP, which keeps a shared parameter in one unit, would instead put them in two units, each
-    gathering and updating its own copy of one tensor (meta init re-ties them after FSDP wrapped
-    them, leaving one unit's sharded storage stale: wrong from the second step under dp > 1).
-    Re-tied here, before anything else wraps the model, they stay one tensor for everything after.
-    Both sides must be split the same way (the vocabulary-parallel embedding and head are both
-    ``Shard(0)`` of the one ``(vocab, hidden)`` weight); a plan that splits them differently is refused.
-    """
-    for names in groups:
-        params = [(name, model.get_parameter(name)) for name in names]
-        first_name, first = params[0]
-        layout = _placements(first)
-        for name, param in params[1:]:
-            if param is first:
-                continue
-            if _placements(param) != layout or param.shape != first.shape:
-                raise ConfigError(
-                    f"tensor parallel splits the tied parameters {first_name} and {name} differently "
-                    f"({layout} vs {_placements(param)}); tied weights are one tensor and need one "
-                    "layout. Untie them in the model config (e.g. tie_word_embeddings = false) or use a "
-                    "strategy without tensor parallel.")
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner) if owner else model, attr, first)
-
-
-def _placements(param: torch.Tensor) -> tuple:
-    return tuple(param.placements) if isinstance(param, DTensor) else ()
 
 
 def _shard_grad_like_param(param: torch.Tensor) -> None:
