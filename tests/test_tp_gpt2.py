@@ -1,7 +1,7 @@
 """GPT-2 (Hugging Face, fused Conv1D q/k/v) under tensor parallel equals one process.
 
 A tiny GPT-2 folder is made with save_pretrained (tied embedding/head, sharded files). One spawn of
-2 gloo ranks runs ``tp`` (tp=2) and ``fsdp+tp`` with sequence parallel (dp=1 x tp=2) from the
+2 gloo ranks runs ``tp`` (tp=2, meta and eager init) and ``fsdp+tp`` with sequence parallel (dp=1 x tp=2) from the
 pretrained folder, 5 fp32 AdamW steps each, and ``tp`` from a random init (meta init replays the
 fused c_attn into its q/k/v slices); each must equal the single-process run, whose first loss is
 transformers' own. The tp run's checkpoint is exported with ``ckpt export --format hf`` and
@@ -129,6 +129,8 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
     cases = [
         {"folder": folder, "strategy": "tp", "tp": 2, "ckpt_dir": str(ckpt), **STEPS},
         {"folder": folder, "strategy": "fsdp+tp", "tp": 2, "sequence_parallel": True, **STEPS},
+        # Built whole first: the plan's tied wte/lm_head must stay one tensor (it used to train as two).
+        {"folder": folder, "strategy": "tp", "tp": 2, "init": "eager", **STEPS},
         {"strategy": "tp", "tp": 2, **STEPS},
     ]
     random_ref = random_case(0, 1, "single", **STEPS)

@@ -82,8 +82,12 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
 
 
 def mp_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
-    """Run several ``mp_train`` configurations one after another in the same ranks (one spawn)."""
-    return [mp_train(rank, world_size, **case) for case in cases]
+    """Run several ``mp_train`` configurations one after another in the same ranks (one spawn); a
+    case naming a pretrained ``folder`` runs ``tests.helpers.hf.hf_case`` on it instead."""
+    from tests.helpers.hf import hf_case
+
+    return [hf_case(rank, world_size, **case) if "folder" in case else mp_train(rank, world_size, **case)
+            for case in cases]
 
 
 def merged_params(ranks: list[dict]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from shardwise.errors import ConfigError
 from shardwise.families import LLAMA_LIKE
 from shardwise.layout import tp_indivisible
 from shardwise.parallel.blocks import tp_plan_family
+from shardwise.parallel.ties import retie, tied_groups
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
@@ -110,6 +111,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
 
         # The fused q/k/v projection becomes three column-splittable ones (see tp_gpt2).
         split_qkv(model, tp_mesh.size())
+    ties = tied_groups(model)
     top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
     if top:
         parallelize_module(model, tp_mesh, with_lora(top, model))
@@ -120,6 +122,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
         parallelize_module(block, tp_mesh, with_lora(styles, block))
+    # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
+    # anything else wraps the model (parallel/ties.py says what breaks otherwise).
+    retie(model, ties)
     # Parameters no plan touched (norms without SP, GPT's pos_emb...) stay plain replicated
     # tensors. Their gradients are identical on every TP rank (their inputs' gradients come out of
     # the column-parallel backward's all-reduce), so they need no communication of their own.

@@ -351,7 +351,12 @@ class Session:
             check_cp_model(model, self.layout.cp, self.layout.tp)
             apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp, self.cp_state)
         # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
+        from shardwise.parallel.checkpointing import clean_name
+        from shardwise.parallel.ties import check_ties, tied_groups
+
+        ties = tied_groups(model)
         prepared = parallelize(model, self.strategy, self.ctx)
+        check_ties(prepared, ties, clean_name)  # a tied embedding/head is still one tensor, in one unit
         self.ctx = dataclasses.replace(self.ctx, materialize=None)
         self._built = None  # the program held CPU constants; the model is real now
         if isinstance(optimizer, torch.optim.Optimizer):
