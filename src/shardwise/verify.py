@@ -290,7 +290,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for flag, tol in (("--loss-tol", args.loss_tol), ("--param-tol", args.param_tol)):
         if tol is not None and not (math.isfinite(tol) and tol >= 0):
             raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
-    cfg = load_config(args.recipe, [*args.overrides, f"parallel.strategy={args.strategy}"])
+    # The peak learning rate from the first step (unless the user sets the warmup): under a warmup
+    # the few verified steps barely move the weights, and a layout that trains a weight wrong (two
+    # copies of a tied weight) passed within the tolerance; at the peak rate it fails clearly.
+    warmup = [] if any(o.split("=", 1)[0].strip() == "train.warmup_steps" for o in args.overrides) \
+        else ["train.warmup_steps=0"]
+    cfg = load_config(args.recipe, [*warmup, *args.overrides, f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     from shardwise.data.cache import read_only
 
