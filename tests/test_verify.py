@@ -9,7 +9,7 @@ from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.layout import resolve_layout
 from shardwise.testing import run_command
-from shardwise.verify import TOLERANCES, compare
+from shardwise.verify import TOLERANCES, compare, verify_overrides
 
 CUSTOM_TOML = """
 name = "custom-mlp"
@@ -112,3 +112,13 @@ def test_transformer_blocks_are_found_generically():
     assert transformer_blocks(mlp) is mlp.layers
     assert [len(u) for u in wrap_units(mlp, "2")] == [2, 1]
     assert wrap_units(mlp, "model") == []
+
+
+def test_verify_runs_at_the_peak_learning_rate_unless_the_warmup_is_set():
+    """Under the default warmup, 5 steps barely moved the weights: a tied-weight bug passed."""
+    from shardwise.config import load_config
+
+    assert load_config(None, verify_overrides([])).train.warmup_steps == 0
+    assert load_config(None, verify_overrides(["train.lr=1e-3"])).train.lr == 1e-3
+    kept = verify_overrides([" train.warmup_steps = 7"])
+    assert kept == [" train.warmup_steps = 7"] and load_config(None, kept).train.warmup_steps == 7

@@ -178,6 +178,18 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         session.close()
 
 
+def verify_overrides(overrides: list[str]) -> list[str]:
+    """The user's ``--set`` overrides, after verify's own: the peak learning rate from step 1.
+
+    Under the recipe's warmup the few verified steps barely move the weights, and a layout that
+    trained a weight wrong (two copies of a tied weight) passed within the tolerance; at the peak
+    rate it fails clearly. A ``train.warmup_steps`` the user sets is kept.
+    """
+    if any(o.split("=", 1)[0].strip() == "train.warmup_steps" for o in overrides):
+        return list(overrides)
+    return ["train.warmup_steps=0", *overrides]
+
+
 def reference_config(cfg: Any, dp_size: int) -> Any:
     """The single-process twin of ``cfg``: one rank reading the strategy's whole global batch."""
     from shardwise.config import replace_in
@@ -290,12 +302,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for flag, tol in (("--loss-tol", args.loss_tol), ("--param-tol", args.param_tol)):
         if tol is not None and not (math.isfinite(tol) and tol >= 0):
             raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
-    # The peak learning rate from the first step (unless the user sets the warmup): under a warmup
-    # the few verified steps barely move the weights, and a layout that trains a weight wrong (two
-    # copies of a tied weight) passed within the tolerance; at the peak rate it fails clearly.
-    warmup = [] if any(o.split("=", 1)[0].strip() == "train.warmup_steps" for o in args.overrides) \
-        else ["train.warmup_steps=0"]
-    cfg = load_config(args.recipe, [*warmup, *args.overrides, f"parallel.strategy={args.strategy}"])
+    cfg = load_config(args.recipe, [*verify_overrides(args.overrides), f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     from shardwise.data.cache import read_only
 
