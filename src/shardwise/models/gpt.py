@@ -83,8 +83,9 @@ class Block(nn.Module):
         self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Only a mask is passed on: tensor-parallel plans (PrepareModuleInput) declare one input of attn.
-        x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask))
+        # The mask goes by keyword: a sequence-parallel plan (PrepareModuleInput) gathers attn's one
+        # positional input, the hidden states, and the whole-sequence mask passes through as it is.
+        x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask=mask))
         return x + self.mlp(self.ln_2(x))
 
 

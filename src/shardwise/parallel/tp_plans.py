@@ -52,10 +52,11 @@ def gpt_plan(sequence_parallel: bool) -> TPPlan:
         # Vocabulary-sharded lookup; the partial rows are reduced (or reduce-scattered along the
         # sequence under SP) into the residual stream.
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
-        # Positions are looked up as a (T, C) tensor, so its sequence dim is 0: under SP each rank
-        # gets exactly the positions of its own sequence shard and the broadcasted add lines up.
+        # Positions are looked up as (T, C) (plain rows) or (B, T, C) (packed/padded rows with
+        # position_ids): the sequence dim is -2 in both, so under SP each rank gets exactly the
+        # positions of its own sequence shard and the (broadcasted) add lines up.
         "pos_emb": RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=Shard(0) if sequence_parallel else Replicate()),
+                                   output_layouts=Shard(-2) if sequence_parallel else Replicate()),
         "lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1),
                                    use_local_output=False),
     }

@@ -152,12 +152,6 @@ class Trainer:
             raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
                               "supported under pipeline parallelism yet (pp > 1): its token-mean loss and "
                               "packed inputs do not go through the pipeline schedule. Use pp = 1.")
-        if self.workload.token_loss and cfg.parallel.sequence_parallel:
-            # Sequence-parallel plans declare the attention's inputs; the per-row mask is not one of them.
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
-                              "supported with parallel.sequence_parallel = true yet (the document/padding mask "
-                              "is not among the attention inputs the sequence-parallel plan shards). Turn "
-                              "sequence_parallel off.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
         self._train_loss_fn = self.session.compile_loss(
             token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
