@@ -362,17 +362,21 @@ def by_source(cases: list[Case], start: dict[str, Calibration]) -> str:
     sources = sorted({c.run["source"] for c in cases}, key=lambda s: -sum(c.run["source"] == s for c in cases))
     lines = ["held-out source        runs  with tok/s  mean |error|  max |error|  verdicts right  (fitted on)"]
     errors: list[float] = []
+    source_means: list[float] = []
     for src in sources:
         held = [c for c in cases if c.run["source"] == src]
         fitted_on = sorted({c.run["source"] for c in cases if c.run["source"] != src})
         cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
         s = summary(evaluate_all(held, cal))
         errors += [abs(r.error) for r in evaluate_all(held, cal) if r.error is not None]
+        if s["with_throughput"]:
+            source_means.append(s["mean_abs_error"])
         err = (f"{s['mean_abs_error']:>11.1%}  {s['max_abs_error']:>11.1%}" if s["with_throughput"]
                else f"{'-':>11}  {'-':>11}")
         lines.append(f"{src:22s} {s['runs']:>4}  {s['with_throughput']:>10}  {err}  {s['verdicts_right']:>8}/"
                      f"{s['runs']:<5}  ({len(fitted_on)} others)")
-    lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs")
+    lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs; "
+                 f"mean of the {len(source_means)} sources' means {statistics.fmean(source_means):.1%}")
     return "\n".join(lines)
 
 
