@@ -132,7 +132,8 @@ def run_layout(strategy: str, dp: int, tp: int, pp: int, **extra: Any) -> Layout
     """The layout of a published run: shardwise's own strategy when the registry has it, else
     another stack's (Megatron's ddp+tp, zero1+tp, ...) described by what its dp ranks hold."""
     # Activations are modelled with sequence parallelism under TP (torchtitan's TP plans and
-    # Megatron's --sequence-parallel; the constants were fitted that way).
+    # Megatron's --sequence-parallel; the constants were fitted that way) unless the run says its
+    # stack had none (``"sequence_parallel": false``: BLOOM's Megatron-DeepSpeed).
     extra.setdefault("sequence_parallel", tp > 1)
     if strategy in REGISTRY:
         return Layout(strategy, dp=dp, tp=tp, pp=pp, **extra)
