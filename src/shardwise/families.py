@@ -65,8 +65,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
-    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py).
-    Family("gpt2", tp_plan=True, tp_lora=False),
+    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py); its
+    # stage split (parallel/pp_gpt2.py) keeps the tied wte/lm_head as one copy per stage (pp_ties.py).
+    Family("gpt2", tp_plan=True, pp_split=True, tp_lora=False),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.

@@ -204,9 +204,14 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     return squares.sqrt()
 
 
-def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
-    """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm."""
-    norm = total_grad_norm(params, pp_group)
+def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None,
+               counted: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm.
+
+    ``counted``: the parameters the norm adds up (default ``params``); a pipeline's second copy of a
+    tied weight is clipped but not counted (``parallel/pp_ties.py``).
+    """
+    norm = total_grad_norm(params if counted is None else counted, pp_group)
     if max_norm > 0:
         for group in _grad_groups(params):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
