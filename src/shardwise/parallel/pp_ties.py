@@ -29,7 +29,7 @@ embedding and the column-parallel head both split the vocabulary rows (``Shard(0
 When the first and the last stage run on the same rank (the V-shaped schedules put both on rank 0)
 the tie stays one tensor there. That is exact with no data-parallel wrapper; DDP and FSDP wrap each
 stage separately and would each reduce (FSDP: shard) their own view of it, so ``check_stage_ties``
-refuses those layouts.
+refuses those layouts (the rule is ``pp_schedules.tied_weights_refusal``, which the planner asks too).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
 from shardwise.parallel.ties import tied_groups
-from shardwise.pp_schedules import stage_rank
+from shardwise.pp_schedules import stage_rank, tied_weights_refusal
 
 __all__ = ["StageTies", "check_stage_ties", "rename_copy_keys"]
 
@@ -63,23 +63,10 @@ def _first_last_ranks(layout: Layout) -> tuple[int, int]:
 
 
 def check_stage_ties(model: nn.Module, layout: Layout) -> None:
-    """Raise ConfigError when ``model`` ties parameters and the pipeline layout cannot keep them exact.
-
-    Works on meta models (nothing is allocated); the same answer on every rank and in the planner's
-    dry run.
-    """
-    if layout.pp <= 1 or not tied_groups(model):
-        return
-    first, last = _first_last_ranks(layout)
-    # FSDP2 wraps every stage even at dp = 1 (it owns mixed precision there); DDP only when dp > 1.
-    wrapped = layout.info.dp_kind == "fsdp" or layout.dp > 1
-    if first == last and wrapped:
-        raise ConfigError(
-            f"parallel.pp_schedule='{layout.pp_schedule}' puts the first and the last pipeline stage on one "
-            f"rank, and this model ties its output head to its input embedding: {layout.strategy} wraps each "
-            "stage in its own data-parallel unit, which would reduce (or shard) the one tied tensor twice. "
-            "Use a loop-placed schedule (1f1b, gpipe, interleaved-1f1b, interleaved-zb), plain pp, or untie "
-            "the weights (tie_word_embeddings = false).")
+    """Raise ConfigError when ``model`` ties parameters and the pipeline layout cannot keep them exact
+    (the rule: ``pp_schedules.tied_weights_refusal``, which the planner asks too). Works on meta models."""
+    if layout.pp > 1 and tied_groups(model) and (why := tied_weights_refusal(layout)):
+        raise ConfigError(why + ".")
 
 
 class StageTies:

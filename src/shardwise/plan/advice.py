@@ -28,6 +28,7 @@ from shardwise.plan.memory import (
 from shardwise.plan.moe import ep_degrees, moe_layout_refusal
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
+from shardwise.pp_schedules import tied_weights_refusal
 
 GIB = 1024**3
 LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)
@@ -370,9 +371,14 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
                 try:
-                    layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
+                    layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers)
                 except ConfigError as e:
                     errors.append(e)
+                    continue
+                if spec.tied_embeddings and (why := tied_weights_refusal(layout)):
+                    errors.append(ConfigError(why))  # the runtime's rule (parallel/pp_ties.py)
+                    continue
+                layouts.append(layout)
             if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
     return layouts, skipped

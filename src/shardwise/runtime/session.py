@@ -431,11 +431,11 @@ class Session:
             for p in group["params"]:
                 aliases = names.get(id(p), [])
                 name = next((n for n in aliases if n in new_params), aliases[0] if aliases else None)
-                if allow_missing and name is not None and name not in new_params:
-                    continue  # another pipeline stage holds (and optimizes) this parameter
                 if name is not None and name not in new_params and name in sliced:
                     swapped.extend(sliced[name])
                     continue
+                if allow_missing and name is not None and name not in new_params:
+                    continue  # another pipeline stage holds (and optimizes) this parameter
                 if name is None or name not in new_params:
                     raise ShardwiseError(
                         "the optimizer holds a parameter that is not in the model passed to prepare(); "
