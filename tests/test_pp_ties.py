@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import ParallelConfig  # noqa: E402
+from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
 from shardwise.layout import resolve_layout  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.parallel.pp import check_pp_model  # noqa: E402
@@ -38,10 +38,11 @@ MAX_NORM = 0.5  # below every step's gradient norm here: clipping scales every u
 # differences: measured at most 1.0e-4 after 5 steps (fsdp+pp, an o_proj element), against ~5e-2 of
 # total movement; a tied copy that trained apart would be off by ~1e-2.
 PARAM_ATOL = 3e-4
+LORA = {"rank": 4, "alpha": 8.0}  # peft's GPT-2 default targets: c_attn (the tied wte/lm_head stay frozen)
 
 
 def _train(folder: str, strategy: str, steps: range, load: str = "", save_loaded: str = "", save: str = "",
-           global_batch: int = RUN["global_batch"], **options: object) -> dict:
+           global_batch: int = RUN["global_batch"], lora: dict | None = None, **options: object) -> dict:
     """Build ``folder`` (meta init) under ``strategy``, optionally resume ``load`` (and save that state
     again to ``save_loaded``), train ``steps`` of the fixed batches with clipping, optionally save."""
     from shardwise.runtime.session import Session
@@ -49,8 +50,9 @@ def _train(folder: str, strategy: str, steps: range, load: str = "", save_loaded
     from tests.helpers.mp import full_params
 
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
-    model = session.build(lambda: build_hf_model(pretrained=folder), init="meta")
-    opt = torch.optim.AdamW(model.parameters(), lr=RUN["lr"], weight_decay=0.0)
+    settings = LoraConfig(**lora) if lora else None
+    model = session.build(lambda: build_hf_model(pretrained=folder, lora=settings), init="meta")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=RUN["lr"], weight_decay=0.0)
     model, opt = session.prepare(model, opt)
     if load:
         session.load(load, model, opt)
@@ -68,6 +70,7 @@ def _train(folder: str, strategy: str, steps: range, load: str = "", save_loaded
 def tied_pp_runs(rank: int, world_size: int, llama: str, gpt2: str, root: str) -> dict:
     return {
         "gpt2": _train(gpt2, "pp", range(5)),
+        "gpt2_lora": _train(gpt2, "pp", range(5), lora=LORA),
         "zbv": _train(llama, "pp", range(5), pp_schedule="zbv", pp_stages_per_rank=2),
         "pp": _train(llama, "pp", range(3), save=f"{root}/pp"),
         "fsdp": _train(llama, "fsdp", range(3, 5), load=f"{root}/pp", save_loaded=f"{root}/fsdp"),
@@ -75,7 +78,7 @@ def tied_pp_runs(rank: int, world_size: int, llama: str, gpt2: str, root: str) -
     }
 
 
-def _assert_equal_to(ref: dict, ranks: list[dict], what: str, steps: range) -> None:
+def _assert_equal_to(ref: dict, ranks: list[dict], what: str, steps: range, lora: bool = False) -> None:
     for r in ranks:
         if steps.start == 0:  # the same weights: the same first loss
             assert r["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-6), what
@@ -85,8 +88,9 @@ def _assert_equal_to(ref: dict, ranks: list[dict], what: str, steps: range) -> N
     for r in ranks:
         merged.update(r["params"])
     for name, value in fuse_split_state(merged).items():  # GPT-2's c_attn as TP trains it: q/k/v
-
-        diff = (value - ref["state"][_full_name(name)]).abs().max().item()
+        # peft keeps the wrapped layer as base_layer, as our names do.
+        key = "base_model.model." + name[len("hf."):] if lora else _full_name(name)
+        diff = (value - ref["state"][key]).abs().max().item()
         assert diff < PARAM_ATOL, (what, name, diff)
 
 
@@ -102,6 +106,8 @@ def test_tied_llama_and_gpt2_under_pp_match_one_process_resume_and_export(tmp_pa
     ref_gpt2 = reference_losses(gpt2, max_norm=MAX_NORM, **RUN)
     assert all(n > MAX_NORM for n in ref_llama["norms"] + ref_gpt2["norms"])  # the clipping bites
     _assert_equal_to(ref_gpt2, [r0["gpt2"], r1["gpt2"]], "gpt2 pp", range(5))
+    peft = reference_losses(gpt2, lora=LoraConfig(**LORA), max_norm=MAX_NORM, **RUN)
+    _assert_equal_to(peft, [r0["gpt2_lora"], r1["gpt2_lora"]], "gpt2 pp lora", range(5), lora=True)
     _assert_equal_to(ref_llama, [r0["zbv"], r1["zbv"]], "llama pp zbv", range(5))
     # The 3-step pipeline run equals the first 3 reference steps (its weights are checked through the
     # resumed runs, which continue from them to the reference's step 5).
