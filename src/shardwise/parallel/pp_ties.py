@@ -2,8 +2,11 @@
 
 A model that ties its output head to its input embedding (``tie_word_embeddings``: Qwen2-0.5B/1.5B,
 Llama-3.2-1B/3B, GPT-2) registers one ``(vocab, hidden)`` tensor under two names, but the first
-pipeline stage owns the embedding and the last the head. Megatron-LM's answer
-(``embedding_group``, ``shared_embedding``, ``_allreduce_word_embedding_grads``), taken here:
+pipeline stage owns the embedding and the last the head. Megatron-LM's answer, taken here
+(``LanguageModule.setup_embeddings_and_output_layer``: a second copy on the last stage, zeroed and
+all-reduced over the ``embedding_group`` of first and last pipeline ranks so it starts equal, marked
+``shared`` so the gradient norm skips it; ``finalize_model_grads._allreduce_word_embedding_grads``:
+the copies' gradients all-reduced over that group after backward, before clipping and the step):
 
 * each of the two stages keeps its own copy, under its own single-device name; both start equal
   (``sync_weights`` copies the first stage's values onto the last after materialisation, so meta
