@@ -10,7 +10,7 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import FAMILIES
+from shardwise.families import tp_lora_refusal
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
@@ -116,6 +116,7 @@ class Workload:
     # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
     # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
     lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()  # empty: peft's default for the family
     # train.loss_chunks parsed (config.parse_loss_chunks): None auto (the runtime's default), 0 off,
     # N chunks. 0 here by default so other stacks' published runs keep their own loss; the CLI
     # passes the runtime's default (auto) unless --loss-chunks says otherwise.
@@ -338,9 +339,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if not quiet:
                     skipped.append(f"{label}: {why}")
                 continue
-            if t > 1 and work.lora_rank and spec.family in FAMILIES and not FAMILIES[spec.family].tp_lora:
+            if t > 1 and work.lora_rank and (why := tp_lora_refusal(spec.family, work.lora_targets)):
                 if not quiet:
-                    skipped.append(f"{label}: LoRA on {spec.family} does not run under tensor parallel")
+                    skipped.append(f"{label}: LoRA: {why}")
                 continue
             if work.loss_chunks and (why := chunked_loss_off(spec.family, spec.vocab, spec.hidden,
                                                              work.loss_chunks, tp=t, pp=p)):
