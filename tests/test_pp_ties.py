@@ -6,8 +6,10 @@ a 2-layer GPT-2, which ties wte and lm_head). One spawn of 2 gloo ranks runs, fp
 lr=1e-2 with gradient clipping that bites (max_norm below the gradients' norm, so a tied tensor
 counted twice in the norm would change every update):
 
-* GPT-2 under pp (1F1B), 5 steps; the Llama under pp with ZBV (first and last stage on rank 0: the
-  tie stays one tensor there), 5 steps;
+* GPT-2 under pp (1F1B), 5 steps, and LoRA on it (peft's default c_attn; the tied weight frozen)
+  against peft; the Llama under pp with ZBV (first and last stage on rank 0: the tie stays one
+  tensor there), 5 steps; a randomly initialised GPT-2 built on meta (the last stage's head copy
+  must start as the first stage's wte) against one process, 2 steps;
 * the Llama under pp (1F1B) for 3 steps, saved; fsdp (no pipeline) resumes it, saves at once, and
   trains steps 4-5; pp resumes fsdp's checkpoint and trains steps 4-5. Each equals the one-process
   run: the first loss exactly, later losses, norms and weights within float32 reduction noise.
@@ -43,15 +45,19 @@ LORA = {"rank": 4, "alpha": 8.0}  # peft's GPT-2 default targets: c_attn (the ti
 
 def _train(folder: str, strategy: str, steps: range, load: str = "", save_loaded: str = "", save: str = "",
            global_batch: int = RUN["global_batch"], lora: dict | None = None, **options: object) -> dict:
-    """Build ``folder`` (meta init) under ``strategy``, optionally resume ``load`` (and save that state
-    again to ``save_loaded``), train ``steps`` of the fixed batches with clipping, optionally save."""
+    """Build ``folder`` (meta init; a preset name such as "gpt2-tiny": a random init from its config)
+    under ``strategy``, optionally resume ``load`` (and save that state again to ``save_loaded``), train
+    ``steps`` of the fixed batches with clipping, optionally save."""
     from shardwise.runtime.session import Session
     from shardwise.testing import fixed_batches, train_fixed_batches
     from tests.helpers.mp import full_params
 
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
     settings = LoraConfig(**lora) if lora else None
-    model = session.build(lambda: build_hf_model(pretrained=folder, lora=settings), init="meta")
+    if folder.endswith("-tiny"):
+        model = session.build(lambda: build_hf_model(folder, vocab_size=VOCAB), init="meta")
+    else:
+        model = session.build(lambda: build_hf_model(pretrained=folder, lora=settings), init="meta")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=RUN["lr"], weight_decay=0.0)
     model, opt = session.prepare(model, opt)
     if load:
@@ -71,6 +77,8 @@ def tied_pp_runs(rank: int, world_size: int, llama: str, gpt2: str, root: str) -
     return {
         "gpt2": _train(gpt2, "pp", range(5)),
         "gpt2_lora": _train(gpt2, "pp", range(5), lora=LORA),
+        # A random init on meta: each stage replays its own parts' init; the head copy must get wte's.
+        "random": _train("gpt2-tiny", "pp", range(2)),
         "zbv": _train(llama, "pp", range(5), pp_schedule="zbv", pp_stages_per_rank=2),
         "pp": _train(llama, "pp", range(3), save=f"{root}/pp"),
         "fsdp": _train(llama, "fsdp", range(3, 5), load=f"{root}/pp", save_loaded=f"{root}/fsdp"),
@@ -102,6 +110,10 @@ def test_tied_llama_and_gpt2_under_pp_match_one_process_resume_and_export(tmp_pa
     llama = save_llama(tmp_path / "llama", tie_word_embeddings=True)
     gpt2 = save_tiny(tmp_path / "gpt2", "gpt2", shard_kb=40)
     r0, r1 = run_distributed(tied_pp_runs, 2, timeout_s=900, llama=str(llama), gpt2=str(gpt2), root=str(tmp_path))
+    one = _train("gpt2-tiny", "single", range(2))  # the same random init, one process
+    for r in (r0["random"], r1["random"]):
+        assert r["losses"][0] == pytest.approx(one["losses"][0], abs=1e-6)
+        assert r["losses"] == pytest.approx(one["losses"], abs=1e-5)
     ref_llama = reference_losses(llama, max_norm=MAX_NORM, **RUN)
     ref_gpt2 = reference_losses(gpt2, max_norm=MAX_NORM, **RUN)
     assert all(n > MAX_NORM for n in ref_llama["norms"] + ref_gpt2["norms"])  # the clipping bites
