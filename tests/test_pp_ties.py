@@ -157,23 +157,33 @@ def test_tied_weights_refused_where_data_parallel_would_wrap_one_tensor_twice(tm
         check_pp_model(tied, resolve_layout(ParallelConfig(strategy="fsdp+pp", pp=2, **zbv), 2))
 
 
-def four_rank_runs(rank: int, world_size: int, llama: str, gpt2: str) -> list:
+def four_rank_runs(rank: int, world_size: int, llama: str, gpt2: str, root: str) -> list:
     run = {"global_batch": 8}
     return [_train(llama, "fsdp+pp", range(5), pp=2, **run),
             _train(gpt2, "ddp+pp", range(5), pp=2, **run),
-            _train(gpt2, "fsdp+tp+pp", range(5), pp=2, tp=2, sequence_parallel=True, **run)]
+            _train(gpt2, "fsdp+tp+pp", range(5), pp=2, tp=2, sequence_parallel=True, **run),
+            # The copies as FSDP shards in a checkpoint: fsdp+pp -> fsdp (dp 4) -> fsdp+pp.
+            _train(llama, "fsdp+pp", range(3), pp=2, save=f"{root}/a", **run),
+            _train(llama, "fsdp", range(3, 5), load=f"{root}/a", save_loaded=f"{root}/b", **run),
+            _train(llama, "fsdp+pp", range(3, 5), pp=2, load=f"{root}/b", **run)]
 
 
 @pytest.mark.slow
 def test_tied_weights_under_fsdp_pp_ddp_pp_and_fsdp_tp_pp_at_four_ranks(tmp_path):
     """One spawn of 4 ranks: the tied Llama under fsdp+pp (pp 2 x dp 2: the copies' gradients are
     FSDP shards, summed shard by shard), GPT-2 under ddp+pp (pp 2 x dp 2) and under fsdp+tp+pp
-    (pp 2 x tp 2, sequence parallel: vocabulary-parallel wte and head, both Shard(0))."""
+    (pp 2 x tp 2, sequence parallel: vocabulary-parallel wte and head, both Shard(0)); then the tied
+    Llama's fsdp+pp checkpoint (both copies' FSDP shards, the copy's optimizer state under the
+    embedding's name) resumes under fsdp at dp 4 and back."""
     llama = save_llama(tmp_path / "llama", tie_word_embeddings=True)
     gpt2 = save_tiny(tmp_path / "gpt2", "gpt2")
-    ranks = run_distributed(four_rank_runs, 4, timeout_s=900, llama=str(llama), gpt2=str(gpt2))
+    ranks = run_distributed(four_rank_runs, 4, timeout_s=900, llama=str(llama), gpt2=str(gpt2), root=str(tmp_path))
     run = {**RUN, "global_batch": 8}
     refs = [reference_losses(llama, max_norm=MAX_NORM, **run), reference_losses(gpt2, max_norm=MAX_NORM, **run)]
     cases = ((refs[0], "llama fsdp+pp"), (refs[1], "gpt2 ddp+pp"), (refs[1], "gpt2 fsdp+tp+pp"))
     for i, (ref, what) in enumerate(cases):
         _assert_equal_to(ref, [r[i] for r in ranks], what, range(5))
+    for r in ranks:
+        assert r[3]["losses"] == pytest.approx(refs[0]["losses"][:3], abs=1e-5)
+    _assert_equal_to(refs[0], [r[4] for r in ranks], "fsdp+pp -> fsdp resume", range(3, 5))
+    _assert_equal_to(refs[0], [r[5] for r in ranks], "fsdp -> fsdp+pp resume", range(3, 5))
