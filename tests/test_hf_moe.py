@@ -45,10 +45,20 @@ def assert_parity(ref: dict, got: dict) -> None:
     assert worst <= PARAM_TOL, worst
 
 
-def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
-    """Each family, read from the per-expert layout: the training loss is transformers' own."""
+def transformers_loss(folder: str, batch: torch.Tensor) -> tuple[torch.Tensor, object, object]:
+    """Plain transformers' training loss on ``batch`` (cross-entropy + coef x its aux loss), its
+    output and the model."""
     from transformers import AutoModelForCausalLM
 
+    x, y = batch[:, :-1], batch[:, 1:]
+    ref = AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, dtype=torch.float32).train()
+    out = ref(input_ids=x, use_cache=False)
+    ce = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
+    return ce + ref.config.router_aux_loss_coef * out.aux_loss, out, ref
+
+
+def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
+    """Each family, read from the per-expert layout: the training loss is transformers' own."""
     from shardwise.models.hf import build_hf_model
     from shardwise.models.moe import take_moe_stats, with_aux_loss
     from shardwise.testing import fixed_batches, lm_loss
@@ -56,10 +66,7 @@ def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
     batch = fixed_batches(1, 4, SEQ, VOCAB)[0]
     x, y = batch[:, :-1], batch[:, 1:]
     for family, folder in folders.items():
-        ref = AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, dtype=torch.float32).train()
-        out = ref(input_ids=x, use_cache=False)
-        want = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)) + \
-            ref.config.router_aux_loss_coef * out.aux_loss
+        want, out, ref = transformers_loss(folder, batch)
         model = build_hf_model(pretrained=folder, output_router_logits=True).train()
         got = with_aux_loss(lm_loss)(model(x), y)
         assert abs(got.item() - want.item()) <= 1e-6, (family, got.item(), want.item())
@@ -109,17 +116,39 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
         assert (exported(x).logits - trained(x).logits).abs().max().item() <= 1e-5
 
 
+def test_fsdp_tp_two_ranks_matches_one_process_for_every_family(folders):
+    """fsdp+tp (tp 2) on Mixtral, Qwen3-MoE and OLMoE, one 2-rank spawn: attention is split over
+    the TP ranks (Qwen3's per-head and OLMoE's whole-width q/k norms included), the routers and
+    experts run whole on each. 5 steps equal one process; the first loss is transformers' own."""
+    from shardwise.testing import fixed_batches
+
+    steps = 5
+    refs = {family: hf_moe_train(0, 1, folder, steps=steps) for family, folder in folders.items()}
+    got = run_distributed(hf_moe_cases, 2, timeout_s=300,
+                          cases=[dict(folder=folder, strategy="fsdp+tp", tp=2, steps=steps)
+                                 for folder in folders.values()])[0]
+    first = fixed_batches(steps, 4, SEQ, VOCAB)[0]
+    for (family, folder), tp in zip(folders.items(), got):
+        assert_parity(refs[family], tp)
+        assert abs(tp["losses"][0] - transformers_loss(folder, first)[0].item()) <= LOSS_TOL, family
+        assert tp["stats"] == [pytest.approx(s, rel=1e-5) for s in refs[family]["stats"]], family
+
+
 def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
     """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
     (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files. Then
-    hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them."""
+    hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them.
+    Then fsdp+tp (tp 2 x dp 2) with ep=2: attention split over TP, experts whole on both TP ranks
+    and split over the 2 dp ranks, as the built-in MoE GPT does."""
     ref = hf_moe_train(0, 1, folders["mixtral"])
-    fsdp, hsdp = run_distributed(hf_moe_cases, 4, timeout_s=300,
-                                 cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
-                                        dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
-                                             ep=2)])[0]
+    fsdp, hsdp, tp_ep = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                                        cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
+                                               dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
+                                                    ep=2),
+                                               dict(folder=folders["mixtral"], strategy="fsdp+tp", tp=2, ep=2)])[0]
     assert_parity(ref, fsdp)
     assert_parity(ref, hsdp)
+    assert_parity(ref, tp_ep)
 
 
 def test_bundled_configs_and_planner_specs_count_what_transformers_builds():

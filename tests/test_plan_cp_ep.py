@@ -139,3 +139,16 @@ def test_searching_the_new_degrees_stays_under_a_second():
     plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--nodes", "4", "--seq", "32768"))
     plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--nodes", "4"))
     assert time.perf_counter() - start < 2.0  # each < 1 s (generous for a loaded CI machine)
+
+
+def test_tp_keeps_moe_routers_and_experts_whole():
+    """What parallel/tp.py does to an MoE block, the planner counts: attention splits over the TP
+    ranks, the router and the routed experts stay whole on each (expert parallel splits them)."""
+    from shardwise.plan.memory import _local_params
+
+    for name in ("gpt-moe-nano", "mixtral-8x7b"):
+        spec = model_preset(name)
+        local = {p.name: p.shape for p in _local_params(spec, Layout("fsdp+tp", dp=1, tp=2), 0)}
+        for p in spec.params:
+            whole = any(part in p.name for part in (".router.", ".mlp.gate.", ".experts.")) or len(p.shape) < 2
+            assert local[p.name] == (p.shape if whole else (-(-p.shape[0] // 2), *p.shape[1:])), (name, p.name)

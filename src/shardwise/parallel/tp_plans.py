@@ -98,6 +98,13 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
         "self_attn.k_proj": ColwiseParallel(),  # GQA: needs tp | n_kv_heads (checked up front)
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
+        # Qwen3's per-head q/k norms see (B, T, heads / tp, head_dim); OLMoE's whole-width ones see
+        # (B, T, width / tp). Both are dim 2 of the column-parallel output: the norm runs on that
+        # shard with a replicated weight, whose gradient DTensor sums over the TP ranks (each
+        # rank's heads contribute to the one shared weight). A plain weight would keep only this
+        # rank's share, and OLMoE's mean over the width needs the other ranks' columns.
+        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
