@@ -119,14 +119,17 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
 def test_fsdp_tp_two_ranks_matches_one_process_for_every_family(folders):
     """fsdp+tp (tp 2) on Mixtral, Qwen3-MoE and OLMoE, one 2-rank spawn: attention is split over
     the TP ranks (Qwen3's per-head and OLMoE's whole-width q/k norms included), the routers and
-    experts run whole on each. 5 steps equal one process; the first loss is transformers' own."""
+    experts run whole on each. 5 steps equal one process; the first loss is transformers' own.
+    Then Qwen3-MoE with sequence parallel."""
     from shardwise.testing import fixed_batches
 
     steps = 5
     refs = {family: hf_moe_train(0, 1, folder, steps=steps) for family, folder in folders.items()}
-    got = run_distributed(hf_moe_cases, 2, timeout_s=300,
-                          cases=[dict(folder=folder, strategy="fsdp+tp", tp=2, steps=steps)
-                                 for folder in folders.values()])[0]
+    cases = [dict(folder=folder, strategy="fsdp+tp", tp=2, steps=steps) for folder in folders.values()]
+    # Sequence parallel: the MoE block gathers the sequence shards and returns its own shard.
+    cases.append(dict(folder=folders["qwen3_moe"], strategy="fsdp+tp", tp=2, steps=steps, sequence_parallel=True))
+    got = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)[0]
+    assert_parity(refs["qwen3_moe"], got[-1])
     first = fixed_batches(steps, 4, SEQ, VOCAB)[0]
     for (family, folder), tp in zip(folders.items(), got):
         assert_parity(refs[family], tp)

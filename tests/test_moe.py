@@ -104,9 +104,14 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
     cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=2, accum=2), dict(strategy="ddp"),
              dict(strategy="ddp", local_aux=True), dict(strategy="fsdp", steps=2, ckpt_dir=a),
              dict(strategy="fsdp", ep=2, start=2, steps=4, load_dir=a, ckpt_dir=b),
-             dict(strategy="fsdp", steps=5, start=4, load_dir=b)]
+             dict(strategy="fsdp", steps=5, start=4, load_dir=b),
+             dict(strategy="fsdp+tp", tp=2, sequence_parallel=True)]
     ranks = run_distributed(moe_cases, 2, timeout_s=300, cases=cases)
-    ep2, ep2_accum, ddp, ddp_local, first, second, resumed = (ranks[0][i] for i in range(len(cases)))
+    ep2, ep2_accum, ddp, ddp_local, first, second, resumed, sp = (ranks[0][i] for i in range(len(cases)))
+    # Sequence parallel: the MoE layer takes the whole sequence from the sequence-sharded block
+    # (one all-gather) and hands back this rank's shard; same routing, same aux loss.
+    assert_parity(reference[1], sp, PARAM_TOL_TP)
+    assert sp["stats"] == [pytest.approx(s, rel=1e-5) for s in reference[1]["stats"]]
     # Resume across EP degrees (DCP reshards plain FSDP shards into Shard(0)-over-ep experts and
     # back): every step's loss and the final weights are the uninterrupted run's.
     assert first["losses"] == pytest.approx(reference[1]["losses"][:2], abs=LOSS_TOL)
@@ -135,12 +140,14 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
 
 def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
     """Routing with tagging experts (ep 2 and 4), then dp_shard 2 x ep 2, ep 4, fsdp+tp (tp 2, dp 2,
-    ep 2: experts whole on both TP ranks, split over the dp ranks) and hsdp (2 replicas x shard 2,
-    ep 2: each shard group splits the experts, the groups replicate them) training; then one run
+    ep 2: experts whole on both TP ranks, split over the dp ranks), hsdp (2 replicas x shard 2,
+    ep 2: each shard group splits the experts, the groups replicate them) and fsdp+tp with ep 2 and
+    sequence parallel training; then one run
     resumed across EP degrees: ep=2 (steps 1-2) -> ep=4 (steps 3-4) -> ep=2, and -> hsdp ep=2 (step 5)."""
     a, b = str(tmp_path / "ep2"), str(tmp_path / "ep4")
     hsdp = dict(strategy="hsdp", hsdp_shard_size=2, ep=2)
     cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4), dict(strategy="fsdp+tp", tp=2, ep=2), hsdp,
+             dict(strategy="fsdp+tp", tp=2, ep=2, sequence_parallel=True),
              dict(strategy="fsdp", ep=2, steps=2, ckpt_dir=a),
              dict(strategy="fsdp", ep=4, start=2, steps=4, load_dir=a, ckpt_dir=b),
              dict(strategy="fsdp", ep=2, start=4, steps=5, load_dir=b),
@@ -156,14 +163,14 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
                 holder = members[e // (8 // ep)]
                 expected = sorted(i for m in members for i in m["sent"][e])
                 assert holder["seen"][e] == expected, (ep, e)
-    tols = [PARAM_TOL, PARAM_TOL, PARAM_TOL_TP, PARAM_TOL_HSDP]
+    tols = [PARAM_TOL, PARAM_TOL, PARAM_TOL_TP, PARAM_TOL_HSDP, PARAM_TOL_TP]
     for i, tol in enumerate(tols):
         assert_parity(reference[1], ranks[0]["cases"][i], tol)
     # Resume across EP degrees: DCP reshards the experts (saved as global tensors: Shard(0) over ep,
     # FSDP-sharded over the rest) into each new split; every step's loss and the final weights are
     # the uninterrupted run's.
     ref = reference[1]
-    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][4:]
+    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][5:]
     assert first["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
     assert second["losses"] == pytest.approx(ref["losses"][2:4], abs=LOSS_TOL)
     assert_parity({"losses": ref["losses"][4:], "params": ref["params"]}, back_to_ep2)

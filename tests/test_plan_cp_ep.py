@@ -131,7 +131,7 @@ def test_moe_models_search_ep_and_the_printed_ep_command_dry_runs():
     train, torchrun = pinned.commands
     assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
     tp_cmd = next(c for c in pinned.candidates if c.layout.tp > 1)
-    assert not tp_cmd.layout.sequence_parallel  # the runtime refuses MoE with sequence parallel
+    assert tp_cmd.layout.sequence_parallel  # MoE runs with sequence parallel (parallel/tp_plans.py)
 
 
 def test_searching_the_new_degrees_stays_under_a_second():

@@ -48,7 +48,7 @@ from torch import nn
 
 from shardwise.models.gpt_config import GPTConfig
 
-__all__ = ["MoE", "GroupedExperts", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
+__all__ = ["MoE", "GroupedExperts", "is_moe_layer", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
 
 # Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
 _pending: list[torch.Tensor] = []
@@ -202,6 +202,12 @@ class MoE(nn.Module):
         self.window_calls += 1
 
 
+def is_moe_layer(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a mixture-of-experts layer: a built-in ``MoE`` or a Hugging Face MoE
+    block hooked by ``models/hf_moe.py``."""
+    return isinstance(module, MoE) or getattr(module, "shardwise_moe", None) is not None
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     """Every MoE layer of ``model`` with its (wrapper-free) name: ``MoE`` modules, and the
     ``HFMoELayer`` records of Hugging Face MoE blocks (``models/hf_moe.py``)."""
@@ -209,10 +215,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
 
     out: list[tuple[str, Any]] = []
     for name, m in model.named_modules():
-        if isinstance(m, MoE):
-            out.append((clean_name(name), m))
-        elif getattr(m, "shardwise_moe", None) is not None:  # a Hugging Face MoE block (models/hf_moe.py)
-            out.append((clean_name(name), m.shardwise_moe))
+        if is_moe_layer(m):  # a Hugging Face MoE block carries its record (models/hf_moe.py)
+            out.append((clean_name(name), m if isinstance(m, MoE) else m.shardwise_moe))
     return out
 
 
@@ -227,8 +231,7 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
     losses per layer and micro-batch, and ``moe/dropped_tokens`` (0: dispatch is dropless).
     """
     layers = moe_layers(model)
-    out: dict[str, float] = {}
-    every: list[torch.Tensor] = []
+    per_layer: dict[str, torch.Tensor] = {}
     aux = z = 0.0
     calls = 0
     device = None
@@ -236,27 +239,37 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
         counts = layer.window_counts
         if counts is not None:
             device = counts.device  # the collective's device (NCCL needs the accelerator's)
-            c = counts.double().cpu()
-            every.append(c)
             short = name.replace("hf.model.layers.", "").replace("blocks.", "").replace(".mlp", "")
-            out[f"moe/{short}/tokens_min"] = float(c.min())
-            out[f"moe/{short}/tokens_mean"] = float(c.mean())
-            out[f"moe/{short}/tokens_max"] = float(c.max())
+            per_layer[short] = counts.double().cpu()
         aux += float(layer.window_aux)
         z += float(layer.window_z)
         calls += layer.window_calls
         layer.reset_stats()
-    if not every:
-        return out
-    group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
-    if group is not None:
-        # Each rank's aux loss uses its own router probabilities: their mean is the global loss.
-        import torch.distributed as dist
+    pp_group = getattr(model, "moe_pp_group", None)  # set by parallel/moe_pp.py under pipeline parallel
+    if not per_layer and pp_group is None:
+        return {}
+    import torch.distributed as dist
 
+    group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
+    if group is not None and per_layer:
+        # Each rank's aux loss uses its own router probabilities: their mean is the global loss.
         pair = torch.tensor([aux, z], dtype=torch.float64, device=device)
         dist.all_reduce(pair, group=group)
         aux, z = (pair / dist.get_world_size(group)).tolist()
-    allc = torch.cat(every)
+    if pp_group is not None:
+        # Each pipeline rank holds its stages' layers: gather them all (every rank reports all).
+        gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, (per_layer, aux, z, calls), group=pp_group)
+        per_layer = {k: v for part in gathered for k, v in part[0].items()}
+        aux, z, calls = (sum(part[i] for part in gathered) for i in (1, 2, 3))
+        if not per_layer:
+            return {}
+    out: dict[str, float] = {}
+    for short in sorted(per_layer, key=lambda k: (len(k), k)):
+        c = per_layer[short]
+        out.update({f"moe/{short}/tokens_min": float(c.min()), f"moe/{short}/tokens_mean": float(c.mean()),
+                    f"moe/{short}/tokens_max": float(c.max())})
+    allc = torch.cat(list(per_layer.values()))
     out.update({"moe/tokens_per_expert_min": float(allc.min()), "moe/tokens_per_expert_mean": float(allc.mean()),
                 "moe/tokens_per_expert_max": float(allc.max()),
                 "moe/max_over_mean": float(allc.max() / allc.mean()) if allc.mean() > 0 else math.nan,

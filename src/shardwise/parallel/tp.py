@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from shardwise.errors import ConfigError
 from shardwise.families import LLAMA_LIKE, TP_FAMILIES
 from shardwise.layout import tp_indivisible
+from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import tp_plan_family
 from shardwise.parallel.ties import retie, tied_groups
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
@@ -119,6 +120,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         # [issue 20] An MoE block has no dense MLP: its router and experts stay whole on every TP
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
+        if is_moe_layer(_get(block, "mlp")):
+            styles.update(plan.moe_block)
         parallelize_module(block, tp_mesh, with_lora(styles, block))
     # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
     # anything else wraps the model (parallel/ties.py says what breaks otherwise).
