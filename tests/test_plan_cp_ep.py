@@ -152,3 +152,18 @@ def test_tp_keeps_moe_routers_and_experts_whole():
         for p in spec.params:
             whole = any(part in p.name for part in (".router.", ".mlp.gate.", ".experts.")) or len(p.shape) < 2
             assert local[p.name] == (p.shape if whole else (-(-p.shape[0] // 2), *p.shape[1:])), (name, p.name)
+
+
+def test_moe_models_get_pipeline_layouts_where_the_runtime_cuts_them():
+    """The built-in MoE GPT runs under pp (parallel/moe_pp.py): the search offers it, and the
+    pinned command resolves as train --dry-run does; HF MoE families have no stage split."""
+    plan, _ = _plan("--model", "gpt-moe-lab", "--nodes", "2", "--gpus-per-node", "2", "--checkpoint", "none",
+                    "--micro-batch", "1")
+    assert {"ddp+pp(pp2)", "fsdp+pp(pp2)"} <= {c.name for c in plan.candidates}
+    assert not any(c.layout.pp > 1 and c.layout.ep > 1 for c in plan.candidates)  # the layout refuses ep with pp
+    pinned, _ = _plan("--model", "gpt-moe-lab", "--nodes", "2", "--gpus-per-node", "2", "--pp", "2")
+    train, torchrun = pinned.commands
+    assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
+    _, text = _plan("--model", "mixtral-8x7b", "--nodes", "2")
+    assert "not offered fsdp+pp(pp2): pipeline parallel cuts the built-in GPT" in text
+    assert "mixtral has no stage split" in text
