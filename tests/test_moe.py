@@ -266,3 +266,19 @@ def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     out = capsys.readouterr()
     assert code == 2 and message in out.err and "Traceback" not in out.err, out.err
     assert "dry run" not in out.out
+
+
+def test_verify_moe_under_pipeline_parallel_splits_the_reference(tmp_path, cli_env):
+    """``shardwise verify`` on moe-nano under pp: the reference accumulates the pipeline's micro-
+    batches (each has its own aux loss), so the parameters agree to rounding (2.1e-3 without)."""
+    import json
+    import sys
+
+    from shardwise.testing import run_command
+
+    proc = run_command([sys.executable, "-m", "shardwise", "verify", "gpt-shakespeare", "--strategy", "pp",
+                        "--nproc", "2", "--set", "model.preset=moe-nano", "--out", str(tmp_path / "out")],
+                       env=cli_env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "out" / "verify.json").read_text())
+    assert report["max_param_diff"] <= 1e-5, report
