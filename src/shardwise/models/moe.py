@@ -9,6 +9,10 @@ without the model knowing (``shardwise.parallel.ep``):
 * ``MoE.stats_group``: the process group over which the router's token counts are summed for the
   load-balancing loss (None: this process alone). Set by ``parallel.ep.attach_moe``.
 
+Under pipeline parallel a forward hook (``parallel/moe_pp.py``) takes each forward's aux loss out
+of ``_pending`` and attaches it to the layer's output (Megatron's aux-loss auto-scaler), and
+``take_moe_stats`` gathers the layers of every stage (``model.moe_pp_group``).
+
 Dispatch is dropless: every token reaches all of its top-k experts, whatever the imbalance (no
 capacity factor, so ``dropped`` tokens are always 0 and reported as such). Tokens are sorted by
 expert id (a stable argsort) and each expert runs one matmul over its contiguous slice.
