@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) under shardwise (issue 20).
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) under shardwise (issue 20).
 
 Tiny folders are written by transformers' own ``save_pretrained`` (the per-expert layout of the
 released checkpoints); shardwise reads them into transformers 5's fused experts. The loss is
@@ -20,7 +20,10 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
              num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
 FAMILIES = {"mixtral": dict(num_local_experts=4),
             "qwen3_moe": dict(num_experts=4, moe_intermediate_size=24, head_dim=8, norm_topk_prob=True),
-            "olmoe": dict(num_experts=4, eos_token_id=None, pad_token_id=None)}
+            "olmoe": dict(num_experts=4, eos_token_id=None, pad_token_id=None),
+            # A shared expert and its sigmoid gate beside the routed experts.
+            "qwen2_moe": dict(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                              norm_topk_prob=False)}
 
 
 def save_tiny_moe(folder, family: str, seed: int = 0):
@@ -117,10 +120,10 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
 
 
 def test_fsdp_tp_two_ranks_matches_one_process_for_every_family(folders):
-    """fsdp+tp (tp 2) on Mixtral, Qwen3-MoE and OLMoE, one 2-rank spawn: attention is split over
-    the TP ranks (Qwen3's per-head and OLMoE's whole-width q/k norms included), the routers and
-    experts run whole on each. 5 steps equal one process; the first loss is transformers' own.
-    Then Qwen3-MoE with sequence parallel."""
+    """fsdp+tp (tp 2) on Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (shared expert), one 2-rank
+    spawn: attention is split over the TP ranks (Qwen3's per-head and OLMoE's whole-width q/k
+    norms included), the routers and experts run whole on each. 5 steps equal one process; the
+    first loss is transformers' own. Then Qwen3-MoE with sequence parallel."""
     from shardwise.testing import fixed_batches
 
     steps = 5
