@@ -117,12 +117,19 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
              dict(strategy="ddp", local_aux=True), dict(strategy="fsdp", steps=2, ckpt_dir=a),
              dict(strategy="fsdp", ep=2, start=2, steps=4, load_dir=a, ckpt_dir=b),
              dict(strategy="fsdp", steps=5, start=4, load_dir=b),
-             dict(strategy="fsdp+tp", tp=2, sequence_parallel=True), dict(strategy="pp", pp=2, pp_microbatches=2)]
+             dict(strategy="fsdp+tp", tp=2, sequence_parallel=True), dict(strategy="pp", pp=2, pp_microbatches=2),
+             dict(strategy="pp", pp=2, pp_microbatches=2, activation_checkpointing="full"),
+             dict(strategy="fsdp", ep=2, activation_checkpointing="full")]
     ranks = run_distributed(moe_cases, 2, timeout_s=300, cases=cases)
-    ep2, ep2_accum, ddp, ddp_local, first, second, resumed, sp = (ranks[0][i] for i in range(len(cases) - 1))
+    ep2, ep2_accum, ddp, ddp_local, first, second, resumed, sp = (ranks[0][i] for i in range(len(cases) - 3))
+    # Activation checkpointing: the recomputed forward runs the aux ops again (same saved tensors,
+    # counts all-reduced again) and records nothing.
+    assert_parity(reference[1], ranks[0][-1])
     # Pipeline parallel (2 stages, 2 pipeline micro-batches): each stage's aux losses ride on its
-    # MoE outputs (parallel/moe_pp.py); one process accumulating the same 2 micro-batches.
-    assert_pipeline_parity(reference[2], [r[-1] for r in ranks])
+    # MoE outputs (parallel/moe_pp.py); one process accumulating the same 2 micro-batches. With
+    # activation checkpointing the recomputed forward adds no second aux loss.
+    assert_pipeline_parity(reference[2], [r[-3] for r in ranks])
+    assert_pipeline_parity(reference[2], [r[-2] for r in ranks])
     # Sequence parallel: the MoE layer takes the whole sequence from the sequence-sharded block
     # (one all-gather) and hands back this rank's shard; same routing, same aux loss.
     assert_parity(reference[1], sp, PARAM_TOL_TP)

@@ -177,7 +177,7 @@ class MoE(nn.Module):
 
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
         """Aux losses over the global batch (see the module docstring) and the window's statistics."""
-        if not (self.training and torch.is_grad_enabled()) or _in_backward():
+        if not (self.training and torch.is_grad_enabled()):
             return
         global_counts = counts.detach().clone()
         if self.stats_group is not None:
@@ -191,6 +191,11 @@ class MoE(nn.Module):
         z = logits.new_zeros(())
         if self.z_coef > 0:
             z = self.z_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        if _in_backward():
+            # Activation checkpointing re-runs the forward inside backward: the aux losses' ops run
+            # again (checkpointing requires the same saved tensors, and backward uses them, so the
+            # counts are all-reduced again too), but nothing is recorded a second time.
+            return
         if len(_pending) >= _MAX_PENDING:
             # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
             # them rather than keep every forward's autograd graph alive.
