@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE) under shardwise (issue 20).
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) under shardwise (issue 20).
 
 Tiny folders are written by transformers' own ``save_pretrained`` (the per-expert layout of the
 released checkpoints); shardwise reads them into transformers 5's fused experts. The loss is
@@ -20,13 +20,17 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
              num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
 FAMILIES = {"mixtral": dict(num_local_experts=4),
             "qwen3_moe": dict(num_experts=4, moe_intermediate_size=24, head_dim=8, norm_topk_prob=True),
-            "olmoe": dict(num_experts=4, eos_token_id=None, pad_token_id=None)}
+            "olmoe": dict(num_experts=4, eos_token_id=None, pad_token_id=None),
+            # A shared expert and its sigmoid gate beside the routed experts.
+            "qwen2_moe": dict(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                              norm_topk_prob=False)}
 
 
-def save_tiny_moe(folder, family: str, seed: int = 0):
+def save_tiny_moe(folder, family: str, seed: int = 0, dense: bool = False):
+    """A tiny ``family`` model saved by transformers (``dense``: a dense family, e.g. qwen3)."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+    cfg = transformers.AutoConfig.for_model(family, **SHAPE, **({"head_dim": 8} if dense else FAMILIES[family]))
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
     return folder
@@ -45,10 +49,20 @@ def assert_parity(ref: dict, got: dict) -> None:
     assert worst <= PARAM_TOL, worst
 
 
-def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
-    """Each family, read from the per-expert layout: the training loss is transformers' own."""
+def transformers_loss(folder: str, batch: torch.Tensor) -> tuple[torch.Tensor, object, object]:
+    """Plain transformers' training loss on ``batch`` (cross-entropy + coef x its aux loss), its
+    output and the model."""
     from transformers import AutoModelForCausalLM
 
+    x, y = batch[:, :-1], batch[:, 1:]
+    ref = AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, dtype=torch.float32).train()
+    out = ref(input_ids=x, use_cache=False)
+    ce = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
+    return ce + ref.config.router_aux_loss_coef * out.aux_loss, out, ref
+
+
+def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
+    """Each family, read from the per-expert layout: the training loss is transformers' own."""
     from shardwise.models.hf import build_hf_model
     from shardwise.models.moe import take_moe_stats, with_aux_loss
     from shardwise.testing import fixed_batches, lm_loss
@@ -56,10 +70,7 @@ def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
     batch = fixed_batches(1, 4, SEQ, VOCAB)[0]
     x, y = batch[:, :-1], batch[:, 1:]
     for family, folder in folders.items():
-        ref = AutoModelForCausalLM.from_pretrained(folder, output_router_logits=True, dtype=torch.float32).train()
-        out = ref(input_ids=x, use_cache=False)
-        want = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)) + \
-            ref.config.router_aux_loss_coef * out.aux_loss
+        want, out, ref = transformers_loss(folder, batch)
         model = build_hf_model(pretrained=folder, output_router_logits=True).train()
         got = with_aux_loss(lm_loss)(model(x), y)
         assert abs(got.item() - want.item()) <= 1e-6, (family, got.item(), want.item())
@@ -109,17 +120,47 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_
         assert (exported(x).logits - trained(x).logits).abs().max().item() <= 1e-5
 
 
+def test_fsdp_tp_two_ranks_matches_one_process_for_every_family(folders, tmp_path):
+    """fsdp+tp (tp 2) on Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (shared expert), one 2-rank
+    spawn: attention is split over the TP ranks (Qwen3's per-head and OLMoE's whole-width q/k
+    norms included), the routers and experts run whole on each. 5 steps equal one process; the
+    first loss is transformers' own. Then Qwen3-MoE with sequence parallel, and dense Qwen3."""
+    from shardwise.testing import fixed_batches
+
+    steps = 5
+    refs = {family: hf_moe_train(0, 1, folder, steps=steps) for family, folder in folders.items()}
+    cases = [dict(folder=folder, strategy="fsdp+tp", tp=2, steps=steps) for folder in folders.values()]
+    # Sequence parallel: the MoE block gathers the sequence shards and returns its own shard.
+    cases.append(dict(folder=folders["qwen3_moe"], strategy="fsdp+tp", tp=2, steps=steps, sequence_parallel=True))
+    # Dense Qwen3 shares the per-head q/k norms: before they were planned, their gradient kept one
+    # TP rank's heads only and the weights drifted (1.9e-2 here after 5 steps).
+    dense = str(save_tiny_moe(tmp_path / "qwen3", "qwen3", dense=True))
+    cases.append(dict(folder=dense, strategy="fsdp+tp", tp=2, steps=steps, moe=False))
+    got = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)[0]
+    assert_parity(refs["qwen3_moe"], got[-2])
+    assert_parity(hf_moe_train(0, 1, dense, steps=steps, moe=False), got[-1])
+    first = fixed_batches(steps, 4, SEQ, VOCAB)[0]
+    for (family, folder), tp in zip(folders.items(), got):
+        assert_parity(refs[family], tp)
+        assert abs(tp["losses"][0] - transformers_loss(folder, first)[0].item()) <= LOSS_TOL, family
+        assert tp["stats"] == [pytest.approx(s, rel=1e-5) for s in refs[family]["stats"]], family
+
+
 def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
     """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
     (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files. Then
-    hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them."""
+    hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them.
+    Then fsdp+tp (tp 2 x dp 2) with ep=2: attention split over TP, experts whole on both TP ranks
+    and split over the 2 dp ranks, as the built-in MoE GPT does."""
     ref = hf_moe_train(0, 1, folders["mixtral"])
-    fsdp, hsdp = run_distributed(hf_moe_cases, 4, timeout_s=300,
-                                 cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
-                                        dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
-                                             ep=2)])[0]
+    fsdp, hsdp, tp_ep = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                                        cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
+                                               dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
+                                                    ep=2),
+                                               dict(folder=folders["mixtral"], strategy="fsdp+tp", tp=2, ep=2)])[0]
     assert_parity(ref, fsdp)
     assert_parity(ref, hsdp)
+    assert_parity(ref, tp_ep)
 
 
 def test_bundled_configs_and_planner_specs_count_what_transformers_builds():

@@ -37,7 +37,8 @@ def test_registry_is_the_single_list_of_strategies():
         assert set(info.degrees) <= {"dp", "tp", "pp"} and info.dp_kind in ("replicate", "zero1", "zero2", "fsdp")
     # Which models each strategy runs: TP needs a plan, PP a stage split (GPT, Llama family, GPT-2).
     assert REGISTRY["fsdp+tp"].supports("llama") and REGISTRY["fsdp+tp"].supports("gpt2")
-    assert not REGISTRY["fsdp+tp"].supports("mixtral") and REGISTRY["fsdp+tp+pp"].supports("gpt2")
+    # Mixture-of-experts families: TP for attention and dense parts (experts whole on each TP rank).
+    assert REGISTRY["fsdp+tp"].supports("mixtral") and REGISTRY["fsdp+tp+pp"].supports("gpt2")
     assert REGISTRY["pp"].supports("gpt") and REGISTRY["ddp+pp"].supports("qwen3")
     assert REGISTRY["pp"].supports("gpt2") and not REGISTRY["pp"].supports("mixtral")
     assert not REGISTRY["pp"].supports("")

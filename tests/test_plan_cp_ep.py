@@ -131,7 +131,7 @@ def test_moe_models_search_ep_and_the_printed_ep_command_dry_runs():
     train, torchrun = pinned.commands
     assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
     tp_cmd = next(c for c in pinned.candidates if c.layout.tp > 1)
-    assert not tp_cmd.layout.sequence_parallel  # the runtime refuses MoE with sequence parallel
+    assert tp_cmd.layout.sequence_parallel  # MoE runs with sequence parallel (parallel/tp_plans.py)
 
 
 def test_searching_the_new_degrees_stays_under_a_second():
@@ -139,3 +139,31 @@ def test_searching_the_new_degrees_stays_under_a_second():
     plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--nodes", "4", "--seq", "32768"))
     plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--nodes", "4"))
     assert time.perf_counter() - start < 2.0  # each < 1 s (generous for a loaded CI machine)
+
+
+def test_tp_keeps_moe_routers_and_experts_whole():
+    """What parallel/tp.py does to an MoE block, the planner counts: attention splits over the TP
+    ranks, the router and the routed experts stay whole on each (expert parallel splits them)."""
+    from shardwise.plan.memory import _local_params
+
+    for name in ("gpt-moe-nano", "mixtral-8x7b"):
+        spec = model_preset(name)
+        local = {p.name: p.shape for p in _local_params(spec, Layout("fsdp+tp", dp=1, tp=2), 0)}
+        for p in spec.params:
+            whole = any(part in p.name for part in (".router.", ".mlp.gate.", ".experts.")) or len(p.shape) < 2
+            assert local[p.name] == (p.shape if whole else (-(-p.shape[0] // 2), *p.shape[1:])), (name, p.name)
+
+
+def test_moe_models_get_pipeline_layouts_where_the_runtime_cuts_them():
+    """The built-in MoE GPT runs under pp (parallel/moe_pp.py): the search offers it, and the
+    pinned command resolves as train --dry-run does; HF MoE families have no stage split."""
+    plan, _ = _plan("--model", "gpt-moe-lab", "--nodes", "2", "--gpus-per-node", "2", "--checkpoint", "none",
+                    "--micro-batch", "1")
+    assert {"ddp+pp(pp2)", "fsdp+pp(pp2)"} <= {c.name for c in plan.candidates}
+    assert not any(c.layout.pp > 1 and c.layout.ep > 1 for c in plan.candidates)  # the layout refuses ep with pp
+    pinned, _ = _plan("--model", "gpt-moe-lab", "--nodes", "2", "--gpus-per-node", "2", "--pp", "2")
+    train, torchrun = pinned.commands
+    assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
+    _, text = _plan("--model", "mixtral-8x7b", "--nodes", "2")
+    assert "not offered fsdp+pp(pp2): pipeline parallel cuts the built-in GPT" in text
+    assert "mixtral has no stage split" in text

@@ -71,11 +71,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", tp_plan=True, pp_split=True, tp_lora_blocked=("c_attn",)),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
-    # ``models/hf_moe.py``. Dense TP plans and pipeline splits do not cover their MoE blocks.
-    Family("mixtral", moe=True),
-    Family("qwen2_moe", moe=True),
-    Family("qwen3_moe", moe=True),
-    Family("olmoe", moe=True),
+    # ``models/hf_moe.py``. Their attention (and any dense MLP) takes the Llama TP plan; the MoE
+    # blocks' routers and experts stay whole on every TP rank (``parallel/tp.py``).
+    Family("mixtral", moe=True, tp_plan=True),
+    Family("qwen2_moe", moe=True, tp_plan=True),
+    Family("qwen3_moe", moe=True, tp_plan=True),
+    Family("olmoe", moe=True, tp_plan=True),
 )}
 
 LLAMA_LIKE: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.llama_like)

@@ -171,7 +171,12 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         from shardwise.parallel.tp_gpt2 import fuse_split_state
 
         params = fuse_split_state(params)  # GPT-2 under TP trains c_attn as q/k/v: compare it fused
-        result = {"losses": losses, "params": params, "dp_size": session.dp_size,
+        from shardwise.models.moe import moe_layers
+
+        layout = session.layout
+        # MoE aux losses are per pipeline micro-batch (parallel/moe_pp.py): the reference splits too.
+        split = layout.pp_microbatches if layout.pp > 1 and moe_layers(trainer.model) else 1
+        result = {"losses": losses, "params": params, "dp_size": session.dp_size, "split": split,
                   "world_size": session.world_size, "strategy": session.strategy_name}
         return result if session.is_main else None
     finally:
@@ -190,12 +195,20 @@ def verify_overrides(overrides: list[str]) -> list[str]:
     return ["train.warmup_steps=0", *overrides]
 
 
-def reference_config(cfg: Any, dp_size: int) -> Any:
-    """The single-process twin of ``cfg``: one rank reading the strategy's whole global batch."""
+def reference_config(cfg: Any, dp_size: int, split: int = 1) -> Any:
+    """The single-process twin of ``cfg``: one rank reading the strategy's whole global batch.
+
+    ``split``: the strategy's micro-batches are cut into that many micro-batches that the loss
+    treats separately (a mixture-of-experts model's aux loss under pipeline parallel is one per
+    pipeline micro-batch, ``parallel/moe_pp.py``), so the reference accumulates as many smaller
+    ones. The sampler interleaves the dp ranks' rows, so pipeline micro-batch j of every replica
+    together is contiguous block j of the global micro-batch: the same rows.
+    """
     from shardwise.config import replace_in
 
     return replace_in(cfg, **{
-        "train.micro_batch_size": cfg.train.micro_batch_size * dp_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size * dp_size // split,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps * split,
         "parallel.strategy": "single", "parallel.nproc": 1, "parallel.tp": 1, "parallel.pp": 1,
         "parallel.dp": 0, "parallel.sequence_parallel": False, "parallel.ep": 1, "parallel.cp": 1,
         "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
@@ -259,7 +272,8 @@ def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float
         raise ShardwiseError(f"the {cfg.parallel.strategy} run failed: {detail}")
 
     candidate = torch.load(result_path, weights_only=True)
-    reference = run_steps(reference_config(cfg, candidate["dp_size"]), steps, out / "reference")
+    reference = run_steps(reference_config(cfg, candidate["dp_size"], candidate.get("split", 1)), steps,
+                          out / "reference")
     assert reference is not None  # one process is rank 0
     report = compare(reference, candidate, cfg.parallel.precision, loss_tol=loss_tol, param_tol=param_tol)
     (out / "verify.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")

@@ -15,11 +15,13 @@ VOCAB, SEQ = 64, 16
 
 
 def hf_moe_train(rank: int, world_size: int, folder: str, strategy: str = "single", steps: int = 4,
-                 global_batch: int = 4, ckpt_dir: str = "", load_dir: str = "", start: int = 0,
+                 global_batch: int = 4, ckpt_dir: str = "", load_dir: str = "", start: int = 0, moe: bool = True,
                  **options: object) -> dict:
-    """Train a pretrained HF MoE folder (meta build, each rank reads its shards) on fixed batches."""
+    """Train a pretrained HF MoE folder (meta build, each rank reads its shards) on fixed batches.
+    ``moe=False``: a dense folder (no router logits to ask for)."""
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
-    model = session.build(lambda: build_hf_model(pretrained=folder, output_router_logits=True))
+    extra = {"output_router_logits": True} if moe else {}
+    model = session.build(lambda: build_hf_model(pretrained=folder, **extra))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
     model, opt = session.prepare(model, opt)
     if load_dir:

@@ -37,8 +37,11 @@ def moe_train(rank: int, world_size: int, strategy: str = "single", steps: int =
     # Global micro-batch a must hold the same rows as one process's micro-batch a (the routers'
     # balance loss is a per-micro-batch quantity): replica r's micro-batch a reads rows
     # [a*dp*m + r*m, a*dp*m + (r+1)*m) of the global batch, as the trainer's sampler arranges it.
-    dp, micro = session.dp_size, global_batch // session.dp_size // accum
-    perm = [a * dp * micro + r * micro + i for r in range(dp) for a in range(accum) for i in range(micro)]
+    # Under pipeline parallel each of the layout's m pipeline micro-batches is a micro-batch too
+    # (its aux loss is over its own tokens): one process accumulating accum x m micro-batches.
+    split = accum * (session.layout.pp_microbatches if session.layout.pp > 1 else 1)
+    dp, micro = session.dp_size, global_batch // session.dp_size // split
+    perm = [a * dp * micro + r * micro + i for r in range(dp) for a in range(split) for i in range(micro)]
     data = data[:, perm]
     stats: list[dict] = []
     run = train_fixed_batches(session, model, opt, data, max_norm=clip, loss_fn=with_aux_loss(lm_loss),

@@ -9,6 +9,10 @@ without the model knowing (``shardwise.parallel.ep``):
 * ``MoE.stats_group``: the process group over which the router's token counts are summed for the
   load-balancing loss (None: this process alone). Set by ``parallel.ep.attach_moe``.
 
+Under pipeline parallel a forward hook (``parallel/moe_pp.py``) takes each forward's aux loss out
+of ``_pending`` and attaches it to the layer's output (Megatron's aux-loss auto-scaler), and
+``take_moe_stats`` gathers the layers of every stage (``model.moe_pp_group``).
+
 Dispatch is dropless: every token reaches all of its top-k experts, whatever the imbalance (no
 capacity factor, so ``dropped`` tokens are always 0 and reported as such). Tokens are sorted by
 expert id (a stable argsort) and each expert runs one matmul over its contiguous slice.
@@ -48,7 +52,7 @@ from torch import nn
 
 from shardwise.models.gpt_config import GPTConfig
 
-__all__ = ["MoE", "GroupedExperts", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
+__all__ = ["MoE", "GroupedExperts", "is_moe_layer", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
 
 # Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
 _pending: list[torch.Tensor] = []
@@ -173,7 +177,7 @@ class MoE(nn.Module):
 
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
         """Aux losses over the global batch (see the module docstring) and the window's statistics."""
-        if not (self.training and torch.is_grad_enabled()) or _in_backward():
+        if not (self.training and torch.is_grad_enabled()):
             return
         global_counts = counts.detach().clone()
         if self.stats_group is not None:
@@ -187,6 +191,11 @@ class MoE(nn.Module):
         z = logits.new_zeros(())
         if self.z_coef > 0:
             z = self.z_coef * torch.logsumexp(logits, dim=-1).square().mean()
+        if _in_backward():
+            # Activation checkpointing re-runs the forward inside backward: the aux losses' ops run
+            # again (checkpointing requires the same saved tensors, and backward uses them, so the
+            # counts are all-reduced again too), but nothing is recorded a second time.
+            return
         if len(_pending) >= _MAX_PENDING:
             # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
             # them rather than keep every forward's autograd graph alive.
@@ -202,6 +211,12 @@ class MoE(nn.Module):
         self.window_calls += 1
 
 
+def is_moe_layer(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a mixture-of-experts layer: a built-in ``MoE`` or a Hugging Face MoE
+    block hooked by ``models/hf_moe.py``."""
+    return isinstance(module, MoE) or getattr(module, "shardwise_moe", None) is not None
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     """Every MoE layer of ``model`` with its (wrapper-free) name: ``MoE`` modules, and the
     ``HFMoELayer`` records of Hugging Face MoE blocks (``models/hf_moe.py``)."""
@@ -209,10 +224,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
 
     out: list[tuple[str, Any]] = []
     for name, m in model.named_modules():
-        if isinstance(m, MoE):
-            out.append((clean_name(name), m))
-        elif getattr(m, "shardwise_moe", None) is not None:  # a Hugging Face MoE block (models/hf_moe.py)
-            out.append((clean_name(name), m.shardwise_moe))
+        if is_moe_layer(m):  # a Hugging Face MoE block carries its record (models/hf_moe.py)
+            out.append((clean_name(name), m if isinstance(m, MoE) else m.shardwise_moe))
     return out
 
 
@@ -227,8 +240,7 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
     losses per layer and micro-batch, and ``moe/dropped_tokens`` (0: dispatch is dropless).
     """
     layers = moe_layers(model)
-    out: dict[str, float] = {}
-    every: list[torch.Tensor] = []
+    per_layer: dict[str, torch.Tensor] = {}
     aux = z = 0.0
     calls = 0
     device = None
@@ -236,27 +248,37 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
         counts = layer.window_counts
         if counts is not None:
             device = counts.device  # the collective's device (NCCL needs the accelerator's)
-            c = counts.double().cpu()
-            every.append(c)
             short = name.replace("hf.model.layers.", "").replace("blocks.", "").replace(".mlp", "")
-            out[f"moe/{short}/tokens_min"] = float(c.min())
-            out[f"moe/{short}/tokens_mean"] = float(c.mean())
-            out[f"moe/{short}/tokens_max"] = float(c.max())
+            per_layer[short] = counts.double().cpu()
         aux += float(layer.window_aux)
         z += float(layer.window_z)
         calls += layer.window_calls
         layer.reset_stats()
-    if not every:
-        return out
-    group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
-    if group is not None:
-        # Each rank's aux loss uses its own router probabilities: their mean is the global loss.
-        import torch.distributed as dist
+    pp_group = getattr(model, "moe_pp_group", None)  # set by parallel/moe_pp.py under pipeline parallel
+    if not per_layer and pp_group is None:
+        return {}
+    import torch.distributed as dist
 
+    group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
+    if group is not None and per_layer:
+        # Each rank's aux loss uses its own router probabilities: their mean is the global loss.
         pair = torch.tensor([aux, z], dtype=torch.float64, device=device)
         dist.all_reduce(pair, group=group)
         aux, z = (pair / dist.get_world_size(group)).tolist()
-    allc = torch.cat(every)
+    if pp_group is not None:
+        # Each pipeline rank holds its stages' layers: gather them all (every rank reports all).
+        gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, (per_layer, aux, z, calls), group=pp_group)
+        per_layer = {k: v for part in gathered for k, v in part[0].items()}
+        aux, z, calls = (sum(part[i] for part in gathered) for i in (1, 2, 3))
+        if not per_layer:
+            return {}
+    out: dict[str, float] = {}
+    for short in sorted(per_layer, key=lambda k: (len(k), k)):
+        c = per_layer[short]
+        out.update({f"moe/{short}/tokens_min": float(c.min()), f"moe/{short}/tokens_mean": float(c.mean()),
+                    f"moe/{short}/tokens_max": float(c.max())})
+    allc = torch.cat(list(per_layer.values()))
     out.update({"moe/tokens_per_expert_min": float(allc.min()), "moe/tokens_per_expert_mean": float(allc.mean()),
                 "moe/tokens_per_expert_max": float(allc.max()),
                 "moe/max_over_mean": float(allc.max() / allc.mean()) if allc.mean() > 0 else math.nan,

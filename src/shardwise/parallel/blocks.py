@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardwise.families import LLAMA_LIKE
+from shardwise.families import FAMILIES, LLAMA_LIKE
 
 # Where known model families keep their repeated blocks (checked in this order); anything else is
 # found by the generic search for a container of same-class children.
@@ -132,4 +132,8 @@ def tp_plan_family(model: nn.Module) -> str:
     family = model_family(model)
     if family in ("gpt", "gpt2"):
         return family
-    return "llama" if family in LLAMA_LIKE else ""
+    if family in LLAMA_LIKE:
+        return "llama"
+    # Mixture-of-experts families share Llama's attention and dense-MLP names (models/hf_moe.py).
+    f = FAMILIES.get(family)
+    return "llama" if f is not None and f.moe and f.tp_plan else ""

@@ -31,6 +31,7 @@ from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.fsdp import apply_fsdp, reshard_all
+from shardwise.parallel.moe_pp import StageAux, attach_pp_aux
 from shardwise.parallel.pp import (
     Pipeline,
     autocast_forward,
@@ -65,6 +66,7 @@ class ModelParallelStrategy(Strategy):
         self.dp_kind = "fsdp" if layout.info.dp_kind == "fsdp" else "ddp"
         self.pipeline: Pipeline | None = None
         self.ties: StageTies | None = None  # tied weights the stage split cut apart (pp_ties.py)
+        self.moe_aux: StageAux | None = None  # MoE aux losses under PP (parallel/moe_pp.py)
 
     # ------------------------------------------------------------ up-front checks
     def check_model(self, model: nn.Module) -> None:
@@ -120,6 +122,9 @@ class ModelParallelStrategy(Strategy):
         from shardwise.parallel.ties import tied_groups
 
         ties = tied_groups(model)  # before the split cuts an embedding from its tied head
+        # MoE aux losses ride on their layers' outputs (parallel/moe_pp.py); hooked before the
+        # pruning so that every rank of an MoE model has one, whichever layers its stages hold.
+        self.moe_aux = attach_pp_aux(model, ctx.mesh["pp"].get_group())  # type: ignore[index]
         model = prune_to_stages(model, self._stage_ids, self._ranges)
         self.ties = StageTies.plan(model, ties, layout, self._stage_ids, ctx.mesh)
         if ctx.materialize is None:  # a meta-device model is allocated in wrap(), stages only
@@ -157,6 +162,8 @@ class ModelParallelStrategy(Strategy):
             for part in parts:
                 autocast_forward(part, ctx.device.type, torch.bfloat16)
         self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
+        if self.moe_aux is not None:
+            self.moe_aux.mute_metadata_inference(self.pipeline.stages)
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model
@@ -201,8 +208,13 @@ class ModelParallelStrategy(Strategy):
         if self.pipeline is not None:
             if self.ties is not None:
                 self.ties.mark_backward()
+            aux, m = self.moe_aux, self.pipeline.n_microbatches
+            if aux is not None:  # the pipeline's per-micro-batch loss scale (parallel/pp.py)
+                aux.grad_scale = 1.0 / (m * session.grad_accum_steps)
             with tp_loss_context(tp):
-                return self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True)
+                loss = self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True)
+            # The reported loss holds every stage's aux losses, as one process's loss does.
+            return loss if aux is None else loss + aux.reported(m, loss.device)
         with tp_loss_context(tp):
             with session.autocast():
                 loss = loss_fn(model(inputs), targets)

@@ -61,11 +61,8 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
                 "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
         return
     # The rules' owner is torch-free (plan/moe.py): the planner's search asks the same functions.
-    from shardwise.plan.moe import ep_candidates, ep_degrees, moe_layout_refusal
+    from shardwise.plan.moe import ep_candidates, ep_degrees
 
-    why = moe_layout_refusal(layout.pp, layout.sequence_parallel)
-    if why:
-        raise ConfigError(why)
     if layout.ep > 1:
         counts = {name: int(layer.n_experts) for name, layer in layers}
         bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)

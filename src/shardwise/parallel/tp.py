@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardwise.errors import ConfigError
-from shardwise.families import LLAMA_LIKE
+from shardwise.families import LLAMA_LIKE, TP_FAMILIES
 from shardwise.layout import tp_indivisible
+from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import tp_plan_family
 from shardwise.parallel.ties import retie, tied_groups
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
@@ -45,9 +46,13 @@ def tp_shape_sizes(model: nn.Module) -> dict[str, int]:
         return {"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd}
     if family == "llama":
         c = model.hf.config  # type: ignore[union-attr]
-        return {"num_attention_heads": c.num_attention_heads,
-                "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
+        sizes = {"num_attention_heads": c.num_attention_heads,
+                 "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                 "hidden_size": c.hidden_size}
+        # An MoE block's experts stay whole under TP: only dense MLPs split their width.
+        if any(_get(block, "mlp.gate_proj") is not None for block in model.hf.model.layers):  # type: ignore[union-attr]
+            sizes["intermediate_size"] = c.intermediate_size
+        return sizes
     return {}
 
 
@@ -60,16 +65,10 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
 
         family = family_of(model)
         what = f"the {family} model" if family else type(model).__name__
-        from shardwise.families import MOE_FAMILIES
-
-        # Mixture-of-experts families do not run under pipeline parallel (parallel/ep.py); their
-        # expert split is parallel.ep under fsdp.
-        other = ("fsdp with parallel.ep (expert parallel)" if family in MOE_FAMILIES
-                 else "pipeline parallel")
         raise ConfigError(
-            f"tensor parallel has no plan for {what}: plans exist for the built-in GPT, GPT-2 and "
-            f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
-            f"strategy (ddp, fsdp, hsdp) or {other} for this model."
+            f"tensor parallel has no plan for {what}: plans exist for the built-in GPT and the Hugging Face "
+            f"families {', '.join(f for f in TP_FAMILIES if f != 'gpt')}. Use a data-parallel or sharded "
+            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
         )
     from shardwise.families import tp_lora_refusal
 
@@ -119,6 +118,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         # [issue 20] An MoE block has no dense MLP: its router and experts stay whole on every TP
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
+        if is_moe_layer(_get(block, "mlp")):
+            styles.update(plan.moe_block)
         parallelize_module(block, tp_mesh, with_lora(styles, block))
     # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
     # anything else wraps the model (parallel/ties.py says what breaks otherwise).

@@ -22,7 +22,7 @@ LoRA (peft) wraps a planned linear layer: ``with_lora`` moves its style onto the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -42,6 +43,8 @@ class TPPlan:
     top: dict[str, ParallelStyle]
     block: dict[str, ParallelStyle]
     blocks_path: str  # dotted path of the container holding the transformer blocks
+    # Styles that replace ``block``'s for a block whose ``mlp`` is a mixture-of-experts layer.
+    moe_block: dict[str, ParallelStyle] = field(default_factory=dict)
 
 
 def gpt_plan(sequence_parallel: bool) -> TPPlan:
@@ -77,7 +80,8 @@ def gpt_plan(sequence_parallel: bool) -> TPPlan:
             "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
-    return TPPlan(top=top, block=block, blocks_path="blocks")
+    return TPPlan(top=top, block=block, blocks_path="blocks",
+                  moe_block=moe_block_styles(sequence_parallel, local_output=True))
 
 
 def llama_plan(sequence_parallel: bool) -> TPPlan:
@@ -98,6 +102,13 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
         "self_attn.k_proj": ColwiseParallel(),  # GQA: needs tp | n_kv_heads (checked up front)
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
+        # Qwen3's per-head q/k norms see (B, T, heads / tp, head_dim); OLMoE's whole-width ones see
+        # (B, T, width / tp). Both are dim 2 of the column-parallel output: the norm runs on that
+        # shard with a replicated weight, whose gradient DTensor sums over the TP ranks (each
+        # rank's heads contribute to the one shared weight). A plain weight would keep only this
+        # rank's share, and OLMoE's mean over the width needs the other ranks' columns.
+        "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=resid, use_local_output=local),
@@ -113,7 +124,8 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
-    return TPPlan(top=top, block=block, blocks_path="hf.model.layers")
+    return TPPlan(top=top, block=block, blocks_path="hf.model.layers",
+                  moe_block=moe_block_styles(sequence_parallel, local_output=local))
 
 
 def gpt2_plan(sequence_parallel: bool) -> TPPlan:
@@ -155,6 +167,26 @@ def gpt2_plan(sequence_parallel: bool) -> TPPlan:
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return TPPlan(top=top, block=block, blocks_path="hf.transformer.h")
+
+
+def moe_block_styles(sequence_parallel: bool, local_output: bool) -> dict[str, ParallelStyle]:
+    """What replaces the plan's ``mlp`` entries in a block whose ``mlp`` is a mixture-of-experts layer.
+
+    Without SP nothing: the MoE layer receives the replicated hidden states as plain tensors and
+    its router and experts run whole on every TP rank (the dense entries ``mlp.fc`` ... do not
+    exist there and are skipped). Under SP the block hands over a sequence shard: the layer gets
+    the whole sequence, as plain tensors (one all-gather, as a dense MLP's input does), and its
+    replicated output is cut back to this rank's sequence shard (a local slice) for the residual
+    stream. Every TP rank then routes the same tokens and computes the same aux loss, so the
+    experts' and router's gradients are identical on the TP ranks and need no reduction of their
+    own (backward all-gathers the output gradient and slices the input gradient). ``local_output``:
+    the plan keeps the residual stream as local shards (the built-in GPT) or as DTensors (HF).
+    """
+    if not sequence_parallel:
+        return {}
+    return {"mlp": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=local_output)}
 
 
 PLANS = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}

@@ -25,7 +25,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
-from shardwise.plan.moe import ep_degrees, moe_layout_refusal
+from shardwise.plan.moe import ep_degrees
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 from shardwise.pp_schedules import tied_weights_refusal
@@ -335,10 +335,6 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if not quiet:
                     skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
                 continue
-            if spec.moe is not None and (why := moe_layout_refusal(p, sequence_parallel=False)):
-                if not quiet:
-                    skipped.append(f"{label}: {why}")
-                continue
             if t > 1 and work.lora_rank and (why := tp_lora_refusal(spec.family, work.lora_targets)):
                 if not quiet:
                     skipped.append(f"{label}: LoRA: {why}")
@@ -366,8 +362,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 options = ParallelConfig(
                     strategy=info.name, tp=t, pp=p, cp=c, ep=x, hsdp_shard_size=g if info.hybrid else 0,
                     precision=TRAIN_PRECISION[work.precision],
-                    # The runtime runs LoRA and MoE blocks without sequence parallel.
-                    sequence_parallel=t > 1 and not work.lora_rank and spec.moe is None,
+                    # The runtime runs LoRA without sequence parallel.
+                    sequence_parallel=t > 1 and not work.lora_rank,
                     pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)

@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
 __all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
-           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_layout_refusal",
-           "moe_llama_spec", "moe_of_gpt"]
+           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_llama_spec", "moe_of_gpt"]
 
 
 @dataclass(frozen=True)
@@ -98,18 +97,6 @@ def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act
     size = tokens_per_rank * info.top_k * info.hidden * act_bytes
     per_call = (ep - 1) / ep * size / (gbs * 1e9) + (ep - 1) * alpha_s
     return 4 * info.n_moe_layers * per_call
-
-
-def moe_layout_refusal(pp: int, sequence_parallel: bool) -> str:
-    """Why a mixture-of-experts model cannot run with these degrees ('' when it can): the one owner
-    of the rule, asked by the runtime (``parallel.ep.check_moe_model``) and the planner's search."""
-    if pp > 1:
-        return ("mixture-of-experts models do not run under pipeline parallel yet: the routers' aux losses "
-                "of earlier stages would not reach the loss on the last stage. Use fsdp, hsdp, fsdp+tp or ddp.")
-    if sequence_parallel:
-        return ("mixture-of-experts models do not run with parallel.sequence_parallel yet (the router and "
-                "experts take the whole sequence on every TP rank); unset it, TP itself works.")
-    return ""
 
 
 def ep_degrees(n_experts: int) -> list[int]:
