@@ -42,10 +42,11 @@ def tied_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_rank_pipelines(tied_llama):
     """ddp+pp (pp=2), plain pp with parallel.pp unset, fsdp+tp named by its alias and by its
-    degrees (parallel.dp_shard=2, parallel.tp=2), and fsdp+tp (dp 2 x tp 2) on the tied Llama, in
-    one 4-rank spawn."""
+    degrees (parallel.dp_shard=2, parallel.tp=2), ddp+pp under GPipe with 2 micro-batches, and
+    fsdp+tp (dp 2 x tp 2) on the tied Llama, in one 4-rank spawn."""
     cases = [dict(strategy="ddp+pp", pp=2), dict(strategy="pp", overrides={"n_layer": 4}),
-             dict(strategy="fsdp+tp", tp=2), dict(strategy="auto", dp_shard=2, tp=2)]
+             dict(strategy="fsdp+tp", tp=2), dict(strategy="auto", dp_shard=2, tp=2),
+             dict(strategy="ddp+pp", pp=2, pp_schedule="gpipe", pp_microbatches=2)]
     if tied_llama is not None:
         cases.append(dict(folder=str(tied_llama), strategy="fsdp+tp", tp=2, **TIED_STEPS))
     ranks = run_distributed(mp_cases, 4, timeout_s=300, cases=cases)
@@ -59,6 +60,13 @@ def test_ddp_pp_on_four_ranks_matches_single_process(four_rank_pipelines):
     # pp outermost: ranks 0,1 run stage 0 (dp replicas 0 and 1), ranks 2,3 stage 1.
     assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
     assert ranks[0]["param_bytes"] == ranks[1]["param_bytes"] != ranks[2]["param_bytes"]
+
+
+def test_ddp_pp_when_every_backward_of_a_step_comes_before_the_next_forward(four_rank_pipelines):
+    # Regression: under GPipe (or 1F1B with as many micro-batches as stages) a stage runs all its
+    # backwards before its next forward, so DDP's first-iteration bucket rebuild recorded every
+    # parameter once per micro-batch and asserted inside the reducer on step 2.
+    assert_parity(mp_train(0, 1, "single"), four_rank_pipelines[4])
 
 
 def test_pp_on_four_ranks_with_pp_unset_runs_the_microbatches_it_was_checked_with(four_rank_pipelines):
@@ -88,7 +96,7 @@ def test_fsdp_tp_with_tied_embedding_and_head_matches_single_process(four_rank_p
     # step 2 on (~3e-4, then ~1e-3). Re-tied right after TP, they are one tensor in the root unit.
     pytest.importorskip("transformers")
     ref = hf_case(0, 1, str(tied_llama), "single", **TIED_STEPS)
-    ranks = four_rank_pipelines[4]
+    ranks = four_rank_pipelines[5]
     assert "hf.lm_head.weight" not in ranks[0]["params"]  # still one tensor (named once), as in single
     for r in ranks:
         assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5)

@@ -178,8 +178,15 @@ class ModelParallelStrategy(Strategy):
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            # find_unused_parameters=True turns off DDP's bucket rebuild after the first iteration.
+            # That rebuild records the parameters in gradient-ready order until the next forward;
+            # under GPipe (or 1F1B with m == stages) a stage runs every micro-batch's backward
+            # before its next forward, so it records each parameter m times and the reducer
+            # asserts on step 2. The cost is one autograd-graph walk per stage forward; the
+            # buckets keep DDP's initial (reverse registration) order. static_graph=True also
+            # avoids the assert but its delayed reduction is wrong with the schedule's no_sync.
             return DistributedDataParallel(module, device_ids=device_ids,
-                                           process_group=dp_mesh.get_group())
+                                           process_group=dp_mesh.get_group(), find_unused_parameters=True)
         return module
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
