@@ -158,9 +158,6 @@ class Layout:
                 f"parallel.cp={self.cp} must divide the data-parallel ranks ({self.dp}): context-parallel ranks "
                 "are taken out of the data-parallel dimension (cp ranks read the same sequences). Launch a "
                 "multiple of cp ranks, or change parallel.dp / parallel.cp.")
-        if self.cp > 1 and self.pp > 1:
-            raise ConfigError("parallel.cp > 1 does not run with pipeline parallel yet; use fsdp, ddp, hsdp or "
-                              "fsdp+tp with cp.")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")

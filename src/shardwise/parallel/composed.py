@@ -192,7 +192,8 @@ class ModelParallelStrategy(Strategy):
         tp = self.layout.tp
         if self.pipeline is not None:
             with tp_loss_context(tp):
-                return self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True)
+                return self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True,
+                                         cp_state=session.cp_state)
         with tp_loss_context(tp):
             with session.autocast():
                 loss = loss_fn(model(inputs), targets)
@@ -204,7 +205,7 @@ class ModelParallelStrategy(Strategy):
         tp = self.layout.tp
         with tp_loss_context(tp):
             if self.pipeline is not None:
-                loss = self.pipeline.run(inputs, targets, loss_fn, 1, train=False)
+                loss = self.pipeline.run(inputs, targets, loss_fn, 1, train=False, cp_state=session.cp_state)
             else:
                 with session.autocast():
                     loss = local_value(loss_fn(model(inputs), targets).detach())

@@ -320,18 +320,24 @@ def pad_to_multiple(inputs: dict[str, torch.Tensor], targets: torch.Tensor,
 
 
 def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
-                state: CPState) -> tuple[Any, torch.Tensor]:
+                state: CPState, *, positions: bool = False) -> tuple[Any, torch.Tensor]:
     """This rank's chunk of one batch, and the whole-sequence mask into ``state`` (see module docstring).
 
     ``inputs``: a ``(B, T)`` tensor of token ids, or a mapping with the keys of ``models.masking``
     (packed rows, padded records). The mapping's chunk holds ``input_ids`` and ``position_ids`` (the
     whole sequence's positions, cut): the document/padding mask goes to the attention through
     ``state``, built from all ``T`` tokens' ``doc_ids`` / ``attention_mask``.
+
+    ``positions=True``: a tensor of token ids also comes back as such a mapping, with the chunk's
+    global positions. A pipeline's later stages need them (they see hidden states, not where the
+    chunk sits in the sequence, and the rotary positions of a Hugging Face stage are its inputs).
     """
     cut = lambda t: split_sequence(t, cp_rank, cp)  # noqa: E731
     if isinstance(inputs, torch.Tensor):
         state.mask = None
-        return cut(inputs), cut(targets)
+        if not positions:
+            return cut(inputs), cut(targets)
+        inputs = {"input_ids": inputs}
     ids, extra = split_inputs(inputs)
     if "doc_ids" in extra or "attention_mask" in extra:
         inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.masking import attention_mask_4d
 from shardwise.parallel.registry import LLAMA_LIKE
 
 __all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "prune_hf_to_stages"]
@@ -91,14 +92,16 @@ def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[rang
     return model
 
 
-def _mask_kwargs(fn: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-    """Keyword arguments of transformers' mask builders for a no-cache, no-padding training step.
+def _mask_kwargs(fn: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Keyword arguments of transformers' mask builders for a no-cache training step; ``attention_mask``
+    is what ``HFCausalLM.forward`` hands the model (a 4-D document mask, a 2-D padding mask, or None).
 
     The builders' signature changed between 4.x (``cache_position``, ``past_key_values``) and 5.x
     (``cache``); only the names the installed version takes are passed.
     """
     params = inspect.signature(fn).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None}
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask}
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
     for name in ("cache", "past_key_values"):
         if name in params:
@@ -149,7 +152,10 @@ class HFStage(nn.Module):
 
             load_pretrained(self.hf, self.pretrained)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
+        of a packed or padded batch (``models.masking``), which the schedule hands every stage."""
         model, config = self.hf.model, self.hf.config
         if self.first:
             hidden = model.embed_tokens(x)
@@ -160,13 +166,21 @@ class HFStage(nn.Module):
         else:
             hidden = x
         seq = hidden.shape[1]
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        # What HFCausalLM.forward passes the HF model for the same batch: the documents' 4-D mask
+        # (one owner: models.masking), or the records' 2-D padding mask.
+        mask = attention_mask
+        if doc_ids is not None:
+            extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids,
+                                                                          "attention_mask": attention_mask}
+            mask = attention_mask_4d(extra, seq, hidden.device)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
         for name, layer in model.layers.items():
             kind = _attention_kind(config, int(name))
             if kind not in masks:
-                masks[kind] = _build_mask(kind, config, hidden, position_ids)
+                masks[kind] = _build_mask(kind, config, hidden, position_ids, mask)
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
                         position_embeddings=position_embeddings, use_cache=False)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
@@ -189,10 +203,11 @@ def _attention_kind(config: Any, index: int) -> str:
     return "full_attention"
 
 
-def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> Any:
     from transformers import masking_utils
 
     fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
           else masking_utils.create_causal_mask)
     # sdpa with no padding: the builder returns None and attention runs with is_causal=True.
-    return fn(**_mask_kwargs(fn, config, hidden, position_ids))
+    return fn(**_mask_kwargs(fn, config, hidden, position_ids, attention_mask))

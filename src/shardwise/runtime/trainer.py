@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
-from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
+from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import take_moe_stats
@@ -42,7 +42,7 @@ from shardwise.runtime.collective import gather
 from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.session import Session
-from shardwise.runtime.token_loss import step_scale, token_sum_loss
+from shardwise.runtime.token_loss import step_scale, token_sum, token_sum_loss
 from shardwise.workloads import Workload, build_workload
 
 # "No non-finite step yet" in the device-side first-bad-step tensor (a min-reduce picks the first).
@@ -148,10 +148,6 @@ class Trainer:
             # (an explicit train.loss_chunks was refused before launch: preflight).
             self.session.loss_chunks = 0
         # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
-        if self.workload.token_loss and self.session.layout.pp > 1:
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
-                              "supported under pipeline parallelism yet (pp > 1): its token-mean loss and "
-                              "packed inputs do not go through the pipeline schedule. Use pp = 1.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
         self._train_loss_fn = self.session.compile_loss(
             token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
@@ -215,7 +211,8 @@ class Trainer:
             scale, real = step_scale(s, micro)
             self.real_tokens = self.real_tokens + real
             sum_fn = loss_fn
-            loss_fn = lambda output, target: sum_fn(output, target) * scale  # noqa: E731
+            # Still a token sum (scaled): a pipeline adds it up over its micro-batches (token_loss).
+            loss_fn = token_sum(lambda output, target: sum_fn(output, target) * scale)
         for k in range(t.grad_accum_steps):
             t0 = time.perf_counter()
             x, y = micro[k] if micro else next(batches)

@@ -1,0 +1,107 @@
+"""Pipeline parallel (pp = 2) on packed documents and instruction records, and pipeline x context
+parallel (pp 2 x cp 2 at 4 ranks), train the same model as one process (``verify``'s own
+comparison, fp32), through the built-in trainer's step:
+
+* 2 ranks, one spawn, 5 steps: packed text on the built-in GPT (pp, ZBV zero-bubble, 2
+  stages per rank): every stage builds its microbatch's document mask and the first its
+  per-document positions; packed chat records (response-only loss) on a tiny untied Qwen2 (pp,
+  GPipe): the 4-D mask and the restarted rotary positions reach the second stage; padded
+  prompt/response records with gradient accumulation (ddp+pp, 1F1B): each batch has its own
+  length (dynamic padding), so the stages re-infer their shapes. The
+  loss is the token sum over the global batch's trained tokens, summed over the microbatches.
+  In the same spawn: the trainer's validation loss (token mean) of packed chat records under pp.
+* 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed
+  chat records for the Qwen2 (its rotary positions are the chunk's global positions on every
+  stage; the whole-sequence mask of each microbatch reaches the all-to-all attention), the GPT with
+  activation checkpointing (the backward recomputes attention under the microbatch's own mask).
+
+The references run in this process."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from shardwise.config import load_config  # noqa: E402
+from shardwise.testing import run_distributed  # noqa: E402
+from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
+from tests.helpers.sft import chat_records, instruct_records, save_qwen2, verify_cases, write_jsonl  # noqa: E402
+from tests.helpers.text import make_tokenizer  # noqa: E402
+from tests.helpers.text import write_jsonl as write_text_jsonl  # noqa: E402
+from tests.test_cp_packed import _cp_rank, _documents, _val_loss  # noqa: E402
+
+COMMON = ["train.lr=1e-3", "train.warmup_steps=1", "train.eval_every=0", "train.progress=false",
+          "checkpoint.every=0", "parallel.pp=2"]
+
+
+def _gpt_text(tmp, docs, tok, strategy, *extra):
+    return load_config(None, [
+        "model.preset=nano", "model.overrides.block_size=64", "model.overrides.n_head=4",
+        "model.overrides.n_layer=4", "data.kind=text", f'data.path="{docs}"', f'data.tokenizer="{tok}"',
+        f'data.cache_dir="{tmp / "tcache"}"', "data.pack=true", "train.micro_batch_size=4",
+        f'parallel.strategy="{strategy}"', *COMMON, *extra])
+
+
+def _sft(tmp, model, data, kind, strategy, *extra):
+    return load_config("hf-sft", [
+        f'model.pretrained="{model}"', f'data.path="{data}"', f'data.kind="{kind}"',
+        f'data.cache_dir="{tmp / "cache"}"', "train.micro_batch_size=2", "parallel.pp_microbatches=2",
+        f'parallel.strategy="{strategy}"', *COMMON, *extra])
+
+
+def _check(cases: dict, refs: dict, results: list) -> None:
+    failed = []
+    for name, got in zip(cases, results):
+        assert refs[name]["losses"][-1] < refs[name]["losses"][0], name  # it trained
+        report = compare(refs[name], got, "fp32")
+        if not report.passed:
+            failed.append(f"{name}:\n{report.table()}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.fixture
+def data(tmp_path):
+    return {"tok": make_tokenizer(tmp_path / "tok"),
+            "docs": write_text_jsonl(tmp_path / "docs.jsonl", _documents(120)),
+            "model": save_qwen2(tmp_path / "my-qwen", seed=1),
+            "chat": write_jsonl(tmp_path / "chat.jsonl", chat_records(60, seed=1)),
+            "instruct": write_jsonl(tmp_path / "instruct.jsonl", instruct_records(60, seed=2))}
+
+
+def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
+    d = data
+    cases = {
+        "gpt-text-packed-pp-zbv": _gpt_text(tmp_path, d["docs"], d["tok"], "pp", "parallel.nproc=2",
+                                            'parallel.pp_schedule="zbv"', "parallel.pp_stages_per_rank=2"),
+        "qwen2-chat-packed-pp-gpipe": _sft(tmp_path, d["model"], d["chat"], "chat", "pp", "parallel.nproc=2",
+                                           "model.overrides.block_size=192", 'parallel.pp_schedule="gpipe"',
+                                           "data.val_fraction=0.25"),
+        "qwen2-instruct-padded-ddp+pp-accum": _sft(
+            tmp_path, d["model"], d["instruct"], "instruct", "ddp+pp", "parallel.nproc=2", "data.pack=false",
+            "model.overrides.block_size=96", "train.grad_accum_steps=2"),
+    }
+    assert cases["gpt-text-packed-pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
+    refs = {name: run_steps(reference_config(cfg, 1), 5, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
+    val_cfg = cases["qwen2-chat-packed-pp-gpipe"]
+    val_ref = _val_loss(reference_config(val_cfg, 1), tmp_path / "ref-val")
+    ranks = run_distributed(_cp_rank, 2, timeout_s=400, cases=[
+        {"cfg": cfg, "steps": 5, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()],
+        val_cfg=val_cfg, val_out=str(tmp_path / "run-val"))
+    assert [r["val"] for r in ranks] == pytest.approx([val_ref] * 2, rel=1e-5)
+    assert all(got["dp_size"] == 1 for got in ranks[0]["verify"])  # both ranks are one pipeline
+    _check(cases, refs, ranks[0]["verify"])
+
+
+def test_pp_with_cp_on_packed_data_equals_one_process(tmp_path, data):
+    d = data
+    four = ["parallel.nproc=4", "parallel.cp=2"]
+    cases = {
+        "gpt-text-packed-pp2-cp2-ac": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+pp", *four,
+                                                'parallel.activation_checkpointing="full"'),
+        "qwen2-chat-packed-pp2-cp2": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+pp", *four,
+                                          "model.overrides.block_size=192"),
+    }
+    refs = {name: run_steps(reference_config(cfg, 1), 3, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
+    ranks = run_distributed(verify_cases, 4, timeout_s=500, cases=[
+        {"cfg": cfg, "steps": 3, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()])
+    assert all(got["dp_size"] == 1 for got in ranks[0])  # 2 stages x one cp pair reading the same rows
+    _check(cases, refs, ranks[0])
