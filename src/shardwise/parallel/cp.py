@@ -27,6 +27,11 @@ rank's heads see after the all-to-all. A batch whose length is not a multiple of
 padding) is padded on the right first (padding is masked and its labels are -100: no number
 changes). The mask costs ``S^2`` bytes per row on every rank, as in one process.
 
+Under pipeline parallel each cp rank's chunk flows through the stages (the cp group of a stage
+holds the same stage on every member): ``chunk_batch(..., positions=True)`` gives every stage the
+chunk's global positions, and ``parallel.pp.Pipeline`` points ``CPState`` at each microbatch's
+slice of the whole-sequence mask while a stage runs that microbatch.
+
 A token-sum loss (``runtime.token_loss``, what records and packed text train on) divides by the
 trained tokens of the whole global batch and is multiplied by the ranks gradients are averaged
 over, cp ranks included (``step_scale``), so cp ranks may hold any share of the trained tokens.

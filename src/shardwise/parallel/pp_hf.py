@@ -10,10 +10,11 @@ done here from outside (the HF code is not touched):
   every parameter keeps the name it has on one device: ``hf.model.layers.5.self_attn.q_proj.weight``.
   Parts a rank does not own (embeddings, final norm, head) are set to ``None``.
 * **A stage forward.** ``HFStage`` runs what ``LlamaModel.forward`` runs, restricted to its slice:
-  the first stage embeds token ids, every stage builds the position ids, the rotary cos/sin and
-  the causal mask(s) its layers need from the hidden states it receives (so nothing but one
-  activation tensor crosses a stage boundary), the last stage applies the final norm and the head
-  and returns logits for the loss.
+  the first stage embeds token ids, every stage builds the rotary cos/sin and the causal mask(s)
+  its layers need from the microbatch's ``position_ids`` / ``doc_ids`` / ``attention_mask``
+  (keyword inputs the schedule hands every stage, ``parallel/pp.py``; plain causal positions
+  without them), so nothing but one activation tensor crosses a stage boundary; the last stage
+  applies the final norm and the head and returns logits for the loss.
 * **Per-stage weights.** Nothing here reads weights: the union holds only this rank's tensors, so
   the meta-init replay allocates only them and ``models.pretrained.load_pretrained`` asks DCP for
   only their keys (each rank reads just its stage's bytes from the safetensors files).
