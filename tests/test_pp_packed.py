@@ -2,14 +2,15 @@
 parallel (pp 2 x cp 2 at 4 ranks), train the same model as one process (``verify``'s own
 comparison, fp32), through the built-in trainer's step:
 
-* 2 ranks, one spawn, 5 steps: packed text on the built-in GPT (pp, ZBV zero-bubble, 2
-  stages per rank): every stage builds its microbatch's document mask and the first its
-  per-document positions; packed chat records (response-only loss) on a tiny untied Qwen2 (pp,
-  GPipe): the 4-D mask and the restarted rotary positions reach the second stage; padded
-  prompt/response records with gradient accumulation (ddp+pp, 1F1B): each batch has its own
-  length (dynamic padding), so the stages re-infer their shapes. The
-  loss is the token sum over the global batch's trained tokens, summed over the microbatches.
-  In the same spawn: the trainer's validation loss (token mean) of packed chat records under pp.
+* 2 ranks, one spawn, 5 steps: packed text on the built-in GPT (fsdp+pp, ZBV zero-bubble, 2
+  stages per rank, meta init: each stage's FSDP root is materialised on its own): every stage
+  builds its microbatch's document mask and the first its per-document positions; packed chat
+  records (response-only loss) on a tiny untied Qwen2 (pp, GPipe): the 4-D mask and the
+  restarted rotary positions reach the second stage; padded prompt/response records with
+  gradient accumulation (ddp+pp, 1F1B): each batch has its own length (dynamic padding), so the
+  stages re-infer their shapes. The loss is the token sum over the global batch's trained
+  tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
+  mean) of packed chat records under pp.
 * 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed
   chat records for the Qwen2 (its rotary positions are the chunk's global positions on every
   stage; the whole-sequence mask of each microbatch reaches the all-to-all attention), the GPT with
@@ -70,8 +71,8 @@ def data(tmp_path):
 def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
     d = data
     cases = {
-        "gpt-text-packed-pp-zbv": _gpt_text(tmp_path, d["docs"], d["tok"], "pp", "parallel.nproc=2",
-                                            'parallel.pp_schedule="zbv"', "parallel.pp_stages_per_rank=2"),
+        "gpt-text-packed-fsdp+pp-zbv": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+pp", "parallel.nproc=2",
+                                                 'parallel.pp_schedule="zbv"', "parallel.pp_stages_per_rank=2"),
         "qwen2-chat-packed-pp-gpipe": _sft(tmp_path, d["model"], d["chat"], "chat", "pp", "parallel.nproc=2",
                                            "model.overrides.block_size=192", 'parallel.pp_schedule="gpipe"',
                                            "data.val_fraction=0.25"),
@@ -79,7 +80,7 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
             tmp_path, d["model"], d["instruct"], "instruct", "ddp+pp", "parallel.nproc=2", "data.pack=false",
             "model.overrides.block_size=96", "train.grad_accum_steps=2"),
     }
-    assert cases["gpt-text-packed-pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
+    assert cases["gpt-text-packed-fsdp+pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
     refs = {name: run_steps(reference_config(cfg, 1), 5, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
     val_cfg = cases["qwen2-chat-packed-pp-gpipe"]
     val_ref = _val_loss(reference_config(val_cfg, 1), tmp_path / "ref-val")
