@@ -7,8 +7,9 @@ comparison, fp32), through the built-in trainer's step:
   builds its microbatch's document mask and the first its per-document positions; packed chat
   records (response-only loss) on a tiny untied Qwen2 (pp, GPipe): the 4-D mask and the
   restarted rotary positions reach the second stage; padded prompt/response records with
-  gradient accumulation (ddp+pp, 1F1B): each batch has its own length (dynamic padding), so the
-  stages re-infer their shapes. The loss is the token sum over the global batch's trained
+  gradient accumulation and activation checkpointing (ddp+pp, 1F1B; the pretrained weights fill
+  checkpoint-wrapped layers): each batch has its own length (dynamic padding), so the stages
+  re-infer their shapes. The loss is the token sum over the global batch's trained
   tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
   mean) of packed chat records under pp.
 * 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed
@@ -76,9 +77,9 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
         "qwen2-chat-packed-pp-gpipe": _sft(tmp_path, d["model"], d["chat"], "chat", "pp", "parallel.nproc=2",
                                            "model.overrides.block_size=192", 'parallel.pp_schedule="gpipe"',
                                            "data.val_fraction=0.25"),
-        "qwen2-instruct-padded-ddp+pp-accum": _sft(
+        "qwen2-instruct-padded-ddp+pp-accum-ac": _sft(
             tmp_path, d["model"], d["instruct"], "instruct", "ddp+pp", "parallel.nproc=2", "data.pack=false",
-            "model.overrides.block_size=96", "train.grad_accum_steps=2"),
+            "model.overrides.block_size=96", "train.grad_accum_steps=2", 'parallel.activation_checkpointing="full"'),
     }
     assert cases["gpt-text-packed-fsdp+pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
     refs = {name: run_steps(reference_config(cfg, 1), 5, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
