@@ -15,7 +15,9 @@ comparison, fp32), through the built-in trainer's step:
 * 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed
   chat records for the Qwen2 (its rotary positions are the chunk's global positions on every
   stage; the whole-sequence mask of each microbatch reaches the all-to-all attention), the GPT with
-  activation checkpointing (the backward recomputes attention under the microbatch's own mask).
+  activation checkpointing (the backward recomputes attention under the microbatch's own mask);
+  and pp 2 x tp 2 with sequence parallel (fsdp+tp+pp) on the same data: a later stage receives a
+  sequence shard, of a length tp may not divide (chat rows are padded to the batch's longest).
 
 The references run in this process."""
 
@@ -93,17 +95,21 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
     _check(cases, refs, ranks[0]["verify"])
 
 
-def test_pp_with_cp_on_packed_data_equals_one_process(tmp_path, data):
+def test_pp_with_cp_and_with_tp_sp_on_packed_data_equals_one_process(tmp_path, data):
     d = data
     four = ["parallel.nproc=4", "parallel.cp=2"]
+    three_d = ["parallel.nproc=4", "parallel.tp=2", "parallel.sequence_parallel=true"]
     cases = {
         "gpt-text-packed-pp2-cp2-ac": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+pp", *four,
                                                 'parallel.activation_checkpointing="full"'),
         "qwen2-chat-packed-pp2-cp2": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+pp", *four,
                                           "model.overrides.block_size=192"),
+        "gpt-text-packed-pp2-tp2-sp": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+tp+pp", *three_d),
+        "qwen2-chat-packed-pp2-tp2-sp": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+tp+pp", *three_d,
+                                             "model.overrides.block_size=192"),
     }
     refs = {name: run_steps(reference_config(cfg, 1), 3, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
     ranks = run_distributed(verify_cases, 4, timeout_s=500, cases=[
         {"cfg": cfg, "steps": 3, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()])
-    assert all(got["dp_size"] == 1 for got in ranks[0])  # 2 stages x one cp pair reading the same rows
+    assert all(got["dp_size"] == 1 for got in ranks[0])  # 2 stages x one cp (or tp) pair: the same rows
     _check(cases, refs, ranks[0])

@@ -351,7 +351,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     positions = extra.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(ids.shape[0], seq)
-    state.mask = attention_mask_4d(extra, seq, ids.device)
+    state.mask = attention_mask_4d(extra)
     return {"input_ids": cut(ids), "position_ids": cut(positions)}, cut(targets)
 
 

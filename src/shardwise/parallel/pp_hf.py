@@ -163,7 +163,14 @@ class HFStage(nn.Module):
         elif self._sp_mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
+            # The global length: a record batch's length need not divide by tp (dynamic padding;
+            # torch shards it unevenly), so it comes from the side inputs, which span the whole
+            # sequence; a token stream's length is a multiple of tp.
+            side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
+            total = side.shape[-1] if side is not None else x.shape[1] * self._sp_mesh.size()
+            shape = (x.shape[0], total, *x.shape[2:])
+            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False, shape=shape,
+                                        stride=torch.empty(shape, device="meta").stride())
         else:
             hidden = x
         seq = hidden.shape[1]
@@ -175,7 +182,7 @@ class HFStage(nn.Module):
         if doc_ids is not None:
             extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids,
                                                                           "attention_mask": attention_mask}
-            mask = attention_mask_4d(extra, seq, hidden.device)
+            mask = attention_mask_4d(extra)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
         for name, layer in model.layers.items():
