@@ -34,6 +34,7 @@ the backward, in whatever order the schedule interleaves the microbatches).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -238,6 +239,24 @@ class Pipeline:
             _uninitialise(schedule)
         self._shapes[id(schedule)] = shape
 
+    @contextlib.contextmanager
+    def _no_ddp_sync(self) -> Any:
+        """DDP-wrapped stages in ``no_sync`` for the whole step.
+
+        torch runs every microbatch's forward under ``no_sync`` and arms DDP's reducer itself before
+        the last backward; the one forward it runs outside is the shape inference's, whose output
+        gets no backward. On the first step that is harmless, but a re-inference (a new batch
+        shape, ``_fit_shapes``) after DDP built its buckets leaves the reducer expecting a backward
+        and the next step fails inside DDP. Under ``no_sync`` that forward arms nothing.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        with contextlib.ExitStack() as stack:
+            for stage in self.stages:
+                if isinstance(stage.submod, DistributedDataParallel):
+                    stack.enter_context(stage.submod.no_sync())
+            yield
+
     def _with_cp_mask(self, method: Callable) -> Callable:
         """``method`` (a stage's forward or backward of one microbatch) with the cp state pointed at
         that microbatch's whole-sequence mask while it runs."""
@@ -292,10 +311,11 @@ class Pipeline:
         target = targets if self.has_last else None
         losses: list | None = [] if self.has_last else None
         try:
-            if train:
-                self.schedule.step(*args, target=target, losses=losses, **extra)
-            else:
-                self._eval_schedule.eval(*args, target=target, losses=losses, **extra)
+            with self._no_ddp_sync():
+                if train:
+                    self.schedule.step(*args, target=target, losses=losses, **extra)
+                else:
+                    self._eval_schedule.eval(*args, target=target, losses=losses, **extra)
         finally:
             self._cp_masks = None
             if cp_state is not None:
