@@ -8,8 +8,8 @@ comparison, fp32), through the built-in trainer's step:
   records (response-only loss) on a tiny untied Qwen2 (pp, GPipe): the 4-D mask and the
   restarted rotary positions reach the second stage; padded prompt/response records with
   gradient accumulation and activation checkpointing (ddp+pp, 1F1B; the pretrained weights fill
-  checkpoint-wrapped layers): each batch has its own length (dynamic padding), so the stages
-  re-infer their shapes. The loss is the token sum over the global batch's trained
+  checkpoint-wrapped layers): under a pipeline the trainer keeps record batches at their full
+  row length (``parallel.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
   tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
   mean) of packed chat records under pp.
 * 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed

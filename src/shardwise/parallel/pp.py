@@ -49,7 +49,7 @@ from shardwise.errors import ConfigError
 from shardwise.layout import Layout, stage_layer_ranges
 from shardwise.pp_schedules import schedule_info, stage_rank
 
-__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "n_pipeline_blocks",
+__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "fixed_shape_collate", "n_pipeline_blocks",
            "prune_to_stages", "stage_layer_ranges", "stage_view"]
 
 
@@ -180,6 +180,24 @@ def _forward_only_v_schedule(stages: list[PipelineStage], kwargs: dict[str, Any]
     return schedule
 
 
+def fixed_shape_collate(collate_fn: Callable) -> Callable:
+    """The collate function to feed a pipeline with instead of ``collate_fn``: batches of one shape.
+
+    torch sizes the stages' receive buffers from the first batch. Re-inferring them when a batch
+    has another shape (``Pipeline._fit_shapes``) runs a forward outside the schedule, whose FSDP
+    all-gathers only the ranks that re-infer take part in: ranks of another data-parallel replica
+    (other data) or an accumulation step later in the same optimizer step would not match. So the
+    built-in trainer's record batches keep their full row length under a pipeline instead of being
+    cut to the batch's longest row (``data.collate``): the padding is masked and its labels -100,
+    so no number changes; the cost is the padding's compute.
+    """
+    from shardwise.data.collate import collate_rows
+
+    if collate_fn is collate_rows:
+        return functools.partial(collate_rows, trim=False)
+    return collate_fn
+
+
 def _uninitialise(schedule: Any) -> None:
     """Make torch's ``schedule`` set up its stages (shapes, buffers) again at its next step.
 
@@ -229,13 +247,21 @@ class Pipeline:
     def _fit_shapes(self, schedule: Any, shape: tuple[int, ...]) -> None:
         """Make ``schedule`` infer its stages' shapes again when the batch's shape changed.
 
-        torch sizes every stage's receive buffers once, from the first batch. Records are padded to
-        each batch's longest row (dynamic padding, ``data.collate``), so a later batch may be
-        shorter or longer: the stages then re-run torch's shape inference (a meta forward and a
-        small metadata exchange between neighbours). The pipeline ranks read the same batch, so
-        they all do it at the same step; fixed-length batches (token streams) never do.
+        torch sizes every stage's receive buffers once, from the first batch. A loop of its own may
+        pad records to each batch's longest row (dynamic padding, ``data.collate``), so a later
+        batch may be shorter or longer: the stages then re-run torch's shape inference (a forward
+        and a small metadata exchange between neighbours). The pipeline ranks read the same batch,
+        so they all do it at the same step. Refused under FSDP with several data-parallel ranks
+        (see ``fixed_shape_collate``; the built-in trainer's batches have one shape).
         """
         if self._shapes.get(id(schedule)) not in (None, shape):
+            if self.layout.dp > 1 and self.layout.info.dp_kind == "fsdp":
+                # The re-inference's FSDP all-gathers would run on this replica only (fixed_shape_collate).
+                raise ConfigError(
+                    f"pipeline parallel under FSDP with {self.layout.dp} data-parallel ranks needs every batch "
+                    f"of a run in one shape; this one is {list(shape)} after {list(self._shapes[id(schedule)])}. "
+                    "Pad batches to a fixed length (shardwise.data.collate.collate_rows(..., trim=False); the "
+                    "built-in trainer does), or use ddp+pp.")
             _uninitialise(schedule)
         self._shapes[id(schedule)] = shape
 

@@ -178,16 +178,21 @@ class Trainer:
         self.prediction = predict_for_spec(spec, self.session.layout, cfg, seq=self.workload.tokens_per_sample,
                                            ranks_per_node=self.session.ranks_per_node,
                                            plain_ce=self.workload.plain_token_ce)
+        collate_fn = self.workload.collate_fn
+        if collate_fn is not None and self.session.layout.pp > 1:
+            from shardwise.parallel.pp import fixed_shape_collate
+
+            collate_fn = fixed_shape_collate(collate_fn)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers,
-                                                    collate_fn=self.workload.collate_fn)
+                                                    collate_fn=collate_fn)
         val_batch = t.micro_batch_size
         if self.workload.token_loss:
             # A token-mean validation loss does not depend on the batch size: a small held-out set of
             # records (a few packed rows) is read in smaller batches rather than refused.
             val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
         self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False,
-                                                  collate_fn=self.workload.collate_fn)
+                                                  collate_fn=collate_fn)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
