@@ -16,6 +16,8 @@ comparison, fp32), through the built-in trainer's step:
   chat records for the Qwen2 (its rotary positions are the chunk's global positions on every
   stage; the whole-sequence mask of each microbatch reaches the all-to-all attention), the GPT with
   activation checkpointing (the backward recomputes attention under the microbatch's own mask);
+  the Qwen2 with gradient accumulation (its GQA kv heads: transformers repeats them only where it
+  guessed packed documents from a chunk's positions, and the cp ranks must still agree on them);
   and pp 2 x tp 2 with sequence parallel (fsdp+tp+pp) on the same data: a later stage receives a
   sequence shard, of a length tp may not divide (chat rows are padded to the batch's longest).
 
@@ -102,8 +104,8 @@ def test_pp_with_cp_and_with_tp_sp_on_packed_data_equals_one_process(tmp_path, d
     cases = {
         "gpt-text-packed-pp2-cp2-ac": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+pp", *four,
                                                 'parallel.activation_checkpointing="full"'),
-        "qwen2-chat-packed-pp2-cp2": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+pp", *four,
-                                          "model.overrides.block_size=192"),
+        "qwen2-chat-packed-pp2-cp2-accum": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+pp", *four,
+                                                "model.overrides.block_size=192", "train.grad_accum_steps=2"),
         "gpt-text-packed-pp2-tp2-sp": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+tp+pp", *three_d),
         "qwen2-chat-packed-pp2-tp2-sp": _sft(tmp_path, d["model"], d["chat"], "chat", "fsdp+tp+pp", *three_d,
                                              "model.overrides.block_size=192"),

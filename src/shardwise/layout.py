@@ -362,18 +362,6 @@ class Layout:
                 f"train.micro_batch_size a multiple of {self.pp_microbatches}, or set "
                 "parallel.pp_microbatches to a divisor of it (at least the pipeline degree).")
 
-    def check_accumulation(self, grad_accum_steps: int) -> None:
-        """Raise ConfigError where gradient accumulation cannot run with this layout."""
-        if self.pp > 1 and self.cp > 1 and grad_accum_steps > 1:
-            # Observed: with A > 1 the cp ranks of the first stage fall out of step in their
-            # all-to-alls at the second schedule step (gloo: "received data size doesn't match");
-            # not understood yet, so refused rather than left to crash.
-            raise ConfigError(
-                f"train.grad_accum_steps={grad_accum_steps} does not run with context parallel under a pipeline "
-                f"(parallel.cp={self.cp}, parallel.pp={self.pp}) yet. Fold the accumulation into the pipeline's "
-                f"microbatches instead: train.micro_batch_size x {grad_accum_steps} with parallel.pp_microbatches "
-                f"x {grad_accum_steps} and train.grad_accum_steps = 1 gives the same gradient, with a smaller bubble.")
-
     # ------------------------------------------------------------------ reporting
     def describe(self) -> str:
         """A few lines for people: strategy, mesh, degrees, pipeline and blocks."""

@@ -44,7 +44,6 @@ def resolve_config(cfg: RunConfig, world_size: int, *, ranks_per_node: int | Non
     """
     layout = resolve_layout(cfg.parallel, world_size, ranks_per_node=ranks_per_node)
     layout.check_batch(cfg.train.micro_batch_size)
-    layout.check_accumulation(cfg.train.grad_accum_steps)
     return replace_in(cfg, **{"parallel.strategy": layout.strategy}), layout
 
 

@@ -125,7 +125,6 @@ class Session:
                                              local_world_size=_env_int("LOCAL_WORLD_SIZE", 0))
         # Every degree of this run, resolved once; the strategy, the mesh and the data loader read it.
         self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=self.ranks_per_node)
-        self.layout.check_accumulation(grad_accum_steps)
         self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
         self.backend = self.strategy.process_group_backend(self.device)
