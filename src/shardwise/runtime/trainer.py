@@ -191,6 +191,9 @@ class Trainer:
             # A token-mean validation loss does not depend on the batch size: a small held-out set of
             # records (a few packed rows) is read in smaller batches rather than refused.
             val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
+            # A pipeline cuts every batch into its microbatches (Layout.check_batch): a multiple of them.
+            m = self.session.layout.pp_microbatches
+            val_batch = max(m, val_batch - val_batch % m)
         self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False,
                                                   collate_fn=collate_fn)
 
