@@ -212,7 +212,7 @@ def _attention_kind(config: Any, index: int) -> str:
 
 
 def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> Any:
+                attention_mask: torch.Tensor | None = None) -> Any:
     from transformers import masking_utils
 
     fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
