@@ -74,6 +74,13 @@ def model_spec(model: str | dict[str, Any]) -> ModelSpec:
                           vocab=model["vocab"], n_positions=model["positions"])
     if family in ("mpt", "megatron-gpt"):
         return spec  # GPT-2 blocks (biases, 4h GELU MLP), learned positions, tied head
+    if family == "bloom":  # ALiBi (no position table), a LayerNorm after the word embedding, tied head
+        h = model["hidden"]
+        params = tuple(q for q in spec.params if q.name != "transformer.wpe.weight")
+        params = (*params[:1], ParamInfo("transformer.word_embeddings_layernorm.weight", (h,), ROOT_UNIT),
+                  ParamInfo("transformer.word_embeddings_layernorm.bias", (h,), ROOT_UNIT), *params[1:])
+        return replace(spec, params=params, n_params=sum(q.numel for q in params), learned_positions=False,
+                       max_seq=model["positions"])
     if family == "megatron-gpt-untied":
         head = ParamInfo("lm_head.weight", (model["vocab"], model["hidden"]), ROOT_UNIT)
         return replace(spec, tied_embeddings=False, params=(*spec.params, head), n_params=spec.n_params + head.numel)
@@ -105,6 +112,8 @@ def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None
     pub = run["published"]
     if "tokens_per_s_per_gpu" in pub:
         return float(pub["tokens_per_s_per_gpu"])
+    if "step_time_s" in pub:  # seconds per optimizer step of global_batch sequences of run["seq"] tokens
+        return pub["global_batch"] * run["seq"] / pub["step_time_s"] / run["gpus"]
     if "tflops_per_gpu" not in pub:
         return None
     s, L, h, V = run["seq"], spec.n_layers, spec.hidden, spec.vocab
@@ -119,17 +128,19 @@ def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None
     return pub["tflops_per_gpu"] * 1e12 / per_token
 
 
-def run_layout(strategy: str, dp: int, tp: int, pp: int) -> Layout:
+def run_layout(strategy: str, dp: int, tp: int, pp: int, **extra: Any) -> Layout:
     """The layout of a published run: shardwise's own strategy when the registry has it, else
     another stack's (Megatron's ddp+tp, zero1+tp, ...) described by what its dp ranks hold."""
     # Activations are modelled with sequence parallelism under TP (torchtitan's TP plans and
-    # Megatron's --sequence-parallel; the constants were fitted that way).
+    # Megatron's --sequence-parallel; the constants were fitted that way) unless the run says its
+    # stack had none (``"sequence_parallel": false``: BLOOM's Megatron-DeepSpeed).
+    extra.setdefault("sequence_parallel", tp > 1)
     if strategy in REGISTRY:
-        return Layout(strategy, dp=dp, tp=tp, pp=pp, sequence_parallel=tp > 1)
+        return Layout(strategy, dp=dp, tp=tp, pp=pp, **extra)
     base = strategy.split("+")[0]
     dp_kind = {"ddp": "replicate", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}[base]
     return Layout.external_stack(strategy, dp_kind, dp=dp, tp=tp, pp=pp,
-                                 shard=dp if dp_kind in ("zero2", "fsdp") else 1, sequence_parallel=tp > 1)
+                                 shard=dp if dp_kind in ("zero2", "fsdp") else 1, **extra)
 
 
 def load_cases(data: dict[str, Any]) -> list[Case]:
@@ -146,7 +157,13 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         cluster = Cluster(gpus.get(run["gpu"]) or gpu(run["gpu"]), gpus_per_node=per_node, nodes=n // per_node)
         tp, pp = run["tp"], run["pp"]
         dp = n // (tp * pp)
-        layout = run_layout(run["strategy"], dp, tp, pp)
+        # A stack that gives the embedding and the head a block's slot each in the pipeline split
+        # (BLOOM's --pp-partition-method 'type:transformer|embedding') is the runtime's
+        # parallel.pp_first_stage_fewer = 1.
+        extra = {"pp_first_stage_fewer": run["pp_first_stage_fewer"]} if "pp_first_stage_fewer" in run else {}
+        if "sequence_parallel" in run:  # a stack without it (Megatron-DeepSpeed 2022) says so
+            extra["sequence_parallel"] = run["sequence_parallel"]
+        layout = run_layout(run["strategy"], dp, tp, pp, **extra)
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
@@ -346,17 +363,21 @@ def by_source(cases: list[Case], start: dict[str, Calibration]) -> str:
     sources = sorted({c.run["source"] for c in cases}, key=lambda s: -sum(c.run["source"] == s for c in cases))
     lines = ["held-out source        runs  with tok/s  mean |error|  max |error|  verdicts right  (fitted on)"]
     errors: list[float] = []
+    source_means: list[float] = []
     for src in sources:
         held = [c for c in cases if c.run["source"] == src]
         fitted_on = sorted({c.run["source"] for c in cases if c.run["source"] != src})
         cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
         s = summary(evaluate_all(held, cal))
         errors += [abs(r.error) for r in evaluate_all(held, cal) if r.error is not None]
+        if s["with_throughput"]:
+            source_means.append(s["mean_abs_error"])
         err = (f"{s['mean_abs_error']:>11.1%}  {s['max_abs_error']:>11.1%}" if s["with_throughput"]
                else f"{'-':>11}  {'-':>11}")
         lines.append(f"{src:22s} {s['runs']:>4}  {s['with_throughput']:>10}  {err}  {s['verdicts_right']:>8}/"
                      f"{s['runs']:<5}  ({len(fitted_on)} others)")
-    lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs")
+    lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs; "
+                 f"mean of the {len(source_means)} sources' means {statistics.fmean(source_means):.1%}")
     return "\n".join(lines)
 
 

@@ -35,12 +35,13 @@ def test_registry_is_the_single_list_of_strategies():
         impl = IMPLEMENTATIONS[info.impl]  # one implementation per data-parallel kind, no class per name
         assert impl.impl == info.impl, info.impl  # the class and its registry entry agree
         assert set(info.degrees) <= {"dp", "tp", "pp"} and info.dp_kind in ("replicate", "zero1", "zero2", "fsdp")
-    # Which models each strategy runs: TP needs a plan, PP a stage split (GPT, Llama family).
+    # Which models each strategy runs: TP needs a plan, PP a stage split (GPT, Llama family, GPT-2).
     assert REGISTRY["fsdp+tp"].supports("llama") and REGISTRY["fsdp+tp"].supports("gpt2")
-    assert not REGISTRY["fsdp+tp"].supports("mixtral") and not REGISTRY["fsdp+tp+pp"].supports("gpt2")
+    assert not REGISTRY["fsdp+tp"].supports("mixtral") and REGISTRY["fsdp+tp+pp"].supports("gpt2")
     assert REGISTRY["pp"].supports("gpt") and REGISTRY["ddp+pp"].supports("qwen3")
-    assert not REGISTRY["pp"].supports("gpt2") and not REGISTRY["pp"].supports("")
-    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE)
+    assert REGISTRY["pp"].supports("gpt2") and not REGISTRY["pp"].supports("mixtral")
+    assert not REGISTRY["pp"].supports("")
+    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE, "gpt2")
     assert strategy_info("zero3").name == "fsdp"
     with pytest.raises(ConfigError, match="unknown strategy 'ddp\\+tp\\+pp'"):
         strategy_info("ddp+tp+pp")

@@ -256,13 +256,25 @@ def test_interleaved_pipeline_from_the_plan_cli():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--model", "gpt2", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts the built-in GPT and the Hugging Face "
-                                                        "families llama, mistral, qwen2, qwen3 into stages; gpt2"),
-    (("--model", "gpt2", "--nodes", "2", "--tp", "2", "--pp", "2"), "pipeline parallel cuts"),
+    (("--model", "mixtral-8x7b", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts the built-in GPT and the "
+                                                                "Hugging Face families llama, mistral, qwen2, qwen3, "
+                                                                "gpt2 into stages; mixtral"),
 ])
 def test_strategies_the_runtime_cannot_run_on_the_model_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         plan_cli.build_plan(plan_args(*argv))
+
+
+def test_gpt2_pipeline_candidates_pass_train_dry_run_and_v_schedules_are_refused_for_its_tied_head():
+    # GPT-2 has a stage split (parallel/pp_gpt2.py) and ties its head: pp is offered with 1F1B; a V
+    # schedule under a data-parallel wrapper is not (pp_schedules.tied_weights_refusal, the runtime's rule).
+    plan = plan_cli.build_plan(plan_args("--model", "gpt2", "--gpus-per-node", "2", "--pp", "2"))
+    assert plan.recommended.layout.pp == 2
+    assert dry_run_train(plan.commands[0])[1] == 2
+    zbv = plan_cli.build_plan(plan_args("--model", "gpt2", "--gpus-per-node", "2", "--nodes", "2", "--pp", "2",
+                                        "--pp-schedule", "zbv"))
+    assert all(c.layout.strategy == "pp" for c in zbv.candidates)
+    assert any("puts the first and the last pipeline stage on one rank" in s for s in zbv.skipped)
 
 
 def test_gpt2_tensor_parallel_candidates_pass_train_dry_run():

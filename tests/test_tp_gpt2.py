@@ -203,8 +203,33 @@ def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
     check_tp_model(model, 2)
     with pytest.raises(ConfigError, match="n_head=4.*not divisible by 3"):
         check_tp_model(model, 3)
-    with pytest.raises(ConfigError, match="LoRA on a GPT-2 model is not supported"):
+    with pytest.raises(ConfigError, match="parallel.tp=2 with LoRA: .*fused q/k/v projection \\(c_attn\\)"):
         check_tp_model(lora, 2)
+    with torch.device("meta"):  # adapters elsewhere run (test_gpt2_lora_off_c_attn_under_tp_matches_peft)
+        check_tp_model(build_hf_model(pretrained=str(gpt2_folder), lora=LoraConfig(rank=4, targets=["c_fc"])), 2)
+
+
+def test_gpt2_lora_off_c_attn_under_tp_matches_peft(gpt2_folder):
+    """LoRA on GPT-2's c_fc and c_proj (Conv1D; the adapters follow their base layer's split) under tp=2
+    equals single-process peft: first loss exactly, 5 steps' losses and the trained weights."""
+    from shardwise.config import LoraConfig
+    from tests.helpers.hf import reference_losses
+
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["c_fc", "c_proj"]}
+    run = {**STEPS, "lr": 1e-2}
+    (r0,), (r1,) = run_distributed(hf_cases, 2, timeout_s=600,
+                                   cases=[{"folder": str(gpt2_folder), "strategy": "tp", "lora": lora, **run}])
+    ref = reference_losses(gpt2_folder, lora=LoraConfig(**lora), seed=0, **run)
+    for r in (r0, r1):
+        assert not isinstance(r, str), r
+        assert r["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-6)
+        assert r["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL)
+    got = fuse_split_state(r0["params"])
+    for name, value in got.items():
+        key = "base_model.model." + name[len("hf."):]  # peft's names: the wrapped layer as base_layer
+        diff = (value - ref["state"][key]).abs().max().item()
+        assert diff < PARAM_ATOL, (name, diff)
+    assert any(".lora_A." in n for n in got) and r0["in_optimizer"] == sorted(n for n in got if ".lora_" in n)
 
 
 def test_checkpoint_names_fuse_and_cut_back():

@@ -16,11 +16,12 @@ here, and ``check_schedule`` raises one ConfigError naming it, before any rank s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
 
 __all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "schedule_info", "stage_ids_of",
-           "stage_rank"]
+           "stage_rank", "tied_weights_refusal"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,25 @@ def compile_refusal(schedule: str) -> str | None:
                 "weight-gradient passes, which torch.compile does not support in this PyTorch; use "
                 "'1f1b' or 'interleaved-1f1b' to compile, or set train.compile = false")
     return None
+
+
+def tied_weights_refusal(layout: Any) -> str:
+    """Why a model whose output head is tied to its input embedding cannot run on ``layout`` ('' when it
+    can): the one rule, asked by the runtime (``parallel/pp_ties.py``) and the planner.
+
+    The pipeline keeps one copy of the tied tensor on the first and one on the last stage, their
+    gradients summed. When one rank runs both stages (the V placement) the tie stays one tensor
+    there, which is exact unless a data-parallel wrapper takes each stage as its own unit: FSDP2
+    (applied even at dp = 1) and DDP at dp > 1 would each reduce or shard that tensor once more.
+    """
+    if layout.pp <= 1:
+        return ""
+    first = stage_rank(layout.pp_schedule, 0, layout.pp, layout.pp_stages_per_rank)
+    last = stage_rank(layout.pp_schedule, layout.n_stages - 1, layout.pp, layout.pp_stages_per_rank)
+    if first != last or not (layout.info.dp_kind == "fsdp" or layout.dp > 1):
+        return ""
+    return (f"parallel.pp_schedule='{layout.pp_schedule}' puts the first and the last pipeline stage on one rank, "
+            f"and the model ties its output head to its input embedding: {layout.strategy} wraps each stage in "
+            "its own data-parallel unit, which would reduce (or shard) the one tied tensor twice. Use a "
+            "loop-placed schedule (1f1b, gpipe, interleaved-1f1b, interleaved-zb), plain pp, or untie the "
+            "weights (tie_word_embeddings = false)")

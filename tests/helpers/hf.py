@@ -41,8 +41,9 @@ def reference_model(folder: Path) -> torch.nn.Module:
 
 
 def reference_losses(folder: Path, steps: int, global_batch: int, seq: int, *, lora: LoraConfig | None = None,
-                     seed: int = 0, lr: float = 1e-2) -> dict:
-    """One process, plain transformers (+ peft ``get_peft_model``): the losses and final weights."""
+                     seed: int = 0, lr: float = 1e-2, max_norm: float = 0.0) -> dict:
+    """One process, plain transformers (+ peft ``get_peft_model``): the losses, the gradient norms
+    (clipped to ``max_norm`` when > 0) and the final weights."""
     model = reference_model(folder)
     if lora is not None:
         from peft import get_peft_model
@@ -55,16 +56,17 @@ def reference_losses(folder: Path, steps: int, global_batch: int, seq: int, *, l
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     data = fixed_batches(steps, global_batch, seq, VOCAB)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         x, y = data[step, :, :-1], data[step, :, 1:]
         loss = lm_loss(model(input_ids=x).logits, y)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "norms": norms, "state": state}
 
 
 def hf_case(rank: int, world_size: int, folder: str, strategy: str, steps: int = 1, global_batch: int = 4,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_model_tensors", "hf_name",
-           "inspect_pretrained", "load_pretrained", "read_safetensors_header", "tensor_groups"]
+           "inspect_pretrained", "load_pretrained", "read_safetensors_header", "tensor_groups", "tie_sources"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -280,6 +280,19 @@ def tensor_groups(hf: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
+def tie_sources(hf: nn.Module) -> dict[str, str]:
+    """{name: name of the tensor it is tied to} as transformers declares the model's ties, when the
+    config ties them (``tie_word_embeddings``); ``save_pretrained`` writes only the target.
+
+    A pipeline's last stage holds the head without the embedding (``parallel/pp_ties.py``), so the
+    head's alias is not among its registered names: this says where the files keep it.
+    """
+    if not getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
+        return {}
+    keys = getattr(hf, "_tied_weights_keys", None)
+    return dict(keys) if isinstance(keys, dict) else {}
+
+
 def file_key(aliases: list[str], tensors: dict[str, Any], base_prefix: str) -> str | None:
     """The key under which the files hold a tensor registered as ``aliases``, or None.
 
@@ -340,8 +353,9 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     from shardwise.parallel.tp_gpt2 import fused_sources
 
     parts = fused_sources(hf)
+    tied = tie_sources(hf)
     for group in tensor_groups(hf):
-        key = file_key(group, folder.tensors, base_prefix)
+        key = file_key(group + [tied[n] for n in group if n in tied], folder.tensors, base_prefix)
         if key is None and group[0] in parts:
             # A slice of a fused tensor the files hold whole (GPT-2's c_attn split for TP).
             source, start, length = parts[group[0]]

@@ -39,6 +39,7 @@ from shardwise.parallel.pp import (
     prune_to_stages,
     stage_view,
 )
+from shardwise.parallel.pp_ties import StageTies
 from shardwise.parallel.tp import (
     apply_tp,
     check_tp_model,
@@ -63,6 +64,7 @@ class ModelParallelStrategy(Strategy):
         # while dp == 1, as under "tp" and "pp").
         self.dp_kind = "fsdp" if layout.info.dp_kind == "fsdp" else "ddp"
         self.pipeline: Pipeline | None = None
+        self.ties: StageTies | None = None  # tied weights the stage split cut apart (pp_ties.py)
 
     # ------------------------------------------------------------ up-front checks
     def check_model(self, model: nn.Module) -> None:
@@ -115,7 +117,11 @@ class ModelParallelStrategy(Strategy):
             return model
         self._ranges = list(layout.stage_ranges)
         self._stage_ids = layout.stage_ids(ctx.mesh["pp"].get_local_rank())  # type: ignore[index]
+        from shardwise.parallel.ties import tied_groups
+
+        ties = tied_groups(model)  # before the split cuts an embedding from its tied head
         model = prune_to_stages(model, self._stage_ids, self._ranges)
+        self.ties = StageTies.plan(model, ties, layout, self._stage_ids, ctx.mesh)
         if ctx.materialize is None:  # a meta-device model is allocated in wrap(), stages only
             model = model.to(ctx.device)
         return model
@@ -145,6 +151,8 @@ class ModelParallelStrategy(Strategy):
             wrapped = [self._wrap_dp(part, ctx) for part in parts]
         if pp == 1:
             return wrapped[0]
+        if self.ties is not None:
+            self.ties.sync_weights()  # both copies of a tied embedding/head start equal (pp_ties.py)
         if self.uses_autocast() and opts.precision == "bf16-mixed":  # fp16 is refused under PP
             for part in parts:
                 autocast_forward(part, ctx.device.type, torch.bfloat16)
@@ -191,6 +199,8 @@ class ModelParallelStrategy(Strategy):
                          targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         tp = self.layout.tp
         if self.pipeline is not None:
+            if self.ties is not None:
+                self.ties.mark_backward()
             with tp_loss_context(tp):
                 return self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True,
                                          cp_state=session.cp_state)
@@ -215,7 +225,13 @@ class ModelParallelStrategy(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
         pp_group = ctx.mesh["pp"].get_group() if self.layout.pp > 1 else None  # type: ignore[index]
-        return clip_grads(list(model.parameters()), max_norm, pp_group)
+        params = list(model.parameters())
+        if self.ties is None:
+            return clip_grads(params, max_norm, pp_group)
+        # Every step passes here before the optimizer: the tied copies' gradients are summed first,
+        # and the norm counts the tied tensor once, as one process does (pp_ties.py).
+        self.ties.sync_grads()
+        return clip_grads(params, max_norm, pp_group, counted=self.ties.counted(params))
 
     def generation_unsupported(self) -> str | None:
         if self.layout.pp > 1:

@@ -84,6 +84,9 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
                 f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has no stage split. Use tensor parallel "
                 "or a data-parallel/sharded strategy (ddp, fsdp) for this model.")
         check_hf_pp_model(model)
+    from shardwise.parallel.pp_ties import check_stage_ties
+
+    check_stage_ties(model, layout)
     layout.with_blocks(n_pipeline_blocks(model), "blocks")  # raises when the stages cannot be cut
 
 
@@ -115,9 +118,9 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     Hugging Face models get an ``HFStage`` (``parallel/pp_hf.py``), built on the same rule.
     """
     if not _is_gpt(union):
-        from shardwise.parallel.pp_hf import HFStage
+        from shardwise.parallel.pp_hf import hf_stage
 
-        return HFStage(union, stage, ranges)
+        return hf_stage(union, stage, ranges)
     last = stage == len(ranges) - 1
     view = type(union).__new__(type(union))
     nn.Module.__init__(view)

@@ -38,17 +38,25 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.masking import attention_mask_4d
-from shardwise.parallel.registry import LLAMA_LIKE
+from shardwise.parallel.blocks import model_family
+from shardwise.parallel.registry import PP_FAMILIES
 
-__all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "prune_hf_to_stages"]
+__all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "hf_stage", "prune_hf_to_stages"]
 
 
 def hf_pp_family(model: nn.Module) -> str:
     """The Hugging Face family of ``model`` if the pipeline can cut it ('' otherwise)."""
-    from shardwise.parallel.blocks import model_family
-
     family = model_family(model)
-    return family if family in LLAMA_LIKE else ""
+    return family if family in PP_FAMILIES and family != "gpt" else ""
+
+
+def hf_stage(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
+    """The stage module of a Hugging Face union: ``HFStage``, or GPT-2's own (``pp_gpt2.py``)."""
+    if model_family(union) == "gpt2":
+        from shardwise.parallel.pp_gpt2 import GPT2Stage
+
+        return GPT2Stage(union, stage, ranges)
+    return HFStage(union, stage, ranges)
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -61,19 +69,21 @@ def n_layers(model: nn.Module) -> int:
 
 
 def check_hf_pp_model(model: nn.Module) -> None:
-    """Raise ConfigError when a Llama-family model cannot be cut into pipeline stages."""
-    config = model.hf.config  # type: ignore[union-attr]
-    if getattr(config, "tie_word_embeddings", False):
-        raise ConfigError(
-            f"pipeline parallel cannot cut this {config.model_type} model: it ties its output head to the "
-            "input embedding (tie_word_embeddings = true), and the first stage owns the embedding while "
-            "the last owns the head, so one tensor would live on two ranks. Use a model with untied "
-            "embeddings (the larger releases of these families), or a non-pipeline strategy (fsdp, fsdp+tp).")
+    """Raise ConfigError when a Hugging Face model cannot be cut into pipeline stages.
+
+    A tied embedding and head are no reason to refuse: the two stages keep one copy each
+    (``parallel/pp_ties.py``, which refuses the layouts where that cannot be exact).
+    """
+    if model_family(model) == "gpt2":
+        from shardwise.parallel.pp_gpt2 import check_gpt2_pp_model
+
+        return check_gpt2_pp_model(model)
     layers = _inner(model).layers
     if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers(model):
         raise ConfigError(
             f"pipeline parallel expects the model's {n_layers(model)} decoder layers in hf.model.layers; "
             f"found {type(layers).__name__} of {len(layers)}. Pass the model as build_hf_model returns it.")
+    return None
 
 
 def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
@@ -81,6 +91,10 @@ def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[rang
 
     The layers move into an ``nn.ModuleDict`` keyed by their original index (see module docstring).
     """
+    if model_family(model) == "gpt2":
+        from shardwise.parallel.pp_gpt2 import prune_gpt2_to_stages
+
+        return prune_gpt2_to_stages(model, stage_ids, ranges)
     inner = _inner(model)
     owned = sorted(i for s in stage_ids for i in ranges[s])
     layers = inner.layers
@@ -135,6 +149,8 @@ class HFStage(nn.Module):
         hf.lm_head = src_hf.lm_head if self.last else None
         hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
         hf.base_model_prefix = getattr(src_hf, "base_model_prefix", "model")
+        # Where the files keep a tied head this stage holds without its embedding (pretrained.tie_sources).
+        hf._tied_weights_keys = getattr(src_hf, "_tied_weights_keys", None)
         self.hf = hf
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)

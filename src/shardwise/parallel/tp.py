@@ -71,14 +71,12 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
             f"Llama-family Hugging Face models ({', '.join(LLAMA_LIKE)}). Use a data-parallel or sharded "
             f"strategy (ddp, fsdp, hsdp) or {other} for this model."
         )
-    from shardwise.families import FAMILIES
+    from shardwise.families import tp_lora_refusal
 
-    family = FAMILIES.get(model_family(model))
-    if family is not None and not family.tp_lora and getattr(model, "lora", None):
-        raise ConfigError(
-            f"parallel.tp={tp} with LoRA on a GPT-2 model is not supported: tensor parallel splits GPT-2's fused "
-            "q/k/v projection (c_attn) into three, which a LoRA-wrapped c_attn does not allow, and adapters on its "
-            "Conv1D layers have no TP plan. Train LoRA on GPT-2 with fsdp or ddp (parallel.tp = 1).")
+    # The modules LoRA adapters wrap (peft's layers hold their adapters in ``lora_A``).
+    wrapped = [name for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    if wrapped and (why := tp_lora_refusal(model_family(model), wrapped)):
+        raise ConfigError(f"parallel.tp={tp} with LoRA: {why}.")
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -204,9 +202,14 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     return squares.sqrt()
 
 
-def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
-    """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm."""
-    norm = total_grad_norm(params, pp_group)
+def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None,
+               counted: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm.
+
+    ``counted``: the parameters the norm adds up (default ``params``); a pipeline's second copy of a
+    tied weight is clipped but not counted (``parallel/pp_ties.py``).
+    """
+    norm = total_grad_norm(params if counted is None else counted, pp_group)
     if max_norm > 0:
         for group in _grad_groups(params):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)

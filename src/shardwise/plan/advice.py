@@ -10,7 +10,7 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import FAMILIES
+from shardwise.families import tp_lora_refusal
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
@@ -28,6 +28,7 @@ from shardwise.plan.memory import (
 from shardwise.plan.moe import ep_degrees, moe_layout_refusal
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
+from shardwise.pp_schedules import tied_weights_refusal
 
 GIB = 1024**3
 LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)
@@ -115,6 +116,7 @@ class Workload:
     # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
     # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
     lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()  # empty: peft's default for the family
     # train.loss_chunks parsed (config.parse_loss_chunks): None auto (the runtime's default), 0 off,
     # N chunks. 0 here by default so other stacks' published runs keep their own loss; the CLI
     # passes the runtime's default (auto) unless --loss-chunks says otherwise.
@@ -337,9 +339,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if not quiet:
                     skipped.append(f"{label}: {why}")
                 continue
-            if t > 1 and work.lora_rank and spec.family in FAMILIES and not FAMILIES[spec.family].tp_lora:
+            if t > 1 and work.lora_rank and (why := tp_lora_refusal(spec.family, work.lora_targets)):
                 if not quiet:
-                    skipped.append(f"{label}: LoRA on {spec.family} does not run under tensor parallel")
+                    skipped.append(f"{label}: LoRA: {why}")
                 continue
             if work.loss_chunks and (why := chunked_loss_off(spec.family, spec.vocab, spec.hidden,
                                                              work.loss_chunks, tp=t, pp=p)):
@@ -370,9 +372,14 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
                 try:
-                    layouts.append(resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers))
+                    layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers)
                 except ConfigError as e:
                     errors.append(e)
+                    continue
+                if spec.tied_embeddings and (why := tied_weights_refusal(layout)):
+                    errors.append(ConfigError(why))  # the runtime's rule (parallel/pp_ties.py)
+                    continue
+                layouts.append(layout)
             if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
     return layouts, skipped

@@ -77,10 +77,10 @@ class Calibration:
 # jointly over all generations; the efficiencies per generation, each with a weak prior at its
 # typical value (calibrate_planner.PRIORS).
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.7023, attention_efficiency=0.5212, link_efficiency=0.7216,
-                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=31),
-    "h100": Calibration("h100", matmul_efficiency=0.5537, attention_efficiency=0.3947, link_efficiency=0.7826,
-                        elementwise_passes=10.26, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_efficiency=0.6711, attention_efficiency=0.5321, link_efficiency=0.6521,
+                        elementwise_passes=9.322, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_efficiency=0.5446, attention_efficiency=0.393, link_efficiency=0.7837,
+                        elementwise_passes=9.322, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration

@@ -311,7 +311,11 @@ class Session:
             )
         given = optimizer
         groups_before = len(optimizer.param_groups) if isinstance(optimizer, torch.optim.Optimizer) else 0
-        names = {id(p): n for n, p in model.named_parameters()}
+        # Every name of each parameter: a pipeline's last stage holds a tied head without its
+        # embedding, i.e. under the tie's second name (parallel/pp_ties.py).
+        names: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
         # The same model, and so the same error, on every rank: a shape that does not fit the
         # degrees (heads vs tp, layers vs pipeline stages) fails here, before anything is moved.
         self.strategy.check_model(model)
@@ -407,7 +411,7 @@ class Session:
         return compile_loss(loss_fn)
 
     @staticmethod
-    def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
+    def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, list[str]],
                            prepared: nn.Module, allow_missing: bool = False) -> None:
         """Swap the optimizer's parameters for the parallelised ones with the same names."""
         new_params = {}
@@ -425,12 +429,13 @@ class Session:
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
-                name = names.get(id(p))
-                if allow_missing and name is not None and name not in new_params:
-                    continue  # another pipeline stage holds (and optimizes) this parameter
+                aliases = names.get(id(p), [])
+                name = next((n for n in aliases if n in new_params), aliases[0] if aliases else None)
                 if name is not None and name not in new_params and name in sliced:
                     swapped.extend(sliced[name])
                     continue
+                if allow_missing and name is not None and name not in new_params:
+                    continue  # another pipeline stage holds (and optimizes) this parameter
                 if name is None or name not in new_params:
                     raise ShardwiseError(
                         "the optimizer holds a parameter that is not in the model passed to prepare(); "

@@ -72,8 +72,11 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool = False, fused: bool = True) -> dict[str, Any]:
     """The optimizer's state as this rank holds it, keyed by parameter name (flattened); ``fused`` as
     in ``model_state``."""
+    from shardwise.parallel.pp_ties import rename_copy_keys
+
     state = get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
-    return _fused(model, state, fused)
+    # A pipeline's last-stage copy of a tied weight saves its state under the original's name.
+    return _fused(model, rename_copy_keys(model, state, to_original=True), fused)
 
 
 def _unfused(model: nn.Module, state: dict[str, Any], own: Any) -> dict[str, Any]:
@@ -90,8 +93,11 @@ def set_model_state(model: nn.Module, state: dict[str, Any], trainable_only: boo
 
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                         trainable_only: bool = False) -> None:
+    from shardwise.parallel.pp_ties import rename_copy_keys
+
     local = _local_optimizer(optimizer)
     state = _unfused(model, state, lambda: get_optimizer_state_dict(model, local, options=_options(trainable_only)))
+    state = rename_copy_keys(model, state, to_original=False)
     # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
     # such an empty group (it reads the group's first parameter name), and the group has no state
     # to load anyway: load into the non-empty groups only, then put the empty ones back in place.

@@ -1,0 +1,129 @@
+"""Pipeline stages for Hugging Face GPT-2-family models (``GPT2LMHeadModel`` as ``HFCausalLM``).
+
+The same rules as the Llama family's (``parallel/pp_hf.py``), on GPT-2's layout
+(``hf.transformer.{wte, wpe, drop, h, ln_f}`` and ``hf.lm_head``):
+
+* the blocks move from the ``nn.ModuleList`` ``transformer.h`` into an ``nn.ModuleDict`` keyed by
+  their original index, so every parameter keeps its single-device name
+  (``hf.transformer.h.3.attn.c_attn.weight``); parts no local stage owns are set to ``None``;
+* the first stage holds the token and the learned position embeddings (``wte``, ``wpe``) and adds
+  them, as ``GPT2Model.forward`` does; every stage builds the positions and the causal mask its
+  blocks need from the hidden states it receives; the last stage holds ``ln_f`` and ``lm_head`` and
+  returns logits. Nothing but one activation tensor crosses a stage boundary;
+* GPT-2 ties ``lm_head`` to ``wte``: the two stages keep one copy each, summed gradients keep them
+  equal (``parallel/pp_ties.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.errors import ConfigError
+
+__all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
+
+
+def _n_layer(model: nn.Module) -> int:
+    return int(model.hf.config.n_layer)  # type: ignore[union-attr]
+
+
+def check_gpt2_pp_model(model: nn.Module) -> None:
+    """Raise ConfigError when a GPT-2 model cannot be cut into stages (its blocks not where built)."""
+    blocks = model.hf.transformer.h  # type: ignore[union-attr]
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) != _n_layer(model):
+        raise ConfigError(
+            f"pipeline parallel expects the model's {_n_layer(model)} GPT-2 blocks in hf.transformer.h; found "
+            f"{type(blocks).__name__} of {len(blocks)}. Pass the model as build_hf_model returns it.")
+    if getattr(model.hf.config, "add_cross_attention", False):  # type: ignore[union-attr]
+        raise ConfigError("pipeline parallel cuts decoder-only GPT-2 models; this config adds cross-attention "
+                          "(add_cross_attention = true), whose encoder states no stage would receive.")
+
+
+def prune_gpt2_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
+    """Delete (in place) every part of ``model`` that no local stage owns; return it (the union)."""
+    inner = model.hf.transformer  # type: ignore[union-attr]
+    owned = sorted(i for s in stage_ids for i in ranges[s])
+    blocks = inner.h
+    inner.h = nn.ModuleDict({str(i): blocks[i] for i in owned})
+    if 0 not in stage_ids:
+        inner.wte = None
+        inner.wpe = None
+    if len(ranges) - 1 not in stage_ids:
+        inner.ln_f = None
+        model.hf.lm_head = None  # type: ignore[union-attr]
+    return model
+
+
+class GPT2Stage(nn.Module):
+    """One pipeline stage of a GPT-2 ``HFCausalLM``: token ids or hidden states in, hidden states or
+    logits out. Shares its modules with the union under the same names, like ``pp_hf.HFStage``."""
+
+    def __init__(self, union: nn.Module, stage: int, ranges: list[range]) -> None:
+        super().__init__()
+        self.first = stage == 0
+        self.last = stage == len(ranges) - 1
+        src_hf, src = union.hf, union.hf.transformer  # type: ignore[union-attr]
+        transformer = nn.Module()
+        transformer.wte = src.wte if self.first else None
+        transformer.wpe = src.wpe if self.first else None
+        transformer.drop = src.drop
+        transformer.h = nn.ModuleDict({str(i): src.h[str(i)] for i in ranges[stage]})
+        transformer.ln_f = src.ln_f if self.last else None
+        hf = nn.Module()
+        hf.transformer = transformer
+        hf.lm_head = src_hf.lm_head if self.last else None
+        hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
+        hf.base_model_prefix = getattr(src_hf, "base_model_prefix", "transformer")
+        # Where the files keep the tied head the last stage holds without wte (pretrained.tie_sources).
+        hf._tied_weights_keys = getattr(src_hf, "_tied_weights_keys", None)
+        self.hf = hf
+        self.pretrained = getattr(union, "pretrained", None)
+        self._sp_mesh: Any = None
+
+    def set_sequence_parallel(self, tp_mesh: Any) -> None:
+        """As ``HFStage.set_sequence_parallel``: the sequence shard crosses the boundary as a plain tensor."""
+        self._sp_mesh = tp_mesh
+
+    def load_pretrained(self) -> None:
+        """Read this stage's tensors (only those) from the pretrained folder; collective like DCP."""
+        if self.pretrained is not None:
+            from shardwise.models.pretrained import load_pretrained
+
+            load_pretrained(self.hf, self.pretrained)
+
+    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
+        """``side``: a packed or padded batch's positions / document ids / padding mask, which the
+        schedule hands every stage (``parallel/pp.py``); GPT-2 stages do not take them yet."""
+        from shardwise.parallel.pp_hf import _build_mask
+
+        if side:
+            from shardwise.errors import ConfigError
+
+            raise ConfigError(
+                "packed documents and padded records (data.kind = chat / instruct, or data.pack) do not run on "
+                "GPT-2 pipeline stages yet: they take token streams only. Use pp = 1 for this model (fsdp, "
+                "fsdp+tp), or a Llama-family model or the built-in GPT under pipeline parallel.")
+
+        model, config = self.hf.transformer, self.hf.config
+        if self.first:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            hidden = model.drop(model.wte(x) + model.wpe(position_ids))
+        else:
+            if self._sp_mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                x = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
+            hidden = x
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # global length
+        mask = _build_mask("full_attention", config, hidden, position_ids)
+        for block in model.h.values():
+            out = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        if self.last:
+            return self.hf.lm_head(model.ln_f(hidden))
+        if self._sp_mesh is not None:
+            hidden = hidden.to_local().clone()  # as HFStage: a copy of the shard, not a view of the DTensor
+        return hidden
