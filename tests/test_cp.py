@@ -82,8 +82,8 @@ def test_layout_cp_rules() -> None:
     assert [tp.dp_coords(r)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     with pytest.raises(ConfigError, match="parallel.cp=3 must divide the data-parallel ranks"):
         resolve_layout(ParallelConfig(strategy="fsdp", cp=3), 4)
-    with pytest.raises(ConfigError, match="pipeline parallel"):
-        Layout("fsdp+pp", dp=2, pp=2, cp=2)
+    pp = Layout("fsdp+pp", dp=2, pp=2, cp=2)  # cp x pp runs (tests/test_pp_packed.py)
+    assert [pp.cp_rank(r) for r in range(4)] == [0, 1, 0, 1] and pp.dp_coords(1) == (0, 1)
     assert resolve_cp_impl("auto", "cpu") == "alltoall"
     with pytest.raises(ConfigError, match="cp_impl = 'ring' cannot run on this cpu run"):
         resolve_cp_impl("ring", "cpu")

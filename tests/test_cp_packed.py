@@ -110,7 +110,7 @@ def test_chunk_batch_keeps_the_whole_sequence_mask_and_cuts_tokens_and_positions
     y[1, 4:] = -100
     # 7 tokens over cp = 2: right-padded to 8 (doc -1, label -100), each rank 4 of them.
     padded_doc = torch.cat([doc, torch.full((2, 1), -1)], dim=1)
-    whole = attention_mask_4d({"doc_ids": padded_doc}, 8, ids.device)
+    whole = attention_mask_4d({"doc_ids": padded_doc})
     for rank, cols in ((0, slice(0, 4)), (1, slice(4, 8))):
         state = CPState()
         x, t = chunk_batch({"input_ids": ids, "doc_ids": doc, "position_ids": pos}, y, rank, 2, state)

@@ -110,3 +110,17 @@ def test_recipe_loads_and_builds():
     cfg = load_config("hf-llama-tiny")
     assert (cfg.model.kind, cfg.model.hf_config, cfg.model.overrides) == ("hf", "llama-tiny", {"block_size": 128})
     assert build_workload(cfg.model, cfg.data).tokens_per_sample == 128
+
+
+def test_pretrained_weights_fill_checkpoint_wrapped_layers(tmp_path):
+    """A meta-built model is filled after the strategy wrapped its layers for activation checkpointing:
+    the wrapper's name part is not in the files (fsdp/ddp+pp with a pretrained folder and AC)."""
+    from shardwise.models.pretrained import check_model_tensors, inspect_pretrained
+    from shardwise.parallel.checkpointing import apply_activation_checkpointing
+
+    model = build_hf_model("llama-tiny", num_hidden_layers=2)
+    model.hf.save_pretrained(str(tmp_path))
+    apply_activation_checkpointing(model, "full")
+    mapping = check_model_tensors(inspect_pretrained(tmp_path), model.hf)
+    wrapped = "model.layers.1._checkpoint_wrapped_module.self_attn.q_proj.weight"
+    assert mapping[wrapped] == "model.layers.1.self_attn.q_proj.weight"

@@ -212,8 +212,13 @@ def test_cp_is_a_factor_of_the_data_parallel_ranks():
     assert [layout.dp_coords(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     with pytest.raises(ConfigError, match="parallel.cp=3 must divide the data-parallel ranks"):
         resolve_layout(ParallelConfig(strategy="fsdp", cp=3), 4)
-    with pytest.raises(ConfigError, match="does not run with pipeline parallel"):
-        resolve_layout(ParallelConfig(strategy="ddp+pp", cp=2, pp=2), 4)
+    # With pipeline parallel: the cp pairs are taken out of each stage's dp ranks (same pp coordinate).
+    layout = resolve_layout(ParallelConfig(strategy="fsdp+pp", cp=2, pp=2), 8)
+    assert (layout.cp, layout.dp, layout.pp) == (2, 4, 2)
+    assert [layout.cp_rank(r) for r in range(8)] == [0, 1] * 4
+    assert [layout.dp_coords(r) for r in range(8)] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
+    with pytest.raises(ConfigError, match="takes its ranks from the data-parallel dimension.*'fsdp\\+pp'"):
+        resolve_layout(ParallelConfig(strategy="pp", cp=2, pp=2), 4)
     with pytest.raises(ConfigError, match="parallel.cp must be > 0"):
         load_config(overrides=["parallel.cp=0"])
 

@@ -158,9 +158,6 @@ class Layout:
                 f"parallel.cp={self.cp} must divide the data-parallel ranks ({self.dp}): context-parallel ranks "
                 "are taken out of the data-parallel dimension (cp ranks read the same sequences). Launch a "
                 "multiple of cp ranks, or change parallel.dp / parallel.cp.")
-        if self.cp > 1 and self.pp > 1:
-            raise ConfigError("parallel.cp > 1 does not run with pipeline parallel yet; use fsdp, ddp, hsdp or "
-                              "fsdp+tp with cp.")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel needs tensor parallel (tp >= 2); "
                               "pick a strategy with tp or unset it.")
@@ -441,10 +438,14 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
                 f"({' x '.join(f'{d}={degrees[d]}' for d in dims if degrees[d])} = {known}).")
         degrees[open_dims[0]] = world_size // known
     if degrees["pp"] * degrees["dp"] * degrees["tp"] != world_size:
+        # cp ranks are data-parallel ranks: a strategy without a dp dimension ('tp', 'pp') has none.
+        hint = (f" parallel.cp={options.cp} takes its ranks from the data-parallel dimension, which this "
+                "strategy does not have: pick one with dp (e.g. 'fsdp+pp', 'ddp+pp', 'fsdp+tp')."
+                if options.cp > 1 and "dp" not in active else "")
         raise ConfigError(
             f"dp x tp x pp must equal the world size: {degrees['dp']} x {degrees['tp']} x "
             f"{degrees['pp']} = {degrees['pp'] * degrees['dp'] * degrees['tp']}, but {world_size} ranks "
-            "were launched. Change --nproc or the parallel.dp/tp/pp degrees.")
+            f"were launched. Change --nproc or the parallel.dp/tp/pp degrees.{hint}")
     # An active degree below 2 is Layout's to refuse (one owner for that rule).
     return degrees
 

@@ -49,10 +49,12 @@ def trim_padding(batch: tuple[dict[str, torch.Tensor], torch.Tensor]) -> tuple[d
     return {k: v[:, :n] for k, v in inputs.items()}, targets[:, :n]
 
 
-def collate_rows(items: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> tuple[dict[str, torch.Tensor],
-                                                                                    torch.Tensor]:
-    """Stack ``RowSequences`` items and cut the trailing padding (dynamic padding)."""
-    return trim_padding(default_collate(items))
+def collate_rows(items: list[tuple[dict[str, torch.Tensor], torch.Tensor]], *,
+                 trim: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Stack ``RowSequences`` items and cut the trailing padding (dynamic padding); ``trim=False``
+    keeps every row's full length (fixed-shape batches, what a pipeline schedule needs)."""
+    batch = default_collate(items)
+    return trim_padding(batch) if trim else batch
 
 
 class RecordCollator:

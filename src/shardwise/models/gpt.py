@@ -117,7 +117,7 @@ class GPT(nn.Module):
         """Logits of token ids ``(B, T)``, or of a mapping with ``input_ids`` and optionally
         ``position_ids``/``doc_ids``/``attention_mask`` (packed or padded rows, see models.masking)."""
         idx, extra = split_inputs(idx)
-        mask = attention_mask_4d(extra, idx.shape[1], idx.device) if extra else None
+        mask = attention_mask_4d(extra) if extra else None
         # A pipeline stage without the embeddings receives hidden states instead of token ids.
         if self.tok_emb is not None:
             seq = idx.shape[1]

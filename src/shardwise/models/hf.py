@@ -73,7 +73,7 @@ class HFCausalLM(nn.Module):
         if "position_ids" in extra:
             kwargs["position_ids"] = extra["position_ids"]
         if "doc_ids" in extra:
-            kwargs["attention_mask"] = attention_mask_4d(extra, ids.shape[1], ids.device)
+            kwargs["attention_mask"] = attention_mask_4d(extra)
         elif "attention_mask" in extra:
             kwargs["attention_mask"] = extra["attention_mask"]  # HF's own 2-D padding mask
         # No KV cache: training never reuses it, and it would hold activations across steps.

@@ -41,13 +41,17 @@ def split_inputs(inputs: torch.Tensor | Mapping[str, Any]) -> tuple[torch.Tensor
     return inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids" and v is not None}
 
 
-def attention_mask_4d(extra: Mapping[str, torch.Tensor], seq: int,
-                      device: torch.device) -> torch.Tensor | None:
+def attention_mask_4d(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The ``(B, 1, T, T)`` boolean mask (True = may attend) of causal attention within documents and
-    over real tokens, or None when plain causal attention is exact (no doc ids, no padding mask)."""
+    over real tokens, or None when plain causal attention is exact (no doc ids, no padding mask).
+
+    ``T`` is the side inputs' own length, the whole sequence: the hidden states a module holds may
+    be a part of it (a pipeline stage's input under sequence parallel is a sequence shard)."""
     doc_ids, pad = extra.get("doc_ids"), extra.get("attention_mask")
     if doc_ids is None and pad is None:
         return None
+    ref = doc_ids if doc_ids is not None else pad
+    seq, device = ref.shape[-1], ref.device
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     mask = causal[None, None]
     if doc_ids is not None:

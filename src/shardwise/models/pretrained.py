@@ -255,8 +255,12 @@ LORA_WRAPPED = ".base_layer"  # peft keeps the module it wraps under this name
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face name of a registered tensor name (peft's ``.base_layer`` removed)."""
-    return name.replace(LORA_WRAPPED, "")
+    """The Hugging Face name of a registered tensor name (peft's ``.base_layer`` and activation
+    checkpointing's wrapper prefix removed: a meta-built model is filled after the strategy wrapped
+    its layers)."""
+    from shardwise.parallel.checkpointing import CHECKPOINT_PREFIX
+
+    return name.replace(LORA_WRAPPED, "").replace(CHECKPOINT_PREFIX, "")
 
 
 def tensor_groups(hf: nn.Module) -> list[list[str]]:

@@ -219,7 +219,8 @@ class ModelParallelStrategy(Strategy):
             if aux is not None:  # the pipeline's per-micro-batch loss scale (parallel/pp.py)
                 aux.grad_scale = 1.0 / (m * session.grad_accum_steps)
             with tp_loss_context(tp):
-                loss = self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True)
+                loss = self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True,
+                                         cp_state=session.cp_state)
             # The reported loss holds every stage's aux losses, as one process's loss does.
             return loss if aux is None else loss + aux.reported(m, loss.device)
         with tp_loss_context(tp):
@@ -233,7 +234,7 @@ class ModelParallelStrategy(Strategy):
         tp = self.layout.tp
         with tp_loss_context(tp):
             if self.pipeline is not None:
-                loss = self.pipeline.run(inputs, targets, loss_fn, 1, train=False)
+                loss = self.pipeline.run(inputs, targets, loss_fn, 1, train=False, cp_state=session.cp_state)
             else:
                 with session.autocast():
                     loss = local_value(loss_fn(model(inputs), targets).detach())

@@ -27,6 +27,11 @@ rank's heads see after the all-to-all. A batch whose length is not a multiple of
 padding) is padded on the right first (padding is masked and its labels are -100: no number
 changes). The mask costs ``S^2`` bytes per row on every rank, as in one process.
 
+Under pipeline parallel each cp rank's chunk flows through the stages (the cp group of a stage
+holds the same stage on every member): ``chunk_batch(..., positions=True)`` gives every stage the
+chunk's global positions, and ``parallel.pp.Pipeline`` points ``CPState`` at each microbatch's
+slice of the whole-sequence mask while a stage runs that microbatch.
+
 A token-sum loss (``runtime.token_loss``, what records and packed text train on) divides by the
 trained tokens of the whole global batch and is multiplied by the ranks gradients are averaged
 over, cp ranks included (``step_scale``), so cp ranks may hold any share of the trained tokens.
@@ -37,7 +42,11 @@ torchtitan's layout: FSDP shards over dp_shard x cp) is then the gradient of tha
 GQA: kv-heads divisible by cp are split like the query heads (each rank's query heads keep their
 own kv group); when kv-heads < cp (or do not divide) the kv heads are repeated to the query-head
 count before the all-to-all: correct, at the cost of moving ``n_head / n_kv_head`` times more kv
-bytes. Query heads (per tensor-parallel rank) must be divisible by cp.
+bytes. Query heads (per tensor-parallel rank) must be divisible by cp. transformers repeats the kv
+heads to the query heads itself when it builds a mask, and it builds one when a chunk's
+``position_ids`` look like packed documents, which differs between the chunks of one sequence:
+the all-to-all takes the original kv heads back from such a repeat (the module's
+``num_key_value_groups``), so every rank of a cp group exchanges the same shapes.
 
 ``parallel.cp_impl``: ``alltoall`` is this module. ``ring`` (torch's ``context_parallel``, ring
 attention with load-balanced causal sharding) is CUDA-only in torch and is not wired in yet: it
@@ -176,9 +185,11 @@ class CPState:
 class _UlyssesMode(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` on sequence chunks through the all-to-alls."""
 
-    def __init__(self, group: Any, cp: int, state: CPState) -> None:
+    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1) -> None:
         super().__init__()
         self.group, self.cp, self.state = group, cp, state
+        # Query heads per kv head of the attention module this mode runs inside (GQA; 1 otherwise).
+        self.kv_groups = kv_groups
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -207,6 +218,13 @@ class _UlyssesMode(TorchFunctionMode):
         if dropout_p:
             raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
                               "mask); set the model's attention dropout to 0.")
+        if self.kv_groups > 1 and k.shape[1] == q.shape[1]:
+            # transformers repeated the kv heads to one per query head, which it does only when it
+            # built a mask, and whether it builds one depends on the chunk's positions (packed
+            # documents guessed from restarting position_ids): ranks of one cp group could then
+            # disagree on the kv head count and exchange differently sized all-to-alls. Take the
+            # original kv heads back (each is kv_groups consecutive copies), so every rank agrees.
+            k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]
         cp, heads, kv = self.cp, q.shape[1], k.shape[1]
         if heads % cp:
             raise ConfigError(f"context parallel splits attention heads over parallel.cp={cp} ranks, but this rank "
@@ -271,9 +289,10 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
     mode_args = (group, cp, state if state is not None else CPState())
     for attn in _attention_modules(model):
         dense = attn.forward
+        groups = int(getattr(attn, "num_key_value_groups", 1) or 1)  # HF attention modules (GQA)
 
-        def forward(*args: Any, _dense: Any = dense, **kwargs: Any) -> Any:
-            with _UlyssesMode(*mode_args):
+        def forward(*args: Any, _dense: Any = dense, _groups: int = groups, **kwargs: Any) -> Any:
+            with _UlyssesMode(*mode_args, kv_groups=_groups):
                 return _dense(*args, **kwargs)
 
         attn.forward = forward  # type: ignore[method-assign]
@@ -320,18 +339,24 @@ def pad_to_multiple(inputs: dict[str, torch.Tensor], targets: torch.Tensor,
 
 
 def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
-                state: CPState) -> tuple[Any, torch.Tensor]:
+                state: CPState, *, positions: bool = False) -> tuple[Any, torch.Tensor]:
     """This rank's chunk of one batch, and the whole-sequence mask into ``state`` (see module docstring).
 
     ``inputs``: a ``(B, T)`` tensor of token ids, or a mapping with the keys of ``models.masking``
     (packed rows, padded records). The mapping's chunk holds ``input_ids`` and ``position_ids`` (the
     whole sequence's positions, cut): the document/padding mask goes to the attention through
     ``state``, built from all ``T`` tokens' ``doc_ids`` / ``attention_mask``.
+
+    ``positions=True``: a tensor of token ids also comes back as such a mapping, with the chunk's
+    global positions. A pipeline's later stages need them (they see hidden states, not where the
+    chunk sits in the sequence, and the rotary positions of a Hugging Face stage are its inputs).
     """
     cut = lambda t: split_sequence(t, cp_rank, cp)  # noqa: E731
     if isinstance(inputs, torch.Tensor):
         state.mask = None
-        return cut(inputs), cut(targets)
+        if not positions:
+            return cut(inputs), cut(targets)
+        inputs = {"input_ids": inputs}
     ids, extra = split_inputs(inputs)
     if "doc_ids" in extra or "attention_mask" in extra:
         inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp)
@@ -340,7 +365,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     positions = extra.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(ids.shape[0], seq)
-    state.mask = attention_mask_4d(extra, seq, ids.device)
+    state.mask = attention_mask_4d(extra)
     return {"input_ids": cut(ids), "position_ids": cut(positions)}, cut(targets)
 
 

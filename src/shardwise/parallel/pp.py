@@ -13,11 +13,28 @@ microbatch, and ``scale_grads=False`` keeps it from rescaling afterwards (it wou
 gradients kept from earlier accumulation steps). We hand it ``loss_mb / (m * A)`` for ``m``
 microbatches and ``A = grad_accum_steps``; the sum of the ``m * A`` backward passes is then
 ``(1 / (m A)) * sum_a sum_mb grad(mean loss of the microbatch)``, the gradient of the mean loss
-over the rank's whole batch; DDP/FSDP average it over data-parallel replicas as usual.
+over the rank's whole batch; DDP/FSDP average it over data-parallel replicas as usual. A loss
+marked as a token SUM (``runtime.token_loss``: records and packed text, already scaled by the
+global count of trained tokens) adds up over the microbatches instead: it gets ``1 / A``, so the
+step's gradient is the one-process token mean whatever the split.
+
+Record and packed batches (a mapping with ``position_ids`` / ``doc_ids`` / ``attention_mask``,
+``models.masking``): every stage needs its microbatch's positions and document mask, not only
+the first. They go to ``schedule.step`` as keyword arguments on every rank: torch's schedules cut
+step kwargs into the same microbatches as the inputs and hand microbatch ``i``'s share to every
+stage's forward of microbatch ``i`` (torchtitan feeds its positions and attention masks to later
+stages the same way, as ``kwarg_mbs``). The pipeline ranks of a group read the same batch, so each
+rank has them; nothing but the activation crosses a stage boundary, and each stage builds the
+mask it needs from the doc ids (``models.masking.attention_mask_4d``, the one owner of that rule).
+Under context parallel the whole sequence's mask lives in the cp group's ``CPState``; it is cut
+into the same microbatches and the state is pointed at microbatch ``i``'s mask whenever a stage
+runs microbatch ``i``, forward or backward (activation checkpointing recomputes the attention in
+the backward, in whatever order the schedule interleaves the microbatches).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +49,7 @@ from shardwise.errors import ConfigError
 from shardwise.layout import Layout, stage_layer_ranges
 from shardwise.pp_schedules import schedule_info, stage_rank
 
-__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "n_pipeline_blocks",
+__all__ = ["Pipeline", "autocast_forward", "check_pp_model", "fixed_shape_collate", "n_pipeline_blocks",
            "prune_to_stages", "stage_layer_ranges", "stage_view"]
 
 
@@ -114,7 +131,22 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     view.blocks = nn.ModuleDict({str(i): union.blocks[str(i)] for i in ranges[stage]})
     view.ln_f = union.ln_f if last else None
     view.lm_head = union.lm_head if last else None
+    _keyword_inputs(view)
     return view
+
+
+def _keyword_inputs(view: nn.Module) -> None:
+    """Let a GPT stage take its side inputs by keyword, as the schedule passes them (module docstring).
+
+    The GPT reads them from its input mapping; a stage after the first gets hidden states as the
+    mapping's ``input_ids`` (its forward uses them as such when it has no embedding)."""
+    forward = view.forward
+
+    @functools.wraps(forward)
+    def keyword_forward(x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        return forward({"input_ids": x, **extra} if extra else x)
+
+    view.forward = keyword_forward
 
 
 def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -151,6 +183,34 @@ def _forward_only_v_schedule(stages: list[PipelineStage], kwargs: dict[str, Any]
     return schedule
 
 
+def fixed_shape_collate(collate_fn: Callable) -> Callable:
+    """The collate function to feed a pipeline with instead of ``collate_fn``: batches of one shape.
+
+    torch sizes the stages' receive buffers from the first batch. Re-inferring them when a batch
+    has another shape (``Pipeline._fit_shapes``) runs a forward outside the schedule, whose FSDP
+    all-gathers only the ranks that re-infer take part in: ranks of another data-parallel replica
+    (other data) or an accumulation step later in the same optimizer step would not match. So the
+    built-in trainer's record batches keep their full row length under a pipeline instead of being
+    cut to the batch's longest row (``data.collate``): the padding is masked and its labels -100,
+    so no number changes; the cost is the padding's compute.
+    """
+    from shardwise.data.collate import collate_rows
+
+    if collate_fn is collate_rows:
+        return functools.partial(collate_rows, trim=False)
+    return collate_fn
+
+
+def _uninitialise(schedule: Any) -> None:
+    """Make torch's ``schedule`` set up its stages (shapes, buffers) again at its next step.
+
+    Single-stage schedules keep the flags as ``_stage_*``, multi-stage ones as ``_stages_*``."""
+    for name in ("_stage_forward_initialized", "_stage_backward_initialized",
+                 "_stages_forward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, name):
+            setattr(schedule, name, False)
+
+
 class Pipeline:
     """One rank's share of a pipeline: its stages, the schedule, and loss bookkeeping."""
 
@@ -166,7 +226,14 @@ class Pipeline:
         self.has_last = n_stages - 1 in stage_ids
         self.stages = [PipelineStage(m, s, n_stages, device, group=pp_group)
                        for m, s in zip(stage_modules, stage_ids)]
+        # Context parallel: the step's whole-sequence masks, one per microbatch (module docstring).
+        self._cp_state: Any = None
+        self._cp_masks: list[torch.Tensor | None] | None = None
+        for stage in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                setattr(stage, name, self._with_cp_mask(getattr(stage, name)))
         self._loss_fn: Callable | None = None
+        self._shapes: dict[int, tuple[int, ...]] = {}  # the batch shape each schedule last ran
         self._scale = 1.0
         kwargs = {"n_microbatches": n_microbatches, "loss_fn": self._scaled_loss, "scale_grads": False}
         # The schedule table (pp_schedules.py) names the torch class and its stage placement;
@@ -180,43 +247,124 @@ class Pipeline:
         if info.placement == "v":
             self._eval_schedule = _forward_only_v_schedule(self.stages, kwargs)
 
+    def _fit_shapes(self, schedule: Any, shape: tuple[int, ...]) -> None:
+        """Make ``schedule`` infer its stages' shapes again when the batch's shape changed.
+
+        torch sizes every stage's receive buffers once, from the first batch. A loop of its own may
+        pad records to each batch's longest row (dynamic padding, ``data.collate``), so a later
+        batch may be shorter or longer: the stages then re-run torch's shape inference (a forward
+        and a small metadata exchange between neighbours). The pipeline ranks read the same batch,
+        so they all do it at the same step. Refused under FSDP with several data-parallel ranks
+        (see ``fixed_shape_collate``; the built-in trainer's batches have one shape).
+        """
+        if self._shapes.get(id(schedule)) not in (None, shape):
+            if self.layout.dp > 1 and self.layout.info.dp_kind == "fsdp":
+                # The re-inference's FSDP all-gathers would run on this replica only (fixed_shape_collate).
+                raise ConfigError(
+                    f"pipeline parallel under FSDP with {self.layout.dp} data-parallel ranks needs every batch "
+                    f"of a run in one shape; this one is {list(shape)} after {list(self._shapes[id(schedule)])}. "
+                    "Pad batches to a fixed length (shardwise.data.collate.collate_rows(..., trim=False); the "
+                    "built-in trainer does), or use ddp+pp.")
+            _uninitialise(schedule)
+        self._shapes[id(schedule)] = shape
+
+    @contextlib.contextmanager
+    def _no_ddp_sync(self) -> Any:
+        """DDP-wrapped stages in ``no_sync`` for the whole step.
+
+        torch runs every microbatch's forward under ``no_sync`` and arms DDP's reducer itself before
+        the last backward; the one forward it runs outside is the shape inference's, whose output
+        gets no backward. On the first step that is harmless, but a re-inference (a new batch
+        shape, ``_fit_shapes``) after DDP built its buckets leaves the reducer expecting a backward
+        and the next step fails inside DDP. Under ``no_sync`` that forward arms nothing.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        with contextlib.ExitStack() as stack:
+            for stage in self.stages:
+                if isinstance(stage.submod, DistributedDataParallel):
+                    stack.enter_context(stage.submod.no_sync())
+            yield
+
+    def _with_cp_mask(self, method: Callable) -> Callable:
+        """``method`` (a stage's forward or backward of one microbatch) with the cp state pointed at
+        that microbatch's whole-sequence mask while it runs."""
+        @functools.wraps(method)
+        def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if self._cp_masks is not None:
+                self._cp_state.mask = self._cp_masks[chunk_id]
+            return method(chunk_id, *args, **kwargs)
+
+        return run
+
+    def _take_cp_masks(self, cp_state: Any) -> None:
+        """Cut the batch's whole-sequence mask (``parallel.cp.chunk_batch`` left it in ``cp_state``)
+        into the schedule's microbatches, with torch's own splitting, so microbatch i gets rows i."""
+        self._cp_state, self._cp_masks = cp_state, None
+        if cp_state is None or cp_state.mask is None:
+            return
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+        _, pieces = split_args_kwargs_into_chunks((), {"mask": cp_state.mask}, self.n_microbatches)
+        self._cp_masks = [piece["mask"] for piece in pieces]
+        # torch's shape inference (first step, or a new batch shape) runs a forward of microbatch
+        # 0's inputs outside forward_one_chunk: it must see that microbatch's mask too.
+        cp_state.mask = self._cp_masks[0]
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss_fn is not None
         return self._loss_fn(output, target) * self._scale
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
-            grad_accum_steps: int, train: bool) -> torch.Tensor:
-        """Run the schedule on one batch (forward+backward, or forward only); return the mean loss.
+    def run(self, inputs: torch.Tensor | dict[str, torch.Tensor], targets: torch.Tensor, loss_fn: Callable,
+            grad_accum_steps: int, train: bool, cp_state: Any = None) -> torch.Tensor:
+        """Run the schedule on one batch (forward+backward, or forward only); return its loss: the mean
+        over the microbatches, or for a token-sum loss (``runtime.token_loss``) their sum.
 
+        ``inputs``: token ids, or a mapping of them and their side inputs (``models.masking``).
+        ``cp_state``: the cp group's state holding the batch's whole-sequence mask (context parallel).
         Every rank of the pipeline returns the same value, broadcast from the last stage.
         """
-        self.layout.check_batch(inputs.shape[0])
+        from shardwise.models.masking import split_inputs
+        from shardwise.runtime.token_loss import is_token_sum
+
+        ids, extra = split_inputs(inputs)
+        self.layout.check_batch(ids.shape[0])
         self._loss_fn = loss_fn
-        # See the module docstring: the m * A backward passes sum to one big batch's gradient.
-        self._scale = 1.0 / (self.n_microbatches * grad_accum_steps)
-        args = (inputs,) if self.has_first else ()
+        # See the module docstring: the m * A backward passes sum to one big batch's gradient
+        # (a token sum adds up over the m microbatches itself).
+        summed = is_token_sum(loss_fn)
+        self._scale = 1.0 / (grad_accum_steps if summed else self.n_microbatches * grad_accum_steps)
+        self._take_cp_masks(cp_state)
+        self._fit_shapes(self.schedule if train else self._eval_schedule, tuple(ids.shape))
+        args = (ids,) if self.has_first else ()
         target = targets if self.has_last else None
         losses: list | None = [] if self.has_last else None
-        if train:
-            self.schedule.step(*args, target=target, losses=losses)
-        else:
-            self._eval_schedule.eval(*args, target=target, losses=losses)
-            if self._eval_schedule is not self.schedule:
-                # The two schedules share the stages, but each keeps its own "stages initialised
-                # for train/eval" flags: make the next training step re-initialise them (its
-                # receive buffers must require grad again, or the stage boundaries pass no
-                # gradient), and the next evaluation likewise.
-                for sched in (self.schedule, self._eval_schedule):
-                    sched._stages_forward_initialized = False  # noqa: SLF001
-                    sched._stages_backward_initialized = False  # noqa: SLF001
+        try:
+            with self._no_ddp_sync():
+                if train:
+                    self.schedule.step(*args, target=target, losses=losses, **extra)
+                else:
+                    self._eval_schedule.eval(*args, target=target, losses=losses, **extra)
+        finally:
+            self._cp_masks = None
+            if cp_state is not None:
+                cp_state.mask = None
+        if not train and self._eval_schedule is not self.schedule:
+            # The two schedules share the stages, but each keeps its own "stages initialised
+            # for train/eval" flags: make the next training step re-initialise them (its
+            # receive buffers must require grad again, or the stage boundaries pass no
+            # gradient), and the next evaluation likewise.
+            for sched in (self.schedule, self._eval_schedule):
+                _uninitialise(sched)
         from shardwise.parallel.tp import local_value
 
         if self.has_last:
             # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
             # calls on placeholder tensors while it infers shapes on the first step), unscaled.
-            loss = torch.stack([local_value(t.detach()).float() for t in losses]).mean() / self._scale
+            loss = torch.stack([local_value(t.detach()).float() for t in losses])
+            loss = (loss.sum() if summed else loss.mean()) / self._scale
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
+            loss = torch.zeros((), dtype=torch.float32, device=ids.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 

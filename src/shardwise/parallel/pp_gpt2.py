@@ -94,8 +94,18 @@ class GPT2Stage(nn.Module):
 
             load_pretrained(self.hf, self.pretrained)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
+        """``side``: a packed or padded batch's positions / document ids / padding mask, which the
+        schedule hands every stage (``parallel/pp.py``); GPT-2 stages do not take them yet."""
         from shardwise.parallel.pp_hf import _build_mask
+
+        if side:
+            from shardwise.errors import ConfigError
+
+            raise ConfigError(
+                "packed documents and padded records (data.kind = chat / instruct, or data.pack) do not run on "
+                "GPT-2 pipeline stages yet: they take token streams only. Use pp = 1 for this model (fsdp, "
+                "fsdp+tp), or a Llama-family model or the built-in GPT under pipeline parallel.")
 
         model, config = self.hf.transformer, self.hf.config
         if self.first:

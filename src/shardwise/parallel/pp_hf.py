@@ -10,10 +10,11 @@ done here from outside (the HF code is not touched):
   every parameter keeps the name it has on one device: ``hf.model.layers.5.self_attn.q_proj.weight``.
   Parts a rank does not own (embeddings, final norm, head) are set to ``None``.
 * **A stage forward.** ``HFStage`` runs what ``LlamaModel.forward`` runs, restricted to its slice:
-  the first stage embeds token ids, every stage builds the position ids, the rotary cos/sin and
-  the causal mask(s) its layers need from the hidden states it receives (so nothing but one
-  activation tensor crosses a stage boundary), the last stage applies the final norm and the head
-  and returns logits for the loss.
+  the first stage embeds token ids, every stage builds the rotary cos/sin and the causal mask(s)
+  its layers need from the microbatch's ``position_ids`` / ``doc_ids`` / ``attention_mask``
+  (keyword inputs the schedule hands every stage, ``parallel/pp.py``; plain causal positions
+  without them), so nothing but one activation tensor crosses a stage boundary; the last stage
+  applies the final norm and the head and returns logits for the loss.
 * **Per-stage weights.** Nothing here reads weights: the union holds only this rank's tensors, so
   the meta-init replay allocates only them and ``models.pretrained.load_pretrained`` asks DCP for
   only their keys (each rank reads just its stage's bytes from the safetensors files).
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.masking import attention_mask_4d
 from shardwise.parallel.blocks import model_family
 from shardwise.parallel.registry import PP_FAMILIES
 
@@ -105,14 +107,16 @@ def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[rang
     return model
 
 
-def _mask_kwargs(fn: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-    """Keyword arguments of transformers' mask builders for a no-cache, no-padding training step.
+def _mask_kwargs(fn: Any, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Keyword arguments of transformers' mask builders for a no-cache training step; ``attention_mask``
+    is what ``HFCausalLM.forward`` hands the model (a 4-D document mask, a 2-D padding mask, or None).
 
     The builders' signature changed between 4.x (``cache_position``, ``past_key_values``) and 5.x
     (``cache``); only the names the installed version takes are passed.
     """
     params = inspect.signature(fn).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": None}
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask}
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
     for name in ("cache", "past_key_values"):
         if name in params:
@@ -165,24 +169,42 @@ class HFStage(nn.Module):
 
             load_pretrained(self.hf, self.pretrained)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
+        of a packed or padded batch (``models.masking``), which the schedule hands every stage."""
         model, config = self.hf.model, self.hf.config
         if self.first:
             hidden = model.embed_tokens(x)
         elif self._sp_mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
+            # The global length: a record batch's length need not divide by tp (dynamic padding;
+            # torch shards it unevenly), so it comes from the side inputs, which span the whole
+            # sequence; a token stream's length is a multiple of tp.
+            side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
+            total = side.shape[-1] if side is not None else x.shape[1] * self._sp_mesh.size()
+            shape = (x.shape[0], total, *x.shape[2:])
+            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False, shape=shape,
+                                        stride=torch.empty(shape, device="meta").stride())
         else:
             hidden = x
         seq = hidden.shape[1]
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+        # What HFCausalLM.forward passes the HF model for the same batch: the documents' 4-D mask
+        # (one owner: models.masking), or the records' 2-D padding mask.
+        mask = attention_mask
+        if doc_ids is not None:
+            extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids,
+                                                                          "attention_mask": attention_mask}
+            mask = attention_mask_4d(extra)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
         for name, layer in model.layers.items():
             kind = _attention_kind(config, int(name))
             if kind not in masks:
-                masks[kind] = _build_mask(kind, config, hidden, position_ids)
+                masks[kind] = _build_mask(kind, config, hidden, position_ids, mask)
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
                         position_embeddings=position_embeddings, use_cache=False)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
@@ -205,10 +227,11 @@ def _attention_kind(config: Any, index: int) -> str:
     return "full_attention"
 
 
-def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> Any:
     from transformers import masking_utils
 
     fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
           else masking_utils.create_causal_mask)
     # sdpa with no padding: the builder returns None and attention runs with is_causal=True.
-    return fn(**_mask_kwargs(fn, config, hidden, position_ids))
+    return fn(**_mask_kwargs(fn, config, hidden, position_ids, attention_mask))

@@ -57,7 +57,9 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
     runtime's layout: cp ranks are a factor of dp, ep ranks are borrowed from the FSDP shard ranks):
 
     * ``cp``: for a long ``seq`` (plan/cp.py ``cp_candidates``: from ``LONG_SEQ`` tokens, degrees
-      dividing dp, the heads per TP rank and the sequence); not with a pipeline (the runtime refuses).
+      dividing dp, the heads per TP rank and the sequence). The runtime runs cp beside a pipeline,
+      and a pinned ``--cp`` is tried with every pp degree; the open search tries cp only at pp = 1
+      (crossing both axes multiplies the layouts about ninefold for a long-sequence 70B plan).
     * ``ep``: for a mixture-of-experts model (plan/moe.py ``ep_candidates``: divisors of dp that
       divide the expert count); the registry's strategies that run it are found by the layout.
 

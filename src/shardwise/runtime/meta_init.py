@@ -219,6 +219,11 @@ class InitProgram:
     tied: list[list[str]] = field(default_factory=list)
     # Set by the last materialize(): the most bytes of CPU storage the replay held at once.
     peak_replay_bytes: int = 0
+    # The CPU generator's state when the build started. Every replay starts from it, so a model
+    # materialised in parts (a rank's pipeline stages, one FSDP root each, materialised one after
+    # the other) gets the eager values in every part, not the draws after the previous part's
+    # replay; each replay leaves the generator where the eager build leaves it.
+    rng_state: torch.Tensor | None = None
 
     def materialize(self, model: nn.Module, device: torch.device, *, skip: set[str] | None = None,
                     name_of: Callable[[str], str] | None = None) -> None:
@@ -317,6 +322,8 @@ class InitProgram:
         storages: dict[int, torch.UntypedStorage] = {}
         cpu = torch.device("cpu")
         self.peak_replay_bytes = 0
+        if self.rng_state is not None:
+            torch.set_rng_state(self.rng_state)
 
         def real(x: Any, scratch: bool) -> Any:
             if isinstance(x, _Ref):
@@ -421,6 +428,7 @@ def record_build(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgr
     MetaInitUnsupported when the factory cannot be built this way.
     """
     recorder = _Recorder()
+    rng_state = torch.get_rng_state()
     # No ``with torch.device('meta')`` here: the recorder itself sends new tensors to meta, and
     # Hugging Face would skip its weight init under such a context (there would be nothing to record).
     with recorder:
@@ -439,4 +447,4 @@ def record_build(factory: Callable[[], nn.Module]) -> tuple[nn.Module, InitProgr
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta:
                 targets.setdefault(f"{mod_name}.{attr}" if mod_name else attr, recorder.ref(value))
     tied = [names for names in by_param.values() if len(names) > 1]
-    return model, InitProgram(recorder.ops, dict(recorder.nbytes), targets, tied)
+    return model, InitProgram(recorder.ops, dict(recorder.nbytes), targets, tied, rng_state=rng_state)

@@ -520,7 +520,8 @@ class Session:
             return inputs, targets
         from shardwise.parallel.cp import chunk_batch
 
-        return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state)
+        return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state,
+                           positions=self.layout.pp > 1)
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""

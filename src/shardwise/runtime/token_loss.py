@@ -18,11 +18,18 @@ pipeline parallel peers) hold the same batch, so the all-reduced count is divide
 Context-parallel ranks also hold the same batch (counted before it is cut), but each computes the
 loss of its own sequence chunk and gradients are averaged over them too (they are part of the
 data-parallel dimension): the scale is ``dp * cp * A / N``.
+
+Under pipeline parallel the schedule cuts each micro-batch again into its own micro-batches and
+runs the loss on each piece. A token SUM adds up over the pieces, whereas a mean loss is averaged
+over them, so the schedule must know which it has: ``token_sum`` marks a loss function as a sum
+(``token_sum_loss`` is one; the trainer marks its scaled wrapper) and ``is_token_sum`` is what the
+pipeline asks (``parallel.pp.Pipeline.run``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,8 +38,23 @@ import torch.nn.functional as F
 from shardwise.models.masking import real_token_count
 
 IGNORE_INDEX = -100
+_SUM_MARK = "_shardwise_token_sum"
+
+LossFn = TypeVar("LossFn", bound=Callable[..., Any])
 
 
+def token_sum(fn: LossFn) -> LossFn:
+    """Mark ``fn`` as a loss that sums over tokens (it adds up over a micro-batch's pieces); returns ``fn``."""
+    setattr(fn, _SUM_MARK, True)
+    return fn
+
+
+def is_token_sum(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` was marked by ``token_sum`` (otherwise a loss is taken as a mean)."""
+    return bool(getattr(fn, _SUM_MARK, False))
+
+
+@token_sum
 def token_sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Sum of the cross-entropy over the tokens whose label is not -100."""
     return F.cross_entropy(output.flatten(0, -2).float(), target.flatten(), ignore_index=IGNORE_INDEX,

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
-from shardwise.errors import CheckpointError, ConfigError, NonFiniteError
+from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import take_moe_stats
@@ -42,7 +42,7 @@ from shardwise.runtime.collective import gather
 from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.session import Session
-from shardwise.runtime.token_loss import step_scale, token_sum_loss
+from shardwise.runtime.token_loss import step_scale, token_sum, token_sum_loss
 from shardwise.workloads import Workload, build_workload
 
 # "No non-finite step yet" in the device-side first-bad-step tensor (a min-reduce picks the first).
@@ -148,10 +148,6 @@ class Trainer:
             # (an explicit train.loss_chunks was refused before launch: preflight).
             self.session.loss_chunks = 0
         # train.compile: the loss is compiled beside the blocks (torchtitan does the same).
-        if self.workload.token_loss and self.session.layout.pp > 1:
-            raise ConfigError(f"data.kind = {cfg.data.kind!r}{' with data.pack' if cfg.data.packed else ''} is not "
-                              "supported under pipeline parallelism yet (pp > 1): its token-mean loss and "
-                              "packed inputs do not go through the pipeline schedule. Use pp = 1.")
         # Records with -100 labels train on the global batch's token mean (runtime.token_loss).
         self._train_loss_fn = self.session.compile_loss(
             token_sum_loss if self.workload.token_loss else self.workload.loss_fn)
@@ -182,16 +178,24 @@ class Trainer:
         self.prediction = predict_for_spec(spec, self.session.layout, cfg, seq=self.workload.tokens_per_sample,
                                            ranks_per_node=self.session.ranks_per_node,
                                            plain_ce=self.workload.plain_token_ce)
+        collate_fn = self.workload.collate_fn
+        if collate_fn is not None and self.session.layout.pp > 1:
+            from shardwise.parallel.pp import fixed_shape_collate
+
+            collate_fn = fixed_shape_collate(collate_fn)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers,
-                                                    collate_fn=self.workload.collate_fn)
+                                                    collate_fn=collate_fn)
         val_batch = t.micro_batch_size
         if self.workload.token_loss:
             # A token-mean validation loss does not depend on the batch size: a small held-out set of
             # records (a few packed rows) is read in smaller batches rather than refused.
             val_batch = max(1, min(val_batch, len(self.workload.val_set) // self.session.dp_size))
+            # A pipeline cuts every batch into its microbatches (Layout.check_batch): a multiple of them.
+            m = self.session.layout.pp_microbatches
+            val_batch = max(m, val_batch - val_batch % m)
         self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False,
-                                                  collate_fn=self.workload.collate_fn)
+                                                  collate_fn=collate_fn)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +219,8 @@ class Trainer:
             scale, real = step_scale(s, micro)
             self.real_tokens = self.real_tokens + real
             sum_fn = loss_fn
-            loss_fn = lambda output, target: sum_fn(output, target) * scale  # noqa: E731
+            # Still a token sum (scaled): a pipeline adds it up over its micro-batches (token_loss).
+            loss_fn = token_sum(lambda output, target: sum_fn(output, target) * scale)
         for k in range(t.grad_accum_steps):
             t0 = time.perf_counter()
             x, y = micro[k] if micro else next(batches)
