@@ -67,7 +67,9 @@ def test_fuzz_safetensors_headers(tmp_path, header, data_bytes, length, raw, nes
         text = str(e)
         assert text.strip() and "\n" not in text.strip()
         if length is not None and length > 64:
-            assert first8 not in text
+            # The file's own path is named in the message; its digits (pytest-343/) are not the
+            # header's bytes, so they are taken out before looking for the length.
+            assert first8 not in text.replace(str(path), "<file>")
         return
     # Accepted: every tensor lies within the data, with the size its dtype and shape imply.
     for name, info in out.items():
