@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.pp_hf import stage_hf
 
 __all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
 
@@ -72,14 +73,7 @@ class GPT2Stage(nn.Module):
         transformer.drop = src.drop
         transformer.h = nn.ModuleDict({str(i): src.h[str(i)] for i in ranges[stage]})
         transformer.ln_f = src.ln_f if self.last else None
-        hf = nn.Module()
-        hf.transformer = transformer
-        hf.lm_head = src_hf.lm_head if self.last else None
-        hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
-        hf.base_model_prefix = getattr(src_hf, "base_model_prefix", "transformer")
-        # Where the files keep the tied head the last stage holds without wte (pretrained.tie_sources).
-        hf._tied_weights_keys = getattr(src_hf, "_tied_weights_keys", None)
-        self.hf = hf
+        self.hf = stage_hf(src_hf, "transformer", transformer, self.last)
         self.pretrained = getattr(union, "pretrained", None)
         self._sp_mesh: Any = None
 

@@ -59,6 +59,20 @@ def hf_stage(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     return HFStage(union, stage, ranges)
 
 
+def stage_hf(src_hf: nn.Module, inner_name: str, inner: nn.Module, last: bool) -> nn.Module:
+    """A stage's stand-in for the union's transformers model: ``inner`` (this stage's share of the
+    decoder) under the union's attribute name, the head on the last stage, and what the loaders
+    and plans read from the original (config, prefix, tied-weight keys), so names stay the union's."""
+    hf = nn.Module()
+    setattr(hf, inner_name, inner)
+    hf.lm_head = src_hf.lm_head if last else None
+    hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
+    hf.base_model_prefix = getattr(src_hf, "base_model_prefix", inner_name)
+    # Where the files keep a tied head this stage holds without its embedding (pretrained.tie_sources).
+    hf._tied_weights_keys = getattr(src_hf, "_tied_weights_keys", None)
+    return hf
+
+
 def _inner(model: nn.Module) -> nn.Module:
     return model.hf.model  # type: ignore[union-attr,return-value]
 
@@ -144,14 +158,7 @@ class HFStage(nn.Module):
         model.layers = nn.ModuleDict({str(i): src.layers[str(i)] for i in ranges[stage]})
         model.norm = src.norm if self.last else None
         model.rotary_emb = src.rotary_emb  # every stage computes the positions its layers need
-        hf = nn.Module()
-        hf.model = model
-        hf.lm_head = src_hf.lm_head if self.last else None
-        hf.config = src_hf.config  # a plain attribute: model_family / plans read hf.config
-        hf.base_model_prefix = getattr(src_hf, "base_model_prefix", "model")
-        # Where the files keep a tied head this stage holds without its embedding (pretrained.tie_sources).
-        hf._tied_weights_keys = getattr(src_hf, "_tied_weights_keys", None)
-        self.hf = hf
+        self.hf = stage_hf(src_hf, "model", model, self.last)
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)
         self._sp_mesh: Any = None
