@@ -61,12 +61,18 @@ def _documents(n: int) -> list[str]:
     return docs
 
 
+def packed_inputs(tmp_path) -> tuple:
+    """A tokenizer, packed-text documents, a pretrained Qwen2 folder, chat and instruct records:
+    the inputs every packed-data spawn (cp, sp, pp) trains on."""
+    return (make_tokenizer(tmp_path / "tok"),
+            write_text_jsonl(tmp_path / "docs.jsonl", _documents(120)),
+            save_qwen2(tmp_path / "my-qwen", seed=1),
+            write_jsonl(tmp_path / "chat.jsonl", chat_records(60, seed=1)),
+            write_jsonl(tmp_path / "instruct.jsonl", instruct_records(60, seed=2)))
+
+
 def test_cp_on_packed_text_and_records_equals_one_process(tmp_path):
-    tok = make_tokenizer(tmp_path / "tok")
-    docs = write_text_jsonl(tmp_path / "docs.jsonl", _documents(120))
-    model = save_qwen2(tmp_path / "my-qwen", seed=1)
-    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(60, seed=1))
-    instruct = write_jsonl(tmp_path / "instruct.jsonl", instruct_records(60, seed=2))
+    tok, docs, model, chat, instruct = packed_inputs(tmp_path)
     cases = {
         # 64-token rows of documents of ~5-40 tokens: several documents per row, cut across ranks.
         "gpt-text-packed-fsdp": load_config(None, [

@@ -37,14 +37,9 @@ from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import (  # noqa: E402
     chat_records,
     encoded_chat,
-    instruct_records,
-    save_qwen2,
     verify_cases,
-    write_jsonl,
 )
-from tests.helpers.text import make_tokenizer  # noqa: E402
-from tests.helpers.text import write_jsonl as write_text_jsonl  # noqa: E402
-from tests.test_cp_packed import _cp_rank, _documents, _val_loss  # noqa: E402
+from tests.test_cp_packed import _cp_rank, _val_loss, packed_inputs  # noqa: E402
 
 COMMON = ["train.lr=1e-3", "train.warmup_steps=1", "train.eval_every=0", "train.progress=false",
           "checkpoint.every=0", "parallel.pp=2"]
@@ -121,11 +116,7 @@ def _check(cases: dict, refs: dict, results: list) -> None:
 
 @pytest.fixture
 def data(tmp_path):
-    return {"tok": make_tokenizer(tmp_path / "tok"),
-            "docs": write_text_jsonl(tmp_path / "docs.jsonl", _documents(120)),
-            "model": save_qwen2(tmp_path / "my-qwen", seed=1),
-            "chat": write_jsonl(tmp_path / "chat.jsonl", chat_records(60, seed=1)),
-            "instruct": write_jsonl(tmp_path / "instruct.jsonl", instruct_records(60, seed=2))}
+    return dict(zip(("tok", "docs", "model", "chat", "instruct"), packed_inputs(tmp_path)))
 
 
 def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):

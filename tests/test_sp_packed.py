@@ -18,10 +18,8 @@ pytest.importorskip("transformers")
 from shardwise.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
-from tests.helpers.sft import chat_records, instruct_records, save_qwen2, verify_cases, write_jsonl  # noqa: E402
-from tests.helpers.text import make_tokenizer  # noqa: E402
-from tests.helpers.text import write_jsonl as write_text_jsonl  # noqa: E402
-from tests.test_cp_packed import _documents  # noqa: E402
+from tests.helpers.sft import verify_cases  # noqa: E402
+from tests.test_cp_packed import packed_inputs  # noqa: E402
 
 STEPS = 3
 COMMON = ["train.lr=1e-3", "train.warmup_steps=1", "train.eval_every=0", "train.progress=false",
@@ -36,11 +34,7 @@ def _sft(tmp, model, data, kind, *extra):
 
 
 def test_sequence_parallel_on_packed_text_and_records_equals_one_process(tmp_path):
-    tok = make_tokenizer(tmp_path / "tok")
-    docs = write_text_jsonl(tmp_path / "docs.jsonl", _documents(120))
-    model = save_qwen2(tmp_path / "my-qwen", seed=1)
-    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(60, seed=1))
-    instruct = write_jsonl(tmp_path / "instruct.jsonl", instruct_records(60, seed=2))
+    tok, docs, model, chat, instruct = packed_inputs(tmp_path)
     cases = {
         "gpt-text-packed": load_config(None, [
             "model.preset=nano", "model.overrides.block_size=64", "model.overrides.n_head=4", "data.kind=text",
