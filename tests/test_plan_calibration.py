@@ -73,7 +73,7 @@ KNOWN_WRONG_VERDICTS = {
 # "By source"): every source's runs predicted with constants fitted on the other sources only.
 # 9.3 % when this bound was set (10.5 % before DeepSpeed's gradient buffers and the per-generation
 # attention prior); the issue's goal is 10 %.
-BY_SOURCE_MEAN_BOUND = 0.095
+BY_SOURCE_MEAN_BOUND = 0.094
 
 
 def test_published_runs_within_15_percent_and_every_verdict_right(calibration):
@@ -98,7 +98,7 @@ def test_published_runs_within_15_percent_and_every_verdict_right(calibration):
 
 @pytest.mark.slow
 def test_held_out_sources_within_the_bound_and_verdicts_right(calibration):
-    """Leave-one-source-out (about 15 s idle): the mean throughput error over every run, each predicted
+    """Leave-one-source-out (about 20 s of CPU): the mean throughput error over every run, each predicted
     by constants fitted without its source, stays within BY_SOURCE_MEAN_BOUND, and the verdicts
     are those of the constants in the code."""
     cp, cases = calibration
