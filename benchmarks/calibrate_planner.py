@@ -8,10 +8,12 @@ run's own strategy, degrees, micro-batch and checkpointing, and a zero safety ma
     python benchmarks/calibrate_planner.py              # fit, then print the error table
     python benchmarks/calibrate_planner.py --no-fit     # evaluate the constants in plan/cost.py
     python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
+    python benchmarks/calibrate_planner.py --by-source  # leave-one-source-out error per source
 
 The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
 tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies,
-each with a weak prior at its typical value (PRIORS); shared by all, the elementwise traffic
+each with a weak prior at its typical value (PRIORS, per generation where published kernel
+measurements differ: GENERATION_PRIORS); shared by all, the elementwise traffic
 factor. The allocator fragmentation is fitted on the published peak-memory readings of the
 fitted runs. Held-out runs never enter the fit. The
 printed ``CALIBRATIONS`` block is what ``src/shardwise/plan/cost.py`` holds.
@@ -59,6 +61,11 @@ SHARED = ("elementwise_passes",)
 # unhalved FLOPs, NCCL bus bandwidth at 0.75 of the line rate) and weigh as PRIOR_RUNS runs would.
 # The elementwise traffic factor has no prior: it is a lumped count with no typical value.
 PRIORS = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "link_efficiency": 0.75}
+# Per generation where the kernels' published fractions of peak differ: FlashAttention-2 reaches
+# 50-73 % of the A100's peak (Dao 2023, arXiv:2307.08691, abstract) but "only 35 %" of the
+# H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): the H100 attention
+# prior is the A100's times 35 / 61.5 (the A100 range's midpoint).
+GENERATION_PRIORS = {"h100": {"attention_efficiency": PRIORS["attention_efficiency"] * 35 / 61.5}}
 PRIOR_RUNS = 1.0
 BOUNDS = {"matmul_efficiency": (0.2, 1.0), "attention_efficiency": (0.05, 2.0), "link_efficiency": (0.2, 1.0),
           "elementwise_passes": (0.0, 20.0), "fragmentation": (0.0, 0.5)}
@@ -213,12 +220,18 @@ def log_loss(cases: list[Case], calibrations: dict[str, Calibration]) -> float:
     return statistics.fmean(errs) if errs else 0.0
 
 
-def prior_penalty(name: str, value: float, runs: int) -> float:
+def prior(name: str, gen: str | None = None) -> float | None:
+    """A constant's prior for one generation (GENERATION_PRIORS, else PRIORS; None: no prior)."""
+    return GENERATION_PRIORS.get(gen or "", {}).get(name, PRIORS.get(name))
+
+
+def prior_penalty(name: str, value: float, runs: int, gen: str | None = None) -> float:
     """What the fit adds to the mean squared log error of ``runs`` runs for a constant's distance
-    from its prior (PRIORS; 0 for the constants without one): the prior weighs as PRIOR_RUNS runs."""
-    if name not in PRIORS:
+    from its prior (``prior``; 0 for the constants without one): the prior weighs as PRIOR_RUNS runs."""
+    typical = prior(name, gen)
+    if typical is None:
         return 0.0
-    return PRIOR_RUNS * math.log(value / PRIORS[name]) ** 2 / max(runs, 1)
+    return PRIOR_RUNS * math.log(value / typical) ** 2 / max(runs, 1)
 
 
 def golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-4) -> float:
@@ -257,7 +270,7 @@ def fit(cases: list[Case], start: dict[str, Calibration],
         n = sum(1 for c in cases_ if c.published_tps)
 
         def objective(v: float) -> float:
-            return log_loss(cases_, with_value(name, gen, v)) + prior_penalty(name, v, n)
+            return log_loss(cases_, with_value(name, gen, v)) + prior_penalty(name, v, n, gen)
 
         best = golden_min(objective, *BOUNDS[name])
         cal = with_value(name, gen, best)
@@ -356,26 +369,34 @@ def format_report(results: list[Result], markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def by_source(cases: list[Case], start: dict[str, Calibration]) -> str:
-    """Leave-one-source-out: for each source, fit on every other source's runs (both split labels)
-    and report the error on the whole source, which the fit never saw (a source shares a stack, a
-    cluster and a way of measuring, so alternate rows of one table are not independent)."""
+def leave_one_source_out(cases: list[Case], start: dict[str, Calibration]) -> dict[str, list[Result]]:
+    """For each source, fit on every other source's runs (both split labels) and evaluate the
+    whole source with those constants, which never saw it (a source shares a stack, a cluster and
+    a way of measuring, so alternate rows of one table are not independent). Largest source first."""
     sources = sorted({c.run["source"] for c in cases}, key=lambda s: -sum(c.run["source"] == s for c in cases))
+    out = {}
+    for src in sources:
+        cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
+        out[src] = evaluate_all([c for c in cases if c.run["source"] == src], cal)
+    return out
+
+
+def by_source(cases: list[Case], start: dict[str, Calibration]) -> str:
+    """The leave-one-source-out table (``leave_one_source_out``)."""
     lines = ["held-out source        runs  with tok/s  mean |error|  max |error|  verdicts right  (fitted on)"]
     errors: list[float] = []
     source_means: list[float] = []
-    for src in sources:
-        held = [c for c in cases if c.run["source"] == src]
-        fitted_on = sorted({c.run["source"] for c in cases if c.run["source"] != src})
-        cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
-        s = summary(evaluate_all(held, cal))
-        errors += [abs(r.error) for r in evaluate_all(held, cal) if r.error is not None]
+    held = leave_one_source_out(cases, start)
+    for src, results in held.items():
+        s = summary(results)
+        errors += [abs(r.error) for r in results if r.error is not None]
         if s["with_throughput"]:
             source_means.append(s["mean_abs_error"])
         err = (f"{s['mean_abs_error']:>11.1%}  {s['max_abs_error']:>11.1%}" if s["with_throughput"]
                else f"{'-':>11}  {'-':>11}")
+        wrong = [r.case.id for r in results if not r.verdict_right]
         lines.append(f"{src:22s} {s['runs']:>4}  {s['with_throughput']:>10}  {err}  {s['verdicts_right']:>8}/"
-                     f"{s['runs']:<5}  ({len(fitted_on)} others)")
+                     f"{s['runs']:<5}  ({len(held) - 1} others)" + (f"  wrong: {', '.join(wrong)}" if wrong else ""))
     lines.append(f"all held-out runs: mean |error| {statistics.fmean(errors):.1%} over {len(errors)} runs; "
                  f"mean of the {len(source_means)} sources' means {statistics.fmean(source_means):.1%}")
     return "\n".join(lines)

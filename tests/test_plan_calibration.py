@@ -63,13 +63,17 @@ def calibration():
 # Verdicts the planner gets wrong on a published source, kept in the data and named here (docs/planner.md,
 # "Against published training runs"), so that a fix shows up and no other run can go wrong silently.
 KNOWN_WRONG_VERDICTS = {
-    # BigScience's 02-28 round: at MBS 4 this ran (nvidia-smi 79 GB), predicted 82.8 GiB > 80 GiB;
-    # the planner tracks that table's other nvidia-smi readings within -4.1..+5.4 GiB.
-    "bloom-h12288-l106-a96-dp8tp4pp12-mbs4",
-    # BigScience's 02-28 round: published as OOM, predicted 72.5 GiB (a 176B row of the same table
-    # with 6 blocks per stage read 60 GB; this one has 7). What ran out of memory is not published.
+    # BigScience's 02-28 round: published as OOM, predicted 62.7 GiB. The planner tracks the same
+    # table's 17 nvidia-smi readings within -4.9..+1.0 GiB (test below); the 176B rows with 6
+    # blocks per stage read 59-60 GB, this one has 7. What ran out of memory, and when, is not
+    # published.
     "bloom-h14336-l82-a128-dp8tp4pp12-mbs2-oom",
 }
+# The leave-one-source-out error (benchmarks/calibrate_planner.py --by-source; docs/planner.md,
+# "By source"): every source's runs predicted with constants fitted on the other sources only.
+# 9.3 % when this bound was set (10.5 % before DeepSpeed's gradient buffers and the per-generation
+# attention prior); the issue's goal is 10 %.
+BY_SOURCE_MEAN_BOUND = 0.094
 
 
 def test_published_runs_within_15_percent_and_every_verdict_right(calibration):
@@ -92,6 +96,44 @@ def test_published_runs_within_15_percent_and_every_verdict_right(calibration):
     assert all(s["url"].startswith("https://") for s in sources.values())
 
 
+@pytest.mark.slow
+def test_held_out_sources_within_the_bound_and_verdicts_right(calibration):
+    """Leave-one-source-out (about 20 s of CPU): the mean throughput error over every run, each predicted
+    by constants fitted without its source, stays within BY_SOURCE_MEAN_BOUND, and the verdicts
+    are those of the constants in the code."""
+    cp, cases = calibration
+    held = cp.leave_one_source_out(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
+    results = [r for part in held.values() for r in part]
+    assert len(held) >= 8 and len(results) == len(cases)
+    errors = [abs(r.error) for r in results if r.error is not None]
+    assert len(errors) >= 120
+    assert sum(errors) / len(errors) <= BY_SOURCE_MEAN_BOUND, {
+        src: round(cp.summary(part)["mean_abs_error"], 3) for src, part in held.items()}
+    assert sorted(r.case.id for r in results if not r.verdict_right) == sorted(KNOWN_WRONG_VERDICTS)
+
+
+def test_deepspeed_bf16_memory_tracks_the_bloom_readings(calibration):
+    """BLOOM's DeepSpeed BF16 optimizer (Kernels.grad_buffer = "deepspeed-bf16"): the predicted
+    peak is within a few GiB of every nvidia-smi reading the 02-28 tables publish (reserved memory
+    plus the CUDA context, so a little above the peak), and it moves with the micro-batch the way
+    they do (79 GB at MBS 4 against 65-67 GB at MBS 2 for the 195B model)."""
+    cp, cases = calibration
+    readings = [(r, r.case.run["published"]["memory_nvidia_smi_gb"] * 1e9 / GIB)
+                for r in cp.evaluate_all([c for c in cases if "memory_nvidia_smi_gb" in c.run["published"]],
+                                         {g: CALIBRATIONS[g] for g in cp.GENERATIONS})]
+    assert len(readings) == 17
+    gaps = [r.memory_gib - gib for r, gib in readings]
+    assert all(-5.5 <= g <= 1.5 for g in gaps), gaps
+    by_id = {r.case.id: r.memory_gib for r, _ in readings}
+    assert by_id["bloom-h12288-l106-a96-dp8tp4pp12-mbs4"] - by_id["bloom-h12288-l106-a96-dp8tp4pp12-mbs2"] > 10
+    # Replacing DDP's bucket copy (4 bytes per parameter) by the kept bf16 gradients (2 bytes).
+    case = next(c for c in cases if c.id == "bloom-h12288-l106-a96-dp8tp4pp12-mbs4")
+    ddp = evaluate(case.spec, case.cluster, replace(case.work, kernels=replace(case.work.kernels, grad_buffer="ddp")),
+                   case.layout, CALIBRATIONS["a100"])
+    assert "ddp buckets" in ddp.memory.transient_parts
+    assert ddp.verdict == "no" and by_id[case.id] < 78
+
+
 def test_constants_in_code_are_the_fit_optimum(calibration):
     """Nudging any fitted constant by 2 % does not lower the fitted runs' loss: cost.CALIBRATIONS is
     what benchmarks/calibrate_planner.py finds (so the data and the code cannot drift apart)."""
@@ -110,7 +152,8 @@ def test_constants_in_code_are_the_fit_optimum(calibration):
                 trial[gen] = replace(base[gen], **{name: getattr(base[gen], name) * factor})
                 # The fit's objective: the runs' loss plus the constant's weak prior (PRIORS).
                 def objective(cal: dict) -> float:
-                    return cp.log_loss(mine, cal) + cp.prior_penalty(name, getattr(cal[gen], name), len(mine))  # noqa: B023
+                    return cp.log_loss(mine, cal) + cp.prior_penalty(name, getattr(cal[gen], name), len(mine),  # noqa: B023
+                                                                     gen)  # noqa: B023
 
                 assert objective(trial) >= objective(base) - 1e-4, (gen, name, factor)
     for name in cp.SHARED:

@@ -35,6 +35,7 @@ from shardwise.plan.memory import (
     Kernels,
     Layout,
     Precision,
+    _memo,
     layer_activation_bytes,
     outer_activation_bytes,
     recompute_share,
@@ -75,12 +76,12 @@ class Calibration:
 # Fitted by benchmarks/calibrate_planner.py on benchmarks/published_runs.json (run it to
 # reproduce; it prints these lines). Shared constants (elementwise, fragmentation) are fitted
 # jointly over all generations; the efficiencies per generation, each with a weak prior at its
-# typical value (calibrate_planner.PRIORS).
+# typical value (calibrate_planner.PRIORS, GENERATION_PRIORS).
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.6711, attention_efficiency=0.5321, link_efficiency=0.6521,
-                        elementwise_passes=9.322, fragmentation=0.1428, fitted_runs=41),
-    "h100": Calibration("h100", matmul_efficiency=0.5446, attention_efficiency=0.393, link_efficiency=0.7837,
-                        elementwise_passes=9.322, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_efficiency=0.6607, attention_efficiency=0.527, link_efficiency=0.6564,
+                        elementwise_passes=8.547, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_efficiency=0.5617, attention_efficiency=0.3145, link_efficiency=0.7829,
+                        elementwise_passes=8.547, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -271,7 +272,8 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         total += rs + ag
     elif sharding in ("replicate", "zero1") and dp > 1:
         bw = fabric.collective_gbs(dp, tp)
-        grad_bytes = prec.grad * local_params
+        # The gradient dtype, unless the stack casts for the collective (Kernels.grad_comm_bytes).
+        grad_bytes = (kernels.grad_comm_bytes or prec.grad) * local_params
         if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
             ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
             exposed += ar
@@ -349,9 +351,14 @@ def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:
     n_layers = spec.n_layers or 1
     if layout.pp == 1:
         return n_layers
-    if layout.n_blocks is None:
-        layout = layout.with_blocks(n_layers)
-    return max(len(layout.rank_layers(r)) for r in range(layout.pp))
+
+    def busiest() -> int:
+        split = layout.with_blocks(n_layers) if layout.n_blocks is None else layout
+        return max(len(split.rank_layers(r)) for r in range(split.pp))
+
+    # Memoised per (spec, layout): the search and the calibration's fit ask it for the same layout
+    # under many settings, and the stage split is a third of a step-time evaluation.
+    return _memo(("busiest", id(spec), layout), spec, busiest)
 
 
 def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:

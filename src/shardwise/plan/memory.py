@@ -51,6 +51,7 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused", "chunked")
 NORM_KINDS = ("eager", "fused")
+GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,25 @@ class Kernels:
     * ``grad_allreduce_after_backward``: Megatron-LM 2021's "local" DDP: one all-reduce of the
       contiguous gradient buffer after the last micro-batch's backward has finished, not
       overlapped (megatron/training.py train_step at 903f746c, April 2021).
+    * ``grad_buffer``: where a replicated / ZeRO-1 data-parallel stack keeps the gradients it
+      reduces (what ``plan`` runs is "ddp"; the others describe published stacks):
+
+      - "ddp": torch DDP copies every gradient into its own flat buckets
+        (gradient_as_bucket_view=False): one more gradient-sized buffer for the whole step.
+      - "contiguous": Megatron-LM's local DDP (2021) and its distributed optimizer (2024): the
+        backward hooks add each gradient into one contiguous fp32 buffer (``main_grad``) and free
+        the 16-bit one; the collective reduces that buffer in place, so there is no copy
+        (megatron/model/distributed.py at 903f746c; megatron/core/distributed/).
+      - "deepspeed-bf16": DeepSpeed's BF16_Optimizer under its pipeline engine (BLOOM): after each
+        micro-batch's backward ``update_hp_grads(clear_lp_grads=False)`` adds the bf16 gradients
+        into a flat fp32 buffer and keeps them, so every parameter also has a bf16 gradient
+        until the next backward; after the last micro-batch ``_bf16_reduce_grads`` hands that
+        buffer to ``allreduce_no_retain``, whose ``allreduce_bucket`` flattens it (one flat
+        tensor: torch's ``flatten_dense_tensors`` returns a view, no copy) and casts it to bf16,
+        the engine's ``communication_data_type`` for bf16, for the all-reduce. That bf16 copy
+        exists only after the schedule, when the pipeline's activations are freed: the peak is
+        the larger of the schedule's and the reduce's (deepspeed/runtime/bf16_optimizer.py,
+        engine.py, pipe/engine.py at 56c522386, the merge of the branch BLOOM trained with).
     """
 
     loss: str = "torch"
@@ -83,12 +103,21 @@ class Kernels:
     tp_overlap: bool = False
     dp_overlap: bool = False
     grad_allreduce_after_backward: bool = False
+    grad_buffer: str = "ddp"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
             raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
         if self.norm not in NORM_KINDS:
             raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+        if self.grad_buffer not in GRAD_BUFFER_KINDS:
+            raise unknown_choice("gradient buffer", self.grad_buffer, GRAD_BUFFER_KINDS)
+
+    @property
+    def grad_comm_bytes(self) -> int | None:
+        """Bytes per element of the data-parallel gradient collective when the stack fixes it
+        (DeepSpeed casts its fp32 buffer to bf16 for the all-reduce); None: the gradient dtype."""
+        return 2 if self.grad_buffer == "deepspeed-bf16" else None
 
 
 SHARDWISE_KERNELS = Kernels()
@@ -610,9 +639,19 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         unit = math.ceil(unit / layout.tp)
     full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
         spec.n_params / (layout.tp * layout.pp))
+    grads = state.grads
+    reduce_copies = 0  # bytes that exist only while the gradients are reduced, after the schedule
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
-        # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).
-        parts["ddp buckets"] = prec.grad * full_local
+        # Where the stack keeps the gradients it reduces (Kernels.grad_buffer).
+        if kernels.grad_buffer == "ddp":
+            # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).
+            parts["ddp buckets"] = prec.grad * full_local
+        elif kernels.grad_buffer == "deepspeed-bf16":
+            # The bf16 gradients stay next to the fp32 accumulation buffer (the state's grads);
+            # the bf16 cast of that buffer for the all-reduce comes after the schedule.
+            grads += 2 * full_local
+            reduce_copies = 2 * full_local
+        # "contiguous": reduced in place in the fp32 buffer the state already counts.
     elif layout.sharding in ("zero2", "fsdp") and layout.pp > 1:
         # torch.distributed.pipelining keeps each stage unsharded for the whole schedule
         # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
@@ -648,8 +687,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked":
         parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
+    if reduce_copies > act.saved + sum(parts.values()):
+        # The reduce's copies outgrow the schedule's activations and buffers, which are freed
+        # by then: the peak is the reduce's, counted as what it adds beyond the schedule's.
+        parts["grad reduce copies (after the schedule)"] = reduce_copies - act.saved - sum(parts.values())
     host = 0
-    params, grads, opt, master = state.params, state.grads, state.optimizer, state.master
+    params, opt, master = state.params, state.optimizer, state.master
     if layout.offload:
         # CPUOffloadPolicy: sharded params, grads and optimizer state live in (pinned) host RAM.
         host = state.total * gpus_per_node
