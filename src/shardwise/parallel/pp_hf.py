@@ -181,31 +181,12 @@ class HFStage(nn.Module):
         """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
         of a packed or padded batch (``models.masking``), which the schedule hands every stage."""
         model, config = self.hf.model, self.hf.config
-        if self.first:
-            hidden = model.embed_tokens(x)
-        elif self._sp_mesh is not None:
-            from torch.distributed.tensor import DTensor, Shard
-
-            # The global length: a record batch's length need not divide by tp (dynamic padding;
-            # torch shards it unevenly), so it comes from the side inputs, which span the whole
-            # sequence; a token stream's length is a multiple of tp.
-            side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
-            total = side.shape[-1] if side is not None else x.shape[1] * self._sp_mesh.size()
-            shape = (x.shape[0], total, *x.shape[2:])
-            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False, shape=shape,
-                                        stride=torch.empty(shape, device="meta").stride())
-        else:
-            hidden = x
+        hidden = model.embed_tokens(x) if self.first else stage_input(x, self._sp_mesh, position_ids, doc_ids,
+                                                                      attention_mask)
         seq = hidden.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
-        # What HFCausalLM.forward passes the HF model for the same batch: the documents' 4-D mask
-        # (one owner: models.masking), or the records' 2-D padding mask.
-        mask = attention_mask
-        if doc_ids is not None:
-            extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids,
-                                                                          "attention_mask": attention_mask}
-            mask = attention_mask_4d(extra)
+        mask = stage_attention_mask(doc_ids, attention_mask)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
         for name, layer in model.layers.items():
@@ -222,6 +203,33 @@ class HFStage(nn.Module):
             # hooks the stage's output for its backward and warns about a view).
             hidden = hidden.to_local().clone()
         return hidden
+
+
+def stage_input(x: torch.Tensor, sp_mesh: Any, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None) -> Any:
+    """A later stage's hidden states: ``x`` itself, or under sequence parallel the received sequence
+    shard wrapped back into the sequence-sharded DTensor the HF code expects (``set_sequence_parallel``)."""
+    if sp_mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    # The global length: a record batch's length need not divide by tp (dynamic padding; torch
+    # shards it unevenly), so it comes from the side inputs, which span the whole sequence; a token
+    # stream's length is a multiple of tp.
+    side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
+    total = side.shape[-1] if side is not None else x.shape[1] * sp_mesh.size()
+    shape = (x.shape[0], total, *x.shape[2:])
+    return DTensor.from_local(x, sp_mesh, (Shard(1),), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def stage_attention_mask(doc_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """What ``HFCausalLM.forward`` passes the HF model for the same batch, for a stage's mask builder:
+    the documents' 4-D mask (one owner: ``models.masking``), the records' 2-D padding mask, or None."""
+    if doc_ids is None:
+        return attention_mask
+    extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids, "attention_mask": attention_mask}
+    return attention_mask_4d(extra)
 
 
 def _attention_kind(config: Any, index: int) -> str:
