@@ -59,7 +59,7 @@ IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 PROMPT_FIELDS = ("prompt", "instruction", "question")
 RESPONSE_FIELDS = ("response", "completion", "output", "answer")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: template spans by sentinel rendering, {% generation %} markers, BOS of plain records
 _VAL_SEED = 1234  # the record split's own seed: independent of train.seed, so changing it keeps the split
 
 
