@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.models.masking import attention_mask_4d
+from shardwise.models.masking import attention_mask_4d, layer_kind
 from shardwise.parallel.blocks import model_family
 from shardwise.parallel.registry import PP_FAMILIES
 
@@ -186,12 +186,13 @@ class HFStage(nn.Module):
         seq = hidden.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
-        mask = stage_attention_mask(doc_ids, attention_mask)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
         for name, layer in model.layers.items():
             kind = _attention_kind(config, int(name))
             if kind not in masks:
+                window = int(config.sliding_window) if kind == "sliding_attention" else None
+                mask = stage_attention_mask(doc_ids, attention_mask, window)
                 masks[kind] = _build_mask(kind, config, hidden, position_ids, mask)
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
                         position_embeddings=position_embeddings, use_cache=False)
@@ -223,23 +224,20 @@ def stage_input(x: torch.Tensor, sp_mesh: Any, position_ids: torch.Tensor | None
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def stage_attention_mask(doc_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def stage_attention_mask(doc_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                         window: int | None = None) -> torch.Tensor | None:
     """What ``HFCausalLM.forward`` passes the HF model for the same batch, for a stage's mask builder:
-    the documents' 4-D mask (one owner: ``models.masking``), the records' 2-D padding mask, or None."""
+    the documents' 4-D mask (one owner: ``models.masking``; with a sliding-window layer's ``window``,
+    since an explicit 4-D mask replaces the builder's own), the records' 2-D padding mask, or None."""
     if doc_ids is None:
         return attention_mask
     extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids, "attention_mask": attention_mask}
-    return attention_mask_4d(extra)
+    return attention_mask_4d(extra, window)
 
 
 def _attention_kind(config: Any, index: int) -> str:
-    """'full_attention' or 'sliding_attention' for layer ``index``, as the HF model decides it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # qwen2 / qwen3 (and any config that lists it)
-        return str(layer_types[index])
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-        return "sliding_attention"
-    return "full_attention"
+    """'full_attention' or 'sliding_attention' for layer ``index`` (the rule: ``models.masking.layer_kind``)."""
+    return layer_kind(config, index)
 
 
 def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
