@@ -1,8 +1,10 @@
 """Variable-length attention for packed batches (``shardwise.models.varlen``), on CPU: the documents'
 ``cu_seqlens`` from doc ids and from positions, and Hugging Face models switched to it giving the
 mask path's logits and gradients (Llama, GPT-2, a Mistral and a Qwen2 with sliding windows shorter
-than their documents; both paths equal each record alone) without building the T x T mask; padded and plain batches are unchanged. The CUDA
-kernel (``torch.nn.attention.varlen.varlen_attn``) runs the same function on a GPU: not here."""
+than their documents; both paths equal each record alone) without building the T x T mask; padded
+and plain batches are unchanged; ``model.attention = "varlen"`` trains the same steps as the mask
+through the built-in trainer, and is refused where it cannot run. The CUDA kernel
+(``torch.nn.attention.varlen.varlen_attn``) runs the same function on a GPU: not here."""
 
 import json
 
@@ -113,3 +115,30 @@ def test_enable_refuses_models_that_are_not_transformers_ones():
 
     with pytest.raises(ConfigError, match="for Hugging Face models"):
         varlen.enable(GPT(GPT_PRESETS["nano"]))
+
+
+def test_model_attention_varlen_trains_like_the_mask_and_is_refused_where_it_cannot_run(tmp_path):
+    from shardwise.config import load_config
+    from shardwise.verify import run_steps
+    from tests.helpers.sft import chat_records, save_qwen2, write_jsonl
+
+    model = save_qwen2(tmp_path / "qwen", seed=1)
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(24, seed=1))
+
+    def cfg(*extra):
+        return load_config("hf-sft", [
+            f'model.pretrained="{model}"', f'data.path="{chat}"', f'data.cache_dir="{tmp_path / "cache"}"',
+            "model.overrides.block_size=192", "train.micro_batch_size=2", "train.lr=1e-3", "train.warmup_steps=1",
+            "train.eval_every=0", "train.progress=false", "checkpoint.every=0", *extra])
+
+    mask = run_steps(cfg(), 3, tmp_path / "mask")
+    var = run_steps(cfg('model.attention="varlen"'), 3, tmp_path / "varlen")
+    assert var["losses"] == pytest.approx(mask["losses"], rel=1e-5)
+    assert mask["losses"][-1] < mask["losses"][0]
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ['model.attention="flash"'])
+    from shardwise.workloads import build_workload
+
+    gpt = load_config(None, ['model.attention="varlen"', "model.preset=nano"])
+    with pytest.raises(ConfigError, match="model.attention = 'varlen' is for Hugging Face models"):
+        build_workload(gpt.model, gpt.data)

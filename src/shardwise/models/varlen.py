@@ -25,6 +25,7 @@ Context parallelism keeps the mask path (its all-to-all attention takes the whol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,6 +147,14 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
     else:  # transformers 4.x
         config._attn_implementation = NAME
     return model
+
+
+def with_varlen(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    """A model factory whose models use variable-length attention (``model.attention = "varlen"``)."""
+    def build_varlen() -> torch.nn.Module:
+        return enable(build())
+
+    return build_varlen
 
 
 def enabled(hf: torch.nn.Module) -> bool:
