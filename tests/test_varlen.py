@@ -131,8 +131,19 @@ def test_model_attention_varlen_trains_like_the_mask_and_is_refused_where_it_can
             "model.overrides.block_size=192", "train.micro_batch_size=2", "train.lr=1e-3", "train.warmup_steps=1",
             "train.eval_every=0", "train.progress=false", "checkpoint.every=0", *extra])
 
-    mask = run_steps(cfg(), 3, tmp_path / "mask")
-    var = run_steps(cfg('model.attention="varlen"'), 3, tmp_path / "varlen")
+    sdpa, masked = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        masked.append(kwargs.get("attn_mask") is not None)
+        return sdpa(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        mask = run_steps(cfg(), 3, tmp_path / "mask")
+        assert masked and all(masked)  # the 4-D document mask
+        masked.clear()
+        var = run_steps(cfg('model.attention="varlen"'), 3, tmp_path / "varlen")
+        assert masked and not any(masked)  # one causal call per document, no mask
     assert var["losses"] == pytest.approx(mask["losses"], rel=1e-5)
     assert mask["losses"][-1] < mask["losses"][0]
     with pytest.raises(ConfigError, match="model.attention"):
