@@ -148,6 +148,11 @@ def test_model_attention_varlen_trains_like_the_mask_and_is_refused_where_it_can
     assert mask["losses"][-1] < mask["losses"][0]
     with pytest.raises(ConfigError, match="model.attention"):
         load_config(None, ['model.attention="flash"'])
+    # Context parallel takes the whole sequence's mask: refused before any rank starts.
+    from shardwise.preflight import check_run
+
+    with pytest.raises(ConfigError, match="with parallel.cp > 1 leave model.attention = 'mask'"):
+        check_run(cfg('model.attention="varlen"', "parallel.cp=2", "parallel.nproc=2", 'parallel.strategy="fsdp"'), 2)
     from shardwise.workloads import build_workload
 
     gpt = load_config(None, ['model.attention="varlen"', "model.preset=nano"])
