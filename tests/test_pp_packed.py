@@ -9,7 +9,9 @@ comparison, fp32), through the built-in trainer's step:
   restarted rotary positions reach the second stage; padded prompt/response records with
   gradient accumulation and activation checkpointing (ddp+pp, 1F1B; the pretrained weights fill
   checkpoint-wrapped layers); packed chat records on a tiny GPT-2 (pp, 1F1B): its learned
-  positions restart per record on the first stage and every stage masks across records. Under a
+  positions restart per record on the first stage and every stage masks across records; packed
+  chat on the Qwen2 with ``model.attention = "varlen"`` (each stage attends document by document
+  from the microbatch's cu_seqlens, no mask). Under a
   pipeline the trainer keeps record batches at their full row length
   (``parallel.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
   tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
@@ -145,6 +147,10 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data, gpt2):
         # exact without a data-parallel wrapper (parallel/pp_ties.py).
         "gpt2-chat-packed-pp-1f1b": _sft(tmp_path, gpt2, d["chat"], "chat", "pp", "parallel.nproc=2",
                                          "model.overrides.block_size=192", 'parallel.pp_schedule="1f1b"'),
+        # Variable-length attention (models/varlen.py): every stage attends per document from the
+        # microbatch's cu_seqlens, no mask (one SDPA call per document on CPU).
+        "qwen2-chat-packed-pp-varlen": _sft(tmp_path, d["model"], d["chat"], "chat", "pp", "parallel.nproc=2",
+                                            "model.overrides.block_size=192", 'model.attention="varlen"'),
     }
     assert cases["gpt-text-packed-fsdp+pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
     refs = {name: run_steps(reference_config(cfg, 1), 5, tmp_path / f"ref-{name}") for name, cfg in cases.items()}

@@ -145,7 +145,7 @@ class ModelConfig:
     # hf, packed batches (doc ids): "mask" hands transformers a (B, 1, T, T) document mask (SDPA;
     # every strategy); "varlen" attends document by document from their cu_seqlens with no T x T
     # mask (models/varlen.py: torch's FlashAttention varlen kernel on CUDA in bf16/fp16, one SDPA
-    # call per document elsewhere). Context parallel needs "mask"; pipeline stages use the mask.
+    # call per document elsewhere). Context parallel needs "mask".
     attention: str = setting("mask", choices=ATTENTION_MODES, label="model.attention")
 
 

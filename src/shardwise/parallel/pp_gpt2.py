@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.pp_hf import _build_mask, stage_attention_mask, stage_hf, stage_input
+from shardwise.parallel.pp_hf import _build_mask, stage_attention_mask, stage_hf, stage_input, varlen_kwargs
 
 __all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
 
@@ -105,10 +105,11 @@ class GPT2Stage(nn.Module):
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # the global length
         if self.first:
             hidden = model.drop(model.wte(x) + model.wpe(position_ids))
-        mask = _build_mask("full_attention", config, hidden, position_ids,
-                           stage_attention_mask(doc_ids, attention_mask))
+        packed = varlen_kwargs(self.hf, doc_ids)  # variable-length attention: cu_seqlens, no mask
+        mask = None if packed else _build_mask("full_attention", config, hidden, position_ids,
+                                               stage_attention_mask(doc_ids, attention_mask))
         for block in model.h.values():
-            out = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
+            out = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids, **packed)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         if self.last:
             return self.hf.lm_head(model.ln_f(hidden))

@@ -188,14 +188,17 @@ class HFStage(nn.Module):
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
+        packed = varlen_kwargs(self.hf, doc_ids)
         for name, layer in model.layers.items():
             kind = _attention_kind(config, int(name))
-            if kind not in masks:
+            if packed:
+                masks[kind] = None  # variable-length attention: the documents' cu_seqlens, no mask
+            elif kind not in masks:
                 window = int(config.sliding_window) if kind == "sliding_attention" else None
                 mask = stage_attention_mask(doc_ids, attention_mask, window)
                 masks[kind] = _build_mask(kind, config, hidden, position_ids, mask)
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                        position_embeddings=position_embeddings, use_cache=False)
+                        position_embeddings=position_embeddings, use_cache=False, **packed)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         if self.last:
             return self.hf.lm_head(model.norm(hidden))
@@ -204,6 +207,17 @@ class HFStage(nn.Module):
             # hooks the stage's output for its backward and warns about a view).
             hidden = hidden.to_local().clone()
         return hidden
+
+
+def varlen_kwargs(hf: nn.Module, doc_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The attention keywords of a packed microbatch for a model switched to variable-length
+    attention (``models.varlen``; as ``HFCausalLM.forward`` passes them), else none."""
+    from shardwise.models import varlen
+
+    if doc_ids is None or not varlen.enabled(hf):
+        return {}
+    cu, longest = varlen.cu_seqlens(doc_ids)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def stage_input(x: torch.Tensor, sp_mesh: Any, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None,
