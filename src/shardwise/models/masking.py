@@ -69,12 +69,12 @@ def attention_mask_4d(extra: Mapping[str, torch.Tensor], window: int | None = No
 
 def layer_kind(config: Any, index: int) -> str:
     """'full_attention' or 'sliding_attention' for layer ``index`` of a transformers config, as the
-    HF model decides it (``layer_types`` where the config lists them: qwen2/qwen3; Mistral slides
-    every layer when it has a ``sliding_window``)."""
+    HF model decides it (``layer_types`` where the config lists them: qwen2/qwen3; Mistral and
+    Mixtral slide every layer when they have a ``sliding_window``)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return str(layer_types[index])
-    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
+    if getattr(config, "model_type", "") in ("mistral", "mixtral") and getattr(config, "sliding_window", None):
         return "sliding_attention"
     return "full_attention"
 
