@@ -8,11 +8,16 @@ comparison, fp32), through the built-in trainer's step:
   records (response-only loss) on a tiny untied Qwen2 (pp, GPipe): the 4-D mask and the
   restarted rotary positions reach the second stage; padded prompt/response records with
   gradient accumulation and activation checkpointing (ddp+pp, 1F1B; the pretrained weights fill
-  checkpoint-wrapped layers): under a pipeline the trainer keeps record batches at their full
-  row length (``parallel.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
+  checkpoint-wrapped layers); packed chat records on a tiny GPT-2 (pp, 1F1B): its learned
+  positions restart per record on the first stage and every stage masks across records; packed
+  chat on the Qwen2 with ``model.attention = "varlen"`` (each stage attends document by document
+  from the microbatch's cu_seqlens, no mask). Under a
+  pipeline the trainer keeps record batches at their full row length
+  (``parallel.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
   tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
   mean) of packed chat records under pp, and the packing proof: every token's loss of a packed
-  and of a padded chat batch through the two stages (``session.eval_loss``) equals one process's.
+  and of a padded chat batch through the two stages (``session.eval_loss``) equals one process's,
+  for the Qwen2 and the GPT-2.
 * 4 ranks, one spawn, 3 steps: pp 2 x cp 2 (fsdp+pp) on packed text for the GPT and on packed
   chat records for the Qwen2 (its rotary positions are the chunk's global positions on every
   stage; the whole-sequence mask of each microbatch reaches the all-to-all attention), the GPT with
@@ -37,6 +42,7 @@ from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import (  # noqa: E402
     chat_records,
     encoded_chat,
+    save_gpt2,
     verify_cases,
 )
 from tests.test_cp_packed import _cp_rank, _val_loss, packed_inputs  # noqa: E402
@@ -77,10 +83,11 @@ def _batches(model_folder, records, block):
     return {"packed": RecordCollator(pad, pack=True, block_size=block)(enc), "padded": RecordCollator(pad)(enc)}
 
 
-def _pp_rank(rank: int, world_size: int, cases: list[dict], val_cfg, val_out: str, model_folder: str,
+def _pp_rank(rank: int, world_size: int, cases: list[dict], val_cfg, val_out: str, model_folders: dict,
              records: list[dict]) -> dict:
     """``_cp_rank`` (verify cases, validation loss), then per-token losses of a packed and a padded
-    chat batch under pp = 2, collected by the loss function on the last stage (rank 1)."""
+    chat batch under pp = 2 for each model folder, collected by the loss function on the last stage
+    (rank 1)."""
     import torch.nn.functional as F
 
     from shardwise import Session
@@ -89,18 +96,19 @@ def _pp_rank(rank: int, world_size: int, cases: list[dict], val_cfg, val_out: st
 
     out = _cp_rank(rank, world_size, cases, val_cfg, val_out)
     out["per_token"] = {}
-    for how, (x, y) in _batches(model_folder, records, 192).items():
-        per: list = []
+    for name, model_folder in model_folders.items():
+        for how, (x, y) in _batches(model_folder, records, 192).items():
+            per: list = []
 
-        def collect(logits, t, per=per):
-            per.append(F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=-100,
-                                       reduction="none").view(t.shape).detach())
-            return per[-1].sum()
+            def collect(logits, t, per=per):
+                per.append(F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=-100,
+                                           reduction="none").view(t.shape).detach())
+                return per[-1].sum()
 
-        with Session(parallel=ParallelConfig(strategy="pp", pp_microbatches=y.shape[0])) as session:
-            model, _ = session.prepare(build_hf_model(pretrained=model_folder).eval())
-            session.eval_loss(model, session.to_device(x), y, collect)
-        out["per_token"][how] = torch.cat(per) if per else None
+            with Session(parallel=ParallelConfig(strategy="pp", pp_microbatches=y.shape[0])) as session:
+                model, _ = session.prepare(build_hf_model(pretrained=model_folder).eval())
+                session.eval_loss(model, session.to_device(x), y, collect)
+            out["per_token"][name, how] = torch.cat(per) if per else None
     return out
 
 
@@ -119,7 +127,12 @@ def data(tmp_path):
     return dict(zip(("tok", "docs", "model", "chat", "instruct"), packed_inputs(tmp_path)))
 
 
-def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
+@pytest.fixture
+def gpt2(tmp_path):
+    return save_gpt2(tmp_path / "my-gpt2", seed=2)
+
+
+def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data, gpt2):
     d = data
     cases = {
         "gpt-text-packed-fsdp+pp-zbv": _gpt_text(tmp_path, d["docs"], d["tok"], "fsdp+pp", "parallel.nproc=2",
@@ -130,6 +143,14 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
         "qwen2-instruct-padded-ddp+pp-accum-ac": _sft(
             tmp_path, d["model"], d["instruct"], "instruct", "ddp+pp", "parallel.nproc=2", "data.pack=false",
             "model.overrides.block_size=96", "train.grad_accum_steps=2", 'parallel.activation_checkpointing="full"'),
+        # GPT-2's learned positions restart per record on the first stage; its tied head stays
+        # exact without a data-parallel wrapper (parallel/pp_ties.py).
+        "gpt2-chat-packed-pp-1f1b": _sft(tmp_path, gpt2, d["chat"], "chat", "pp", "parallel.nproc=2",
+                                         "model.overrides.block_size=192", 'parallel.pp_schedule="1f1b"'),
+        # Variable-length attention (models/varlen.py): every stage attends per document from the
+        # microbatch's cu_seqlens, no mask (one SDPA call per document on CPU).
+        "qwen2-chat-packed-pp-varlen": _sft(tmp_path, d["model"], d["chat"], "chat", "pp", "parallel.nproc=2",
+                                            "model.overrides.block_size=192", 'model.attention="varlen"'),
     }
     assert cases["gpt-text-packed-fsdp+pp-zbv"].data.packed and cases["qwen2-chat-packed-pp-gpipe"].data.packed
     refs = {name: run_steps(reference_config(cfg, 1), 5, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
@@ -138,16 +159,19 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data):
     records = chat_records(10, seed=4)
     ranks = run_distributed(_pp_rank, 2, timeout_s=400, cases=[
         {"cfg": cfg, "steps": 5, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()],
-        val_cfg=val_cfg, val_out=str(tmp_path / "run-val"), model_folder=str(d["model"]), records=records)
+        val_cfg=val_cfg, val_out=str(tmp_path / "run-val"), records=records,
+        model_folders={"qwen2": str(d["model"]), "gpt2": str(gpt2)})
     # The packing proof under pp: each token's loss of a packed (and of a padded) chat batch through
     # the two stages equals one process's, so every record's losses do (tests/test_sft_verify.py
     # shows packed = padded = alone in one process).
     from shardwise.models.hf import build_hf_model
 
-    one = build_hf_model(pretrained=str(d["model"])).eval()
-    for how, (x, y) in _batches(d["model"], records, 192).items():
-        got = ranks[1]["per_token"][how]  # the last stage's rank
-        torch.testing.assert_close(got, _per_token(one, x, y), atol=1e-5, rtol=1e-5, msg=lambda m, h=how: f"{h}: {m}")
+    for name, folder in (("qwen2", d["model"]), ("gpt2", gpt2)):
+        one = build_hf_model(pretrained=str(folder)).eval()
+        for how, (x, y) in _batches(folder, records, 192).items():
+            got = ranks[1]["per_token"][name, how]  # the last stage's rank
+            torch.testing.assert_close(got, _per_token(one, x, y), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=name, h=how: f"{n} {h}: {m}")
     assert [r["val"] for r in ranks] == pytest.approx([val_ref] * 2, rel=1e-5)
     assert all(got["dp_size"] == 1 for got in ranks[0]["verify"])  # both ranks are one pipeline
     _check(cases, refs, ranks[0]["verify"])

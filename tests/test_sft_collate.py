@@ -133,3 +133,25 @@ def test_a_users_own_loop_trains_on_collated_records(qwen, pack):
                 break
     assert all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
+
+
+def test_gpt2_takes_packed_and_padded_records(tmp_path):
+    """GPT-2 (learned absolute positions, no pipeline): packed rows restart its position embeddings
+    at every record and the document mask keeps records apart, so each record's token losses
+    packed, padded and alone are the same (1e-5), with and without a pipeline (test_pp_packed.py)."""
+    from shardwise.models.hf import build_hf_model
+    from tests.helpers.sft import chat_records, encoded_chat, per_record_losses, save_gpt2
+
+    folder = save_gpt2(tmp_path / "gpt2", seed=3)
+    enc, pad = encoded_chat(folder, chat_records(9, seed=5), SEQ)
+    got = per_record_losses(build_hf_model(pretrained=str(folder)).eval(), enc, pad, 2 * SEQ)
+    assert len(got["alone"]) == 9
+    for how in ("packed", "padded"):
+        for k in range(9):
+            torch.testing.assert_close(got[how][k], got["alone"][k], atol=1e-5, rtol=1e-5)
+    # Without the side inputs the packed row is one causal sequence: the losses differ (the
+    # positions and the mask matter, so the equality above is not vacuous).
+    x, y = RecordCollator(pad, pack=True, block_size=2 * SEQ)(enc)
+    model = build_hf_model(pretrained=str(folder)).eval()
+    with torch.no_grad():
+        assert not torch.allclose(model(x), model(x["input_ids"]), atol=1e-3)

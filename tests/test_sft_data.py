@@ -27,7 +27,7 @@ from shardwise.data.packing import RowSequences, documents_of  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.runtime.token_loss import token_sum_loss  # noqa: E402
 from shardwise.workloads import build_workload  # noqa: E402
-from tests.helpers.sft import CHATML, chat_records, instruct_records, save_qwen2, write_jsonl  # noqa: E402
+from tests.helpers.sft import chat_records, instruct_records, save_qwen2, write_jsonl  # noqa: E402
 
 SEQ = 128
 
@@ -247,9 +247,11 @@ def test_non_utf8_template_problems_and_json_arrays_as_text(qwen, tmp_path):
     with pytest.raises(ConfigError, match=r"line 10 is not UTF-8 text \(invalid byte 0xe9"):
         build_workload(mc, DataConfig(kind="instruct", path=str(bad), cache_dir=str(tmp_path / "c")))
     good = write_jsonl(tmp_path / "chat.jsonl", chat_records(4))
-    # A template whose earlier output changes when a turn is added renders no assistant span.
+    # A template that drops earlier answers renders no span for them (record 0 has two).
     shifty = tmp_path / "shifty.jinja"
-    shifty.write_text("{{ messages | length }}:" + CHATML, encoding="utf-8")
+    shifty.write_text("{% for message in messages %}{% if message['role'] != 'assistant' or loop.last %}"
+                      "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"chat.jsonl. line \d: the chat template renders no assistant span"):
         build_workload(mc, DataConfig(kind="chat", path=str(good), chat_template=str(shifty),
                                       cache_dir=str(tmp_path / "c")))

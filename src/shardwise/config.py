@@ -44,6 +44,7 @@ PRECISION_ALIASES = (
 )
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConfig.init)
+ATTENTION_MODES = ("mask", "varlen")  # how a Hugging Face model attends within packed documents (ModelConfig)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("", "offline", "online", "disabled")
 NONFINITE_MODES = ("stop", "skip")
@@ -141,6 +142,11 @@ class ModelConfig:
     # only each rank's shards; "eager": build the whole model on every rank first. Both give the
     # same weights for a seed; a factory that cannot run on meta is built eagerly either way.
     init: str = setting("meta", choices=INIT_MODES, label="model.init mode")
+    # hf, packed batches (doc ids): "mask" hands transformers a (B, 1, T, T) document mask (SDPA;
+    # every strategy); "varlen" attends document by document from their cu_seqlens with no T x T
+    # mask (models/varlen.py: torch's FlashAttention varlen kernel on CUDA in bf16/fp16, one SDPA
+    # call per document elsewhere). Context parallel needs "mask".
+    attention: str = setting("mask", choices=ATTENTION_MODES, label="model.attention")
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,9 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     family, flops, sample = "", None, None
     _check_model_takes_data(mc, dc)
     loss_fn = cross_entropy_loss
+    if mc.attention != "mask" and mc.kind != "hf":
+        raise ConfigError(f"model.attention = {mc.attention!r} is for Hugging Face models (model.kind = 'hf'); "
+                          f"model.kind = {mc.kind!r} attends within packed documents through its own mask.")
     if mc.kind == "gpt":
         from shardwise.models.gpt import GPT, gpt_flops_per_token
 
@@ -249,6 +252,10 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
         build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id)
+        if mc.attention == "varlen":
+            from shardwise.models.varlen import with_varlen
+
+            build = with_varlen(build)
         from shardwise.families import MOE_FAMILIES
 
         if family in MOE_FAMILIES:  # [issue 20, h20b] Hugging Face MoE (models/hf_moe.py)

@@ -52,6 +52,18 @@ def save_qwen2(folder: Path, *, seed: int = 0, template: str | None = CHATML) ->
     return folder
 
 
+def save_gpt2(folder: Path, *, seed: int = 0, template: str | None = CHATML) -> Path:
+    """A randomly initialised 2-layer GPT-2 (learned positions, tied head) and the ChatML tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    GPT2LMHeadModel(cfg).save_pretrained(str(folder))
+    save_tokenizer(folder, template=template)
+    return folder
+
+
 def chat_records(n: int, seed: int = 0) -> list[dict]:
     """``n`` chat records of varying length, some multi-turn, some with a system prompt."""
     text = corpus_text(40000)

@@ -12,12 +12,12 @@ user turn and one assistant turn when the tokenizer has one, else (or with ``cha
 
 Labels (``-100`` = not trained). By default only the assistant/response tokens are trained
 (``data.train_on_prompt = false``). Plain records: prompt and response are tokenised separately and
-joined, so the boundary is exact. Templated records: for each assistant turn ``i`` the template is
-rendered for the turns before it with the generation prompt, and through it; the characters between
-the two renderings are that turn's span (its content and the template's end-of-turn tokens), and a
-token is trained when it starts inside a span (offsets from the fast tokenizer). A template whose
-earlier output changes when later turns are added renders no usable span: that is an error naming
-the record.
+joined, so the boundary is exact (after the tokenizer's BOS where it adds one). Templated records:
+a template with ``{% generation %}`` blocks marks its assistant tokens itself; otherwise each
+assistant turn's character span (its content, what the template adds after the generation prompt,
+and its end-of-turn marker) is found from renderings of the record (``data.template_spans``), and a
+token is trained when it overlaps a span (offsets from the fast tokenizer). A template that renders
+no such span for a turn is an error naming the record and the turn.
 
 Records longer than the sequence (``block_size + 1`` tokens, since targets are the inputs shifted
 by one): ``data.truncation = "right"`` keeps the first tokens (the prompt is never lost; a record
@@ -50,6 +50,7 @@ import numpy as np
 from shardwise.config import DataConfig
 from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
 from shardwise.data.records import Record, hf_disk_splits, is_hf_disk, read_records, record_files
+from shardwise.data.template_spans import assistant_spans, has_generation_markers, trained_tokens
 from shardwise.data.tokenizer import EOS_CANDIDATES, tokenizer_fingerprint
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json, fsync_dir
@@ -58,7 +59,7 @@ IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 PROMPT_FIELDS = ("prompt", "instruction", "question")
 RESPONSE_FIELDS = ("response", "completion", "output", "answer")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: template spans by sentinel rendering, {% generation %} markers, BOS of plain records
 _VAL_SEED = 1234  # the record split's own seed: independent of train.seed, so changing it keeps the split
 
 
@@ -146,6 +147,7 @@ class RecordRenderer:
         self.tok, self.dc = tok, dc
         self.kind = dc.kind
         self.has_template = bool(getattr(tok, "chat_template", None)) and dc.chat_template != "none"
+        self.marked = self.has_template and has_generation_markers(tok.chat_template)
         if self.kind == "chat" and not self.has_template:
             raise ConfigError(
                 f"data.kind = 'chat' renders messages with the tokenizer's chat template, but "
@@ -225,6 +227,10 @@ class RecordRenderer:
     def _plain(self, turns: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         prompt = "\n\n".join(t["content"] for t in turns[:-1] if t["content"])
         p_ids = self.tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        # The BOS a tokenizer adds itself (Llama, Mistral, Gemma): the model was trained after it.
+        bos = self.tok.bos_token_id
+        if bos is not None and self.tok("", add_special_tokens=True)["input_ids"][:1] == [bos]:
+            p_ids = [bos, *p_ids]
         r_ids = self.tok(turns[-1]["content"], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         ids = np.asarray(p_ids + r_ids, dtype=np.int64)
         labels = ids.copy()
@@ -236,42 +242,47 @@ class RecordRenderer:
         return self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
 
     def assistant_spans(self, turns: list[dict[str, str]], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the character spans of its assistant turns."""
+        """The rendered text and the character spans of its assistant turns (``data.template_spans``)."""
         try:
-            full = self._render(turns, False)
-            spans = []
-            for i, t in enumerate(turns):
-                if t["role"] != "assistant":
-                    continue
-                before = self._render(turns[:i], True)
-                through = self._render(turns[:i + 1], False)
-                if not (full.startswith(before) and full.startswith(through) and len(through) > len(before)):
-                    raise ConfigError(
-                        f"{where}: the chat template renders no assistant span for turn {i}: rendering the turns "
-                        "before it (with the generation prompt) is not a prefix of rendering through it, so its "
-                        "tokens cannot be told from the prompt's. Use a template whose earlier output does not "
-                        "change as turns are added (data.chat_template), or data.train_on_prompt = true.")
-                spans.append((len(before), len(through)))
+            return assistant_spans(self._render, turns, where, self._token_ends)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a template raising (Jinja errors, raise_exception) is bad input
             raise ConfigError(f"{where}: the chat template fails on this record: {type(e).__name__}: {e}") from None
-        return full, spans
+
+    def _token_ends(self, text: str) -> list[int]:
+        return [e for _, e in self.tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
 
     def _templated(self, turns: list[dict[str, str]], where: str) -> tuple[np.ndarray, np.ndarray]:
         if self.dc.train_on_prompt:
-            full, spans = self._render(turns, False), []
-        else:
-            full, spans = self.assistant_spans(turns, where)
+            enc = self.tok(self._render(turns, False), add_special_tokens=False)
+            ids = np.asarray(enc["input_ids"], dtype=np.int64)
+            return ids, ids.copy()
+        if self.marked:
+            return self._generation_marked(turns, where)
+        full, spans = self.assistant_spans(turns, where)
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         labels = ids.copy()
-        if not self.dc.train_on_prompt:
-            starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-            trained = np.zeros(len(ids), dtype=bool)
-            for lo, hi in spans:
-                trained |= (starts >= lo) & (starts < hi)
-            labels[~trained] = IGNORE_INDEX
+        labels[~np.asarray(trained_tokens(enc["offset_mapping"], spans), dtype=bool)] = IGNORE_INDEX
+        return ids, labels
+
+    def _generation_marked(self, turns: list[dict[str, str]], where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The template's own assistant tokens: its ``{% generation %}`` blocks (transformers'
+        ``assistant_masks``)."""
+        try:
+            enc = self.tok.apply_chat_template(turns, tokenize=True, return_dict=True,
+                                               return_assistant_tokens_mask=True)
+        except Exception as e:  # noqa: BLE001 - a template raising (Jinja errors, raise_exception) is bad input
+            raise ConfigError(f"{where}: the chat template fails on this record: {type(e).__name__}: {e}") from None
+        ids = np.asarray(enc["input_ids"], dtype=np.int64).reshape(-1)
+        mask = np.asarray(enc["assistant_masks"], dtype=bool).reshape(-1)
+        if not mask.any():
+            raise ConfigError(f"{where}: the chat template's {{% generation %}} blocks mark no token of this record "
+                              "as the assistant's; put them around the assistant turns' output, or use "
+                              "data.train_on_prompt = true.")
+        labels = ids.copy()
+        labels[~mask] = IGNORE_INDEX
         return ids, labels
 
 

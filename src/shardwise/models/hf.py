@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.models import varlen
 from shardwise.models.hf_config import (
     SEQ_LEN_KEYS,
     SUPPORTED_FAMILIES,
@@ -32,7 +33,7 @@ from shardwise.models.hf_config import (
     load_hf_config_dict,
     resolve_hf_config,
 )
-from shardwise.models.masking import attention_mask_4d, split_inputs
+from shardwise.models.masking import hf_document_masks, split_inputs
 
 if TYPE_CHECKING:
     from shardwise.config import LoraConfig
@@ -65,15 +66,22 @@ class HFCausalLM(nn.Module):
 
         Packed rows reach the HF model as ``position_ids`` (rotary positions restart per document)
         and an explicit 4-D boolean mask (causal within each document), which transformers passes
-        to SDPA as is: exact on CPU and CUDA alike. (Varlen flash-attention kernels, which read the
-        documents from ``position_ids`` alone, are a CUDA-only speed-up not used here.)
+        to SDPA as is: exact on CPU and CUDA alike. After ``models.varlen.enable(model)`` they go as
+        the documents' ``cu_seqlens`` to variable-length attention instead (no T x T mask; the
+        FlashAttention varlen kernel on CUDA, one SDPA call per document elsewhere).
         """
         ids, extra = split_inputs(input_ids)
         kwargs: dict[str, Any] = {}
         if "position_ids" in extra:
             kwargs["position_ids"] = extra["position_ids"]
-        if "doc_ids" in extra:
-            kwargs["attention_mask"] = attention_mask_4d(extra)
+        if "doc_ids" in extra and varlen.enabled(self.hf):
+            # Variable-length attention (models.varlen): the documents as cu_seqlens, no T x T mask;
+            # the 2-D all-ones mask keeps transformers from building one from the positions.
+            cu, longest = varlen.cu_seqlens(extra["doc_ids"])
+            kwargs.update(attention_mask=torch.ones_like(ids), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                          max_length_q=longest, max_length_k=longest)
+        elif "doc_ids" in extra:
+            kwargs["attention_mask"] = hf_document_masks(self.hf.config, extra)
         elif "attention_mask" in extra:
             kwargs["attention_mask"] = extra["attention_mask"]  # HF's own 2-D padding mask
         # No KV cache: training never reuses it, and it would hold activations across steps.

@@ -41,9 +41,11 @@ def split_inputs(inputs: torch.Tensor | Mapping[str, Any]) -> tuple[torch.Tensor
     return inputs["input_ids"], {k: v for k, v in inputs.items() if k != "input_ids" and v is not None}
 
 
-def attention_mask_4d(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+def attention_mask_4d(extra: Mapping[str, torch.Tensor], window: int | None = None) -> torch.Tensor | None:
     """The ``(B, 1, T, T)`` boolean mask (True = may attend) of causal attention within documents and
     over real tokens, or None when plain causal attention is exact (no doc ids, no padding mask).
+    ``window``: a sliding-window layer's window (a query sees its last ``window`` keys, itself
+    included), as transformers' sliding-window masks; an explicit 4-D mask replaces theirs.
 
     ``T`` is the side inputs' own length, the whole sequence: the hidden states a module holds may
     be a part of it (a pipeline stage's input under sequence parallel is a sequence shard)."""
@@ -53,6 +55,8 @@ def attention_mask_4d(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     ref = doc_ids if doc_ids is not None else pad
     seq, device = ref.shape[-1], ref.device
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    if window:
+        causal = causal & ~torch.ones(seq, seq, dtype=torch.bool, device=device).tril(-window)
     mask = causal[None, None]
     if doc_ids is not None:
         mask = mask & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
@@ -61,6 +65,34 @@ def attention_mask_4d(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         keys = pad.bool()[:, None, None, :]
         mask = mask & (keys | torch.eye(seq, dtype=torch.bool, device=device)[None, None])
     return mask
+
+
+def layer_kind(config: Any, index: int) -> str:
+    """'full_attention' or 'sliding_attention' for layer ``index`` of a transformers config, as the
+    HF model decides it (``layer_types`` where the config lists them: qwen2/qwen3; Mistral and
+    Mixtral slide every layer when they have a ``sliding_window``)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return str(layer_types[index])
+    if getattr(config, "model_type", "") in ("mistral", "mixtral") and getattr(config, "sliding_window", None):
+        return "sliding_attention"
+    return "full_attention"
+
+
+def hf_document_masks(config: Any, extra: Mapping[str, torch.Tensor]) -> Any:
+    """What a transformers model takes as ``attention_mask`` for a packed batch: the 4-D document mask,
+    or, where layers slide, a ``{kind: mask}`` mapping (transformers 5 takes one; Mistral, whose
+    layers all slide, takes the windowed mask itself). An explicit 4-D mask replaces the model's
+    own masks, so the window must be in it."""
+    mask = attention_mask_4d(extra)
+    n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    kinds = {layer_kind(config, i) for i in range(n_layers)}
+    if "sliding_attention" not in kinds:
+        return mask
+    windowed = attention_mask_4d(extra, int(config.sliding_window))
+    if kinds == {"sliding_attention"}:
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}
 
 
 def real_token_count(inputs: torch.Tensor | Mapping[str, Any]) -> int:

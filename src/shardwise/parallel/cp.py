@@ -276,7 +276,9 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
             f"tp {tp} = {heads // tp}): context parallel gives each cp rank whole heads of the full sequence.")
     if hasattr(model, "hf") and getattr(model.hf.config, "_attn_implementation", "sdpa") != "sdpa":
         raise ConfigError("context parallel needs the model's attention to be 'sdpa' "
-                          f"(it is {model.hf.config._attn_implementation!r}).")
+                          f"(it is {model.hf.config._attn_implementation!r}); with parallel.cp > 1 leave "
+                          "model.attention = 'mask' (packed documents reach the cp attention as the whole "
+                          "sequence's mask).")
 
 
 def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState | None = None) -> nn.Module:

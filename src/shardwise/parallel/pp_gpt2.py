@@ -7,8 +7,10 @@ The same rules as the Llama family's (``parallel/pp_hf.py``), on GPT-2's layout
   their original index, so every parameter keeps its single-device name
   (``hf.transformer.h.3.attn.c_attn.weight``); parts no local stage owns are set to ``None``;
 * the first stage holds the token and the learned position embeddings (``wte``, ``wpe``) and adds
-  them, as ``GPT2Model.forward`` does; every stage builds the positions and the causal mask its
-  blocks need from the hidden states it receives; the last stage holds ``ln_f`` and ``lm_head`` and
+  them at the microbatch's ``position_ids`` (restarting per packed document), as
+  ``GPT2Model.forward`` does; every stage builds the mask its blocks need from the microbatch's
+  ``doc_ids`` / ``attention_mask`` (the schedule's keyword inputs, as for the Llama family; plain
+  causal attention and positions without them); the last stage holds ``ln_f`` and ``lm_head`` and
   returns logits. Nothing but one activation tensor crosses a stage boundary;
 * GPT-2 ties ``lm_head`` to ``wte``: the two stages keep one copy each, summed gradients keep them
   equal (``parallel/pp_ties.py``).
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.pp_hf import stage_hf
+from shardwise.parallel.pp_hf import _build_mask, stage_attention_mask, stage_hf, stage_input, varlen_kwargs
 
 __all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
 
@@ -88,33 +90,26 @@ class GPT2Stage(nn.Module):
 
             load_pretrained(self.hf, self.pretrained)
 
-    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
-        """``side``: a packed or padded batch's positions / document ids / padding mask, which the
-        schedule hands every stage (``parallel/pp.py``); GPT-2 stages do not take them yet."""
-        from shardwise.parallel.pp_hf import _build_mask
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
+        of a packed or padded batch (``models.masking``), which the schedule hands every stage.
 
-        if side:
-            from shardwise.errors import ConfigError
-
-            raise ConfigError(
-                "packed documents and padded records (data.kind = chat / instruct, or data.pack) do not run on "
-                "GPT-2 pipeline stages yet: they take token streams only. Use pp = 1 for this model (fsdp, "
-                "fsdp+tp), or a Llama-family model or the built-in GPT under pipeline parallel.")
-
+        As ``GPT2Model.forward`` for the same batch (what ``HFCausalLM.forward`` hands it): the first
+        stage adds the learned position embeddings at ``position_ids`` (restarting at 0 in every packed
+        document), and every stage builds the same mask from the doc ids / padding mask."""
         model, config = self.hf.transformer, self.hf.config
+        hidden = x if self.first else stage_input(x, self._sp_mesh, position_ids, doc_ids, attention_mask)
+        seq = hidden.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # the global length
         if self.first:
-            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             hidden = model.drop(model.wte(x) + model.wpe(position_ids))
-        else:
-            if self._sp_mesh is not None:
-                from torch.distributed.tensor import DTensor, Shard
-
-                x = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False)
-            hidden = x
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # global length
-        mask = _build_mask("full_attention", config, hidden, position_ids)
+        packed = varlen_kwargs(self.hf, doc_ids)  # variable-length attention: cu_seqlens, no mask
+        mask = None if packed else _build_mask("full_attention", config, hidden, position_ids,
+                                               stage_attention_mask(doc_ids, attention_mask))
         for block in model.h.values():
-            out = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
+            out = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids, **packed)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         if self.last:
             return self.hf.lm_head(model.ln_f(hidden))

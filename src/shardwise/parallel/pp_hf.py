@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.models.masking import attention_mask_4d
+from shardwise.models.masking import attention_mask_4d, layer_kind
 from shardwise.parallel.blocks import model_family
 from shardwise.parallel.registry import PP_FAMILIES
 
@@ -181,39 +181,24 @@ class HFStage(nn.Module):
         """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
         of a packed or padded batch (``models.masking``), which the schedule hands every stage."""
         model, config = self.hf.model, self.hf.config
-        if self.first:
-            hidden = model.embed_tokens(x)
-        elif self._sp_mesh is not None:
-            from torch.distributed.tensor import DTensor, Shard
-
-            # The global length: a record batch's length need not divide by tp (dynamic padding;
-            # torch shards it unevenly), so it comes from the side inputs, which span the whole
-            # sequence; a token stream's length is a multiple of tp.
-            side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
-            total = side.shape[-1] if side is not None else x.shape[1] * self._sp_mesh.size()
-            shape = (x.shape[0], total, *x.shape[2:])
-            hidden = DTensor.from_local(x, self._sp_mesh, (Shard(1),), run_check=False, shape=shape,
-                                        stride=torch.empty(shape, device="meta").stride())
-        else:
-            hidden = x
+        hidden = model.embed_tokens(x) if self.first else stage_input(x, self._sp_mesh, position_ids, doc_ids,
+                                                                      attention_mask)
         seq = hidden.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
-        # What HFCausalLM.forward passes the HF model for the same batch: the documents' 4-D mask
-        # (one owner: models.masking), or the records' 2-D padding mask.
-        mask = attention_mask
-        if doc_ids is not None:
-            extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids,
-                                                                          "attention_mask": attention_mask}
-            mask = attention_mask_4d(extra)
         position_embeddings = model.rotary_emb(hidden, position_ids)
         masks: dict[str, Any] = {}
+        packed = varlen_kwargs(self.hf, doc_ids)
         for name, layer in model.layers.items():
             kind = _attention_kind(config, int(name))
-            if kind not in masks:
+            if packed:
+                masks[kind] = None  # variable-length attention: the documents' cu_seqlens, no mask
+            elif kind not in masks:
+                window = int(config.sliding_window) if kind == "sliding_attention" else None
+                mask = stage_attention_mask(doc_ids, attention_mask, window)
                 masks[kind] = _build_mask(kind, config, hidden, position_ids, mask)
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
-                        position_embeddings=position_embeddings, use_cache=False)
+                        position_embeddings=position_embeddings, use_cache=False, **packed)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
         if self.last:
             return self.hf.lm_head(model.norm(hidden))
@@ -224,14 +209,49 @@ class HFStage(nn.Module):
         return hidden
 
 
+def varlen_kwargs(hf: nn.Module, doc_ids: torch.Tensor | None) -> dict[str, Any]:
+    """The attention keywords of a packed microbatch for a model switched to variable-length
+    attention (``models.varlen``; as ``HFCausalLM.forward`` passes them), else none."""
+    from shardwise.models import varlen
+
+    if doc_ids is None or not varlen.enabled(hf):
+        return {}
+    cu, longest = varlen.cu_seqlens(doc_ids)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def stage_input(x: torch.Tensor, sp_mesh: Any, position_ids: torch.Tensor | None, doc_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None) -> Any:
+    """A later stage's hidden states: ``x`` itself, or under sequence parallel the received sequence
+    shard wrapped back into the sequence-sharded DTensor the HF code expects (``set_sequence_parallel``)."""
+    if sp_mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Shard
+
+    # The global length: a record batch's length need not divide by tp (dynamic padding; torch
+    # shards it unevenly), so it comes from the side inputs, which span the whole sequence; a token
+    # stream's length is a multiple of tp.
+    side = position_ids if position_ids is not None else doc_ids if doc_ids is not None else attention_mask
+    total = side.shape[-1] if side is not None else x.shape[1] * sp_mesh.size()
+    shape = (x.shape[0], total, *x.shape[2:])
+    return DTensor.from_local(x, sp_mesh, (Shard(1),), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def stage_attention_mask(doc_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                         window: int | None = None) -> torch.Tensor | None:
+    """What ``HFCausalLM.forward`` passes the HF model for the same batch, for a stage's mask builder:
+    the documents' 4-D mask (one owner: ``models.masking``; with a sliding-window layer's ``window``,
+    since an explicit 4-D mask replaces the builder's own), the records' 2-D padding mask, or None."""
+    if doc_ids is None:
+        return attention_mask
+    extra = {"doc_ids": doc_ids} if attention_mask is None else {"doc_ids": doc_ids, "attention_mask": attention_mask}
+    return attention_mask_4d(extra, window)
+
+
 def _attention_kind(config: Any, index: int) -> str:
-    """'full_attention' or 'sliding_attention' for layer ``index``, as the HF model decides it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # qwen2 / qwen3 (and any config that lists it)
-        return str(layer_types[index])
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
-        return "sliding_attention"
-    return "full_attention"
+    """'full_attention' or 'sliding_attention' for layer ``index`` (the rule: ``models.masking.layer_kind``)."""
+    return layer_kind(config, index)
 
 
 def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
