@@ -73,15 +73,24 @@ CP_IMPLS = ("auto", "alltoall", "ring")
 
 
 def resolve_cp_impl(impl: str, device_type: str) -> str:
-    """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs."""
+    """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs.
+
+    ``auto`` is ``alltoall`` on every device: the ring (``parallel.cp_impl = ring``, cp_ring.py) runs on
+    CPU/gloo and has been verified there; its CUDA kernels are wired from the same code but have not run on
+    a GPU yet, so it is not picked without being asked for."""
     if impl not in CP_IMPLS:
         raise ConfigError(f"parallel.cp_impl must be one of {', '.join(CP_IMPLS)}, got {impl!r}.")
-    if impl == "ring":
-        where = ("torch's ring attention (context_parallel) has sharding rules only for the CUDA SDPA "
-                 "kernels" if device_type != "cuda" else "shardwise does not wire torch's context_parallel yet")
-        raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: {where}. Use "
-                          "parallel.cp_impl = 'alltoall' (or 'auto'), which runs on every device.")
-    return "alltoall"
+    if impl == "ring" and device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: the ring calls the "
+                          "CPU and CUDA attention kernels directly. Use parallel.cp_impl = 'alltoall' (or 'auto'), "
+                          "which runs on every device.")
+    return "ring" if impl == "ring" else "alltoall"
+
+
+def cp_multiple(cp: int, impl: str) -> int:
+    """What the sequence length must be a multiple of: ``cp`` equal chunks, or ``2 cp`` under ring
+    (each rank holds chunks ``r`` and ``2cp-1-r``: load-balanced causal work)."""
+    return 2 * cp if impl == "ring" else cp
 
 
 # --------------------------------------------------------------------------- the all-to-alls
@@ -153,9 +162,11 @@ class CPState:
     """What a cp group's attention needs beyond its chunk: the whole-sequence mask of the batch being
     run (``[B, 1, S, S]`` bool, True = may attend; None = plain causal attention). ``chunk_batch``
     sets it for every batch, so activation checkpointing's recomputation in that batch's backward
-    reads the same mask."""
+    reads the same mask. ``impl``: ``alltoall`` or ``ring`` (``resolve_cp_impl``), which decides how
+    batches are cut and how attention runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, impl: str = "alltoall") -> None:
+        self.impl = impl
         self._mask: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
 
@@ -243,6 +254,45 @@ class _UlyssesMode(TorchFunctionMode):
         return gather_heads(y, self.group)
 
 
+class _RingMode(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` on this rank's ``ring_index`` tokens through the ring."""
+
+    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1) -> None:
+        super().__init__()
+        self.group, self.cp, self.state, self.kv_groups = group, cp, state, kv_groups
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+        from shardwise.parallel.cp_ring import ring_attention
+
+        if dropout_p:
+            raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
+                              "mask); set the model's attention dropout to 0.")
+        full = self.state.mask
+        if full is not None and full.shape[-1] != q.shape[2] * self.cp:
+            raise RuntimeError(f"context parallel: the batch's mask covers {full.shape[-1]} tokens but the "
+                               f"attention runs on {q.shape[2]} x cp {self.cp}; a forward ran on a batch "
+                               "that did not go through session.forward_backward / eval_loss")
+        if attn_mask is None and not is_causal:
+            raise ConfigError("parallel.cp_impl = 'ring' runs causal attention (the built-in GPT and Llama-family "
+                              "decoders); this model called attention without a causal mask.")
+        # A mask the model built on its tokens is not used: this rank's tokens are two distant chunks,
+        # whose positions jump, which transformers reads as two packed documents. The batch's real
+        # document/padding mask is the whole sequence's, built by chunk_batch (state.mask).
+        if self.kv_groups > 1 and k.shape[1] == q.shape[1]:
+            # transformers repeated the kv heads when it built that mask: pass the originals around the ring.
+            k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]
+        return ring_attention(q, k, v, self.group, scale=scale,
+                              bias=self.state.bias(q.dtype) if full is not None else None)
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -255,8 +305,9 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
-    """ConfigError unless ``model`` is one context parallel can run (heads divisible, known attention)."""
+def check_cp_model(model: nn.Module, cp: int, tp: int = 1, impl: str = "alltoall") -> None:
+    """ConfigError unless ``model`` is one context parallel can run (known attention; under alltoall,
+    heads divisible by cp: the ring keeps every head on every rank and has no such rule)."""
     if cp == 1:
         return
     from shardwise.families import CP_FAMILIES
@@ -270,10 +321,11 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
             f"attention); {family or type(model).__name__} is not one of them. Set parallel.cp = 1.")
     sizes = tp_shape_sizes(model)
     heads = sizes.get("n_head") or sizes["num_attention_heads"]
-    if (heads // tp) % cp:
+    if impl != "ring" and (heads // tp) % cp:
         raise ConfigError(
             f"parallel.cp={cp} must divide the attention heads each tensor-parallel rank holds ({heads} heads / "
-            f"tp {tp} = {heads // tp}): context parallel gives each cp rank whole heads of the full sequence.")
+            f"tp {tp} = {heads // tp}): the all-to-all gives each cp rank whole heads of the full sequence. "
+            "parallel.cp_impl = 'ring' has no such rule.")
     if hasattr(model, "hf") and getattr(model.hf.config, "_attn_implementation", "sdpa") != "sdpa":
         raise ConfigError("context parallel needs the model's attention to be 'sdpa' "
                           f"(it is {model.hf.config._attn_implementation!r}).")
@@ -282,45 +334,63 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
 def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState | None = None) -> nn.Module:
     """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring).
 
-    ``state``: where ``chunk_batch`` leaves each batch's whole-sequence mask (the session's own).
+    ``state``: where ``chunk_batch`` leaves each batch's whole-sequence mask (the session's own); its
+    ``impl`` picks the all-to-all or the ring.
     """
     if cp == 1:
         return model
-    mode_args = (group, cp, state if state is not None else CPState())
+    state = state if state is not None else CPState()
+    mode_args = (group, cp, state)
+    mode = _RingMode if state.impl == "ring" else _UlyssesMode
     for attn in _attention_modules(model):
         dense = attn.forward
         groups = int(getattr(attn, "num_key_value_groups", 1) or 1)  # HF attention modules (GQA)
 
         def forward(*args: Any, _dense: Any = dense, _groups: int = groups, **kwargs: Any) -> Any:
-            with _UlyssesMode(*mode_args, kv_groups=_groups):
+            with mode(*mode_args, kv_groups=_groups):
                 return _dense(*args, **kwargs)
 
         attn.forward = forward  # type: ignore[method-assign]
+    def global_positions(n: int, device: Any) -> torch.Tensor:
+        """The global positions of this rank's ``n`` tokens (a chunk, or the ring's two chunks)."""
+        if state.impl == "ring":
+            from shardwise.parallel.cp_ring import ring_index
+
+            return ring_index(n * cp, cp_rank, cp, device)
+        return torch.arange(n, device=device) + cp_rank * n
+
     pos_emb = getattr(model, "pos_emb", None)
     if isinstance(pos_emb, nn.Embedding):
-        # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit cp_rank chunks
-        # later. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
+        # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit elsewhere in the
+        # sequence. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
         # sequence's positions (chunk_batch) and pass unchanged.
         pos_emb.register_forward_pre_hook(
-            lambda m, args: (args[0] + cp_rank * args[0].numel(),) if args[0].dim() == 1 else None)
+            lambda m, args: (global_positions(args[0].numel(), args[0].device),) if args[0].dim() == 1 else None)
     if hasattr(model, "hf"):
         def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if kwargs.get("position_ids") is None:
                 ids = kwargs.get("input_ids", args[0] if args else None)
-                seq = ids.shape[1]
-                kwargs["position_ids"] = (torch.arange(seq, device=ids.device) + cp_rank * seq).unsqueeze(0)
+                kwargs["position_ids"] = global_positions(ids.shape[1], ids.device).unsqueeze(0)
             return args, kwargs
 
         model.hf.register_forward_pre_hook(positions, with_kwargs=True)
     return model
 
 
-def split_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
-    """This rank's contiguous chunk of dim 1 (the sequence) of ``x``."""
-    seq = x.shape[1]
-    if seq % cp:
-        raise ConfigError(f"the sequence length {seq} must be divisible by parallel.cp={cp}: each context-parallel "
-                          "rank takes an equal chunk. Change the sequence length (model block_size / seq_len).")
+def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, impl: str = "alltoall") -> torch.Tensor:
+    """This rank's tokens of dim 1 (the sequence) of ``x``: a contiguous chunk, or under ``ring`` chunks
+    ``cp_rank`` and ``2cp-1-cp_rank`` of ``2 cp`` (``cp_ring.ring_index``)."""
+    seq, multiple = x.shape[1], cp_multiple(cp, impl)
+    if seq % multiple:
+        how = (f"2 x parallel.cp = {multiple}: under cp_impl = 'ring' each rank takes two of {multiple} equal "
+               "chunks (load-balanced causal attention)" if impl == "ring" else
+               f"parallel.cp={cp}: each context-parallel rank takes an equal chunk")
+        raise ConfigError(f"the sequence length {seq} must be divisible by {how}. Change the sequence length "
+                          "(model block_size / seq_len).")
+    if impl == "ring":
+        from shardwise.parallel.cp_ring import ring_split
+
+        return ring_split(x, cp_rank, cp)
     chunk = seq // cp
     return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]
 
@@ -351,7 +421,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     global positions. A pipeline's later stages need them (they see hidden states, not where the
     chunk sits in the sequence, and the rotary positions of a Hugging Face stage are its inputs).
     """
-    cut = lambda t: split_sequence(t, cp_rank, cp)  # noqa: E731
+    cut = lambda t: split_sequence(t, cp_rank, cp, state.impl)  # noqa: E731
     if isinstance(inputs, torch.Tensor):
         state.mask = None
         if not positions:
@@ -359,7 +429,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
         inputs = {"input_ids": inputs}
     ids, extra = split_inputs(inputs)
     if "doc_ids" in extra or "attention_mask" in extra:
-        inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp)
+        inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp_multiple(cp, state.impl))
         ids, extra = split_inputs(inputs)
     seq = ids.shape[1]
     positions = extra.get("position_ids")
