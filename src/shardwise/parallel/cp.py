@@ -48,9 +48,15 @@ heads to the query heads itself when it builds a mask, and it builds one when a 
 the all-to-all takes the original kv heads back from such a repeat (the module's
 ``num_key_value_groups``), so every rank of a cp group exchanges the same shapes.
 
-``parallel.cp_impl``: ``alltoall`` is this module. ``ring`` (torch's ``context_parallel``, ring
-attention with load-balanced causal sharding) is CUDA-only in torch and is not wired in yet: it
-is refused with a message on every device; ``auto`` picks ``alltoall``.
+``parallel.cp_impl``: ``alltoall`` is the scheme above. ``ring`` (``cp_ring.py``) drives torch's own
+ring attention (``_templated_ring_attention`` and its backward, with torch's load-balanced head-tail
+causal sharding) with the device's attention kernel: the CPU flash kernel on gloo, the CUDA flash /
+memory-efficient kernels on NCCL; torch's public ``context_parallel`` cannot be used on CPU (no
+sharding rule for the CPU kernel). Under ring each rank holds chunks ``r`` and ``2cp-1-r`` of ``2 cp``
+(``chunk_batch`` / ``split_sequence`` cut them, the position hooks give their global positions), every
+rank keeps all heads (no head-divisibility rule, grouped kv heads travel as they are) and K/V blocks
+travel around the cp group; document masks are cut per ring step. ``auto`` picks ``alltoall`` on every
+device: the ring's CUDA kernels are wired from the same code but have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ from torch.overrides import TorchFunctionMode
 from shardwise.errors import ConfigError
 from shardwise.models.masking import attention_mask_4d, split_inputs
 
-__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "gather_heads",
+__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "cp_multiple",
+           "gather_heads",
            "pad_to_multiple", "resolve_cp_impl", "scatter_heads", "split_sequence"]
 
 CP_IMPLS = ("auto", "alltoall", "ring")
@@ -84,7 +91,14 @@ def resolve_cp_impl(impl: str, device_type: str) -> str:
         raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: the ring calls the "
                           "CPU and CUDA attention kernels directly. Use parallel.cp_impl = 'alltoall' (or 'auto'), "
                           "which runs on every device.")
-    return "ring" if impl == "ring" else "alltoall"
+    if impl == "ring":
+        from shardwise.parallel.cp_ring import ring_unavailable
+
+        why = ring_unavailable()
+        if why:
+            raise ConfigError(f"parallel.cp_impl = 'ring' cannot run here: {why}. Use parallel.cp_impl = 'alltoall'.")
+        return "ring"
+    return "alltoall"
 
 
 def cp_multiple(cp: int, impl: str) -> int:

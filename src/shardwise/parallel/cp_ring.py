@@ -43,9 +43,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
-__all__ = ["ring_attention", "ring_index", "ring_split"]
+try:  # torch's private ring (2.13); a torch without it gets a ConfigError from ring_unavailable()
+    from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+except ImportError:  # pragma: no cover - depends on the installed torch
+    torch_cp = None
+
+__all__ = ["ring_attention", "ring_index", "ring_split", "ring_unavailable"]
+
+_TORCH_PIECES = ("_templated_ring_attention", "_templated_ring_attention_backward", "set_rotate_method", "_cp_options")
+
+
+def ring_unavailable() -> str | None:
+    """Why this torch cannot run the ring (it lacks the private pieces this module calls), or None."""
+    missing = [name for name in _TORCH_PIECES if not hasattr(torch_cp, name)]
+    if torch_cp is None or missing:
+        return (f"torch {torch.__version__} lacks torch.distributed.tensor.experimental._context_parallel's "
+                f"{', '.join(missing or _TORCH_PIECES)} (shardwise's ring was built on torch 2.13's)")
+    return None
 
 aten = torch.ops.aten
 
