@@ -101,7 +101,7 @@ def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, is_causal, False, scale=scale)
         return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
-    bias = _aligned_bias(mask)
+    bias = _aligned_bias(mask, q, k)
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal,
                                                                           scale=scale)
     # The efficient kernel pads the log-sum-exp's sequence dim to a multiple of 32; the merge needs
@@ -123,12 +123,14 @@ def _cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
-def _aligned_bias(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The memory-efficient CUDA kernel wants the bias's last dim padded to a multiple of 16 (as SDPA does)."""
-    if mask is None or mask.shape[-1] % 16 == 0:
-        return mask
-    pad = 16 - mask.shape[-1] % 16
-    return F.pad(mask, (0, pad))[..., :mask.shape[-1]]
+def _aligned_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The bias as SDPA hands it to the memory-efficient CUDA kernel: its last dim's storage padded to a
+    multiple of 16, expanded to ``[B, H, q, k]``."""
+    if mask is None:
+        return None
+    if mask.shape[-1] % 16:
+        mask = F.pad(mask, (0, 16 - mask.shape[-1] % 16))[..., :k.shape[2]]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 # --------------------------------------------------------------------------- one ring step's op
