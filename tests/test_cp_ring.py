@@ -88,3 +88,18 @@ def test_ring_has_no_head_divisibility_rule() -> None:
     with pytest.raises(ConfigError, match="cp_impl = 'ring' has no such rule"):
         check_cp_model(model, 3)
     check_cp_model(model, 3, impl="ring")  # 4 heads over 3 ranks: each keeps all heads of its tokens
+
+
+def test_a_mask_for_one_ranks_tokens_is_refused_under_ring() -> None:
+    from shardwise.parallel.cp import CPState, _RingMode, _two_chunk_mask
+
+    # What transformers builds from a ring rank's jumping positions (two "documents"): recognised.
+    at = torch.arange(4)
+    two = (at[:, None] >= at[None, :]) & ((at[:, None] < 2) == (at[None, :] < 2))
+    assert _two_chunk_mask(two[None, None], 4) and not _two_chunk_mask(torch.ones(4, 4).tril().bool(), 4)
+    padding = two.clone()
+    padding[:, 1] = False
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="mask built for this rank's tokens.*session.forward_backward"), \
+            _RingMode(None, 2, CPState("ring")):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=padding)

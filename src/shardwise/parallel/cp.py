@@ -297,14 +297,31 @@ class _RingMode(TorchFunctionMode):
         if attn_mask is None and not is_causal:
             raise ConfigError("parallel.cp_impl = 'ring' runs causal attention (the built-in GPT and Llama-family "
                               "decoders); this model called attention without a causal mask.")
-        # A mask the model built on its tokens is not used: this rank's tokens are two distant chunks,
-        # whose positions jump, which transformers reads as two packed documents. The batch's real
-        # document/padding mask is the whole sequence's, built by chunk_batch (state.mask).
+        if full is None and attn_mask is not None and not _two_chunk_mask(attn_mask, q.shape[2]):
+            raise ConfigError(
+                "context parallel (parallel.cp_impl = 'ring') runs attention over the whole sequence, but the model "
+                "was called with an attention mask built for this rank's tokens. Pass packed/padded batches "
+                "(doc_ids, attention_mask) whole to session.forward_backward / eval_loss, which build the whole "
+                "sequence's mask from every token's document ids (shardwise.parallel.cp.chunk_batch).")
+        # Otherwise a mask the model built on its tokens is not used: this rank's tokens are two distant
+        # chunks, whose positions jump, which transformers reads as two packed documents (the mask
+        # _two_chunk_mask recognises). The batch's real mask is the whole sequence's (state.mask).
         if self.kv_groups > 1 and k.shape[1] == q.shape[1]:
             # transformers repeated the kv heads when it built that mask: pass the originals around the ring.
             k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]
         return ring_attention(q, k, v, self.group, scale=scale,
                               bias=self.state.bias(q.dtype) if full is not None else None)
+
+
+def _two_chunk_mask(mask: torch.Tensor, n: int) -> bool:
+    """Whether ``mask`` is what transformers builds from a ring rank's positions (two chunks, whose jump
+    reads as a document start): causal within each half of the ``n`` tokens, nothing across."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if tuple(allowed.shape[-2:]) != (n, n):
+        return False
+    at = torch.arange(n, device=mask.device)
+    expected = (at[:, None] >= at[None, :]) & ((at[:, None] < n // 2) == (at[None, :] < n // 2))
+    return bool((allowed == expected).all())
 
 
 # --------------------------------------------------------------------------- the model
