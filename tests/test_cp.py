@@ -63,8 +63,9 @@ def test_cp_equals_one_process_at_2_and_4_ranks() -> None:
     # parallel.cp_impl = ring (torch's load-balanced ring attention) in the same spawns.
     ring = {"cp": 2, "cp_impl": "ring"}
     two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2}), ("gpt", "fsdp", ring), ("llama", "fsdp", ring)]
+    # Ring at cp=4 over the Llama's 2 kv heads (alltoall would repeat them): no head rule.
     four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2}), ("llama", "fsdp", ring),
-            ("gpt", "fsdp+tp", {**ring, "tp": 2})]
+            ("gpt", "fsdp+tp", {**ring, "tp": 2}), ("llama", "fsdp", {**ring, "cp": 4})]
     got2 = run_distributed(_cases, 2, timeout_s=240, cases=two)
     got4 = run_distributed(_cases, 4, timeout_s=300, cases=four)
     assert [r[0]["dp"] for r in got2] == [(0, 1, 0), (0, 1, 1)]  # both ranks read the same sequences
