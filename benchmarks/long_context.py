@@ -8,6 +8,9 @@ free); "predicted" is the planner's ``activation_bytes`` for ``seq / cp`` tokens
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --seqs 4096 16384 --cps 1 2 4
 
+``--impl ring``: ``parallel.cp_impl = ring`` (torch's load-balanced ring attention, parallel/cp_ring.py)
+instead of the all-to-all.
+
 ``--packed N``: every sequence is packed documents of N tokens (``doc_ids`` / ``position_ids``,
 models.masking), so attention runs with the whole sequence's document mask (a dense ``seq^2``
 bool per row on every rank, built by parallel.cp.chunk_batch under cp) instead of plain causal.
@@ -29,7 +32,7 @@ def _rss_mib() -> float:
 
 
 def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int, heads: int,
-          vocab: int, packed: int = 0) -> dict:
+          vocab: int, packed: int = 0, impl: str = "alltoall") -> dict:
     import torch
 
     from shardwise.config import ParallelConfig
@@ -40,7 +43,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=hidden,
                     dropout=0.0, bias=False)
     strategy = "fsdp" if world > 1 else "single"
-    session = Session(parallel=ParallelConfig(strategy=strategy, cp=world), seed=0, loss_chunks="auto")
+    session = Session(parallel=ParallelConfig(strategy=strategy, cp=world, cp_impl=impl), seed=0, loss_chunks="auto")
     model = session.build(lambda: GPT(cfg))
     model, opt = session.prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-3))
     g = torch.Generator().manual_seed(0)
@@ -63,7 +66,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
 
         xs, ys = chunk_batch(inputs(x), y, session.cp_rank, world, session.cp_state)  # the mask counts too
     elif world > 1:
-        xs, ys = split_sequence(x, session.cp_rank, world), split_sequence(y, session.cp_rank, world)
+        xs, ys = (split_sequence(t, session.cp_rank, world, session.cp_impl) for t in (x, y))
     else:
         xs, ys = inputs(x), y
     with token_loss_context(model, cross_entropy_loss, ys) as loss_fn:
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--packed", type=int, default=0, metavar="N",
                    help="pack documents of N tokens per sequence (document mask + positions); 0: plain causal")
+    p.add_argument("--impl", choices=("alltoall", "ring"), default="alltoall", help="parallel.cp_impl at cp > 1")
     args = p.parse_args()
 
     from shardwise.models.gpt import GPTConfig
@@ -101,7 +105,7 @@ def main() -> None:
     from shardwise.testing import run_distributed
 
     print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}; fp32, "
-          f"one sequence per step, fsdp over the cp ranks"
+          f"one sequence per step, fsdp over the cp ranks, cp_impl {args.impl}"
           f"{f'; packed documents of {args.packed} tokens (dense document mask)' if args.packed else ''}")
     print(f"{'seq':>6} {'cp':>3} {'peak RSS/rank MiB':>18} {'act measured MiB':>17} {'act predicted MiB':>18} "
           f"{'tokens/s':>9}")
@@ -113,7 +117,7 @@ def main() -> None:
             try:
                 rows = run_distributed(_rank, cp, timeout_s=args.timeout, seq=seq, steps=args.steps,
                                        layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
-                                       packed=args.packed)
+                                       packed=args.packed, impl=args.impl)
             except Exception as e:  # one case failing (memory, time) must not hide the others
                 print(f"{seq:>6} {cp:>3} failed: {str(e).splitlines()[0][:100]}")
                 continue

@@ -1,6 +1,6 @@
-"""Context parallel (parallel.cp, all-to-all attention): losses and parameters equal to one process
-(fp32, 5 steps) for fsdp+cp at 2 and 4 ranks and fsdp+tp+cp at 4 ranks, on the built-in GPT and a
-tiny Hugging Face Llama with grouped kv heads; the layout's rules and refusals."""
+"""Context parallel (parallel.cp, all-to-all and ring attention): losses and parameters equal to one
+process (fp32, 5 steps) for fsdp+cp at 2 and 4 ranks and fsdp+tp+cp at 4 ranks, on the built-in GPT
+and a tiny Hugging Face Llama with grouped kv heads; the layout's rules and refusals."""
 
 from __future__ import annotations
 
@@ -60,8 +60,12 @@ def test_cp_equals_one_process_at_2_and_4_ranks() -> None:
     refs = {kind: _train(kind) for kind in ("gpt", "llama")}
     # One spawn per world size, several cases each: cp=2 alone (FSDP, and DDP averaging over the cp
     # ranks); cp=2 x dp_shard=2; tp=2 x cp=2 (FSDP over the cp ranks).
-    two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2})]
-    four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2})]
+    # parallel.cp_impl = ring (torch's load-balanced ring attention) in the same spawns.
+    ring = {"cp": 2, "cp_impl": "ring"}
+    two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2}), ("gpt", "fsdp", ring), ("llama", "fsdp", ring)]
+    # Ring at cp=4 over the Llama's 2 kv heads (alltoall would repeat them): no head rule.
+    four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2}), ("llama", "fsdp", ring),
+            ("gpt", "fsdp+tp", {**ring, "tp": 2}), ("llama", "fsdp", {**ring, "cp": 4})]
     got2 = run_distributed(_cases, 2, timeout_s=240, cases=two)
     got4 = run_distributed(_cases, 4, timeout_s=300, cases=four)
     assert [r[0]["dp"] for r in got2] == [(0, 1, 0), (0, 1, 1)]  # both ranks read the same sequences
@@ -76,7 +80,8 @@ def test_layout_cp_rules() -> None:
     layout = resolve_layout(ParallelConfig(strategy="fsdp", cp=2), 4)
     assert [layout.dp_coords(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [layout.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
-    assert "cp 2" in layout.describe() and layout.to_dict()["cp"] == 2
+    assert "cp 2 (alltoall" in layout.describe() and layout.to_dict()["cp"] == 2
+    assert "cp 2 (ring: each rank holds 1/2" in layout.describe("ring")
     tp = resolve_layout(ParallelConfig(strategy="fsdp+tp", tp=2, cp=2), 8)
     assert [tp.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [tp.dp_coords(r)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -84,9 +89,7 @@ def test_layout_cp_rules() -> None:
         resolve_layout(ParallelConfig(strategy="fsdp", cp=3), 4)
     pp = Layout("fsdp+pp", dp=2, pp=2, cp=2)  # cp x pp runs (tests/test_pp_packed.py)
     assert [pp.cp_rank(r) for r in range(4)] == [0, 1, 0, 1] and pp.dp_coords(1) == (0, 1)
-    assert resolve_cp_impl("auto", "cpu") == "alltoall"
-    with pytest.raises(ConfigError, match="cp_impl = 'ring' cannot run on this cpu run"):
-        resolve_cp_impl("ring", "cpu")
+    assert resolve_cp_impl("auto", "cpu") == "alltoall" and resolve_cp_impl("ring", "cpu") == "ring"
 
 
 def test_cp_refuses_heads_it_cannot_split() -> None:
@@ -132,8 +135,7 @@ def test_refused_before_any_rank_starts() -> None:
 
     with pytest.raises(ConfigError, match=r"parallel.cp=3 must divide the attention heads"):
         check(3, "parallel.strategy=fsdp", "parallel.cp=3")  # the tiny GPT has 4 heads
-    with pytest.raises(ConfigError, match="cp_impl = 'ring' cannot run"):
-        check(2, "parallel.strategy=fsdp", "parallel.cp=2", "parallel.cp_impl=ring")
+    check(3, "parallel.strategy=fsdp", "parallel.cp=3", "parallel.cp_impl=ring")  # the ring keeps every head
     with pytest.raises(ConfigError, match="train.loss_chunks = 4 cannot run here: tensor parallel"):
         check(2, "parallel.strategy=fsdp+tp", "parallel.tp=2", "train.loss_chunks=4")
     check(2, "parallel.strategy=fsdp", "parallel.cp=2")

@@ -1,6 +1,6 @@
-"""Context parallel (parallel.cp = 2, all-to-all attention) on packed documents and instruction
-records trains the same model as one process (``verify``'s own comparison, fp32, 3 steps), through
-the built-in trainer's step, in one spawn of 2 gloo ranks:
+"""Context parallel (parallel.cp = 2, all-to-all attention; ring attention for the packed cases) on
+packed documents and instruction records trains the same model as one process (``verify``'s own
+comparison, fp32, 3 steps), through the built-in trainer's step, in one spawn of 2 gloo ranks:
 
 * packed text (``data.pack = true``, own JSONL documents) on the built-in GPT under fsdp: the
   document mask and the per-document positions of the whole sequence reach every rank's heads;
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.config import load_config, replace_in  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import chat_records, instruct_records, save_qwen2, verify_cases, write_jsonl  # noqa: E402
@@ -87,6 +87,10 @@ def test_cp_on_packed_text_and_records_equals_one_process(tmp_path):
     }
     assert cases["gpt-text-packed-fsdp"].data.packed and cases["qwen2-chat-packed-fsdp"].data.packed
     refs = {name: run_steps(reference_config(cfg, 1), STEPS, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
+    # The ring (parallel.cp_impl = ring): the document mask cut per ring step; same references.
+    for name in ("gpt-text-packed-fsdp", "qwen2-chat-packed-fsdp"):
+        cases[f"{name}-ring"] = replace_in(cases[name], **{"parallel.cp_impl": "ring"})
+        refs[f"{name}-ring"] = refs[name]
     val_cfg = cases["qwen2-chat-packed-fsdp"]
     val_ref = _val_loss(reference_config(val_cfg, 1), tmp_path / "ref-val")
     ranks = run_distributed(_cp_rank, 2, timeout_s=300, cases=[

@@ -363,14 +363,15 @@ class Layout:
                 "parallel.pp_microbatches to a divisor of it (at least the pipeline degree).")
 
     # ------------------------------------------------------------------ reporting
-    def describe(self) -> str:
-        """A few lines for people: strategy, mesh, degrees, pipeline and blocks."""
+    def describe(self, cp_impl: str = "alltoall") -> str:
+        """A few lines for people: strategy, mesh, degrees, pipeline and blocks; ``cp_impl``: the
+        context-parallel attention the run resolved (``parallel.cp.resolve_cp_impl``)."""
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         lines = [
             f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",
             f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
             f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
-            f"{f', cp {self.cp} (alltoall: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
+            f"{f', cp {self.cp} ({cp_impl}: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
             f"{f', ep {self.ep} (groups of {self.ep} dp ranks split the experts)' if self.ep > 1 else ''}"
             f"{'; state offloaded to host memory' if self.offload else ''}",
             f"  each rank holds a part of: {self.info.shards}",

@@ -67,12 +67,13 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     check_observability(resolved, world_size)
     check_debug_collectives(resolved, world_size)
     strategy = get_strategy(layout)
+    cp_impl = "alltoall"
     if layout.cp > 1:
         import torch
 
         from shardwise.parallel.cp import resolve_cp_impl
 
-        resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
+        cp_impl = resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
         if cfg.train.compile:
             raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet; unset one.")
     if cfg.train.compile:
@@ -104,7 +105,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         if layout.cp > 1:
             from shardwise.parallel.cp import check_cp_model
 
-            check_cp_model(meta, layout.cp, layout.tp)
+            check_cp_model(meta, layout.cp, layout.tp, cp_impl)
         blocks = find_blocks(meta)
         if blocks is not None:
             layout = layout.with_blocks(len(blocks), blocks.path)

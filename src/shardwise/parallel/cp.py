@@ -48,9 +48,15 @@ heads to the query heads itself when it builds a mask, and it builds one when a 
 the all-to-all takes the original kv heads back from such a repeat (the module's
 ``num_key_value_groups``), so every rank of a cp group exchanges the same shapes.
 
-``parallel.cp_impl``: ``alltoall`` is this module. ``ring`` (torch's ``context_parallel``, ring
-attention with load-balanced causal sharding) is CUDA-only in torch and is not wired in yet: it
-is refused with a message on every device; ``auto`` picks ``alltoall``.
+``parallel.cp_impl``: ``alltoall`` is the scheme above. ``ring`` (``cp_ring.py``) drives torch's own
+ring attention (``_templated_ring_attention`` and its backward, with torch's load-balanced head-tail
+causal sharding) with the device's attention kernel: the CPU flash kernel on gloo, the CUDA flash /
+memory-efficient kernels on NCCL; torch's public ``context_parallel`` cannot be used on CPU (no
+sharding rule for the CPU kernel). Under ring each rank holds chunks ``r`` and ``2cp-1-r`` of ``2 cp``
+(``chunk_batch`` / ``split_sequence`` cut them, the position hooks give their global positions), every
+rank keeps all heads (no head-divisibility rule, grouped kv heads travel as they are) and K/V blocks
+travel around the cp group; document masks are cut per ring step. ``auto`` picks ``alltoall`` on every
+device: the ring's CUDA kernels are wired from the same code but have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -66,22 +72,39 @@ from torch.overrides import TorchFunctionMode
 from shardwise.errors import ConfigError
 from shardwise.models.masking import attention_mask_4d, split_inputs
 
-__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "gather_heads",
+__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "cp_multiple",
+           "gather_heads",
            "pad_to_multiple", "resolve_cp_impl", "scatter_heads", "split_sequence"]
 
 CP_IMPLS = ("auto", "alltoall", "ring")
 
 
 def resolve_cp_impl(impl: str, device_type: str) -> str:
-    """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs."""
+    """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs.
+
+    ``auto`` is ``alltoall`` on every device: the ring (``parallel.cp_impl = ring``, cp_ring.py) runs on
+    CPU/gloo and has been verified there; its CUDA kernels are wired from the same code but have not run on
+    a GPU yet, so it is not picked without being asked for."""
     if impl not in CP_IMPLS:
         raise ConfigError(f"parallel.cp_impl must be one of {', '.join(CP_IMPLS)}, got {impl!r}.")
+    if impl == "ring" and device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: the ring calls the "
+                          "CPU and CUDA attention kernels directly. Use parallel.cp_impl = 'alltoall' (or 'auto'), "
+                          "which runs on every device.")
     if impl == "ring":
-        where = ("torch's ring attention (context_parallel) has sharding rules only for the CUDA SDPA "
-                 "kernels" if device_type != "cuda" else "shardwise does not wire torch's context_parallel yet")
-        raise ConfigError(f"parallel.cp_impl = 'ring' cannot run on this {device_type} run: {where}. Use "
-                          "parallel.cp_impl = 'alltoall' (or 'auto'), which runs on every device.")
+        from shardwise.parallel.cp_ring import ring_unavailable
+
+        why = ring_unavailable()
+        if why:
+            raise ConfigError(f"parallel.cp_impl = 'ring' cannot run here: {why}. Use parallel.cp_impl = 'alltoall'.")
+        return "ring"
     return "alltoall"
+
+
+def cp_multiple(cp: int, impl: str) -> int:
+    """What the sequence length must be a multiple of: ``cp`` equal chunks, or ``2 cp`` under ring
+    (each rank holds chunks ``r`` and ``2cp-1-r``: load-balanced causal work)."""
+    return 2 * cp if impl == "ring" else cp
 
 
 # --------------------------------------------------------------------------- the all-to-alls
@@ -153,9 +176,11 @@ class CPState:
     """What a cp group's attention needs beyond its chunk: the whole-sequence mask of the batch being
     run (``[B, 1, S, S]`` bool, True = may attend; None = plain causal attention). ``chunk_batch``
     sets it for every batch, so activation checkpointing's recomputation in that batch's backward
-    reads the same mask."""
+    reads the same mask. ``impl``: ``alltoall`` or ``ring`` (``resolve_cp_impl``), which decides how
+    batches are cut and how attention runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, impl: str = "alltoall") -> None:
+        self.impl = impl
         self._mask: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
 
@@ -243,6 +268,62 @@ class _UlyssesMode(TorchFunctionMode):
         return gather_heads(y, self.group)
 
 
+class _RingMode(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` on this rank's ``ring_index`` tokens through the ring."""
+
+    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1) -> None:
+        super().__init__()
+        self.group, self.cp, self.state, self.kv_groups = group, cp, state, kv_groups
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+        from shardwise.parallel.cp_ring import ring_attention
+
+        if dropout_p:
+            raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
+                              "mask); set the model's attention dropout to 0.")
+        full = self.state.mask
+        if full is not None and full.shape[-1] != q.shape[2] * self.cp:
+            raise RuntimeError(f"context parallel: the batch's mask covers {full.shape[-1]} tokens but the "
+                               f"attention runs on {q.shape[2]} x cp {self.cp}; a forward ran on a batch "
+                               "that did not go through session.forward_backward / eval_loss")
+        if attn_mask is None and not is_causal:
+            raise ConfigError("parallel.cp_impl = 'ring' runs causal attention (the built-in GPT and Llama-family "
+                              "decoders); this model called attention without a causal mask.")
+        if full is None and attn_mask is not None and not _two_chunk_mask(attn_mask, q.shape[2]):
+            raise ConfigError(
+                "context parallel (parallel.cp_impl = 'ring') runs attention over the whole sequence, but the model "
+                "was called with an attention mask built for this rank's tokens. Pass packed/padded batches "
+                "(doc_ids, attention_mask) whole to session.forward_backward / eval_loss, which build the whole "
+                "sequence's mask from every token's document ids (shardwise.parallel.cp.chunk_batch).")
+        # Otherwise a mask the model built on its tokens is not used: this rank's tokens are two distant
+        # chunks, whose positions jump, which transformers reads as two packed documents (the mask
+        # _two_chunk_mask recognises). The batch's real mask is the whole sequence's (state.mask).
+        if self.kv_groups > 1 and k.shape[1] == q.shape[1]:
+            # transformers repeated the kv heads when it built that mask: pass the originals around the ring.
+            k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]
+        return ring_attention(q, k, v, self.group, scale=scale,
+                              bias=self.state.bias(q.dtype) if full is not None else None)
+
+
+def _two_chunk_mask(mask: torch.Tensor, n: int) -> bool:
+    """Whether ``mask`` is what transformers builds from a ring rank's positions (two chunks, whose jump
+    reads as a document start): causal within each half of the ``n`` tokens, nothing across."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if tuple(allowed.shape[-2:]) != (n, n):
+        return False
+    at = torch.arange(n, device=mask.device)
+    expected = (at[:, None] >= at[None, :]) & ((at[:, None] < n // 2) == (at[None, :] < n // 2))
+    return bool((allowed == expected).all())
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -255,8 +336,9 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
-    """ConfigError unless ``model`` is one context parallel can run (heads divisible, known attention)."""
+def check_cp_model(model: nn.Module, cp: int, tp: int = 1, impl: str = "alltoall") -> None:
+    """ConfigError unless ``model`` is one context parallel can run (known attention; under alltoall,
+    heads divisible by cp: the ring keeps every head on every rank and has no such rule)."""
     if cp == 1:
         return
     from shardwise.families import CP_FAMILIES
@@ -270,10 +352,11 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
             f"attention); {family or type(model).__name__} is not one of them. Set parallel.cp = 1.")
     sizes = tp_shape_sizes(model)
     heads = sizes.get("n_head") or sizes["num_attention_heads"]
-    if (heads // tp) % cp:
+    if impl != "ring" and (heads // tp) % cp:
         raise ConfigError(
             f"parallel.cp={cp} must divide the attention heads each tensor-parallel rank holds ({heads} heads / "
-            f"tp {tp} = {heads // tp}): context parallel gives each cp rank whole heads of the full sequence.")
+            f"tp {tp} = {heads // tp}): the all-to-all gives each cp rank whole heads of the full sequence. "
+            "parallel.cp_impl = 'ring' has no such rule.")
     if hasattr(model, "hf") and getattr(model.hf.config, "_attn_implementation", "sdpa") != "sdpa":
         raise ConfigError("context parallel needs the model's attention to be 'sdpa' "
                           f"(it is {model.hf.config._attn_implementation!r}); with parallel.cp > 1 leave "
@@ -284,45 +367,63 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1) -> None:
 def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState | None = None) -> nn.Module:
     """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring).
 
-    ``state``: where ``chunk_batch`` leaves each batch's whole-sequence mask (the session's own).
+    ``state``: where ``chunk_batch`` leaves each batch's whole-sequence mask (the session's own); its
+    ``impl`` picks the all-to-all or the ring.
     """
     if cp == 1:
         return model
-    mode_args = (group, cp, state if state is not None else CPState())
+    state = state if state is not None else CPState()
+    mode_args = (group, cp, state)
+    mode = _RingMode if state.impl == "ring" else _UlyssesMode
     for attn in _attention_modules(model):
         dense = attn.forward
         groups = int(getattr(attn, "num_key_value_groups", 1) or 1)  # HF attention modules (GQA)
 
         def forward(*args: Any, _dense: Any = dense, _groups: int = groups, **kwargs: Any) -> Any:
-            with _UlyssesMode(*mode_args, kv_groups=_groups):
+            with mode(*mode_args, kv_groups=_groups):
                 return _dense(*args, **kwargs)
 
         attn.forward = forward  # type: ignore[method-assign]
+    def global_positions(n: int, device: Any) -> torch.Tensor:
+        """The global positions of this rank's ``n`` tokens (a chunk, or the ring's two chunks)."""
+        if state.impl == "ring":
+            from shardwise.parallel.cp_ring import ring_index
+
+            return ring_index(n * cp, cp_rank, cp, device)
+        return torch.arange(n, device=device) + cp_rank * n
+
     pos_emb = getattr(model, "pos_emb", None)
     if isinstance(pos_emb, nn.Embedding):
-        # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit cp_rank chunks
-        # later. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
+        # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit elsewhere in the
+        # sequence. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
         # sequence's positions (chunk_batch) and pass unchanged.
         pos_emb.register_forward_pre_hook(
-            lambda m, args: (args[0] + cp_rank * args[0].numel(),) if args[0].dim() == 1 else None)
+            lambda m, args: (global_positions(args[0].numel(), args[0].device),) if args[0].dim() == 1 else None)
     if hasattr(model, "hf"):
         def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if kwargs.get("position_ids") is None:
                 ids = kwargs.get("input_ids", args[0] if args else None)
-                seq = ids.shape[1]
-                kwargs["position_ids"] = (torch.arange(seq, device=ids.device) + cp_rank * seq).unsqueeze(0)
+                kwargs["position_ids"] = global_positions(ids.shape[1], ids.device).unsqueeze(0)
             return args, kwargs
 
         model.hf.register_forward_pre_hook(positions, with_kwargs=True)
     return model
 
 
-def split_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
-    """This rank's contiguous chunk of dim 1 (the sequence) of ``x``."""
-    seq = x.shape[1]
-    if seq % cp:
-        raise ConfigError(f"the sequence length {seq} must be divisible by parallel.cp={cp}: each context-parallel "
-                          "rank takes an equal chunk. Change the sequence length (model block_size / seq_len).")
+def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, impl: str = "alltoall") -> torch.Tensor:
+    """This rank's tokens of dim 1 (the sequence) of ``x``: a contiguous chunk, or under ``ring`` chunks
+    ``cp_rank`` and ``2cp-1-cp_rank`` of ``2 cp`` (``cp_ring.ring_index``)."""
+    seq, multiple = x.shape[1], cp_multiple(cp, impl)
+    if seq % multiple:
+        how = (f"2 x parallel.cp = {multiple}: under cp_impl = 'ring' each rank takes two of {multiple} equal "
+               "chunks (load-balanced causal attention)" if impl == "ring" else
+               f"parallel.cp={cp}: each context-parallel rank takes an equal chunk")
+        raise ConfigError(f"the sequence length {seq} must be divisible by {how}. Change the sequence length "
+                          "(model block_size / seq_len).")
+    if impl == "ring":
+        from shardwise.parallel.cp_ring import ring_split
+
+        return ring_split(x, cp_rank, cp)
     chunk = seq // cp
     return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]
 
@@ -353,7 +454,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     global positions. A pipeline's later stages need them (they see hidden states, not where the
     chunk sits in the sequence, and the rotary positions of a Hugging Face stage are its inputs).
     """
-    cut = lambda t: split_sequence(t, cp_rank, cp)  # noqa: E731
+    cut = lambda t: split_sequence(t, cp_rank, cp, state.impl)  # noqa: E731
     if isinstance(inputs, torch.Tensor):
         state.mask = None
         if not positions:
@@ -361,7 +462,7 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
         inputs = {"input_ids": inputs}
     ids, extra = split_inputs(inputs)
     if "doc_ids" in extra or "attention_mask" in extra:
-        inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp)
+        inputs, targets = pad_to_multiple({"input_ids": ids, **extra}, targets, cp_multiple(cp, state.impl))
         ids, extra = split_inputs(inputs)
     seq = ids.shape[1]
     positions = extra.get("position_ids")

@@ -185,13 +185,13 @@ class Session:
         # Context parallel (h21): this rank's group of cp ranks and which sequence chunk it holds.
         self.cp_group: Any = None
         self.cp_state: Any = None  # parallel.cp.CPState: the whole-sequence mask of the batch being run
+        self.cp_impl = "alltoall"  # parallel.cp_impl resolved (parallel.cp.resolve_cp_impl)
         self.cp_rank = self.layout.cp_rank(self.rank)
         if self.layout.cp > 1:
             from shardwise.parallel.cp import CPState, cp_groups, resolve_cp_impl
 
-            self.cp_state = CPState()
-
             self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
+            self.cp_state = CPState(self.cp_impl)
             if self.compile:
                 raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet: the "
                                   "all-to-all attention is routed by a TorchFunctionMode. Unset one of them.")
@@ -352,7 +352,7 @@ class Session:
         if self.layout.cp > 1:
             from shardwise.parallel.cp import apply_cp, check_cp_model
 
-            check_cp_model(model, self.layout.cp, self.layout.tp)
+            check_cp_model(model, self.layout.cp, self.layout.tp, self.cp_impl)
             apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp, self.cp_state)
         # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
         from shardwise.parallel.checkpointing import clean_name

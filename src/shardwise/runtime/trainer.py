@@ -323,7 +323,7 @@ class Trainer:
         tokens_per_step = self.global_batch * self.workload.tokens_per_sample
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
               f"global_batch={self.global_batch} "
-              f"steps={t.steps} out={self.run_dir.path}\n{s.layout.describe()}")
+              f"steps={t.steps} out={self.run_dir.path}\n{s.layout.describe(s.cp_impl)}")
         self._watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
         self._watchdog.beat(st.step, "resume")
         old_handlers = self._install_signal_handlers()
