@@ -24,9 +24,14 @@ def _build(kind: str) -> torch.nn.Module:
         return GPT(GPT_CFG)
     from shardwise.models.hf import build_hf_model
 
+    sizes = {"vocab_size": VOCAB, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2}
+    if kind == "mistral":
+        # Every layer slides over 10 tokens of the 16: a cp chunk (8) fits inside the window, so the
+        # window must be applied over the whole sequence by cp itself.
+        return build_hf_model("mistral-7b", sliding_window=10, **sizes)
     # 4 query heads, 2 kv heads: cp=2 splits both; cp=4 (not run here) would repeat the kv heads.
-    return build_hf_model("llama-tiny", vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-                          hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    return build_hf_model("llama-tiny", **sizes)
 
 
 def _train(kind: str, strategy: str = "single", **options: int) -> dict:
@@ -57,12 +62,13 @@ def _assert_same(ref: dict, got: dict, what: str) -> None:
 
 def test_cp_equals_one_process_at_2_and_4_ranks() -> None:
     pytest.importorskip("transformers")
-    refs = {kind: _train(kind) for kind in ("gpt", "llama")}
+    refs = {kind: _train(kind) for kind in ("gpt", "llama", "mistral")}
     # One spawn per world size, several cases each: cp=2 alone (FSDP, and DDP averaging over the cp
     # ranks); cp=2 x dp_shard=2; tp=2 x cp=2 (FSDP over the cp ranks).
     # parallel.cp_impl = ring (torch's load-balanced ring attention) in the same spawns.
     ring = {"cp": 2, "cp_impl": "ring"}
-    two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2}), ("gpt", "fsdp", ring), ("llama", "fsdp", ring)]
+    two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2}), ("gpt", "fsdp", ring), ("llama", "fsdp", ring),
+           ("mistral", "fsdp", {"cp": 2}), ("mistral", "fsdp", ring)]
     # Ring at cp=4 over the Llama's 2 kv heads (alltoall would repeat them): no head rule.
     four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2}), ("llama", "fsdp", ring),
             ("gpt", "fsdp+tp", {**ring, "tp": 2}), ("llama", "fsdp", {**ring, "cp": 4})]

@@ -182,7 +182,7 @@ class CPState:
     def __init__(self, impl: str = "alltoall") -> None:
         self.impl = impl
         self._mask: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
+        self._biases: dict[tuple, torch.Tensor] = {}
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -190,31 +190,47 @@ class CPState:
 
     @mask.setter
     def mask(self, mask: torch.Tensor | None) -> None:
-        self._mask, self._bias = mask, None
+        self._mask, self._biases = mask, {}
 
-    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def bias(self, dtype: torch.dtype, window: int | None = None, seq: int = 0,
+             device: Any = None) -> torch.Tensor | None:
         """The mask as SDPA's additive float mask in the queries' dtype (0 / -inf), made once per batch.
 
         SDPA turns a bool mask into such a float copy on every call and saves it for backward: one
         ``4 S^2`` bytes per layer and row. Handing every layer the same tensor keeps one copy; the
         numbers are the same (it is the conversion SDPA does itself).
+
+        ``window``: a sliding-window layer's window over the whole sequence of ``seq`` tokens (the
+        window the model would have put in a mask of its own chunk, which cp does not use). None
+        where the window changes nothing: no window, or one as long as the sequence with no mask.
         """
-        if self._mask is None:
+        if window and window >= seq:
+            window = None
+        if self._mask is None and not window:
             return None
-        if self._bias is None or self._bias.dtype != dtype:
-            self._bias = torch.zeros(self._mask.shape, dtype=dtype, device=self._mask.device).masked_fill_(
-                ~self._mask, float("-inf"))
-        return self._bias
+        key = (dtype, window)
+        if key not in self._biases:
+            allowed = self._mask
+            if window:
+                where = allowed.device if allowed is not None else device
+                at = torch.arange(seq, device=where)
+                band = (at[:, None] >= at[None, :]) & (at[:, None] - at[None, :] < window)
+                allowed = band[None, None] if allowed is None else allowed & band
+            self._biases[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._biases[key]
 
 
 class _UlyssesMode(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` on sequence chunks through the all-to-alls."""
 
-    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1) -> None:
+    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1, window: int | None = None) -> None:
         super().__init__()
         self.group, self.cp, self.state = group, cp, state
         # Query heads per kv head of the attention module this mode runs inside (GQA; 1 otherwise).
         self.kv_groups = kv_groups
+        # The module's sliding window (transformers' sliding-window layers), applied over the whole sequence.
+        self.window = window
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -232,7 +248,12 @@ class _UlyssesMode(TorchFunctionMode):
                 raise RuntimeError(f"context parallel: the batch's mask covers {full.shape[-1]} tokens but the "
                                    f"attention runs on {q.shape[2]} x cp {self.cp}; a forward ran on a batch "
                                    "that did not go through session.forward_backward / eval_loss")
-            attn_mask, is_causal = self.state.bias(q.dtype), False
+            attn_mask, is_causal = self.state.bias(q.dtype, self.window, full.shape[-1]), False
+        elif self.window:
+            # The model built its windowed mask on its chunk (or none, where the chunk fits the window):
+            # the window applies over the whole sequence instead. None: the window covers it all.
+            attn_mask = self.state.bias(q.dtype, self.window, q.shape[2] * self.cp, q.device)
+            is_causal = attn_mask is None
         elif attn_mask is not None:
             # A mask built on this rank's chunk covers [S/cp, S/cp], not the whole sequence.
             raise ConfigError(
@@ -271,9 +292,9 @@ class _UlyssesMode(TorchFunctionMode):
 class _RingMode(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` on this rank's ``ring_index`` tokens through the ring."""
 
-    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1) -> None:
+    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1, window: int | None = None) -> None:
         super().__init__()
-        self.group, self.cp, self.state, self.kv_groups = group, cp, state, kv_groups
+        self.group, self.cp, self.state, self.kv_groups, self.window = group, cp, state, kv_groups, window
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -297,7 +318,7 @@ class _RingMode(TorchFunctionMode):
         if attn_mask is None and not is_causal:
             raise ConfigError("parallel.cp_impl = 'ring' runs causal attention (the built-in GPT and Llama-family "
                               "decoders); this model called attention without a causal mask.")
-        if full is None and attn_mask is not None and not _two_chunk_mask(attn_mask, q.shape[2]):
+        if full is None and not self.window and attn_mask is not None and not _two_chunk_mask(attn_mask, q.shape[2]):
             raise ConfigError(
                 "context parallel (parallel.cp_impl = 'ring') runs attention over the whole sequence, but the model "
                 "was called with an attention mask built for this rank's tokens. Pass packed/padded batches "
@@ -309,8 +330,10 @@ class _RingMode(TorchFunctionMode):
         if self.kv_groups > 1 and k.shape[1] == q.shape[1]:
             # transformers repeated the kv heads when it built that mask: pass the originals around the ring.
             k, v = k[:, ::self.kv_groups], v[:, ::self.kv_groups]
+        # A sliding-window layer's window covers the whole sequence (a mask the model built on its
+        # tokens is not used, as above).
         return ring_attention(q, k, v, self.group, scale=scale,
-                              bias=self.state.bias(q.dtype) if full is not None else None)
+                              bias=self.state.bias(q.dtype, self.window, q.shape[2] * self.cp, q.device))
 
 
 def _two_chunk_mask(mask: torch.Tensor, n: int) -> bool:
@@ -364,6 +387,20 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1, impl: str = "alltoall
                           "sequence's mask).")
 
 
+def _sliding_window(model: nn.Module, attn: nn.Module) -> int | None:
+    """The window of a Hugging Face sliding-window attention layer (Mistral, Qwen2/3 with sliding layers),
+    as the model decides it (``models.masking.layer_kind``); None for full attention."""
+    hf = getattr(model, "hf", None)
+    index = getattr(attn, "layer_idx", None)
+    if hf is None or index is None:
+        return None
+    from shardwise.models.masking import layer_kind
+
+    if layer_kind(hf.config, index) != "sliding_attention":
+        return None
+    return int(hf.config.sliding_window)
+
+
 def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState | None = None) -> nn.Module:
     """Make ``model`` run on sequence chunks of a ``cp``-rank group (in place; see module docstring).
 
@@ -378,9 +415,11 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
     for attn in _attention_modules(model):
         dense = attn.forward
         groups = int(getattr(attn, "num_key_value_groups", 1) or 1)  # HF attention modules (GQA)
+        window = _sliding_window(model, attn)
 
-        def forward(*args: Any, _dense: Any = dense, _groups: int = groups, **kwargs: Any) -> Any:
-            with mode(*mode_args, kv_groups=_groups):
+        def forward(*args: Any, _dense: Any = dense, _groups: int = groups, _window: int | None = window,
+                    **kwargs: Any) -> Any:
+            with mode(*mode_args, kv_groups=_groups, window=_window):
                 return _dense(*args, **kwargs)
 
         attn.forward = forward  # type: ignore[method-assign]
