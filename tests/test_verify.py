@@ -67,6 +67,18 @@ def test_compare_passes_within_and_fails_outside_tolerance():
     assert "FAIL" in compare(ref, missing, "fp32").table()
 
 
+def test_a_low_precision_failure_at_a_loss_spike_says_so():
+    # The default recipe at peak LR with a 32-row batch: bf16 fsdp (with or without cp) loses 0.1
+    # against one process at step 4, where the loss jumps; at lr 3e-4 it stays within 3e-4.
+    ref = _result([4.21, 3.78, 3.56, 3.82, 3.46], 1.0)
+    got = _result([4.21, 3.78, 3.56, 3.72, 3.46], 1.0)
+    table = compare(ref, got, "bf16-mixed").table()
+    assert "FAIL" in table and "Step 4's reference loss rose by 0.260" in table
+    assert "--set parallel.precision=fp32" in table
+    assert "note:" not in compare(ref, got, "fp32").table()  # fp32 failures are the layout's
+    assert "note:" not in compare(ref, ref, "bf16-mixed").table()
+
+
 def test_bad_combinations_are_refused_before_launch(cli_env):
     with pytest.raises(ConfigError, match="must divide the world size 4"):
         resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=3), 4)

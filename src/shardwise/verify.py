@@ -96,7 +96,24 @@ class VerifyReport:
         if self.missing_params:
             lines.append(f"parameters missing from the strategy run: {', '.join(self.missing_params[:5])}")
         lines.append("PASS" if self.passed else "FAIL")
+        hint = self.low_precision_hint()
+        if hint:
+            lines.append(hint)
         return "\n".join(lines)
+
+    def low_precision_hint(self) -> str:
+        """What a failing low-precision run may mean: rounding (different in any two layouts: reduction
+        order) grows where the loss jumps, so a correct layout can fail at a spike; fp32 decides."""
+        if self.passed or self.precision == "fp32" or self.missing_params:
+            return ""
+        refs = self.reference_losses
+        jumps = [i for i, (r, d) in enumerate(zip(refs, self.loss_diffs))
+                 if d > self.loss_tol(r) and i and r > refs[i - 1]]
+        where = (f" Step {jumps[0] + 1}'s reference loss rose by {refs[jumps[0]] - refs[jumps[0] - 1]:.3f}: "
+                 "a loss spike magnifies rounding." if jumps else "")
+        return (f"note: in {self.precision} two correct layouts round differently (reduction order).{where} "
+                "Re-run in fp32 (--set parallel.precision=fp32, verify's default) to tell a layout's error from "
+                "rounding; a lower train.lr keeps low-precision runs closer.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "world_size": self.world_size, "precision": self.precision,
