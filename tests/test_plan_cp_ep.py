@@ -34,7 +34,9 @@ def test_long_sequences_search_cp_and_the_printed_cp_command_dry_runs():
     spec = model_preset("gpt-lab")
     cluster = Cluster(gpu("h100"), gpus_per_node=4)
     assert {s["cp"] for s in degree_sets(spec, cluster, seq=2048)} == {1}
-    assert {s["cp"] for s in degree_sets(spec, cluster, seq=16384) if s["tp"] == 1} == {1, 2}  # 6 heads
+    assert {s["cp"] for s in degree_sets(spec, cluster, seq=16384, cp_impl="alltoall") if s["tp"] == 1} == {1, 2}
+    # 6 heads: cp=4 only under the ring (auto takes it where the all-to-all cannot; tests/test_plan_cp_ring.py)
+    assert {s["cp"] for s in degree_sets(spec, cluster, seq=16384) if s["tp"] == 1} == {1, 2, 4}
     plan, text = _plan("--model", "gpt-lab", "--gpus-per-node", "4", "--seq", "16384")
     rows, _, _ = parse_table(text)
     assert "fsdp(cp2)" in rows and "ddp(cp2)" in rows
@@ -57,7 +59,8 @@ def test_long_sequences_search_cp_and_the_printed_cp_command_dry_runs():
 
 def test_bad_cp_and_ep_pins_are_config_errors():
     with pytest.raises(ConfigError, match="--cp 4 does not divide the 6 attention heads"):
-        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--cp", "4"))
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--cp", "4", "--cp-impl",
+                                      "alltoall"))
     with pytest.raises(ConfigError, match="--cp 0 must be|--cp must be >= 1"):
         plan_cli.build_plan(plan_args("--model", "gpt-lab", "--gpus-per-node", "4", "--cp", "0"))
     with pytest.raises(ConfigError, match="no mixture-of-experts layers"):

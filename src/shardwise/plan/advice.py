@@ -14,6 +14,7 @@ from shardwise.families import tp_lora_refusal
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
+from shardwise.plan.cp import CP_IMPLS
 from shardwise.plan.memory import (
     CHECKPOINT_MODES,
     GRAD_SYNC_MODES,
@@ -121,8 +122,13 @@ class Workload:
     # N chunks. 0 here by default so other stacks' published runs keep their own loss; the CLI
     # passes the runtime's default (auto) unless --loss-chunks says otherwise.
     loss_chunks: int | None = 0
+    # parallel.cp_impl the cp candidates run with (plan/cp.py cp_impl_for): auto is the runtime's
+    # (the all-to-all), and the ring where the heads refuse the all-to-all a cp degree.
+    cp_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cp_impl not in CP_IMPLS:
+            raise unknown_choice("--cp-impl", self.cp_impl, CP_IMPLS)
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
             if value < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {value}.")
@@ -160,12 +166,13 @@ class Workload:
                 f"give it --pp-stages-per-rank {'>= 2' if multi else '1'} (got {self.pp_stages_per_rank}).")
 
 
-def layout_label(strategy: str, tp: int, pp: int, stages_per_rank: int = 1, cp: int = 1, ep: int = 1) -> str:
+def layout_label(strategy: str, tp: int, pp: int, stages_per_rank: int = 1, cp: int = 1, ep: int = 1,
+                 cp_impl: str = "alltoall") -> str:
     """A candidate's name in tables: the strategy and its model-parallel degrees, e.g. fsdp+tp(tp4)
-    (``v3``: three interleaved pipeline stages per rank; ``cp2`` context parallel, ``ep4`` expert
-    parallel)."""
-    extra = ",".join(f"{d}{n}" for d, n in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("v", stages_per_rank))
-                     if n > 1)
+    (``v3``: three interleaved pipeline stages per rank; ``cp2`` context parallel by all-to-all,
+    ``cp2-ring`` by ring attention, ``ep4`` expert parallel)."""
+    extra = ",".join(f"{d}{n}" + ("-ring" if d == "cp" and cp_impl == "ring" else "")
+                     for d, n in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp), ("v", stages_per_rank)) if n > 1)
     return f"{strategy}({extra})" if extra else strategy
 
 
@@ -177,6 +184,13 @@ def layout_key(layout: Layout) -> tuple:
 def replicas(layout: Layout) -> int:
     """Data-parallel replicas that read different sequences: dp without its context-parallel ranks."""
     return layout.dp // layout.cp
+
+
+def layout_cp_impl(spec: ModelSpec, layout: Layout, work: Workload) -> str:
+    """The parallel.cp_impl this layout runs cp with under ``work.cp_impl`` (plan/cp.py cp_impl_for)."""
+    from shardwise.plan.cp import cp_impl_for
+
+    return cp_impl_for(work.cp_impl, spec.n_heads, layout.tp, layout.cp) or work.cp_impl
 
 
 def loss_chunked(spec: ModelSpec, layout: Layout, work: Workload) -> bool:
@@ -202,11 +216,12 @@ class Candidate:
     micro_batch: int = 1  # sequences per GPU per micro-batch
     device_bytes: float = 0.0  # the GPU's whole memory (the line between "tight" and "no")
     loss_chunked: bool = False  # the runtime chunks the loss (train.loss_chunks) on this layout
+    cp_impl: str = "alltoall"  # parallel.cp_impl it runs cp with (plan/cp.py cp_impl_for)
 
     @property
     def name(self) -> str:
         lay = self.layout
-        return layout_label(lay.strategy, lay.tp, lay.pp, lay.pp_stages_per_rank, lay.cp, lay.ep)
+        return layout_label(lay.strategy, lay.tp, lay.pp, lay.pp_stages_per_rank, lay.cp, lay.ep, self.cp_impl)
 
     @property
     def verdict(self) -> str:
@@ -226,7 +241,8 @@ class Candidate:
         m, t = self.memory, self.time
         return {
             "strategy": self.layout.strategy, "label": self.name, "dp": self.layout.dp, "tp": self.layout.tp,
-            "pp": self.layout.pp, "cp": self.layout.cp, "ep": self.layout.ep,
+            "pp": self.layout.pp, "cp": self.layout.cp, "cp_impl": self.cp_impl if self.layout.cp > 1 else None,
+            "ep": self.layout.ep,
             "shard": self.layout.shard, "grad_accum": self.grad_accum,
             "grad_sync": self.grad_sync, "checkpoint": self.checkpoint, "micro_batch": self.micro_batch,
             "pp_stages_per_rank": self.layout.pp_stages_per_rank, "loss_chunked": self.loss_chunked,
@@ -293,7 +309,7 @@ def _compile_refusal(work: Workload, tp: int, pp: int, cp: int) -> str:
     from shardwise.pp_schedules import compile_refusal
 
     if cp > 1:
-        return "context parallel's all-to-all attention is not compiled"
+        return "context parallel's attention (all-to-all or ring) is not compiled"
     return (compile_refusal(work.pp_schedule) or "") if pp > 1 else ""
 
 
@@ -311,15 +327,15 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     (``search.degree_sets``) are left out quietly where the runtime refuses them (e.g. ep under ddp);
     pinned ones (``--cp``, ``--ep``) say why.
     """
-    from shardwise.plan.cp import chunked_loss_off
+    from shardwise.plan.cp import chunked_loss_off, cp_impl_for
     from shardwise.plan.search import degree_sets, stages_per_rank_choices
 
     world, g = cluster.world, cluster.gpus_per_node
-    _validate_degrees(spec, cluster, tp, pp, cp, ep)
+    _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
     layouts: list[Layout] = []
     skipped: list[str] = []
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
-                               seq=work.seq):
+                               seq=work.seq, cp_impl=work.cp_impl):
         t, p, c, x = degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"]
         dp = data_parallel_degree(world, tp=t, pp=p)
         quiet = (c > 1 and cp is None) or (x > 1 and ep is None)  # the search's own extras
@@ -330,7 +346,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 continue
             if ("dp" not in info.degrees and dp > 1) or _is_duplicate(info, dp, world, cluster.nodes):
                 continue
-            label = layout_label(info.name, t, p, cp=c, ep=x)
+            label = layout_label(info.name, t, p, cp=c, ep=x, cp_impl=cp_impl_for(work.cp_impl, spec.n_heads, t, c))
             if not info.supports(spec.family):
                 if not quiet:
                     skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
@@ -382,7 +398,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
 
 
 def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None, cp: int | None = None,
-                      ep: int | None = None) -> None:
+                      ep: int | None = None, cp_impl: str = "auto", seq: int = 0) -> None:
+    from shardwise.plan.cp import cp_impl_for, cp_multiple
+
     for flag, value in (("--cp", cp), ("--ep", ep)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}.")
@@ -392,11 +410,17 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if ep is not None and spec.moe is not None and ep not in ep_degrees(spec.moe.n_experts):
         raise ConfigError(f"--ep {ep} does not divide the {spec.moe.n_experts} experts of {spec.name}; allowed: "
                           f"{', '.join(map(str, ep_degrees(spec.moe.n_experts)))}.")
-    if cp is not None and cp > 1 and spec.n_heads and spec.n_heads % cp:
+    if cp is not None and cp > 1 and not cp_impl_for(cp_impl, spec.n_heads, 1, cp):
         divisors = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
         raise ConfigError(f"--cp {cp} does not divide the {spec.n_heads} attention heads of {spec.name} (each "
-                          f"context-parallel rank attends over heads / cp heads); allowed: "
-                          f"{', '.join(map(str, divisors))}.")
+                          f"context-parallel rank of the all-to-all attends over heads / cp heads); allowed: "
+                          f"{', '.join(map(str, divisors))}, or --cp-impl ring (or auto), which has no head rule.")
+    if cp is not None and cp > 1 and seq:
+        impl = cp_impl_for(cp_impl, spec.n_heads, 1, cp)
+        if seq % cp_multiple(cp, impl):
+            how = "2 x --cp (the ring's head-tail chunks)" if impl == "ring" else "--cp"
+            raise ConfigError(f"--cp {cp}: the sequence --seq {seq} must be a multiple of {how} = "
+                              f"{cp_multiple(cp, impl)}.")
     if tp is not None:
         if tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {tp}.")
@@ -446,7 +470,8 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
         kernels = dataclasses.replace(kernels, loss="chunked")
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
-                     every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=kernels, calib=calib)
+                     every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=kernels, calib=calib,
+                     cp_impl=layout_cp_impl(spec, layout, work))
 
 
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -469,7 +494,8 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders
     return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note,
-                     grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB, chunked)
+                     grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB, chunked,
+                     layout_cp_impl(spec, layout, work))
 
 
 def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
@@ -530,6 +556,8 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
             sets.append(f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}")
     if lay.cp > 1:
         sets.append(f"parallel.cp={lay.cp}")
+        if cand.cp_impl == "ring":  # the runtime's auto is the all-to-all
+            sets.append("parallel.cp_impl=ring")
     if lay.ep > 1:
         sets.append(f"parallel.ep={lay.ep}")
     if lay.info.hybrid:

@@ -96,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp", type=int, help="only consider this pipeline-parallel degree")
     w.add_argument("--cp", type=int, help="only consider this context-parallel degree (parallel.cp; default: "
                    "searched from --seq 8192 on)")
+    w.add_argument("--cp-impl", default="auto", choices=("auto", "alltoall", "ring"),
+                   help="how context parallel runs (parallel.cp_impl): alltoall (Ulysses: heads divisible by cp), "
+                   "ring (K/V blocks passed around the cp ranks; sequence a multiple of 2 x cp; no head rule) or "
+                   "auto (the runtime's: alltoall, and ring for a cp degree the heads refuse the all-to-all)")
     w.add_argument("--ep", type=int, help="only consider this expert-parallel degree for a mixture-of-experts "
                    "model (parallel.ep; default: searched)")
     w.add_argument("--loss-chunks", default="auto", metavar="auto|0|N",
@@ -202,7 +206,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
                     extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
                     lora_targets=tuple(args.lora_targets or ()),
-                    loss_chunks=parse_loss_chunks(args.loss_chunks))
+                    loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
     plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
@@ -243,6 +247,7 @@ def _settings(c: Candidate) -> dict:
     """The settings the recommendation runs with (searched or given)."""
     return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "cp": c.layout.cp,
+            "cp_impl": c.cp_impl if c.layout.cp > 1 else None,
             "ep": c.layout.ep, "loss_chunked": c.loss_chunked, "verdict": c.verdict}
 
 
@@ -259,6 +264,7 @@ def plan_to_dict(plan: Plan) -> dict:
                      "precision": w.precision, "optimizer": w.optimizer, "checkpoint": w.checkpoint,
                      "ac_every": w.ac_every, "grad_sync": w.grad_sync, "compile": w.compile,
                      "loss_chunks": "auto" if w.loss_chunks is None else w.loss_chunks,
+                     "cp_impl": w.cp_impl,
                      "safety_margin": w.safety_margin, "searched": list(searched(w))},
         "calibration": dataclasses.asdict(plan.calibration),
         "candidates": [cand.to_dict() for cand in plan.candidates],

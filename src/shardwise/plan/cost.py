@@ -219,8 +219,11 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
 def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
               grad_accum: int, checkpoint: str = "none", every: int = 2, grad_sync: str = "step",
               kernels: Kernels = SHARDWISE_KERNELS, offload_state_bytes: int = 0,
-              calib: Calibration = DEFAULT_CALIBRATION) -> StepTime:
+              calib: Calibration = DEFAULT_CALIBRATION, cp_impl: str = "alltoall") -> StepTime:
     """Predicted time of one optimizer step (``grad_accum`` micro-batches per data-parallel replica).
+
+    ``cp_impl``: how context parallel moves the sequence (plan/cp.py): the all-to-alls (not
+    overlapped) or the ring (its steps hide behind the attention kernels of the remote blocks).
 
     ``grad_sync`` "step" reduces gradients once per step (shardwise's no_sync); "microbatch"
     reduce-scatters after every micro-batch (FSDP1 / torchtitan). ``kernels`` describes the stack
@@ -232,13 +235,21 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
                                           checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
                                           kernels=kernels)
     # Context parallel (plan/cp.py): each rank computes 1/cp of every sequence (attention: the
-    # whole sequence for heads/cp heads), plus the all-to-alls around attention, not overlapped.
+    # whole sequence for heads/cp heads, or its queries against every K/V block on the ring), plus
+    # the all-to-alls around attention (not overlapped) or the ring's steps.
     cp = cp_degree(layout)
     compute_micro /= cp
+    share = recompute_share(spec, checkpoint, every)
     cp_s = cp_comm_s(spec, layout, fabric, prec.act, seq=seq, micro_batch=micro_batch,
-                     layers=_busiest_stage_layers(spec, layout),
-                     recompute=recompute_share(spec, checkpoint, every).tp_collectives,
-                     alpha_s=calib.hop_latency_s) * grad_accum
+                     layers=_busiest_stage_layers(spec, layout), recompute=share.tp_collectives,
+                     alpha_s=calib.hop_latency_s, impl=cp_impl) * grad_accum
+    cp_exposed = cp_s
+    if cp > 1 and cp_impl == "ring":
+        # torch's ring sends each K/V block before computing on the one it holds: the transfers hide
+        # behind the attention kernels of the cp-1 remote blocks (forward, backward and recompute).
+        attn_s = (seq * micro_batch * attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
+                  / (fabric.peak_tflops * 1e12 * calib.attention_efficiency) / (tp * pp * cp))
+        cp_exposed = max(0.0, cp_s - attn_s * (cp - 1) / cp * grad_accum)
     if kernels.loss == "chunked" and spec.hidden and spec.vocab:
         # The chunked loss recomputes each chunk's logits in backward: one more head forward.
         compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / (
@@ -339,7 +350,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         from shardwise.plan.pipeline import idle_ratio
 
         bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
-    exposed += cp_s + ep_s
+    exposed += cp_exposed + ep_s
     total += cp_s + ep_s
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,

@@ -1,4 +1,4 @@
-"""Planner arithmetic for long sequences: context parallel (all-to-all) and the chunked loss.
+"""Planner arithmetic for long sequences: context parallel (all-to-all or ring) and the chunked loss.
 
 Pure arithmetic, no torch (the planner answers in under a second). ``memory.memory_breakdown``
 and ``cost.step_time`` call the hooks here; ``cp_candidates`` lists the cp degrees worth offering
@@ -13,6 +13,15 @@ for a long ``--seq`` (the search that picks among them lives in the planner's ca
   local ``[tokens/cp, heads/tp x head_dim]`` activations; backward the same again; recomputed
   blocks repeat the forward's. An all-to-all over ``cp`` ranks sends ``(cp-1)/cp`` of its input.
   The cp ranks are consecutive in the data-parallel dimension, ``tp`` ranks apart.
+* Ring (``parallel.cp_impl = ring``, ``ring_bytes_per_layer``): every rank keeps its queries and
+  all heads; its K/V block travels around the cp ring, one point-to-point step to the next rank at
+  a time. Forward ``cp-1`` steps of K and V; backward ``cp-1`` steps of K and V again plus ``cp``
+  steps of dK/dV in fp32 (torch's ring backward accumulates them in fp32 and the last step brings
+  them home); recomputed blocks repeat the forward's. Each step's transfer is issued before that
+  step's attention kernel, so it hides behind the attention compute of the ``cp-1`` remote steps.
+  No head rule (the all-to-all needs heads per tp rank divisible by cp); the sequence must be a
+  multiple of ``2 cp`` (load-balanced head-tail chunks). ``auto`` is the all-to-all, as at runtime;
+  the search offers a degree the heads refuse the all-to-all under ring (``cp_impl_for``).
 * Logits: the dense loss keeps fp32 logits (and their log-softmax) for ``tokens x vocab``; the
   chunked loss (``train.loss_chunks``) keeps one chunk (``shardwise.loss.AUTO_CHUNK_BYTES``) and a
   log-sum-exp per token.
@@ -25,13 +34,37 @@ from typing import Any
 from shardwise.config import AUTO_CHUNK_BYTES
 from shardwise.families import CHUNKED_HEAD_FAMILIES
 
-__all__ = ["CHUNKED_HEAD_FAMILIES", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens", "chunked_loss_off",
-           "cp_candidates", "cp_comm_s", "cp_degree", "logits_bytes"]
+__all__ = ["CHUNKED_HEAD_FAMILIES", "CP_IMPLS", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens",
+           "chunked_loss_off", "cp_candidates", "cp_comm_s", "cp_degree", "cp_impl_for", "cp_multiple",
+           "logits_bytes", "ring_bytes_per_layer", "ring_s"]
 
 # The runtime's rule (shardwise.loss.plan_chunked_head) restated torch-free for the planner, from
 # the same owners (config.AUTO_CHUNK_BYTES, families.CHUNKED_HEAD_FAMILIES); tests/test_plan_cp_ep.py
 # checks the two agree.
 LONG_SEQ = 8192  # from this sequence length on, the planner offers cp candidates
+
+# The runtime's cp rules (shardwise.parallel.cp: CP_IMPLS, cp_multiple, check_cp_model's head rule)
+# restated torch-free; tests/test_plan_cp_ring.py checks they agree.
+CP_IMPLS = ("auto", "alltoall", "ring")
+
+
+def cp_multiple(cp: int, impl: str) -> int:
+    """What the sequence must be a multiple of: ``cp`` chunks, ``2 cp`` under ring (head-tail chunks)."""
+    return 2 * cp if impl == "ring" else cp
+
+
+def cp_impl_for(requested: str, n_heads: int | None, tp: int, cp: int) -> str:
+    """The implementation a plan runs cp with: ``requested`` (``--cp-impl``) where the heads allow it;
+    ``auto`` is the all-to-all (the runtime's auto) unless the heads per tp rank do not divide by cp,
+    then the ring (no head rule). '' where ``alltoall`` was asked for and the heads refuse it."""
+    if cp <= 1:
+        return "alltoall"
+    heads_ok = not n_heads or (n_heads // tp) % cp == 0
+    if requested == "ring":
+        return "ring"
+    if heads_ok:
+        return "alltoall"
+    return "ring" if requested == "auto" else ""
 
 
 def cp_degree(layout: Any) -> int:
@@ -54,6 +87,30 @@ def alltoall_bytes_per_layer(spec: Any, seq: int, micro_batch: int, act_bytes: i
     return (2 * heads // tp + 2 * kv // tp) * per_head  # q and out; k and v
 
 
+def ring_bytes_per_layer(spec: Any, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
+                         cp: int = 1) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends to the next around the ring in one layer.
+
+    With ``B = micro_batch x seq/cp x kv_heads/tp x head_dim`` (one K or V block):
+    forward ``(cp-1) x 2B x act_bytes``; backward ``(cp-1) x 2B x act_bytes + cp x 2B x 4``
+    (K/V again, and dK/dV in fp32 over ``cp`` steps: torch's ring backward keeps them in fp32 and its
+    last step returns them to their owner).
+    """
+    if cp == 1 or not spec.hidden:
+        return 0, 0
+    heads = spec.n_heads or 1
+    kv = spec.n_kv_heads or heads
+    head_dim = spec.head_dim or spec.hidden // heads
+    block = micro_batch * (seq // cp) * max(1, kv // tp) * head_dim  # elements of one K (or V) block
+    forward = (cp - 1) * 2 * block * act_bytes
+    return forward, forward + cp * 2 * block * 4
+
+
+def ring_s(steps: int, size_bytes: float, gbs: float, alpha_s: float = 0.0) -> float:
+    """Time of ``steps`` point-to-point ring steps moving ``size_bytes`` in all from each rank."""
+    return size_bytes / (gbs * 1e9) + steps * alpha_s if steps > 0 else 0.0
+
+
 def alltoall_s(cp: int, size_bytes: float, gbs: float, alpha_s: float = 0.0) -> float:
     """Time of one all-to-all of ``size_bytes`` per rank: (cp-1)/cp of it leaves each rank."""
     if cp <= 1:
@@ -62,11 +119,17 @@ def alltoall_s(cp: int, size_bytes: float, gbs: float, alpha_s: float = 0.0) -> 
 
 
 def cp_comm_s(spec: Any, layout: Any, fabric: Any, act_bytes: int, *, seq: int, micro_batch: int,
-              layers: int, recompute: float = 0.0, alpha_s: float = 0.0) -> float:
-    """All-to-all seconds of one micro-batch on this rank: forward + backward (+ recomputed forward)."""
+              layers: int, recompute: float = 0.0, alpha_s: float = 0.0, impl: str = "alltoall") -> float:
+    """cp communication seconds of one micro-batch on this rank: forward + backward (+ recomputed
+    forward); the all-to-alls, or under ``impl = "ring"`` the ring's point-to-point steps."""
     cp = cp_degree(layout)
     if cp == 1:
         return 0.0
+    if impl == "ring":
+        forward, backward = ring_bytes_per_layer(spec, seq, micro_batch, act_bytes, tp=layout.tp, cp=cp)
+        gbs = fabric.collective_gbs(cp, layout.tp)  # the ring's links: the cp group's, as the all-to-all's
+        fwd = ring_s(cp - 1, forward, gbs, alpha_s)
+        return (fwd * (1 + recompute) + ring_s(cp, backward, gbs, alpha_s)) * layers
     size = alltoall_bytes_per_layer(spec, seq, micro_batch, act_bytes, tp=layout.tp, cp=cp)
     gbs = fabric.collective_gbs(cp, layout.tp)  # the cp group: consecutive dp ranks, tp apart
     one = alltoall_s(cp, size / 4, gbs, alpha_s)  # size covers 4 all-to-alls
@@ -113,14 +176,20 @@ def logits_bytes(tokens: int, vocab: int, *, tp: int = 1, chunked: bool = False,
     return 2 * 4 * tokens * vocab // tp  # the fp32 logits and their log-softmax
 
 
-def cp_candidates(world: int, seq: int, n_heads: int | None, *, tp: int = 1, min_chunk: int = 1024) -> list[int]:
+def cp_candidates(world: int, seq: int, n_heads: int | None, *, tp: int = 1, min_chunk: int = 1024,
+                  impl: str = "alltoall") -> list[int]:
     """cp degrees to offer for a ``seq``-token run on ``world`` ranks at tensor-parallel ``tp``.
 
-    [1] below ``LONG_SEQ``; else every cp > 1 that divides the data-parallel ranks, the heads per
-    tp rank and the sequence, keeping at least ``min_chunk`` tokens per rank.
+    [1] below ``LONG_SEQ``; else every cp > 1 that divides the data-parallel ranks, that ``impl``
+    (``--cp-impl``) can run (``cp_impl_for``: the all-to-all needs the heads per tp rank divisible by
+    cp) and whose ``cp_multiple`` divides the sequence, keeping at least ``min_chunk`` tokens per rank.
     """
     if seq < LONG_SEQ or not n_heads:
         return [1]
     dp = world // tp
-    return [1] + [cp for cp in range(2, dp + 1)
-                  if dp % cp == 0 and (n_heads // tp) % cp == 0 and seq % cp == 0 and seq // cp >= min_chunk]
+
+    def runs(cp: int) -> bool:
+        chosen = cp_impl_for(impl, n_heads, tp, cp)
+        return bool(chosen) and seq % cp_multiple(cp, chosen) == 0
+
+    return [1] + [cp for cp in range(2, dp + 1) if dp % cp == 0 and seq // cp >= min_chunk and runs(cp)]

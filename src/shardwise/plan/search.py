@@ -48,7 +48,8 @@ assert set(CHECKPOINT_SEARCH) == set(CHECKPOINT_MODES)
 
 
 def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp: int | None = None, tp_ok=None,
-                cp: int | None = None, ep: int | None = None, seq: int = 0) -> list[dict[str, int]]:
+                cp: int | None = None, ep: int | None = None, seq: int = 0,
+                cp_impl: str = "auto") -> list[dict[str, int]]:
     """Every model-parallel degree combination the planner considers: THE list of candidate sets.
 
     TP stays inside a node (a divisor of gpus_per_node that ``tp_ok`` accepts: it divides the
@@ -57,7 +58,8 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
     runtime's layout: cp ranks are a factor of dp, ep ranks are borrowed from the FSDP shard ranks):
 
     * ``cp``: for a long ``seq`` (plan/cp.py ``cp_candidates``: from ``LONG_SEQ`` tokens, degrees
-      dividing dp, the heads per TP rank and the sequence). The runtime runs cp beside a pipeline,
+      dividing dp and the sequence that ``cp_impl`` can run: the all-to-all needs the heads per TP
+      rank divisible by cp, ``auto`` takes the ring where it does not). The runtime runs cp beside a pipeline,
       and a pinned ``--cp`` is tried with every pp degree; the open search tries cp only at pp = 1
       (crossing both axes multiplies the layouts about ninefold for a long-sequence 70B plan).
     * ``ep``: for a mixture-of-experts model (plan/moe.py ``ep_candidates``: divisors of dp that
@@ -65,7 +67,7 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
 
     A pinned degree (``--tp``, ``--pp``, ``--cp``, ``--ep``) is the only value of its axis.
     """
-    from shardwise.plan.cp import cp_candidates
+    from shardwise.plan.cp import cp_candidates, cp_impl_for, cp_multiple
     from shardwise.plan.moe import ep_candidates
 
     g, world = cluster.gpus_per_node, cluster.world
@@ -83,9 +85,11 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
             # of unknown family, e.g. a bare parameter count, is planned as if it were one).
             cp_ok = not spec.family or spec.family in CP_FAMILIES
             if cp:
-                cps = [cp] if cp_ok and dp % cp == 0 and (not spec.n_heads or (spec.n_heads // t) % cp == 0) else []
+                impl = cp_impl_for(cp_impl, spec.n_heads, t, cp)
+                runs = bool(impl) and (not seq or seq % cp_multiple(cp, impl) == 0)
+                cps = [cp] if cp_ok and dp % cp == 0 and runs else []
             else:
-                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t) if p == 1 and cp_ok else [1]
+                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t, impl=cp_impl) if p == 1 and cp_ok else [1]
             eps = [ep] if ep else (ep_candidates(dp, moe.n_experts) if moe is not None and p == 1 else [1])
             sets += [{"tp": t, "pp": p, "cp": c, "ep": e} for c in cps for e in eps]
     return sets
