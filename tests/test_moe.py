@@ -88,6 +88,14 @@ def test_moe_gpt_shapes_counts_and_aux_losses():
     assert stats["moe/tokens_per_expert_mean"] * cfg.n_experts == 4 * cfg.block_size * cfg.moe_top_k
     assert stats["moe/dropped_tokens"] == 0 and stats["moe/tokens_per_expert_max"] >= stats["moe/tokens_per_expert_min"]
     assert {k for k in stats if k.startswith("moe/0/")} == {"moe/0/tokens_min", "moe/0/tokens_mean", "moe/0/tokens_max"}
+    # Padding (doc_ids -1 of packed rows) is routed but left out of the aux losses and the counts.
+    seq = cfg.block_size
+    docs = torch.zeros(4, seq, dtype=torch.long)
+    docs[1, seq // 2:] = -1
+    with_aux_loss(lm_loss)(model({"input_ids": x[:, :-1], "doc_ids": docs}), x[:, 1:])
+    padded = take_moe_stats(model)
+    assert padded["moe/tokens_per_expert_mean"] * cfg.n_experts == (4 * seq - seq // 2) * cfg.moe_top_k
+    assert 0.9 * cfg.moe_aux_coef < padded["moe/aux_loss"] < 1.5 * cfg.moe_aux_coef
     with torch.no_grad():  # evaluation records nothing
         model(x[:, :-1])
     assert pop_aux_loss() is None and take_moe_stats(model) == {}
