@@ -308,15 +308,20 @@ def test_dry_run_refuses_moe_on_records_under_context_parallel(tmp_path, capsys)
 
 
 def test_verify_moe_under_pipeline_parallel_splits_the_reference(tmp_path, cli_env):
-    """``shardwise verify`` on moe-nano under pp: the reference accumulates the pipeline's micro-
-    batches (each has its own aux loss), so the parameters agree to rounding (2.1e-3 without)."""
+    """``shardwise verify`` on moe-nano under fsdp+pp with ep 2 (4 ranks: 2 stages x dp 2): the
+    reference accumulates the pipeline's micro-batches (each has its own aux loss), so the
+    parameters agree to rounding (2.1e-3 without). The built-in trainer's path: before the MoE
+    layers stood aside in torch's stage metadata inference (parallel/moe_pp.py) its expert
+    all-to-alls hung this run in the first step."""
     import json
     import sys
 
     from shardwise.testing import run_command
 
-    proc = run_command([sys.executable, "-m", "shardwise", "verify", "gpt-shakespeare", "--strategy", "pp",
-                        "--nproc", "2", "--set", "model.preset=moe-nano", "--out", str(tmp_path / "out")],
+    proc = run_command([sys.executable, "-m", "shardwise", "verify", "gpt-shakespeare", "--strategy", "fsdp+pp",
+                        "--nproc", "4", "--set", "parallel.pp=2", "--set", "parallel.ep=2",
+                        "--set", "model.preset=moe-nano", "--set", "train.micro_batch_size=4",
+                        "--out", str(tmp_path / "out")],
                        env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "out" / "verify.json").read_text())
