@@ -120,8 +120,7 @@ def ep_refusal(schedule: str) -> str | None:
         return (f"expert parallel (parallel.ep > 1) does not train correctly under the zero-bubble pipeline "
                 f"schedule {schedule!r} yet: its split backward (input-gradient pass, then a deferred "
                 "weight-gradient pass) gives the experts, whose tokens travel by all-to-all, other "
-                "gradients than one process (2.7e-2 on the weights after 5 steps, aux losses off too), and a "
-                "zbv run as a process's first pipeline hung. "
+                "gradients than one process (2.7e-2 on the weights after 5 steps, aux losses off too). "
                 "Use '1f1b', 'gpipe', 'interleaved-1f1b' or 'looped-bfs' with ep, or set parallel.ep = 1")
     return None
 
