@@ -77,6 +77,19 @@ def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
         stats = take_moe_stats(model)
         assert stats["moe/tokens_per_expert_mean"] == 4 * SEQ * 2 / 4  # tokens x top-k / experts
         assert stats["moe/aux_loss"] == pytest.approx(ref.config.router_aux_loss_coef * out.aux_loss.item())
+        # Padded rows (a record batch's 2-D attention_mask): the aux loss counts the real tokens only,
+        # as transformers' does when its loss gets the mask.
+        pad = torch.ones_like(x)
+        pad[0, SEQ // 2:] = 0
+        pad[2, 3:] = 0
+        ce_y = y.masked_fill(pad == 0, -100)
+        out_pad = ref(input_ids=x, attention_mask=pad, use_cache=False)
+        want_pad = F.cross_entropy(out_pad.logits.reshape(-1, VOCAB), ce_y.reshape(-1)) + \
+            ref.config.router_aux_loss_coef * out_pad.aux_loss
+        got_pad = with_aux_loss(lm_loss)(model({"input_ids": x, "attention_mask": pad}), ce_y)
+        assert abs(got_pad.item() - want_pad.item()) <= 1e-6, (family, got_pad.item(), want_pad.item())
+        assert out_pad.aux_loss.item() != pytest.approx(out.aux_loss.item(), abs=1e-4)  # the mask matters
+        take_moe_stats(model)
         # Without output_router_logits transformers adds no aux loss, and neither does shardwise.
         plain = build_hf_model(pretrained=folder).train()
         assert with_aux_loss(lm_loss)(plain(x), y).item() == pytest.approx(

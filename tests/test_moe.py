@@ -88,6 +88,14 @@ def test_moe_gpt_shapes_counts_and_aux_losses():
     assert stats["moe/tokens_per_expert_mean"] * cfg.n_experts == 4 * cfg.block_size * cfg.moe_top_k
     assert stats["moe/dropped_tokens"] == 0 and stats["moe/tokens_per_expert_max"] >= stats["moe/tokens_per_expert_min"]
     assert {k for k in stats if k.startswith("moe/0/")} == {"moe/0/tokens_min", "moe/0/tokens_mean", "moe/0/tokens_max"}
+    # Padding (doc_ids -1 of packed rows) is routed but left out of the aux losses and the counts.
+    seq = cfg.block_size
+    docs = torch.zeros(4, seq, dtype=torch.long)
+    docs[1, seq // 2:] = -1
+    with_aux_loss(lm_loss)(model({"input_ids": x[:, :-1], "doc_ids": docs}), x[:, 1:])
+    padded = take_moe_stats(model)
+    assert padded["moe/tokens_per_expert_mean"] * cfg.n_experts == (4 * seq - seq // 2) * cfg.moe_top_k
+    assert 0.9 * cfg.moe_aux_coef < padded["moe/aux_loss"] < 1.5 * cfg.moe_aux_coef
     with torch.no_grad():  # evaluation records nothing
         model(x[:, :-1])
     assert pop_aux_loss() is None and take_moe_stats(model) == {}
@@ -164,13 +172,14 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
     """Routing with tagging experts (ep 2 and 4), then dp_shard 2 x ep 2, ep 4, fsdp+tp (tp 2, dp 2,
     ep 2: experts whole on both TP ranks, split over the dp ranks), hsdp (2 replicas x shard 2,
     ep 2: each shard group splits the experts, the groups replicate them) and fsdp+tp with ep 2 and
-    sequence parallel, fsdp+pp and ddp+pp (2 stages x 2 replicas) training; then one run
+    sequence parallel, fsdp+pp and ddp+pp (2 stages x 2 replicas), fsdp+pp with ep 2 training; then one run
     resumed across EP degrees: ep=2 (steps 1-2) -> ep=4 (steps 3-4) -> ep=2, and -> hsdp ep=2 (step 5)."""
     a, b = str(tmp_path / "ep2"), str(tmp_path / "ep4")
     hsdp = dict(strategy="hsdp", hsdp_shard_size=2, ep=2)
     cases = [dict(strategy="fsdp", ep=2), dict(strategy="fsdp", ep=4), dict(strategy="fsdp+tp", tp=2, ep=2), hsdp,
              dict(strategy="fsdp+tp", tp=2, ep=2, sequence_parallel=True),
              dict(strategy="fsdp+pp", pp=2, pp_microbatches=2), dict(strategy="ddp+pp", pp=2),
+             dict(strategy="fsdp+pp", pp=2, pp_microbatches=2, ep=2),
              dict(strategy="fsdp", ep=2, steps=2, ckpt_dir=a),
              dict(strategy="fsdp", ep=4, start=2, steps=4, load_dir=a, ckpt_dir=b),
              dict(strategy="fsdp", ep=2, start=4, steps=5, load_dir=b),
@@ -199,7 +208,10 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
     # (ddp+pp at pp_microbatches=2 fails in DDP's bucket rebuild on the dense GPT too: not MoE's.)
     assert_pipeline_parity(moe_train(0, 1, "single", accum=4), [r["cases"][6] for r in ranks])
     ref = reference[1]
-    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][7:]
+    # fsdp+pp with ep 2: each stage's two dp ranks split its MoE layers' experts (the ep mesh's pp dim
+    # keeps the expert groups inside a stage); the same numbers as fsdp+pp without ep.
+    assert_pipeline_parity(reference[2], [r["cases"][7] for r in ranks], PARAM_TOL_FSDP_PP)
+    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][8:]
     assert first["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
     assert second["losses"] == pytest.approx(ref["losses"][2:4], abs=LOSS_TOL)
     assert_parity({"losses": ref["losses"][4:], "params": ref["params"]}, back_to_ep2)
@@ -260,10 +272,14 @@ def test_planner_moe_math():
     (["--nproc", "4", "--set", "model.preset=moe-nano", "--set", "model.overrides={n_experts = 6}",
       "--set", "parallel.ep=4"], "on 4 data-parallel shard rank(s): 1, 2 (1: no expert parallel)"),
     (["--nproc", "2", "--set", "model.preset=nano", "--set", "parallel.ep=2"], "GPT has no MoE layer"),
-    # MoE runs under pipeline parallel, expert parallel does not (yet): the layout's rule.
+    # Expert parallel runs under fsdp+pp, but not under the zero-bubble schedules: the layout's rule.
     (["--nproc", "4", "--strategy", "fsdp+pp", "--set", "parallel.pp=2", "--set", "model.preset=moe-nano",
+      "--set", "model.overrides={n_layer = 4}", "--set", "parallel.pp_schedule=zbv",
+      "--set", "parallel.pp_stages_per_rank=2", "--set", "parallel.ep=2"],
+     "does not train correctly under the zero-bubble pipeline schedule 'zbv'"),
+    (["--nproc", "4", "--strategy", "ddp+pp", "--set", "parallel.pp=2", "--set", "model.preset=moe-nano",
       "--set", "parallel.ep=2"],
-     "runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not 'fsdp+pp'"),
+     "runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not 'ddp+pp'"),
 ])
 def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     """The model-shape EP rules run before launch (preflight), with the message the ranks would give."""
@@ -275,16 +291,37 @@ def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     assert "dry run" not in out.out
 
 
+def test_dry_run_refuses_moe_on_records_under_context_parallel(tmp_path, capsys):
+    """MoE on chat records runs under fsdp/ep/tp, not cp: a cp rank's routers cannot leave the padding out."""
+    pytest.importorskip("transformers")
+    from shardwise.cli import main
+    from tests.helpers.sft import chat_records, save_tokenizer, write_jsonl
+
+    tok = save_tokenizer(tmp_path / "tok")
+    chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(12))
+    code = main(["train", "gpt-shakespeare", "--dry-run", "--strategy", "fsdp", "--nproc", "2",
+                 "--set", "parallel.cp=2", "--set", "model.preset=moe-nano", "--set", "data.kind=chat",
+                 "--set", f"data.path={chat}", "--set", f"data.tokenizer={tok}",
+                 "--set", "model.overrides.block_size=128", "--set", f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not run with context parallel" in err and "Traceback" not in err, err
+
+
 def test_verify_moe_under_pipeline_parallel_splits_the_reference(tmp_path, cli_env):
-    """``shardwise verify`` on moe-nano under pp: the reference accumulates the pipeline's micro-
-    batches (each has its own aux loss), so the parameters agree to rounding (2.1e-3 without)."""
+    """``shardwise verify`` on moe-nano under fsdp+pp with ep 2 (4 ranks: 2 stages x dp 2): the
+    reference accumulates the pipeline's micro-batches (each has its own aux loss), so the
+    parameters agree to rounding (2.1e-3 without). The built-in trainer's path: before the MoE
+    layers stood aside in torch's stage metadata inference (parallel/moe_pp.py) its expert
+    all-to-alls hung this run in the first step."""
     import json
     import sys
 
     from shardwise.testing import run_command
 
-    proc = run_command([sys.executable, "-m", "shardwise", "verify", "gpt-shakespeare", "--strategy", "pp",
-                        "--nproc", "2", "--set", "model.preset=moe-nano", "--out", str(tmp_path / "out")],
+    proc = run_command([sys.executable, "-m", "shardwise", "verify", "gpt-shakespeare", "--strategy", "fsdp+pp",
+                        "--nproc", "4", "--set", "parallel.pp=2", "--set", "parallel.ep=2",
+                        "--set", "model.preset=moe-nano", "--set", "train.micro_batch_size=4",
+                        "--out", str(tmp_path / "out")],
                        env=cli_env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "out" / "verify.json").read_text())

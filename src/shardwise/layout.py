@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError
-from shardwise.pp_schedules import check_schedule, stage_ids_of
+from shardwise.pp_schedules import check_schedule, ep_refusal, stage_ids_of
 from shardwise.strategies import (
     COMPOSED_MESH,
     REGISTRY,
@@ -183,11 +183,15 @@ class Layout:
         # FSDP2 kinds only (the DeepSpeed engine has dp_kind "fsdp" too but never splits experts);
         # under hsdp the expert groups are carved out of each shard group (parallel/ep.py).
         if self.external is None and (self.info.dp_kind != "fsdp" or self.info.impl not in ("fsdp", "model-parallel")
-                                      or self.offload or self.pp > 1):
+                                      or self.offload):
             raise ConfigError(
                 f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not "
                 f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "
                 "--strategy fsdp (or hsdp, fsdp+tp), or set parallel.ep = 1.")
+        if self.pp > 1:  # [issue 20] fsdp+pp with ep: every schedule but the zero-bubble ones
+            refusal = ep_refusal(self.pp_schedule)
+            if refusal:
+                raise ConfigError(refusal + ".")
         if self.shard % ep:
             divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
             raise ConfigError(

@@ -102,6 +102,17 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.parallel.ep import check_moe_model
 
         check_moe_model(meta, layout)
+        if layout.cp > 1 and workload.token_loss:
+            from shardwise.models.moe import moe_layers
+
+            if moe_layers(meta):
+                # [issue 20] The routers' aux losses count real tokens only (models/moe.py); a cp rank's
+                # model gets its chunk's token ids and positions without the padding mask.
+                raise ConfigError(
+                    "a mixture-of-experts model on records or packed rows does not run with context parallel "
+                    "(parallel.cp > 1) yet: each cp rank's routers would count the rows' padding in the "
+                    "load-balancing loss, which one process leaves out. Set parallel.cp = 1 (ep, tp and "
+                    "fsdp/hsdp all work on this data), or train on unpacked text.")
         if layout.cp > 1:
             from shardwise.parallel.cp import check_cp_model
 

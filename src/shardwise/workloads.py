@@ -233,14 +233,8 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         if gcfg.n_experts:
             from shardwise.models.moe import with_aux_loss
 
-            if token_loss:
-                # The token-sum loss is scaled per step by the global trained-token count; the routers'
-                # aux losses would need their own per-micro-batch scale there (not built yet).
-                raise ConfigError(f"a mixture-of-experts GPT (model.overrides.n_experts = {gcfg.n_experts}) "
-                                  f"trains on text, token and Shakespeare data, not yet on data.kind = "
-                                  f"{dc.kind!r} records (their response-only token-mean loss).")
-
-            # The routers' load-balancing and z losses join the training loss (models/moe.py).
+            # The routers' load-balancing and z losses join the training loss (models/moe.py); with
+            # records / packed rows they join the scaled token sum with scale 1 (runtime/trainer.py).
             loss_fn = with_aux_loss(cross_entropy_loss)
         if tokenizer is not None:
             sample = _text_sampler(tokenizer)
@@ -261,10 +255,6 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         if family in MOE_FAMILIES:  # [issue 20, h20b] Hugging Face MoE (models/hf_moe.py)
             from shardwise.models.moe import with_aux_loss
 
-            if token_loss:
-                raise ConfigError(f"a mixture-of-experts model ({family}) trains on text, token and Shakespeare "
-                                  f"data, not yet on data.kind = {dc.kind!r} records (their response-only "
-                                  "token-mean loss would need its own scale for the routers' aux loss).")
             loss_fn = with_aux_loss(cross_entropy_loss)
     else:
         if not mc.factory:

@@ -28,7 +28,7 @@ from shardwise.models.gpt_config import (
 
 # The configuration, presets and FLOP/parameter arithmetic live in a torch-free module, so the
 # planner can size these models without importing torch.
-from shardwise.models.masking import attention_mask_4d, split_inputs
+from shardwise.models.masking import attention_mask_4d, real_token_mask, split_inputs
 from shardwise.models.moe import MoE
 
 __all__ = ["GPT", "GPT_PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP", "gpt_flops_per_token",
@@ -82,10 +82,15 @@ class Block(nn.Module):
         # A mixture of experts in place of the MLP (cfg.n_experts > 0; see models/moe.py).
         self.mlp: nn.Module = MoE(cfg) if moe else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:
         # The mask goes by keyword: a sequence-parallel plan (PrepareModuleInput) gathers attn's one
         # positional input, the hidden states, and the whole-sequence mask passes through as it is.
         x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask=mask))
+        if real is not None and isinstance(self.mlp, MoE):
+            # ``real``: the (B, T) real tokens, whose routing the MoE aux losses count (models/moe.py).
+            # An argument, not state: activation checkpointing recomputes with the same inputs.
+            return x + self.mlp(self.ln_2(x), real=real)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -118,6 +123,7 @@ class GPT(nn.Module):
         ``position_ids``/``doc_ids``/``attention_mask`` (packed or padded rows, see models.masking)."""
         idx, extra = split_inputs(idx)
         mask = attention_mask_4d(extra) if extra else None
+        real = real_token_mask(extra) if mask is not None and self.config.n_experts else None
         # A pipeline stage without the embeddings receives hidden states instead of token ids.
         if self.tok_emb is not None:
             seq = idx.shape[1]
@@ -133,7 +139,7 @@ class GPT(nn.Module):
         else:
             h = idx
         for block in self.blocks.values():
-            h = block(h) if mask is None else block(h, mask)
+            h = block(h) if mask is None else block(h, mask) if real is None else block(h, mask, real)
         if self.ln_f is not None:
             h = self.ln_f(h)
         if self.lm_head is not None:

@@ -84,6 +84,11 @@ class HFCausalLM(nn.Module):
             kwargs["attention_mask"] = hf_document_masks(self.hf.config, extra)
         elif "attention_mask" in extra:
             kwargs["attention_mask"] = extra["attention_mask"]  # HF's own 2-D padding mask
+        if getattr(self.hf.config, "output_router_logits", False):
+            # An MoE model's aux loss is shardwise's own (models/hf_moe.py, over the global batch):
+            # transformers' would be computed and thrown away, and it takes only a 2-D padding mask
+            # (it fails on the 4-D document mask of packed rows).
+            kwargs["output_router_logits"] = False
         # No KV cache: training never reuses it, and it would hold activations across steps.
         return self.hf(input_ids=ids, use_cache=False, **kwargs).logits
 
@@ -198,10 +203,11 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
         with _no_init_weights(transformers)():
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         hf.tie_weights()  # skipped with the init above; the files hold only one of tied tensors
-    from shardwise.models.hf_moe import attach_hf_moe
+    from shardwise.models.hf_moe import attach_hf_moe, watch_real_tokens
 
-    attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
+    moe = attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
     model = HFCausalLM(hf, export_config=export, pretrained=folder)
+    watch_real_tokens(model, moe)  # the aux loss counts real tokens only (padding of records, packed rows)
     if folder is not None and not any(p.is_meta for p in hf.parameters()):
         # Built for real (outside Session.build, or with model.init = "eager"): load now, whole.
         model.load_pretrained()

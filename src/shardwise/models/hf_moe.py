@@ -17,13 +17,16 @@ module adds, from outside and without touching the HF code:
   probabilities over all layers and tokens. A forward hook on each router records its logits and
   top-k indices; a forward hook on the HF model then forms C from the counts **summed over the
   data-parallel group** (one all-reduce of L x E integers, no gradient) and uses this rank's own
-  S, so the ranks' mean aux loss equals one process's loss over the global batch (the same
-  argument as ``models/moe.py``; the ranks hold equal token counts). That aux loss, times
-  ``router_aux_loss_coef``, joins the training loss through ``models.moe.with_aux_loss`` exactly
-  when transformers would add it (``output_router_logits`` true; set it with
-  ``model.overrides.output_router_logits = true``). What differs from transformers: padding
-  tokens (a 2-D ``attention_mask``) are counted, as in transformers when no mask is passed to the
-  loss; shardwise refuses record data (the padded case) for MoE models.
+  S scaled by R / N (R data-parallel ranks, N the real tokens of the global batch, also summed in
+  that all-reduce), so the ranks' mean aux loss equals one process's loss over the global batch
+  whatever each rank's token count (the argument of ``models/moe.py``). Padding is left out, as
+  transformers does when its loss gets the ``attention_mask``: a forward pre-hook on the wrapping
+  ``HFCausalLM`` reads the batch's real tokens (``doc_ids >= 0`` of packed rows, a record's 2-D
+  ``attention_mask``: ``models.masking.real_token_mask``), and N, C and S count those only. That
+  aux loss, times ``router_aux_loss_coef``, joins the training loss through
+  ``models.moe.with_aux_loss`` exactly when transformers would add it (``output_router_logits``
+  true; set it with ``model.overrides.output_router_logits = true``); with records it keeps scale 1
+  beside the token-sum cross-entropy (``models/moe.py``).
 * **Metrics.** Each MoE block gets an ``HFMoELayer`` record with the window statistics
   ``models.moe.take_moe_stats`` reads (tokens per expert per layer, the aux loss per micro-batch).
 * **Pretrained folders in the original per-expert layout.** ``save_pretrained`` (and the released
@@ -40,7 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HFMoELayer", "attach_hf_moe", "expert_sources", "is_fused_experts", "legacy_key", "load_fused_experts"]
+__all__ = ["HFMoELayer", "attach_hf_moe", "expert_sources", "is_fused_experts", "legacy_key", "load_fused_experts",
+           "watch_real_tokens"]
 
 
 def is_fused_experts(module: nn.Module) -> bool:
@@ -93,6 +97,13 @@ class _Recorder:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.seen: list[tuple[HFMoELayer, torch.Tensor, torch.Tensor]] = []
+        self.real: torch.Tensor | None = None  # the forward's real-token mask (None: every token)
+
+    def on_inputs(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook on the wrapping ``HFCausalLM``: which tokens of this batch are real."""
+        from shardwise.models.masking import real_token_mask, split_inputs
+
+        self.real = real_token_mask(split_inputs(args[0])[1]) if args else None
 
     def finish(self, module: nn.Module, inputs: Any, output: Any) -> None:
         from shardwise.models.moe import _MAX_PENDING, _pending
@@ -102,21 +113,41 @@ class _Recorder:
             return
         layers = [layer for layer, _, _ in seen]
         n_experts = layers[0].n_experts
-        # One all-reduce: every layer's counts and the token count (the global N).
-        counts = torch.stack([torch.bincount(idx.reshape(-1), minlength=n_experts) for _, _, idx in seen])
         rows = seen[0][1].shape[0]
-        packed = torch.cat([counts.reshape(-1), counts.new_tensor([rows])])
+        keep = None if self.real is None else self.real.reshape(-1).to(seen[0][1].device)
+        if keep is not None and keep.numel() != rows:
+            raise ValueError(f"the MoE routers saw {rows} tokens but the batch's real-token mask has {keep.numel()}")
+        # Top-k slots per expert of the real tokens (index (N, k); no boolean indexing: no host sync).
+        if keep is None:
+            counts = torch.stack([torch.bincount(idx.reshape(-1), minlength=n_experts) for _, _, idx in seen])
+            real = counts.new_tensor([rows])
+        else:
+            slots = keep.long().unsqueeze(-1).expand(-1, seen[0][2].shape[-1]).reshape(-1)
+            counts = torch.stack([torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(
+                0, idx.reshape(-1), slots) for _, _, idx in seen])
+            real = keep.long().sum().reshape(1)
+        # One all-reduce: every layer's counts and the real-token count (the global N).
+        packed = torch.cat([counts.reshape(-1), real])
         group = layers[0].stats_group
+        ranks = 1
         if group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(packed, group=group)
+            ranks = dist.get_world_size(group)
         n_layers = len(seen)
         global_counts = packed[:-1].view(n_layers, n_experts)
-        global_rows = packed[-1].double()
-        prob_sum = sum(logits.float().softmax(dim=-1).sum(dim=0) for _, logits, _ in seen)
+        global_rows = packed[-1].double().clamp(min=1)
+
+        def probs(logits: torch.Tensor) -> torch.Tensor:
+            p = logits.float().softmax(dim=-1)
+            return p if keep is None else p * keep.to(p.dtype).unsqueeze(-1)
+
+        prob_sum = sum(probs(logits).sum(dim=0) for _, logits, _ in seen)
         f = global_counts.sum(0).double() / (global_rows * n_layers)
-        aux = n_experts * (f.to(prob_sum.dtype) * (prob_sum / (rows * n_layers))).sum()
+        # This rank's probability sums times R / (N L): their mean over the R ranks is one process's S / (N L).
+        weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
+        aux = n_experts * (f.to(prob_sum.dtype) * prob_sum * weight).sum()
         aux = float(getattr(self.config, "router_aux_loss_coef", 0.0)) * aux
         if getattr(self.config, "output_router_logits", False):
             if len(_pending) >= _MAX_PENDING:
@@ -148,6 +179,13 @@ def attach_hf_moe(hf: nn.Module) -> list[HFMoELayer]:
         layers.append(layer)
     hf.register_forward_hook(recorder.finish)
     return layers
+
+
+def watch_real_tokens(wrapper: nn.Module, layers: list[HFMoELayer]) -> None:
+    """Let the routers' aux loss skip padding: ``wrapper`` (the ``HFCausalLM``) tells the recorder
+    which tokens of each batch are real (a forward pre-hook; its input is the batch's mapping)."""
+    if layers:
+        wrapper.register_forward_pre_hook(layers[0].recorder.on_inputs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,11 +95,19 @@ def hf_document_masks(config: Any, extra: Mapping[str, torch.Tensor]) -> Any:
     return {"full_attention": mask, "sliding_attention": windowed}
 
 
+def real_token_mask(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The ``(B, T)`` boolean mask of real (non-padding) tokens from a batch's side inputs, or None
+    when every token is real: ``doc_ids >= 0``, else the 2-D ``attention_mask``. (A mixture-of-
+    experts router balances over the real tokens only, ``models/moe.py``.)"""
+    if "doc_ids" in extra:
+        return extra["doc_ids"] >= 0
+    if "attention_mask" in extra:
+        return extra["attention_mask"].bool()
+    return None
+
+
 def real_token_count(inputs: torch.Tensor | Mapping[str, Any]) -> int:
     """How many tokens of a batch are real (not padding): what tokens/s and MFU count."""
     ids, extra = split_inputs(inputs)
-    if "doc_ids" in extra:
-        return int((extra["doc_ids"] >= 0).sum())
-    if "attention_mask" in extra:
-        return int(extra["attention_mask"].sum())
-    return ids.numel()
+    real = real_token_mask(extra)
+    return ids.numel() if real is None else int(real.sum())

@@ -19,25 +19,36 @@ expert id (a stable argsort) and each expert runs one matmul over its contiguous
 
 Auxiliary losses (what ``with_aux_loss`` adds to the training loss)
 -------------------------------------------------------------------
-N tokens on this rank, N_g over the global micro-batch (every data-parallel rank), E experts, k
-per token, router probabilities p_{t,e} = softmax(router logits z_t)_e.
+Over the REAL tokens of a micro-batch: padding (``doc_ids == -1`` of packed rows, a record's
+``attention_mask == 0``; ``models.masking.real_token_mask``) is routed and computed like any token
+but counts for nothing, as in transformers' ``load_balancing_loss_func`` with an attention mask.
+n_r real tokens on rank r, N = sum_r n_r over the global micro-batch (every data-parallel rank of
+``stats_group``, R of them), E experts, k per token, router probabilities p_{t,e} = softmax(z_t)_e.
 
 * Load balancing (Switch Transformer eq. 4, Mixtral): ``aux = a * E * sum_e f_e * P_e`` with
-  f_e = (tokens routed to e) / (N_g * k), the fraction of all routing slots e received, and P_e =
-  mean_t p_{t,e}. f carries no gradient; balanced routing gives ``aux = a``.
-* Router z-loss (ST-MoE eq. 5): ``z = b * mean_t (logsumexp_e z_{t,e})^2``.
+  f_e = (slots routed to e) / (N * k), the fraction of all routing slots e received, and P_e =
+  (1/N) sum_t p_{t,e}. f carries no gradient; balanced routing gives ``aux = a``.
+* Router z-loss (ST-MoE eq. 5): ``z = b * (1/N) sum_t (logsumexp_e z_{t,e})^2``.
 
 Over the GLOBAL batch. Data-parallel training averages the ranks' gradients: the step follows
 (1/R) sum_r grad L_r. A per-rank aux loss built from per-rank f_e would optimise the mean of R
 small-batch balance losses, a different objective from one process's (balance is non-linear in
 the counts). Instead f_e is formed from the counts summed over ``stats_group`` (one all-reduce of E
-integers per MoE layer, no gradient), and each rank uses its local P^r_e:
+integers per MoE layer, no gradient; their sum is N k, so N comes with them), and each rank takes
+its own tokens' probability sums, scaled by R / N:
 
-    aux_r = a * E * sum_e f_e^global * P^r_e,   (1/R) sum_r aux_r = a * E * sum_e f_e * P_e^global
+    aux_r = a * E * sum_e f_e * (R / N) sum_{t in r} p_{t,e},
+    (1/R) sum_r aux_r = a * E * sum_e f_e * (1/N) sum_t p_{t,e} = one process's aux over the batch,
 
-because the ranks hold equal token counts, so the mean of the P^r is the global P. The averaged
-gradient is therefore exactly the gradient of one process's aux loss over the whole batch; the
-z-loss is a per-token mean and needs no communication for the same reason.
+and likewise z_r = b * (R / N) sum_{t in r} lse_t^2. The averaged gradient is therefore exactly
+the gradient of one process's aux loss, whatever the ranks' token counts (records and packed rows
+give ranks different numbers of real tokens; with equal counts R / N is 1 / n_r, the local mean).
+
+The same holds per micro-batch under gradient accumulation (global micro-batch j is one process's
+micro-batch j) and whatever the cross-entropy's normalisation: with records the cross-entropy is
+a token SUM scaled by the step's global trained-token count (``runtime.token_loss``), while each
+micro-batch's aux loss keeps scale 1 (``with_aux_loss`` adds it after that scaling), so the step
+minimises ``CE_token_mean(step) + (1/A) sum_j aux_j`` on any number of ranks.
 """
 
 from __future__ import annotations
@@ -52,7 +63,8 @@ from torch import nn
 
 from shardwise.models.gpt_config import GPTConfig
 
-__all__ = ["MoE", "GroupedExperts", "is_moe_layer", "moe_layers", "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
+__all__ = ["MoE", "GroupedExperts", "adds_aux_loss", "is_moe_layer", "moe_layers", "pop_aux_loss", "take_moe_stats",
+           "with_aux_loss"]
 
 # Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
 _pending: list[torch.Tensor] = []
@@ -92,7 +104,13 @@ def with_aux_loss(loss_fn: Any) -> Any:
         return base + aux
 
     loss.__name__ = getattr(loss_fn, "__name__", "loss") + "_with_moe_aux"
+    loss._shardwise_moe_aux = True  # type: ignore[attr-defined]  # adds_aux_loss asks
     return loss
+
+
+def adds_aux_loss(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` was made by ``with_aux_loss`` (the workload of an MoE model)."""
+    return bool(getattr(loss_fn, "_shardwise_moe_aux", False))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -154,7 +172,8 @@ class MoE(nn.Module):
         self.window_z: torch.Tensor | float = 0.0
         self.window_calls = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (..., D); ``real``: which of its tokens are real (the aux losses skip padding), or None."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x).float()
@@ -172,25 +191,44 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, routed * scale)
         if self.shared is not None:
             out = out + self.shared(x)
-        self._record(logits, probs, counts)
+        self._record(logits, probs, flat, counts, real)
         return self.drop(out).reshape(shape)
 
-    def _record(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> None:
-        """Aux losses over the global batch (see the module docstring) and the window's statistics."""
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, flat: torch.Tensor, counts: torch.Tensor,
+                real: torch.Tensor | None) -> None:
+        """Aux losses over the global batch's real tokens (see the module docstring) and the window's
+        statistics."""
         if not (self.training and torch.is_grad_enabled()):
             return
+        keep = None
+        if real is not None:
+            keep = real.reshape(-1)
+            if keep.numel() != logits.shape[0]:
+                raise ValueError(f"the MoE layer got {logits.shape[0]} tokens but a real-token mask of "
+                                 f"{keep.numel()}")
+            # Slots of real tokens only (``flat`` is token-major: token t's k slots are t*k .. t*k+k-1);
+            # no boolean indexing, so no host sync.
+            slots = keep.repeat_interleave(self.top_k).to(counts.dtype)
+            counts = torch.zeros_like(counts).index_add_(0, flat, slots)
+            keep = keep.to(probs.dtype)
         global_counts = counts.detach().clone()
+        ranks = 1
         if self.stats_group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(global_counts, group=self.stats_group)
+            ranks = dist.get_world_size(self.stats_group)
+        # R / N: N real tokens in the global micro-batch (k slots each).
+        weight = (ranks * self.top_k / global_counts.sum().clamp(min=1).double()).to(probs.dtype)
         aux = logits.new_zeros(())
         if self.aux_coef > 0:
             f = global_counts.float() / global_counts.sum().clamp(min=1)
-            aux = aux + self.aux_coef * self.n_experts * (f * probs.mean(dim=0)).sum()
+            prob_sum = (probs if keep is None else probs * keep.unsqueeze(-1)).sum(dim=0)
+            aux = aux + self.aux_coef * self.n_experts * (f * prob_sum).sum() * weight
         z = logits.new_zeros(())
         if self.z_coef > 0:
-            z = self.z_coef * torch.logsumexp(logits, dim=-1).square().mean()
+            lse2 = torch.logsumexp(logits, dim=-1).square()
+            z = self.z_coef * (lse2 if keep is None else lse2 * keep).sum() * weight
         if _in_backward():
             # Activation checkpointing re-runs the forward inside backward: the aux losses' ops run
             # again (checkpointing requires the same saved tensors, and backward uses them, so the

@@ -80,7 +80,14 @@ class StageAux:
         On its first step each ``PipelineStage`` runs its forward once on placeholder tensors
         (``_forward_metadata_inference``, with grad) to learn the shapes it sends: the MoE layers
         must not count those tokens, all-reduce their counts, or record an aux loss from them.
-        They run it as in evaluation (``training`` off: no record; dropout is 0 in shape terms).
+        They run it as in evaluation (``training`` off: no record; dropout is 0 in shape terms),
+        and skip their experts: an MoE layer's output has its input's shape, so it returns
+        ``0 * x`` (still on the autograd path, for the backward inference). Under expert
+        parallel the experts would run token all-to-alls inside torch's metadata inference,
+        which the two ranks of a stage did not reach together (a 4-rank fsdp+pp ep=2 run hung
+        there in the first step: one rank's backward inference waited in the all-to-all while
+        its ep peer had moved on to the schedule); with the experts skipped the inference runs no
+        collective of the MoE layers at all.
         """
         for stage in stages:
             infer = getattr(stage, "_forward_metadata_inference", None)
@@ -92,11 +99,13 @@ class StageAux:
             modes = [layer.training for layer in self.layers]
             for layer in self.layers:
                 layer.training = False
+                layer.forward = _shape_only  # an instance attribute: the class is untouched
             try:
                 return infer(*args, **kwargs)
             finally:
                 for layer, mode in zip(self.layers, modes):
                     layer.training = mode
+                    del layer.forward
 
         return run
 
@@ -108,6 +117,11 @@ class StageAux:
         total = total.float().to(device)
         dist.all_reduce(total, group=self.pp_group)
         return total / n_microbatches
+
+
+def _shape_only(x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """An MoE layer's stand-in during the stages' metadata inference: its output's shape, no experts."""
+    return x * 0
 
 
 def attach_pp_aux(model: nn.Module, pp_group: Any) -> StageAux | None:

@@ -25,7 +25,7 @@ from shardwise.config import RunConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
-from shardwise.models.moe import take_moe_stats
+from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
@@ -219,8 +219,13 @@ class Trainer:
             scale, real = step_scale(s, micro)
             self.real_tokens = self.real_tokens + real
             sum_fn = loss_fn
+            scaled = lambda output, target: sum_fn(output, target) * scale  # noqa: E731
+            if adds_aux_loss(self.workload.loss_fn):
+                # An MoE model's aux losses join AFTER the token scale: each micro-batch's keeps scale 1
+                # (its own global-batch normalisation, models/moe.py), as without records.
+                scaled = with_aux_loss(scaled)
             # Still a token sum (scaled): a pipeline adds it up over its micro-batches (token_loss).
-            loss_fn = token_sum(lambda output, target: sum_fn(output, target) * scale)
+            loss_fn = token_sum(scaled)
         for k in range(t.grad_accum_steps):
             t0 = time.perf_counter()
             x, y = micro[k] if micro else next(batches)
