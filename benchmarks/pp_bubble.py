@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -42,15 +43,30 @@ from shardwise.pp_schedules import SCHEDULES as TABLE
 SCHEDULES = tuple((name, 2 if info.multi_stage else 1) for name, info in TABLE.items())
 
 
-def _step_time(out: Path, strategy: str, nproc: int, steps: int, overrides: list[str]) -> float:
+def _bench(out: Path, strategy: str, nproc: int, steps: int, overrides: list[str]) -> tuple[float, float]:
+    """(bench's wall seconds per step, CPU seconds the whole job used: launcher and ranks)."""
     cmd = [sys.executable, "-m", "shardwise", "bench", "--strategies", strategy, "--nproc", str(nproc),
            "--steps", str(steps), "--out", str(out)]
     for item in overrides:
         cmd += ["--set", item]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     data = json.loads((out / "bench.json").read_text())
     rows = data["rows"] if isinstance(data, dict) else data  # {"rows": [...]} since bench's run-dir rework
-    return rows[0]["step_time_s"]
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return rows[0]["step_time_s"], cpu
+
+
+def _step_time(out: Path, strategy: str, nproc: int, steps: int, overrides: list[str]) -> tuple[float, float]:
+    """(wall seconds per step, CPU seconds per step summed over the ranks). The CPU figure is the
+    difference of a ``steps`` run and a 2-step one over the steps between (start-up cancels out):
+    unlike wall time it counts only the job's own work, so it tells work that a pipeline adds
+    (communication, extra passes) from time its ranks wait, and other load on the machine does not
+    inflate it."""
+    wall, cpu = _bench(out, strategy, nproc, steps, overrides)
+    _, cpu_short = _bench(out.with_name(out.name + "-short"), strategy, nproc, 2, overrides)
+    return wall, (cpu - cpu_short) / (steps - 2)
 
 
 # torch's class for each schedule name (shardwise.pp_schedules owns the mapping).
@@ -61,19 +77,22 @@ def _torch_class(name: str) -> Any:
 
 
 def _timed(fn: Any, repeats: int) -> float:
-    """The fastest of ``repeats`` runs after one warm-up: on a shared machine other processes only
-    ever add time, so the minimum is the action's own cost."""
+    """The least CPU time of this process over ``repeats`` runs after one warm-up. CPU time, not wall
+    time: with one thread (OMP_NUM_THREADS=1; CPU autograd runs in the calling thread) it is the
+    action's own work, which other processes on a busy machine do not inflate the way they stretch
+    wall time."""
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return min(times)
 
 
-def _stage_costs(view: Any, first: bool, last: bool, ids: Any, hidden: Any, repeats: int) -> dict[str, float]:
-    """Seconds of F, B, I and W of one stage on one micro-batch, with torch's own backward functions."""
+def _stage_runs(view: Any, first: bool, last: bool, ids: Any, hidden: Any) -> dict[str, Any]:
+    """The runs timed per stage: forward (F), then F + full backward, F + input-gradient pass, F + I + W,
+    with torch's own backward functions, as its runtime calls them."""
     import torch
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
 
@@ -88,29 +107,34 @@ def _stage_costs(view: Any, first: bool, last: bool, ids: Any, hidden: Any, repe
 
     def full() -> None:
         inputs, out, grad = forward()
-        stage_backward([out] if last else out, None if last else grad, inputs)
+        # The loss (last stage) or the output as a tensor: torch's runtime passes them so (a list
+        # holding the loss with no output gradient is silently skipped).
+        stage_backward(out, grad, inputs)
         view.zero_grad(set_to_none=True)
 
-    def input_only(weight: bool = False) -> None:
+    def split(weight: bool) -> None:
         inputs, out, grad = forward()
         _, groups = stage_backward_input([out], None if last else [grad], inputs, view.parameters())
         if weight:
             stage_backward_weight(view.parameters(), groups)
         view.zero_grad(set_to_none=True)
 
-    f = _timed(forward, repeats)
-    b = _timed(full, repeats) - f
-    if first:  # torch skips the first stage's I and runs its whole backward as W
-        return {"F": f, "B": b, "I": 0.0, "W": b}
-    i = _timed(input_only, repeats) - f
-    w = _timed(lambda: input_only(weight=True), repeats) - f - i
-    return {"F": f, "B": b, "I": i, "W": w}
+    runs = {"F": forward, "FB": full}
+    if not first:  # torch skips the first stage's I and runs its whole backward as W
+        runs.update(FI=lambda: split(False), FIW=lambda: split(True))
+    return runs
 
 
-def _gpt_stage_costs(overrides: list[str], n_stages: int, rows: int, microbatches: int,
-                     repeats: int) -> tuple[list[dict], float]:
-    """Per stage: the seconds of F, B, I and W on one micro-batch of ``rows`` rows; and T1, one
-    process's forward + backward of the whole batch (``rows`` x ``microbatches`` rows)."""
+def _gpt_layer_costs(overrides: list[str], rows: int, microbatches: int,
+                     repeats: int) -> tuple[list[dict], float, int]:
+    """F, B, I and W seconds of each layer on one micro-batch of ``rows`` rows, timed as a stage of
+    its own (the first also runs the embeddings, the last the head and the loss); T1, one process's
+    forward + backward of the whole batch (``rows`` x ``microbatches`` rows); the layer count.
+
+    Timed per layer, not per stage of the split being simulated: one layer's actions take tens of
+    milliseconds, short enough that the fastest of a few runs is the action's own cost even on a
+    busy machine, where a whole stage's second-long actions never run undisturbed. A stage's cost
+    is the sum of its layers' (``_stage_costs_of``)."""
     import dataclasses
 
     import torch
@@ -126,18 +150,43 @@ def _gpt_stage_costs(overrides: list[str], n_stages: int, rows: int, microbatche
     cfg = dataclasses.replace(cfg, **changes)
     torch.manual_seed(0)
     model = GPT(cfg)
-    ranges = stage_layer_ranges(cfg.n_layer, n_stages)
+    n = cfg.n_layer
+    ranges = stage_layer_ranges(n, n)
     ids = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size))
     hidden = torch.randn(rows, cfg.block_size, cfg.n_embd)
-    costs = [_stage_costs(stage_view(model, s, ranges), s == 0, s == n_stages - 1, ids, hidden, repeats)
-             for s in range(n_stages)]
+    runs = [_stage_runs(stage_view(model, s, ranges), s == 0, s == n - 1, ids, hidden) for s in range(n)]
+    # Round-robin over the layers, so a burst of load elsewhere slows one round, not one layer.
+    best = [{k: float("inf") for k in r} for r in runs]
+    for _ in range(repeats):
+        for layer, r in zip(best, runs):
+            for k, fn in r.items():
+                layer[k] = min(layer[k], _timed(fn, 1))
+    costs = []
+    for t in best:
+        f, b = t["F"], t["FB"] - t["F"]
+        i, w = (t["FI"] - f, t["FIW"] - t["FI"]) if "FI" in t else (0.0, b)
+        costs.append({"F": f, "B": b, "I": i, "W": w})
     batch = torch.randint(0, cfg.vocab_size, (rows * microbatches, cfg.block_size))
 
     def whole() -> None:
         lm_loss(model(batch), batch).backward()
         model.zero_grad(set_to_none=True)
 
-    return costs, _timed(whole, repeats)
+    return costs, _timed(whole, max(1, repeats // 2)), n
+
+
+def _stage_costs_of(layers: list[dict], n_stages: int) -> list[dict]:
+    """Each stage's F, B, I, W as the sum of its layers' (``layout.stage_layer_ranges``); torch runs
+    the first stage's whole backward as W (no input gradient to send)."""
+    from shardwise.layout import stage_layer_ranges
+
+    out = []
+    for s, r in enumerate(stage_layer_ranges(len(layers), n_stages)):
+        c = {k: sum(layers[i][k] for i in r) for k in "FBIW"}
+        if s == 0:
+            c["I"], c["W"] = 0.0, c["B"]
+        out.append(c)
+    return out
 
 
 _COMPUTE = ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "OVERLAP_F_B")
@@ -232,22 +281,29 @@ def simulate(orders: list[list[Any]], cost: Any) -> tuple[float, list[float]]:
 
 
 def _simulated(args: argparse.Namespace, m: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one core per rank, as the real runs have it (and CPU time = this thread's)
     rows = args.rows
-    print(f"simulated: micro-batches of {rows} rows, {m} per step; each cost is the fastest of {args.repeats} runs")
+    print(f"simulated: micro-batches of {rows} rows, {m} per step; each cost is the least CPU time of "
+          f"{args.repeats} runs")
+    layers, t1, n_layer = _gpt_layer_costs(args.overrides, rows, m, args.repeats)
+    print("per layer (ms per micro-batch; layer 0 with the embeddings, the last with the head and loss): "
+          + "; ".join(" ".join(f"{k}={x[k] * 1e3:.0f}" for k in "FBIW") for x in layers))
+    fb = sum(x["F"] + x["B"] for x in layers)
+    split = sum(x["I"] + x["W"] for x in layers[1:]) + layers[0]["B"]
+    print(f"I + W = {split / (fb - sum(x['F'] for x in layers)):.2f} x B (the split backward's extra walk); "
+          f"T1 (one process, the whole batch at once) = {t1:.3f} s = {t1 / (m * fb):.2f} x {m} micro-batches' F + B")
     print("| p | schedule | stages/rank | planner | torch order, ideal costs | torch order, measured costs: "
           "idle | extra work | 1 - T1/(p x step) |")
     print("|---|---|---|---|---|---|---|---|")
-    cache: dict[int, tuple[list[dict], float]] = {}
     for pp in args.stages:
         for schedule, v in SCHEDULES:
             n_stages = pp * v
-            if n_stages not in cache:
-                cache[n_stages] = _gpt_stage_costs(args.overrides, n_stages, rows, m, args.repeats)
-                c, t1 = cache[n_stages]
-                print(f"costs at {n_stages} stages (s per micro-batch, stage 0 .. {n_stages - 1}): "
-                      + "; ".join(" ".join(f"{k}={x[k] * 1e3:.1f}ms" for k in "FBIW") for x in c)
-                      + f"; T1 (one process, whole batch) = {t1:.3f} s")
-            costs, t1 = cache[n_stages]
+            if n_stages > n_layer:
+                print(f"| {pp} | {schedule} | {v} | {n_stages} stages > {n_layer} layers | | | | |")
+                continue
+            costs = _stage_costs_of(layers, n_stages)
             orders = _actions(schedule, pp, m, v)
 
             def ideal(stage: int, kind: str) -> float:
@@ -282,22 +338,25 @@ def main() -> int:
         _simulated(args, m)
         return 0
     common = [*args.overrides, "train.eval_every=0", "train.eval_batches=1"]
-    t1 = _step_time(out / "single", "single", 1, args.steps, common)
-    print(f"single process: {t1:.3f} s/step")
-    print("| p | schedule | stages/rank | step s | measured bubble | predicted |")
-    print("|---|---|---|---|---|---|")
+    t1, cpu1 = _step_time(out / "single", "single", 1, args.steps, common)
+    print(f"single process: {t1:.3f} s/step, {cpu1:.3f} CPU s/step")
+    # measured: 1 - T1 / (p Tpp), everything beyond one process's step over p; of which extra CPU work
+    # (sum of the ranks' CPU per step over one process's, minus 1) and waiting (1 - CPU / (p x wall)).
+    print("| p | schedule | stages/rank | step s | measured bubble | predicted | extra CPU work | ranks waiting |")
+    print("|---|---|---|---|---|---|---|---|")
     for pp in args.stages:
         for schedule, v in SCHEDULES:
             extra = [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={v}",
                      f"parallel.pp_microbatches={m}"]
             try:
-                tpp = _step_time(out / f"p{pp}-{schedule}", "pp", pp, args.steps, [*common, *extra])
+                tpp, cpu = _step_time(out / f"p{pp}-{schedule}", "pp", pp, args.steps, [*common, *extra])
             except subprocess.CalledProcessError:
-                print(f"| {pp} | {schedule} | {v} | failed | | |")
+                print(f"| {pp} | {schedule} | {v} | failed | | | | |")
                 continue
             measured = 1 - t1 / (pp * tpp)
             predicted = bubble_fraction(schedule, pp, m, v)
-            print(f"| {pp} | {schedule} | {v} | {tpp:.3f} | {measured:.1%} | {predicted:.1%} |")
+            print(f"| {pp} | {schedule} | {v} | {tpp:.3f} | {measured:.1%} | {predicted:.1%} | "
+                  f"{cpu / cpu1 - 1:+.1%} | {1 - cpu / (pp * tpp):.1%} |")
     return 0
 
 
