@@ -147,6 +147,34 @@ def test_planner_bubble_formula_per_schedule():
     assert bubble_fraction("dualpipev", 1, 8, 2) == 0.0
 
 
+def test_planner_bubble_formula_is_the_idle_time_of_torchs_schedule_orders():
+    """Each schedule's formula equals the idle share of the action order torch runs, replayed with the
+    formula's costs (F = 1, B = 2, I = W = 1; torch runs the first stage's whole backward as W) and free
+    communication (``benchmarks/pp_bubble.py``'s replay; DualPipeV's overlapped F;B run back to back)."""
+    import importlib.util
+    from pathlib import Path
+
+    from shardwise.plan.pipeline import idle_ratio
+    from shardwise.pp_schedules import SCHEDULES
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "pp_bubble.py"
+    spec = importlib.util.spec_from_file_location("pp_bubble", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def ideal(stage: int, kind: str) -> float:
+        return {"F": 1.0, "B": 2.0, "I": 1.0 if stage else 0.0, "W": 1.0 if stage else 2.0}[kind]
+
+    for name, info in SCHEDULES.items():
+        for pp, m, v in ((2, 8, 2), (4, 8, 2), (4, 16, 2), (3, 12, 3)):
+            if info.stages_per_rank == "one":
+                v = 1
+            elif info.stages_per_rank == "two":
+                v = 2
+            span, busy = bench.simulate(bench._actions(name, pp, m, v), ideal)
+            assert pp * span / sum(busy) - 1 == pytest.approx(idle_ratio(name, pp, m, v), abs=1e-9), (name, pp, m, v)
+
+
 def test_zero_bubble_schedules_refuse_compile_with_the_reason():
     from shardwise.parallel.compile import check_compile
     from shardwise.parallel.registry import get_strategy

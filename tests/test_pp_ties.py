@@ -187,3 +187,50 @@ def test_tied_weights_under_fsdp_pp_ddp_pp_and_fsdp_tp_pp_at_four_ranks(tmp_path
         assert r[3]["losses"] == pytest.approx(refs[0]["losses"][:3], abs=1e-5)
     _assert_equal_to(refs[0], [r[4] for r in ranks], "fsdp+pp -> fsdp resume", range(3, 5))
     _assert_equal_to(refs[0], [r[5] for r in ranks], "fsdp -> fsdp+pp resume", range(3, 5))
+
+
+def eight_rank_runs(rank: int, world_size: int, llama: str, gpt2: str) -> list:
+    run = {"global_batch": 8}
+    return [_train(llama, "fsdp+tp+pp", range(5), pp=2, tp=2, **run),
+            _train(gpt2, "fsdp+tp+pp", range(5), pp=2, tp=2, sequence_parallel=True, **run),
+            _train(gpt2, "fsdp+tp+pp", range(5), pp=2, tp=2, lora=LORA_EVERYWHERE, **run)]
+
+
+# LoRA on every GPT-2 projection: the fused c_attn's adapter is split into q/k/v under TP.
+LORA_EVERYWHERE = {"rank": 4, "alpha": 8.0, "targets": ["c_attn", "c_proj", "c_fc"]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("os").environ.get("SHARDWISE_EIGHT_RANKS") != "1",
+                    reason="8 gloo processes: too slow for CI on 2 cores; SHARDWISE_EIGHT_RANKS=1 runs it")
+def test_tied_models_under_fsdp_tp_pp_at_eight_ranks(tmp_path):
+    """One spawn of 8 ranks, dp 2 x tp 2 x pp 2 (torchtitan's 3-D order): the tied Llama (the copies'
+    gradients are FSDP shards of vocabulary-parallel DTensors, summed over the first/last stage pair of
+    each (dp, tp) coordinate), GPT-2 with sequence parallel, and GPT-2 with LoRA on every projection
+    (c_attn's adapter split into q/k/v) against peft; each equals one process, 5 clipped steps."""
+    llama = save_llama(tmp_path / "llama", tie_word_embeddings=True)
+    gpt2 = save_tiny(tmp_path / "gpt2", "gpt2")
+    ranks = run_distributed(eight_rank_runs, 8, timeout_s=1500, llama=str(llama), gpt2=str(gpt2))
+    run = {**RUN, "global_batch": 8}
+    refs = [reference_losses(llama, max_norm=MAX_NORM, **run), reference_losses(gpt2, max_norm=MAX_NORM, **run),
+            reference_losses(gpt2, max_norm=MAX_NORM, lora=LoraConfig(**LORA_EVERYWHERE), **run)]
+    for i, what in enumerate(("llama fsdp+tp+pp", "gpt2 fsdp+tp+pp", "gpt2 lora fsdp+tp+pp")):
+        _assert_equal_to(refs[i], [r[i] for r in ranks], what, range(5), lora=i == 2)
+
+
+def test_tied_llama_at_eight_ranks_passes_the_dry_run_and_a_v_schedule_is_refused(capsys, tmp_path):
+    """``train --dry-run`` of a tied Llama at dp 2 x tp 2 x pp 2: every check and the meta model pass (the
+    8-process run is test_tied_models_under_fsdp_tp_pp_at_eight_ranks); ZBV, which would put both tied
+    copies on one FSDP-wrapped rank, is refused before any rank starts."""
+    from shardwise.cli import main
+
+    argv = ["train", "hf-shakespeare", "--dry-run", "--nproc", "8", "--strategy", "fsdp+tp+pp",
+            "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "model.hf_config=llama-tiny",
+            "--set", "model.overrides.tie_word_embeddings=true", "--set", "model.overrides.num_hidden_layers=4",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mesh pp=2 x dp=2 x tp=2" in out and "stage layers: 0-1 | 2-3" in out
+    assert main([*argv, "--set", "parallel.pp_schedule=zbv", "--set", "parallel.pp_stages_per_rank=2"]) == 2
+    assert "puts the first and the last pipeline stage on one rank" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -13,6 +13,12 @@ fsdp+tp and fsdp each train 3 steps and save; tp resumes the fsdp checkpoint, an
 a single process resumes the fsdp+tp one; both continue to step 5 on the uninterrupted run's losses
 (the resume tests' 1e-5). A checkpoint in the earlier format (c_attn as q/k/v, written by a piece
 that saves the slices) still resumes under tp and is refused under fsdp, naming the way out.
+
+LoRA in the same spawn, on every GPT-2 projection (the fused c_attn, whose base layer and adapter B
+are split into q/k/v under TP, c_proj and c_fc): tp=2 and fsdp+tp equal single-process peft (first
+loss exactly, 5 steps' losses and the trained adapters); the tp run's adapter checkpoint (c_attn's
+B saved fused, PEFT's (3 x hidden, r)) resumes under fsdp, and ``ckpt export --format peft`` gives a
+folder ``PeftModel.from_pretrained`` loads with the trained model's logits.
 """
 
 from __future__ import annotations
@@ -118,7 +124,14 @@ def gpt2_folder(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("gpt2") / "gpt2", "gpt2", seed=5, shard_kb=40)
 
 
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["c_attn", "c_proj", "c_fc"]}
+LORA_RUN = {**STEPS, "lr": 1e-2}
+
+
 def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, tmp_path):
+    from shardwise.config import LoraConfig
+    from tests.helpers.hf import reference_losses
+
     folder = str(gpt2_folder)
     ref = hf_case(0, 1, folder, "single", **STEPS)
     x = fixed_batches(1, STEPS["global_batch"], STEPS["seq"], VOCAB)[0]
@@ -131,8 +144,13 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
         {"folder": folder, "strategy": "fsdp+tp", "tp": 2, "sequence_parallel": True, **STEPS},
         # Built whole first: the plan's tied wte/lm_head must stay one tensor (it used to train as two).
         {"folder": folder, "strategy": "tp", "tp": 2, "init": "eager", **STEPS},
-        {"strategy": "tp", "tp": 2, **STEPS},
+        # LoRA, c_attn included (its B split into q/k/v like its base); sequence parallel is refused with LoRA.
+        {"folder": folder, "strategy": "tp", "tp": 2, "lora": LORA, "ckpt_dir": str(tmp_path / "lora"), **LORA_RUN},
+        {"folder": folder, "strategy": "fsdp+tp", "tp": 2, "lora": LORA, **LORA_RUN},
+        {"folder": folder, "strategy": "fsdp", "lora": LORA, "resume": True, "ckpt_dir": str(tmp_path / "lora")},
+        {"strategy": "tp", "tp": 2, **STEPS},  # random init: last, as gpt2_cases runs them after the pretrained ones
     ]
+    lora_cases = range(3, 6)
     random_ref = random_case(0, 1, "single", **STEPS)
     tp_ck, fsdp_ck, old_ck = (str(tmp_path / n) for n in ("fsdp_tp3", "fsdp3", "sliced3"))
     segments = [
@@ -161,6 +179,8 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
         names = read_manifest(resolve_checkpoint(ck))["model_tensors"]
         assert "hf.transformer.h.0.attn.c_attn.weight" in names and not any(".c_attn.q." in n for n in names)
     for i, case in enumerate(cases):
+        if i in lora_cases:
+            continue
         want = ref if "folder" in case else random_ref
         for rank in results:
             _assert_parity(want, rank[i], case["strategy"])
@@ -190,8 +210,56 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
         torch.testing.assert_close(reference_model(tmp_path / "export_sliced")(input_ids=x).logits,
                                    reference_model(tmp_path / "export_fsdp")(input_ids=x).logits, atol=1e-4, rtol=0)
 
+    peft_ref = reference_losses(gpt2_folder, lora=LoraConfig(**LORA), seed=0, **LORA_RUN)
+    _assert_lora_matches_peft(peft_ref, [rank[i] for rank in results for i in lora_cases[:2]])
+    tp_lora = fuse_split_state(results[0][lora_cases[0]]["params"])
+    for rank in results:  # the tp checkpoint resumed under fsdp: the same adapters
+        resumed = rank[lora_cases[2]]
+        assert not isinstance(resumed, str), resumed
+        assert resumed["step"] == LORA_RUN["steps"]
+        for name, value in tp_lora.items():
+            if ".lora_" in name:
+                assert torch.equal(resumed["params"][name], value), name
+    _assert_peft_export_loads(gpt2_folder, tmp_path / "lora", tp_lora, tmp_path / "adapter", x)
 
-def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
+
+def _assert_lora_matches_peft(ref: dict, runs: list) -> None:
+    """LoRA runs (tp, fsdp+tp) against single-process peft: first loss exactly, then the losses and weights."""
+    for r in runs:
+        assert not isinstance(r, str), r
+        assert r["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-6)
+        assert r["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL)
+        got = fuse_split_state(r["params"])
+        assert "hf.transformer.h.0.attn.c_attn.lora_B.default.weight" in got  # c_attn's adapter trained, fused back
+        for name, value in got.items():
+            key = "base_model.model." + name[len("hf."):]  # peft's names: the wrapped layer as base_layer
+            diff = (value - ref["state"][key]).abs().max().item()
+            assert diff < PARAM_ATOL, (name, diff)
+        assert r["in_optimizer"] == sorted(n for n in r["params"] if ".lora_" in n)
+        assert any(".lora_B.default.q." in n for n in r["in_optimizer"])  # B trained as its q/k/v parts
+
+
+def _assert_peft_export_loads(folder, ckpt, trained: dict, out, x: torch.Tensor) -> None:
+    """``ckpt export --format peft`` of a tp LoRA checkpoint loads with PEFT and gives ``trained``'s logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from shardwise.config import LoraConfig
+    from shardwise.models.hf import build_hf_model
+    from shardwise.runtime.checkpoint.hf_export import export_peft
+
+    export_peft(ckpt, out)
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    key = "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"
+    assert saved[key].shape == (3 * 64, LORA["rank"])  # PEFT's fused layout
+    ours = build_hf_model(pretrained=str(folder), lora=LoraConfig(**LORA))
+    assert not ours.load_state_dict(trained, strict=False).unexpected_keys
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(reference_model(folder), str(out)).eval()
+        assert torch.equal(peft_model(input_ids=x).logits, ours.eval()(x))
+
+
+def test_gpt2_tp_checks_heads_and_takes_lora_on_every_projection(gpt2_folder):
     from shardwise.config import LoraConfig
     from shardwise.errors import ConfigError
     from shardwise.models.hf import build_hf_model
@@ -199,37 +267,11 @@ def test_gpt2_tp_checks_heads_and_refuses_lora(gpt2_folder):
 
     with torch.device("meta"):
         model = build_hf_model(pretrained=str(gpt2_folder))
-        lora = build_hf_model(pretrained=str(gpt2_folder), lora=LoraConfig(rank=4, targets=["c_attn"]))
+        lora = build_hf_model(pretrained=str(gpt2_folder), lora=LoraConfig(rank=4))  # peft's default: c_attn
     check_tp_model(model, 2)
+    check_tp_model(lora, 2)
     with pytest.raises(ConfigError, match="n_head=4.*not divisible by 3"):
         check_tp_model(model, 3)
-    with pytest.raises(ConfigError, match="parallel.tp=2 with LoRA: .*fused q/k/v projection \\(c_attn\\)"):
-        check_tp_model(lora, 2)
-    with torch.device("meta"):  # adapters elsewhere run (test_gpt2_lora_off_c_attn_under_tp_matches_peft)
-        check_tp_model(build_hf_model(pretrained=str(gpt2_folder), lora=LoraConfig(rank=4, targets=["c_fc"])), 2)
-
-
-def test_gpt2_lora_off_c_attn_under_tp_matches_peft(gpt2_folder):
-    """LoRA on GPT-2's c_fc and c_proj (Conv1D; the adapters follow their base layer's split) under tp=2
-    equals single-process peft: first loss exactly, 5 steps' losses and the trained weights."""
-    from shardwise.config import LoraConfig
-    from tests.helpers.hf import reference_losses
-
-    lora = {"rank": 4, "alpha": 8.0, "targets": ["c_fc", "c_proj"]}
-    run = {**STEPS, "lr": 1e-2}
-    (r0,), (r1,) = run_distributed(hf_cases, 2, timeout_s=600,
-                                   cases=[{"folder": str(gpt2_folder), "strategy": "tp", "lora": lora, **run}])
-    ref = reference_losses(gpt2_folder, lora=LoraConfig(**lora), seed=0, **run)
-    for r in (r0, r1):
-        assert not isinstance(r, str), r
-        assert r["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-6)
-        assert r["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL)
-    got = fuse_split_state(r0["params"])
-    for name, value in got.items():
-        key = "base_model.model." + name[len("hf."):]  # peft's names: the wrapped layer as base_layer
-        diff = (value - ref["state"][key]).abs().max().item()
-        assert diff < PARAM_ATOL, (name, diff)
-    assert any(".lora_A." in n for n in got) and r0["in_optimizer"] == sorted(n for n in got if ".lora_" in n)
 
 
 def test_checkpoint_names_fuse_and_cut_back():
@@ -258,3 +300,14 @@ def test_checkpoint_names_fuse_and_cut_back():
         unfuse_state({f"state.{stem}.weight.exp_avg": torch.zeros(8, 6)}, split)
     shapes = {f"{stem}.{p}.weight": [[64, 64], "float32"] for p in "qkv"}
     assert fuse_shapes(shapes) == {f"{stem}.weight": [[64, 192], "float32"]}
+    # A LoRA B (nn.Linear, (out, r)) fuses along its first dim, as PEFT stores it; the base inside the wrapper
+    # along its last.
+    lora_b = {f"state.{stem}.lora_B.default.{p}.weight.exp_avg": torch.randn(8, 2) for p in "qkv"}
+    base = {f"{stem}.base_layer.{p}.weight": torch.randn(4, 8) for p in "qkv"}
+    fused = fuse_state({**lora_b, **base})
+    assert fused[f"state.{stem}.lora_B.default.weight.exp_avg"].shape == (24, 2)
+    assert fused[f"{stem}.base_layer.weight"].shape == (4, 24)
+    back = unfuse_state(fused, {**lora_b, **base})
+    assert all(torch.equal(back[n], v) for n, v in {**lora_b, **base}.items())
+    assert fuse_shapes({f"{stem}.lora_B.default.{p}.weight": [[64, 4], "float32"] for p in "qkv"}) == {
+        f"{stem}.lora_B.default.weight": [[192, 4], "float32"]}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE",
            "MODEL_KINDS", "MOE_FAMILIES", "PACK_MODES", "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family",
-           "packs", "tp_lora_refusal"]
+           "packs"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
@@ -42,9 +42,7 @@ class Family:
     layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
     ``moe``: has mixture-of-experts layers (expert parallel applies). ``cp``: context parallel's
-    all-to-all attention knows its attention modules (``parallel/cp.py``). ``tp_lora_blocked``:
-    modules whose LoRA adapters its TP plan cannot carry (GPT-2's fused c_attn, split in three under
-    TP; see ``tp_lora_refusal``). ``plain_head``: the
+    all-to-all attention knows its attention modules (``parallel/cp.py``). ``plain_head``: the
     last hidden states go straight into a bias-free ``lm_head`` whose output is the logits (no
     soft-capping or scaling), so the chunked loss (``shardwise.loss``) can replace it.
     """
@@ -56,7 +54,6 @@ class Family:
     pp_split: bool = False
     moe: bool = False
     cp: bool = False
-    tp_lora_blocked: tuple[str, ...] = ()
     plain_head: bool = False
 
 
@@ -66,9 +63,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
-    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py); its
-    # stage split (parallel/pp_gpt2.py) keeps the tied wte/lm_head as one copy per stage (pp_ties.py).
-    Family("gpt2", tp_plan=True, pp_split=True, tp_lora_blocked=("c_attn",)),
+    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py; LoRA
+    # adapters on it too); its stage split (parallel/pp_gpt2.py) keeps the tied wte/lm_head as one
+    # copy per stage (pp_ties.py).
+    Family("gpt2", tp_plan=True, pp_split=True),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Their attention (and any dense MLP) takes the Llama TP plan; the MoE
@@ -86,23 +84,3 @@ HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)
 MOE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.moe)
 CP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.cp)
 CHUNKED_HEAD_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.plain_head)
-
-
-def tp_lora_refusal(family: str, targets: tuple[str, ...] | list[str]) -> str:
-    """Why tensor parallel cannot run LoRA adapters on the modules ``targets`` of a ``family`` model
-    ('' when it can): the one rule, asked by the runtime (``parallel/tp.check_tp_model``, with the
-    names of the modules the adapters wrap) and the planner (with ``lora.targets``).
-
-    Empty ``targets`` mean peft's default for the family, which for GPT-2 is the blocked ``c_attn``.
-    """
-    info = FAMILIES.get(family)
-    blocked = info.tp_lora_blocked if info is not None else ()
-    if not blocked:
-        return ""
-    hit = sorted({b for b in blocked for t in targets if t == b or t.endswith("." + b)}) if targets else list(blocked)
-    if not hit:
-        return ""
-    return (f"tensor parallel splits the {family} model's fused q/k/v projection ({hit[0]}) into three, which a "
-            f"LoRA-wrapped {hit[0]} does not allow (peft's default target for {family}). Put the adapters on "
-            "other modules (lora.targets = [\"c_fc\", \"c_proj\"] run under tensor parallel), or train with fsdp "
-            "or ddp (parallel.tp = 1)")

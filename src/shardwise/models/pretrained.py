@@ -357,8 +357,9 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     for group in tensor_groups(hf):
         key = file_key(group + [tied[n] for n in group if n in tied], folder.tensors, base_prefix)
         if key is None and group[0] in parts:
-            # A slice of a fused tensor the files hold whole (GPT-2's c_attn split for TP).
-            source, start, length = parts[group[0]]
+            # A slice of a fused tensor the files hold whole (GPT-2's c_attn split for TP); always
+            # the base Conv1D's, cut along its last dim (a LoRA B's parts are not in the files).
+            source, start, length, _ = parts[group[0]]
             key = file_key([source], folder.tensors, base_prefix)
             have = tuple(folder.tensors[key].shape) if key is not None else ()
             want = tuple(tensors[group[0]].shape)

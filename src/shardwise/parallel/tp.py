@@ -70,12 +70,6 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
             f"families {', '.join(f for f in TP_FAMILIES if f != 'gpt')}. Use a data-parallel or sharded "
             "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
         )
-    from shardwise.families import tp_lora_refusal
-
-    # The modules LoRA adapters wrap (peft's layers hold their adapters in ``lora_A``).
-    wrapped = [name for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-    if wrapped and (why := tp_lora_refusal(model_family(model), wrapped)):
-        raise ConfigError(f"parallel.tp={tp} with LoRA: {why}.")
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -117,10 +111,13 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
         # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
         # [issue 20] An MoE block has no dense MLP: its router and experts stay whole on every TP
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
-        styles = {path: style for path, style in plan.block.items() if _get(block, path) is not None}
+        styles = dict(plan.block)
         if is_moe_layer(_get(block, "mlp")):
             styles.update(plan.moe_block)
-        parallelize_module(block, tp_mesh, with_lora(styles, block))
+        # After with_lora, which may move a path into a LoRA layer (GPT-2's split c_attn under LoRA).
+        parallelize_module(block, tp_mesh,
+                           {path: style for path, style in with_lora(styles, block).items()
+                            if _get(block, path) is not None})
     # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
     # anything else wraps the model (parallel/ties.py says what breaks otherwise).
     retie(model, ties)

@@ -202,13 +202,17 @@ def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, Para
       column-wise too, so each rank computes the slice of ``B A x`` matching its slice of ``base(x)``;
     * row-wise base (input split over tp): ``A`` is row-wise with a replicated (all-reduced) rank-r
       output, and ``B`` stays whole, adding the full ``B A x`` to the reduced base output.
+
+    A planned path inside a wrapped layer (GPT-2's ``attn.c_attn.q`` when LoRA wraps ``c_attn``,
+    whose base layer and ``B`` were split into q/k/v by ``tp_gpt2.split_qkv``) names a part of the
+    base layer: its style goes to ``base_layer.q`` and ``B``'s own ``q`` part is column-wise too.
     """
     out: dict[str, ParallelStyle] = {}
     for path, style in plan.items():
         try:
             layer = root.get_submodule(path)
         except AttributeError:
-            out[path] = style
+            out.update(_inside_lora(path, style, root))
             continue
         base = getattr(layer, "base_layer", None)
         if base is None or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
@@ -220,4 +224,25 @@ def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, Para
                 out[f"{path}.lora_B.{adapter}"] = ColwiseParallel()
             else:
                 out[f"{path}.lora_A.{adapter}"] = RowwiseParallel(output_layouts=Replicate())
+    return out
+
+
+def _inside_lora(path: str, style: ParallelStyle, root: nn.Module) -> dict[str, ParallelStyle]:
+    """``{path: style}`` for a ``path`` that no module has, moved into the LoRA layer on its way
+    (``X.c_attn.q`` -> ``X.c_attn.base_layer.q`` plus ``X.c_attn.lora_B.<adapter>.q``) when the base
+    layer and every ``B`` hold that part; unchanged (and skipped by the caller) otherwise."""
+    head, _, rest = path.rpartition(".")
+    try:
+        layer = root.get_submodule(head) if head else root
+    except AttributeError:
+        return {path: style}
+    base = getattr(layer, "base_layer", None)
+    adapters = getattr(layer, "lora_B", None)
+    if base is None or adapters is None or not hasattr(base, rest) or not isinstance(style, ColwiseParallel):
+        return {path: style}
+    if not all(hasattr(b, rest) for b in adapters.values()):
+        return {path: style}
+    out: dict[str, ParallelStyle] = {f"{head}.base_layer.{rest}": style}
+    # A stays whole on every rank; each B part's output columns match its base part's.
+    out.update({f"{head}.lora_B.{adapter}.{rest}": ColwiseParallel() for adapter in adapters})
     return out

@@ -10,7 +10,6 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import tp_lora_refusal
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
@@ -350,10 +349,6 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
             if not info.supports(spec.family):
                 if not quiet:
                     skipped.append(f"{label}: {info.unsupported_reason(spec.family)}")
-                continue
-            if t > 1 and work.lora_rank and (why := tp_lora_refusal(spec.family, work.lora_targets)):
-                if not quiet:
-                    skipped.append(f"{label}: LoRA: {why}")
                 continue
             if work.loss_chunks and (why := chunked_loss_off(spec.family, spec.vocab, spec.hidden,
                                                              work.loss_chunks, tp=t, pp=p)):

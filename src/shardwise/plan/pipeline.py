@@ -11,10 +11,16 @@ step = m micro-batches). The idle time of a step, relative to that work (``idle_
 * Zero-bubble schedules (interleaved-zb, zbv, dualpipev): the weight-gradient pass W (about a third
   of forward + backward, with backward = 2 x forward) is deferred into the slots 1F1B leaves idle,
   so only the forward/input-gradient part of the fill and drain remains: (p - 1) / (3 v m)
-  (ZB-H1's 1/3 of 1F1B's bubble, divided by v for interleaving). ZBV and DualPipeV can reach ~0
-  with enough micro-batches and perfectly balanced F/B/W; the formula keeps the conservative bound.
+  (ZB-H1's 1/3 of 1F1B's bubble, divided by v for interleaving).
+* DualPipeV: twice that, 2 (p - 1) / (3 v m). Its order pairs one micro-batch's forward with
+  another's backward (``OVERLAP_F_B``) for a runtime that overlaps the two; torch runs the pair one
+  after the other unless a custom overlap function is registered (shardwise registers none), and
+  that order then idles twice as long as ZBV's.
 
-``benchmarks/pp_bubble.py`` measures the idle share of each schedule next to ``bubble_fraction``.
+Each formula is the idle time of the action order torch's schedule runs, with the costs above
+(F = 1, B = 2, I = W = 1) and free communication: ``benchmarks/pp_bubble.py --simulate`` replays
+torch's orders and prints both (equal for every schedule, p in 2..8, several m and v;
+``tests/test_pp.py`` checks a few). ``benchmarks/pp_bubble.py`` also measures real runs.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ def idle_ratio(schedule: str, pp: int, microbatches: int, stages_per_rank: int =
     info = schedule_info(schedule)
     v = max(1, stages_per_rank) if info.multi_stage else 1
     ratio = (pp - 1) / (v * max(1, microbatches))
-    return ratio / 3 if info.zero_bubble else ratio
+    if not info.zero_bubble:
+        return ratio
+    # DualPipeV's overlapped F;B pairs run back to back in torch (see the module docstring).
+    return ratio * 2 / 3 if schedule == "dualpipev" else ratio / 3
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

@@ -242,7 +242,7 @@ class InitProgram:
         self._retie(model, name_of)
         destinations: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         # A tensor the strategy cut out of a recorded one (GPT-2's c_attn split into q/k/v for TP,
-        # parallel/tp_gpt2.py) takes its slice of the recorded value along the last dim.
+        # parallel/tp_gpt2.py) takes its slice of the recorded value along its output features.
         from shardwise.parallel.tp_gpt2 import fused_sources
 
         parts = fused_sources(model)
@@ -250,8 +250,8 @@ class InitProgram:
             fqn = name_of(name)
             part = None
             if fqn not in self.targets and name in parts:
-                source, start, length = parts[name]
-                fqn, part = name_of(source), (start, length)
+                source, start, length, dim = parts[name]
+                fqn, part = name_of(source), (dim, start, length)
             ref = self.targets.get(fqn)
             if ref is None or fqn in skip:
                 continue
@@ -275,8 +275,8 @@ class InitProgram:
                     if part is None:
                         _copy_into(dest, _view(storage, _matching_view(views[key], dest)))
                         continue
-                    whole = _view(storage, _matching_view(views[key], dest, cut=True))
-                    _copy_into(dest, whole.narrow(-1, *part))
+                    whole = _view(storage, _matching_view(views[key], dest, cut=part[0]))
+                    _copy_into(dest, whole.narrow(*part))
                 for module, attr, ref in attributes.get(key, []):
                     setattr(module, attr, _view(storage, ref).clone().to(device))
 
@@ -376,13 +376,17 @@ class InitProgram:
                 storages[ref.key] = t.untyped_storage()
 
 
-def _matching_view(refs: list[_Ref], dest: torch.Tensor, cut: bool = False) -> _Ref:
+def _matching_view(refs: list[_Ref], dest: torch.Tensor, cut: int | None = None) -> _Ref:
     """The recorded view of a storage whose shape is ``dest``'s (tied names share one storage);
-    ``cut``: ``dest`` is a slice of it along the last dim, so only the other dims must match."""
+    ``cut``: ``dest`` is a slice of it along that dim, so only the other dims must match."""
     shape = tuple(dest.shape)
     for ref in refs:
-        if ref.size == shape or (cut and len(ref.size) == len(shape) and ref.size[:-1] == shape[:-1]):
+        if ref.size == shape:
             return ref
+        if cut is not None and len(ref.size) == len(shape):
+            keep = [i for i in range(len(shape)) if i != cut % len(shape)]
+            if all(ref.size[i] == shape[i] for i in keep):
+                return ref
     raise RuntimeError(f"no recorded tensor of shape {shape} in this storage")
 
 

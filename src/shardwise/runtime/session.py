@@ -423,9 +423,9 @@ class Session:
 
         by_name = dict(prepared.named_parameters())
         sliced: dict[str, list[torch.Tensor]] = {}
-        for part, (source, _, _) in fused_sources(prepared).items():
+        for part, piece in fused_sources(prepared).items():
             if part in by_name:
-                sliced.setdefault(clean_name(source), []).append(by_name[part])
+                sliced.setdefault(clean_name(piece.source), []).append(by_name[part])
         for group in optimizer.param_groups:
             swapped = []
             for p in group["params"]:
