@@ -30,8 +30,8 @@ def save_tiny_moe(folder, family: str, seed: int = 0, dense: bool = False, **ext
     """A tiny ``family`` model saved by transformers (``dense``: a dense family, e.g. qwen3)."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(family, **SHAPE, **({"head_dim": 8} if dense else FAMILIES[family]),
-                                            **extra)
+    cfg = transformers.AutoConfig.for_model(family, **{**SHAPE, **({"head_dim": 8} if dense else FAMILIES[family]),
+                                                       **extra})
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
     return folder
@@ -117,22 +117,29 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, aux_
     resumed under plain fsdp for steps 3-4, and Qwen3-MoE under fsdp ep=2. Then Qwen2-MoE under
     pp=2 (1F1B, 4 micro-batches): transformers' all-layers aux loss with the routers' sums carried
     across the stage boundary (parallel/pp_hf_moe.py) equals one process accumulating the same
-    micro-batches, 5 steps; the first loss is plain transformers' on each micro-batch."""
+    micro-batches, 5 steps; the first loss is plain transformers' on each micro-batch. And a 4-layer
+    Mixtral under the zero-bubble ZBV schedule (stages 0 and 3 on rank 0, the routing sums crossing
+    back to it; backward split into input and weight passes)."""
     from shardwise.testing import fixed_batches
 
     mixtral, qwen = folders["mixtral"], folders["qwen3_moe"]
     ref = hf_moe_train(0, 1, mixtral)
     ref_q = hf_moe_train(0, 1, qwen)
     ref_pp = hf_moe_train(0, 1, aux_folder, steps=5, grad_accum_steps=4)
+    deep = str(save_tiny_moe(tmp_path / "mixtral4", "mixtral", num_hidden_layers=4, router_aux_loss_coef=0.5))
+    ref_zbv = hf_moe_train(0, 1, deep, steps=3, grad_accum_steps=4)
     ckpt = str(tmp_path / "ckpt")
     cases = [dict(folder=mixtral, strategy="fsdp"), dict(folder=mixtral, strategy="fsdp", ep=2),
              dict(folder=mixtral, strategy="fsdp", ep=2, steps=2, ckpt_dir=ckpt),
              dict(folder=mixtral, strategy="fsdp", start=2, load_dir=ckpt),
              dict(folder=qwen, strategy="fsdp", ep=2),
-             dict(folder=aux_folder, strategy="pp", steps=5)]
+             dict(folder=aux_folder, strategy="pp", steps=5),
+             dict(folder=deep, strategy="pp", steps=3, pp_schedule="zbv", pp_stages_per_rank=2)]
     ranks = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)
-    fsdp, ep2, first, resumed, qwen_ep2, _ = ranks[0]
-    pp = merged([r[-1] for r in ranks])
+    fsdp, ep2, first, resumed, qwen_ep2, _, _ = ranks[0]
+    pp = merged([r[-2] for r in ranks])
+    zbv = merged(ranks[0][-1:] + ranks[1][-1:])  # the V puts the last stage (the loss) on rank 0
+    assert_parity(ref_zbv, {**zbv, "losses": ranks[0][-1]["losses"]})
     assert_parity(ref_pp, pp)
     assert pp["stats"] == [pytest.approx(s, rel=1e-5) for s in ref_pp["stats"]]
     batch = fixed_batches(1, 4, SEQ, VOCAB)[0]
