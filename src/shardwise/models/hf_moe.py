@@ -107,6 +107,7 @@ class _Recorder:
         self.config = config
         self.n_layers, self.n_experts = n_layers, n_experts  # of the whole model (pipeline stages hold a share)
         self.stats_group: Any = None
+        self.pp_aux: Any = None  # under a pipeline: parallel/moe_pp.attach_pp_aux (pp_hf_moe.py uses it)
         self.seen: list[tuple[HFMoELayer, torch.Tensor, torch.Tensor]] = []
         self.real: torch.Tensor | None = None  # the forward's real-token mask (None: every token)
 

@@ -211,7 +211,8 @@ class HFStage(nn.Module):
             extra = {k: v for k, v in (("doc_ids", doc_ids), ("attention_mask", attention_mask)) if v is not None}
             routing = self.moe_routing.carry(routing, hidden, extra)  # the last stage records the aux loss
         if self.last:
-            return self.hf.lm_head(model.norm(hidden))
+            logits = self.hf.lm_head(model.norm(hidden))
+            return logits if self.moe_routing is None else self.moe_routing.attach(logits)
         if self._sp_mesh is not None:
             # The sequence shard crosses the boundary; a copy, not the DTensor's view of it (FSDP
             # hooks the stage's output for its backward and warns about a view).

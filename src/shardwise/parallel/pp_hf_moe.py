@@ -14,9 +14,14 @@ of two all-layer sums does not split into per-layer terms. Instead each stage's 
 beside the hidden states, one small fp32 side tensor ``[[S], [C]]`` of shape ``(2, E)``: the running
 sums over the layers so far of this micro-batch. Stage s adds its layers' sums (S over this rank's
 real tokens, C summed over the data-parallel group in the same all-reduce the one-process path
-makes); the last stage holds the all-layer S and C and adds ``aux`` (with the R / N scale of
-``models/hf_moe.py``) to the micro-batch's loss through ``with_aux_loss``. The pipeline's own
-backward then carries ``d aux / d S = coef * E * C * R / (N L)^2`` from the last stage back through
+makes); the last stage holds the all-layer S and C and forms ``aux`` (with the R / N scale of
+``models/hf_moe.py``). It joins the micro-batch's loss the way the built-in GPT's aux losses do
+under a pipeline (``moe_pp.py``): Megatron's ``AuxLossAutoScaler`` puts it on the last stage's output
+with the gradient scale the pipeline gives each micro-batch's loss, ``1 / (micro-batches x
+accumulation)``, for a mean loss and a token-sum loss alike (the token-sum loss adds up over the
+micro-batches; an aux loss inside it would be counted once per micro-batch instead of averaged), and
+its value joins the reported loss (``StageAux.reported``). The pipeline's own backward then carries
+``d aux / d S = coef * E * C * R / (N L)^2`` from the last stage back through
 the normal point-to-point gradient path into every stage's routers: the same optimisation as one
 process accumulating the same micro-batches. The C row rides in the same tensor (its gradient is
 zero: the last stage reads it detached) because torch's ``PipelineStage`` gives every received
@@ -48,6 +53,7 @@ class StageRouting:
         self.blocks = blocks  # this stage's MoE blocks (``mlp`` modules carrying ``shardwise_moe``)
         self.last = last
         self.inferring = False  # torch's stage metadata inference is running (mute_hf_moe_inference)
+        self._aux: torch.Tensor | None = None  # the last stage's aux loss of the current micro-batch
 
     def carry(self, side: torch.Tensor | None, hidden: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's side output: ``side`` (the previous stages' sums, None on the first) plus the
@@ -106,6 +112,17 @@ class StageRouting:
             self._finish(out, packed[-1], ranks, [layer for layer, _, _ in seen])
         return out
 
+    def attach(self, logits: torch.Tensor) -> torch.Tensor:
+        """The last stage's output with this micro-batch's aux loss riding on it (module docstring)."""
+        aux, self._aux = self._aux, None
+        stage_aux = getattr(self.recorder, "pp_aux", None)
+        if aux is None or stage_aux is None:
+            return logits
+        from shardwise.parallel.moe_pp import AuxLossAutoScaler
+
+        stage_aux._values.append(aux.detach())  # the reported loss includes it (StageAux.reported)
+        return AuxLossAutoScaler.apply(logits, aux, stage_aux.grad_scale)
+
     def _finish(self, side: torch.Tensor, real: torch.Tensor, ranks: int, layers: list[Any]) -> None:
         """The all-layer aux loss of this micro-batch (last stage), as ``_Recorder.finish`` forms it."""
         from shardwise.models.moe import _MAX_PENDING, _pending
@@ -118,7 +135,9 @@ class StageRouting:
         weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
         aux = rec.n_experts * (f.to(prob_sum.dtype) * prob_sum * weight).sum()
         aux = float(getattr(rec.config, "router_aux_loss_coef", 0.0)) * aux
-        if getattr(rec.config, "output_router_logits", False):
+        if getattr(rec.config, "output_router_logits", False) and getattr(rec, "pp_aux", None) is not None:
+            self._aux = aux  # joins the loss's gradient on the stage output (attach)
+        elif getattr(rec.config, "output_router_logits", False):
             if len(_pending) >= _MAX_PENDING:
                 import warnings
 
