@@ -211,8 +211,11 @@ class HFStage(nn.Module):
             extra = {k: v for k, v in (("doc_ids", doc_ids), ("attention_mask", attention_mask)) if v is not None}
             routing = self.moe_routing.carry(routing, hidden, extra)  # the last stage records the aux loss
         if self.last:
-            logits = self.hf.lm_head(model.norm(hidden))
-            return logits if self.moe_routing is None else self.moe_routing.attach(logits)
+            if self.moe_routing is not None:
+                # On the hidden states, not on the logits: the stage's output stays a fresh tensor
+                # (FSDP warns about a view) and no (B, T, vocab) copy is made.
+                hidden = self.moe_routing.attach(hidden)
+            return self.hf.lm_head(model.norm(hidden))
         if self._sp_mesh is not None:
             # The sequence shard crosses the boundary; a copy, not the DTensor's view of it (FSDP
             # hooks the stage's output for its backward and warns about a view).

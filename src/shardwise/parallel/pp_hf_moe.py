@@ -16,8 +16,8 @@ sums over the layers so far of this micro-batch. Stage s adds its layers' sums (
 real tokens, C summed over the data-parallel group in the same all-reduce the one-process path
 makes); the last stage holds the all-layer S and C and forms ``aux`` (with the R / N scale of
 ``models/hf_moe.py``). It joins the micro-batch's loss the way the built-in GPT's aux losses do
-under a pipeline (``moe_pp.py``): Megatron's ``AuxLossAutoScaler`` puts it on the last stage's output
-with the gradient scale the pipeline gives each micro-batch's loss, ``1 / (micro-batches x
+under a pipeline (``moe_pp.py``): Megatron's ``AuxLossAutoScaler`` puts it on the last stage's final hidden
+states with the gradient scale the pipeline gives each micro-batch's loss, ``1 / (micro-batches x
 accumulation)``, for a mean loss and a token-sum loss alike (the token-sum loss adds up over the
 micro-batches; an aux loss inside it would be counted once per micro-batch instead of averaged), and
 its value joins the reported loss (``StageAux.reported``). The pipeline's own backward then carries
@@ -112,16 +112,17 @@ class StageRouting:
             self._finish(out, packed[-1], ranks, [layer for layer, _, _ in seen])
         return out
 
-    def attach(self, logits: torch.Tensor) -> torch.Tensor:
-        """The last stage's output with this micro-batch's aux loss riding on it (module docstring)."""
+    def attach(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's final hidden states with this micro-batch's aux loss riding on them
+        (module docstring): the loss's gradient passes through them, and so reaches the aux loss."""
         aux, self._aux = self._aux, None
         stage_aux = getattr(self.recorder, "pp_aux", None)
         if aux is None or stage_aux is None:
-            return logits
+            return hidden
         from shardwise.parallel.moe_pp import AuxLossAutoScaler
 
         stage_aux._values.append(aux.detach())  # the reported loss includes it (StageAux.reported)
-        return AuxLossAutoScaler.apply(logits, aux, stage_aux.grad_scale)
+        return AuxLossAutoScaler.apply(hidden, aux, stage_aux.grad_scale)
 
     def _finish(self, side: torch.Tensor, real: torch.Tensor, ranks: int, layers: list[Any]) -> None:
         """The all-layer aux loss of this micro-batch (last stage), as ``_Recorder.finish`` forms it."""
