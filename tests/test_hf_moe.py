@@ -26,11 +26,12 @@ FAMILIES = {"mixtral": dict(num_local_experts=4),
                               norm_topk_prob=False)}
 
 
-def save_tiny_moe(folder, family: str, seed: int = 0, dense: bool = False):
+def save_tiny_moe(folder, family: str, seed: int = 0, dense: bool = False, **extra):
     """A tiny ``family`` model saved by transformers (``dense``: a dense family, e.g. qwen3)."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(family, **SHAPE, **({"head_dim": 8} if dense else FAMILIES[family]))
+    cfg = transformers.AutoConfig.for_model(family, **{**SHAPE, **({"head_dim": 8} if dense else FAMILIES[family]),
+                                                       **extra})
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
     return folder
@@ -40,6 +41,21 @@ def save_tiny_moe(folder, family: str, seed: int = 0, dense: bool = False):
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_moe")
     return {family: str(save_tiny_moe(root / family, family)) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def aux_folder(tmp_path_factory):
+    """Qwen2-MoE (shared expert) whose aux loss weighs: coefficient 0.5 (its default is 1e-3)."""
+    return str(save_tiny_moe(tmp_path_factory.mktemp("hf_moe_aux") / "qwen2_moe", "qwen2_moe",
+                             router_aux_loss_coef=0.5))
+
+
+def merged(ranks: list[dict]) -> dict:
+    """The pipeline ranks' results as one: the last rank's losses, every stage's parameters."""
+    params: dict = {}
+    for r in ranks:
+        params.update(r["params"])
+    return {**ranks[-1], "params": params}
 
 
 def assert_parity(ref: dict, got: dict) -> None:
@@ -96,18 +112,43 @@ def test_first_loss_is_transformers_loss_with_its_aux_loss(folders):
             F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)).item(), abs=1e-6)
 
 
-def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, tmp_path, capsys):
+def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, aux_folder, tmp_path, capsys):
     """One 2-rank spawn: Mixtral under fsdp, fsdp ep=2 (saving at step 2), the ep=2 checkpoint
-    resumed under plain fsdp for steps 3-4, and Qwen3-MoE under fsdp ep=2."""
+    resumed under plain fsdp for steps 3-4, and Qwen3-MoE under fsdp ep=2. Then Qwen2-MoE under
+    pp=2 (1F1B, 4 micro-batches): transformers' all-layers aux loss with the routers' sums carried
+    across the stage boundary (parallel/pp_hf_moe.py) equals one process accumulating the same
+    micro-batches, 5 steps; the first loss is plain transformers' on each micro-batch. And a 4-layer
+    Mixtral under the zero-bubble ZBV schedule (stages 0 and 3 on rank 0, the routing sums crossing
+    back to it; backward split into input and weight passes)."""
+    from shardwise.testing import fixed_batches
+
     mixtral, qwen = folders["mixtral"], folders["qwen3_moe"]
     ref = hf_moe_train(0, 1, mixtral)
     ref_q = hf_moe_train(0, 1, qwen)
+    ref_pp = hf_moe_train(0, 1, aux_folder, steps=5, grad_accum_steps=4)
+    deep = str(save_tiny_moe(tmp_path / "mixtral4", "mixtral", num_hidden_layers=4, router_aux_loss_coef=0.5))
+    ref_zbv = hf_moe_train(0, 1, deep, steps=3, grad_accum_steps=4)
     ckpt = str(tmp_path / "ckpt")
     cases = [dict(folder=mixtral, strategy="fsdp"), dict(folder=mixtral, strategy="fsdp", ep=2),
              dict(folder=mixtral, strategy="fsdp", ep=2, steps=2, ckpt_dir=ckpt),
              dict(folder=mixtral, strategy="fsdp", start=2, load_dir=ckpt),
-             dict(folder=qwen, strategy="fsdp", ep=2)]
-    fsdp, ep2, first, resumed, qwen_ep2 = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)[0]
+             dict(folder=qwen, strategy="fsdp", ep=2),
+             dict(folder=aux_folder, strategy="pp", steps=5),
+             dict(folder=deep, strategy="pp", steps=3, pp_schedule="zbv", pp_stages_per_rank=2)]
+    ranks = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)
+    fsdp, ep2, first, resumed, qwen_ep2, _, _ = ranks[0]
+    pp = merged([r[-2] for r in ranks])
+    zbv = merged(ranks[0][-1:] + ranks[1][-1:])  # the V puts the last stage (the loss) on rank 0
+    assert_parity(ref_zbv, {**zbv, "losses": ranks[0][-1]["losses"]})
+    assert_parity(ref_pp, pp)
+    assert pp["stats"] == [pytest.approx(s, rel=1e-5) for s in ref_pp["stats"]]
+    batch = fixed_batches(1, 4, SEQ, VOCAB)[0]
+    want = sum(transformers_loss(aux_folder, batch[j:j + 1])[0].item() for j in range(4)) / 4
+    assert abs(pp["losses"][0] - want) <= LOSS_TOL, (pp["losses"][0], want)
+    # The aux loss weighs here: without it the weights end elsewhere (cutting the carried S's
+    # gradient, so the first stage's routers miss it, moved them by 2.6e-2).
+    plain = hf_moe_train(0, 1, aux_folder, steps=5, grad_accum_steps=4, moe=False)
+    assert max((plain["params"][k] - ref_pp["params"][k]).abs().max().item() for k in plain["params"]) > 1e-3
     assert_parity(ref, fsdp)
     assert_parity(ref, ep2)
     assert_parity(ref_q, qwen_ep2)
@@ -159,21 +200,29 @@ def test_fsdp_tp_two_ranks_matches_one_process_for_every_family(folders, tmp_pat
         assert tp["stats"] == [pytest.approx(s, rel=1e-5) for s in refs[family]["stats"]], family
 
 
-def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders):
+def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders, aux_folder):
     """ep=2 on 4 ranks: experts split over ep and FSDP-sharded over the other 2 ranks (a
     (_StridedShard, Shard) DTensor); each rank reads its own experts of the per-expert files. Then
     hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them.
     Then fsdp+tp (tp 2 x dp 2) with ep=2: attention split over TP, experts whole on both TP ranks
-    and split over the 2 dp ranks, as the built-in MoE GPT does."""
+    and split over the 2 dp ranks, as the built-in MoE GPT does. Then fsdp+pp (pp 2 x dp 2) with
+    ep=2 on Qwen2-MoE: the carried router sums (parallel/pp_hf_moe.py) with counts over both dp
+    replicas, against one process accumulating the same 4 global micro-batches (pipeline
+    micro-batch j of both replicas: rows j and 4 + j)."""
     ref = hf_moe_train(0, 1, folders["mixtral"])
-    fsdp, hsdp, tp_ep = run_distributed(hf_moe_cases, 4, timeout_s=300,
-                                        cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
-                                               dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2,
-                                                    ep=2),
-                                               dict(folder=folders["mixtral"], strategy="fsdp+tp", tp=2, ep=2)])[0]
+    ref_pp = hf_moe_train(0, 1, aux_folder, steps=5, global_batch=8, grad_accum_steps=4, rows=[0, 4, 1, 5, 2, 6, 3, 7])
+    ranks = run_distributed(hf_moe_cases, 4, timeout_s=300,
+                            cases=[dict(folder=folders["mixtral"], strategy="fsdp", ep=2),
+                                   dict(folder=folders["mixtral"], strategy="hsdp", hsdp_shard_size=2, ep=2),
+                                   dict(folder=folders["mixtral"], strategy="fsdp+tp", tp=2, ep=2),
+                                   dict(folder=aux_folder, strategy="fsdp+pp", pp=2, ep=2, steps=5, global_batch=8)])
+    fsdp, hsdp, tp_ep, _ = ranks[0]
     assert_parity(ref, fsdp)
     assert_parity(ref, hsdp)
     assert_parity(ref, tp_ep)
+    pp_ep = merged([r[-1] for r in ranks])
+    assert_parity(ref_pp, pp_ep)
+    assert pp_ep["stats"] == [pytest.approx(s, rel=1e-5) for s in ref_pp["stats"]]
 
 
 def test_bundled_configs_and_planner_specs_count_what_transformers_builds():

@@ -15,6 +15,7 @@ import torch
 
 from shardwise.config import ParallelConfig, load_config, replace_in
 from shardwise.errors import ConfigError
+from shardwise.families import MOE_FAMILIES
 from shardwise.layout import Layout, resolve_layout, stage_layer_ranges
 from shardwise.parallel.registry import ALIASES, LLAMA_LIKE, REGISTRY, get_strategy, strategy_info, strategy_names
 
@@ -40,9 +41,10 @@ def test_registry_is_the_single_list_of_strategies():
     # Mixture-of-experts families: TP for attention and dense parts (experts whole on each TP rank).
     assert REGISTRY["fsdp+tp"].supports("mixtral") and REGISTRY["fsdp+tp+pp"].supports("gpt2")
     assert REGISTRY["pp"].supports("gpt") and REGISTRY["ddp+pp"].supports("qwen3")
-    assert REGISTRY["pp"].supports("gpt2") and not REGISTRY["pp"].supports("mixtral")
+    assert REGISTRY["pp"].supports("gpt2") and REGISTRY["pp"].supports("mixtral")  # MoE: parallel/pp_hf_moe.py
     assert not REGISTRY["pp"].supports("")
-    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE, "gpt2")
+    assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE, "gpt2",
+                                                                                  *MOE_FAMILIES)
     assert strategy_info("zero3").name == "fsdp"
     with pytest.raises(ConfigError, match="unknown strategy 'ddp\\+tp\\+pp'"):
         strategy_info("ddp+tp+pp")

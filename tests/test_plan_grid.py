@@ -255,14 +255,10 @@ def test_interleaved_pipeline_from_the_plan_cli():
     assert searched.recommended.time.bubble_s <= plan.recommended.time.bubble_s
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--model", "mixtral-8x7b", "--nodes", "2", "--pp", "2"), "pipeline parallel cuts the built-in GPT and the "
-                                                                "Hugging Face families llama, mistral, qwen2, qwen3, "
-                                                                "gpt2 into stages; mixtral"),
-])
-def test_strategies_the_runtime_cannot_run_on_the_model_are_refused(argv, message):
-    with pytest.raises(ConfigError, match=message):
-        plan_cli.build_plan(plan_args(*argv))
+def test_hf_moe_models_are_planned_with_a_pinned_pipeline():
+    # Mixtral has a stage split (parallel/pp_hf_moe.py): a pinned --pp is planned, not refused.
+    plan = plan_cli.build_plan(plan_args("--model", "mixtral-8x7b", "--nodes", "2", "--pp", "2"))
+    assert plan.candidates and all(c.layout.pp == 2 for c in plan.candidates)
 
 
 def test_gpt2_pipeline_candidates_pass_train_dry_run_and_v_schedules_are_refused_for_its_tied_head():

@@ -114,11 +114,13 @@ def test_fsdp_pp_and_tp_pp_with_sequence_parallel_at_four_ranks_match_transforme
         _assert_matches(ref, ranks, what)
 
 
-def test_families_without_a_stage_split_are_refused():
-    # Tied embeddings and GPT-2 are cut (tests/test_pp_ties.py); a family with no split is named.
+def test_moe_families_are_cut_and_models_without_a_stage_split_are_refused():
+    # Tied embeddings and GPT-2 are cut (tests/test_pp_ties.py), the MoE families too (their routers'
+    # sums cross the boundary: tests/test_hf_moe.py); a model with no split is named.
     layout = resolve_layout(ParallelConfig(strategy="pp"), 2)
-    with pytest.raises(ConfigError, match="the Hugging Face mixtral model has no stage split"):
-        check_pp_model(build_hf_model("mixtral-tiny"), layout)
+    check_pp_model(build_hf_model("mixtral-tiny"), layout)
+    with pytest.raises(ConfigError, match="Sequential has no stage split"):
+        check_pp_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), layout)
 
 
 def pp_fsdp_pp_roundtrip(rank: int, world_size: int, folder: str, root: str) -> dict:

@@ -57,6 +57,13 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
                                                  f'data.tokenizer="{model}"', recipe="gpt-shakespeare")
     cases["fsdp-ep2-qwen2moe-chat-packed"] = _cfg(tmp_path, moe_folder, chat, "chat", "fsdp", *moe,
                                                   "model.overrides.output_router_logits=true")
+    # The same folder under pp=2 (1F1B, 4 micro-batches of one packed row): the routers' sums cross
+    # the stage boundary and the last stage adds transformers' all-layers aux loss (weighted 0.5)
+    # beside the token-sum cross-entropy (parallel/pp_hf_moe.py); the reference accumulates the
+    # same 4 micro-batches (verify's split).
+    cases["pp-qwen2moe-chat-packed"] = _cfg(tmp_path, moe_folder, chat, "chat", "pp", *moe[1:],
+                                            "model.overrides.output_router_logits=true",
+                                            "model.overrides.router_aux_loss_coef=0.5", "train.micro_batch_size=4")
     try:
         import peft  # noqa: F401
 
@@ -64,7 +71,10 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
                                       "model.overrides.block_size=192", "data.val_fraction=0.25")
     except ImportError:
         pass
-    refs = {name: run_steps(reference_config(cfg, 2), STEPS, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
+    def reference(name: str, cfg):  # a pipeline run is one replica of 4 micro-batches (verify's split)
+        return reference_config(cfg, 1, split=4) if name.startswith("pp-") else reference_config(cfg, 2)
+
+    refs = {name: run_steps(reference(name, cfg), STEPS, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
     records = chat_records(10, seed=4)
     ranks = run_distributed(sft_rank, 2, timeout_s=400, cases=[
         {"cfg": cfg, "steps": STEPS, "out": str(tmp_path / f"run-{name}")} for name, cfg in cases.items()],

@@ -70,11 +70,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Their attention (and any dense MLP) takes the Llama TP plan; the MoE
-    # blocks' routers and experts stay whole on every TP rank (``parallel/tp.py``).
-    Family("mixtral", moe=True, tp_plan=True),
-    Family("qwen2_moe", moe=True, tp_plan=True),
-    Family("qwen3_moe", moe=True, tp_plan=True),
-    Family("olmoe", moe=True, tp_plan=True),
+    # blocks' routers and experts stay whole on every TP rank (``parallel/tp.py``). Their stages are
+    # the Llama family's (``parallel/pp_hf.py``), carrying the routers' all-layer sums for
+    # transformers' aux loss (``parallel/pp_hf_moe.py``).
+    Family("mixtral", moe=True, tp_plan=True, pp_split=True),
+    Family("qwen2_moe", moe=True, tp_plan=True, pp_split=True),
+    Family("qwen3_moe", moe=True, tp_plan=True, pp_split=True),
+    Family("olmoe", moe=True, tp_plan=True, pp_split=True),
 )}
 
 LLAMA_LIKE: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.llama_like)

@@ -16,10 +16,12 @@ VOCAB, SEQ = 64, 16
 
 def hf_moe_train(rank: int, world_size: int, folder: str, strategy: str = "single", steps: int = 4,
                  global_batch: int = 4, ckpt_dir: str = "", load_dir: str = "", start: int = 0, moe: bool = True,
-                 **options: object) -> dict:
+                 grad_accum_steps: int = 1, rows: list[int] | None = None, **options: object) -> dict:
     """Train a pretrained HF MoE folder (meta build, each rank reads its shards) on fixed batches.
-    ``moe=False``: a dense folder (no router logits to ask for)."""
-    session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
+    ``moe=False``: a dense folder (no router logits to ask for). ``rows``: the global batch's rows
+    in this order (a one-process reference accumulating a pipeline's micro-batches of every replica)."""
+    session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0,  # type: ignore[arg-type]
+                      grad_accum_steps=grad_accum_steps)
     extra = {"output_router_logits": True} if moe else {}
     model = session.build(lambda: build_hf_model(pretrained=folder, **extra))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
@@ -27,6 +29,8 @@ def hf_moe_train(rank: int, world_size: int, folder: str, strategy: str = "singl
     if load_dir:
         session.load(load_dir, model, opt)
     data = fixed_batches(steps, global_batch, SEQ, VOCAB)
+    if rows is not None:
+        data = data[:, rows]
     stats: list[dict] = []
     run = train_fixed_batches(session, model, opt, data, max_norm=1.0, loss_fn=with_aux_loss(lm_loss),
                               steps=range(start, steps), after_step=lambda s: stats.append(take_moe_stats(model)))

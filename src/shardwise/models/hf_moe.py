@@ -73,8 +73,17 @@ class HFMoELayer:
         self.n_experts = int(block.gate.num_experts)
         self.top_k = int(block.gate.top_k)
         self.recorder = recorder
-        self.stats_group: Any = None  # set by parallel.ep.attach_moe
         self.reset_stats()
+
+    # Set by parallel.ep.attach_moe. One group for every block of a model, kept by the recorder:
+    # pipeline stages read it there (parallel/pp_hf_moe.py), whichever blocks they hold.
+    @property
+    def stats_group(self) -> Any:
+        return self.recorder.stats_group
+
+    @stats_group.setter
+    def stats_group(self, group: Any) -> None:
+        self.recorder.stats_group = group
 
     def reset_stats(self) -> None:
         self.window_counts: torch.Tensor | None = None
@@ -94,8 +103,11 @@ class HFMoELayer:
 class _Recorder:
     """Collects the routers' outputs of one forward; the model's forward hook turns them into the aux loss."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, n_layers: int, n_experts: int) -> None:
         self.config = config
+        self.n_layers, self.n_experts = n_layers, n_experts  # of the whole model (pipeline stages hold a share)
+        self.stats_group: Any = None
+        self.pp_aux: Any = None  # under a pipeline: parallel/moe_pp.attach_pp_aux (pp_hf_moe.py uses it)
         self.seen: list[tuple[HFMoELayer, torch.Tensor, torch.Tensor]] = []
         self.real: torch.Tensor | None = None  # the forward's real-token mask (None: every token)
 
@@ -170,7 +182,7 @@ def attach_hf_moe(hf: nn.Module) -> list[HFMoELayer]:
     blocks = _moe_blocks(hf)
     if not blocks:
         return []
-    recorder = _Recorder(hf.config)
+    recorder = _Recorder(hf.config, len(blocks), int(blocks[0][1].gate.num_experts))
     layers = []
     for _, block in blocks:
         layer = HFMoELayer(block, recorder)
@@ -178,6 +190,8 @@ def attach_hf_moe(hf: nn.Module) -> list[HFMoELayer]:
         block.shardwise_moe = layer  # found by models.moe.moe_layers
         layers.append(layer)
     hf.register_forward_hook(recorder.finish)
+    # Pipeline stages find it here, after the cut (parallel/pp_hf_moe.py); a plain attribute.
+    hf.shardwise_moe_recorder = recorder
     return layers
 
 

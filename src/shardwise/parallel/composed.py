@@ -164,6 +164,9 @@ class ModelParallelStrategy(Strategy):
         self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
         if self.moe_aux is not None:
             self.moe_aux.mute_metadata_inference(self.pipeline.stages)
+        from shardwise.parallel.pp_hf_moe import mute_hf_moe_inference
+
+        mute_hf_moe_inference(self.pipeline.stages)  # HF MoE stages (pp_hf_moe.py); others untouched
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model

@@ -134,9 +134,14 @@ def attach_pp_aux(model: nn.Module, pp_group: Any) -> StageAux | None:
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     model.moe_pp_group = pp_group
-    if not layers:
+    # A Hugging Face MoE model: its last stage puts the all-layers aux loss on its output with this
+    # object's scale and reporting (parallel/pp_hf_moe.py); no per-layer hooks.
+    recorder = getattr(getattr(model, "hf", None), "shardwise_moe_recorder", None)
+    if not layers and recorder is None:
         return None
     aux = StageAux(layers, pp_group)
+    if recorder is not None:
+        recorder.pp_aux = aux
     for layer in layers:
         layer.register_forward_pre_hook(aux._before)
         layer.register_forward_hook(aux._after)

@@ -159,6 +159,11 @@ class HFStage(nn.Module):
         model.norm = src.norm if self.last else None
         model.rotary_emb = src.rotary_emb  # every stage computes the positions its layers need
         self.hf = stage_hf(src_hf, "model", model, self.last)
+        # Mixture-of-experts families: the routers' all-layer sums ride beside the hidden states
+        # (parallel/pp_hf_moe.py); None for a dense model.
+        from shardwise.parallel.pp_hf_moe import stage_routing
+
+        self.moe_routing = stage_routing(src_hf, list(model.layers.values()), self.last)
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)
         self._sp_mesh: Any = None
@@ -176,10 +181,12 @@ class HFStage(nn.Module):
 
             load_pretrained(self.hf, self.pretrained)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
         """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
-        of a packed or padded batch (``models.masking``), which the schedule hands every stage."""
+        of a packed or padded batch (``models.masking``), which the schedule hands every stage.
+        ``routing``: an MoE model's carried router sums from the previous stage (``pp_hf_moe.py``);
+        an MoE stage before the last returns ``(hidden, routing)``."""
         model, config = self.hf.model, self.hf.config
         hidden = model.embed_tokens(x) if self.first else stage_input(x, self._sp_mesh, position_ids, doc_ids,
                                                                       attention_mask)
@@ -200,13 +207,20 @@ class HFStage(nn.Module):
             out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids,
                         position_embeddings=position_embeddings, use_cache=False, **packed)
             hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        if self.moe_routing is not None:
+            extra = {k: v for k, v in (("doc_ids", doc_ids), ("attention_mask", attention_mask)) if v is not None}
+            routing = self.moe_routing.carry(routing, hidden, extra)  # the last stage records the aux loss
         if self.last:
+            if self.moe_routing is not None:
+                # On the hidden states, not on the logits: the stage's output stays a fresh tensor
+                # (FSDP warns about a view) and no (B, T, vocab) copy is made.
+                hidden = self.moe_routing.attach(hidden)
             return self.hf.lm_head(model.norm(hidden))
         if self._sp_mesh is not None:
             # The sequence shard crosses the boundary; a copy, not the DTensor's view of it (FSDP
             # hooks the stage's output for its backward and warns about a view).
             hidden = hidden.to_local().clone()
-        return hidden
+        return hidden if routing is None else (hidden, routing)
 
 
 def varlen_kwargs(hf: nn.Module, doc_ids: torch.Tensor | None) -> dict[str, Any]:
