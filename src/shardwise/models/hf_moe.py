@@ -100,6 +100,19 @@ class HFMoELayer:
         self.recorder.seen.append((self, logits, index))
 
 
+def all_layers_aux(config: Any, n_experts: int, counts: torch.Tensor, prob_sum: torch.Tensor,
+                   global_rows: torch.Tensor, n_layers: int, ranks: int) -> torch.Tensor:
+    """transformers' load-balancing loss over all layers (module docstring), from this rank's sums:
+    ``counts`` the top-k slots per expert over all layers and the global batch (all-reduced),
+    ``prob_sum`` this rank's router-probability sums over all layers, ``global_rows`` N, ``ranks`` R.
+    Times ``router_aux_loss_coef``. The pipeline's last stage forms it too (``parallel/pp_hf_moe.py``)."""
+    f = counts.double() / (global_rows * n_layers)
+    # This rank's probability sums times R / (N L): their mean over the R ranks is one process's S / (N L).
+    weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
+    aux = n_experts * (f.to(prob_sum.dtype) * prob_sum * weight).sum()
+    return float(getattr(config, "router_aux_loss_coef", 0.0)) * aux
+
+
 class _Recorder:
     """Collects the routers' outputs of one forward; the model's forward hook turns them into the aux loss."""
 
@@ -118,7 +131,7 @@ class _Recorder:
         self.real = real_token_mask(split_inputs(args[0])[1]) if args else None
 
     def finish(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        from shardwise.models.moe import _MAX_PENDING, _pending
+        from shardwise.models.moe import queue_aux_loss
 
         seen, self.seen = self.seen, []
         if not seen:
@@ -156,19 +169,9 @@ class _Recorder:
             return p if keep is None else p * keep.to(p.dtype).unsqueeze(-1)
 
         prob_sum = sum(probs(logits).sum(dim=0) for _, logits, _ in seen)
-        f = global_counts.sum(0).double() / (global_rows * n_layers)
-        # This rank's probability sums times R / (N L): their mean over the R ranks is one process's S / (N L).
-        weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
-        aux = n_experts * (f.to(prob_sum.dtype) * prob_sum * weight).sum()
-        aux = float(getattr(self.config, "router_aux_loss_coef", 0.0)) * aux
+        aux = all_layers_aux(self.config, n_experts, global_counts.sum(0), prob_sum, global_rows, n_layers, ranks)
         if getattr(self.config, "output_router_logits", False):
-            if len(_pending) >= _MAX_PENDING:
-                import warnings
-
-                warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
-                              "with shardwise.models.moe.with_aux_loss", stacklevel=2)
-                _pending.clear()
-            _pending.append(aux)
+            queue_aux_loss(aux)
         for i, layer in enumerate(layers):
             c = global_counts[i]
             layer.window_counts = c if layer.window_counts is None else layer.window_counts + c

@@ -77,6 +77,18 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def queue_aux_loss(aux: torch.Tensor) -> None:
+    """Record one forward's aux loss for ``pop_aux_loss`` (``with_aux_loss`` adds it to the loss)."""
+    if len(_pending) >= _MAX_PENDING:
+        # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
+        # them rather than keep every forward's autograd graph alive.
+        warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
+                      "with shardwise.models.moe.with_aux_loss (the routers will not balance otherwise)",
+                      stacklevel=3)
+        _pending.clear()
+    _pending.append(aux)
+
+
 def pop_aux_loss() -> torch.Tensor | None:
     """The sum of the aux losses recorded since the last call (None when none), and forget them."""
     if not _pending:
@@ -234,14 +246,7 @@ class MoE(nn.Module):
             # again (checkpointing requires the same saved tensors, and backward uses them, so the
             # counts are all-reduced again too), but nothing is recorded a second time.
             return
-        if len(_pending) >= _MAX_PENDING:
-            # Nobody consumes them (a custom loop whose loss is not wrapped by with_aux_loss): drop
-            # them rather than keep every forward's autograd graph alive.
-            warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
-                          "with shardwise.models.moe.with_aux_loss (the routers will not balance otherwise)",
-                          stacklevel=2)
-            _pending.clear()
-        _pending.append(aux + z)
+        queue_aux_loss(aux + z)
         self.window_counts = global_counts if self.window_counts is None else self.window_counts + global_counts
         # Device tensors: read (one host sync) only when the logging window closes.
         self.window_aux = self.window_aux + aux.detach()

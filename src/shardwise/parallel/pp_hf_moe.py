@@ -126,26 +126,16 @@ class StageRouting:
 
     def _finish(self, side: torch.Tensor, real: torch.Tensor, ranks: int, layers: list[Any]) -> None:
         """The all-layer aux loss of this micro-batch (last stage), as ``_Recorder.finish`` forms it."""
-        from shardwise.models.moe import _MAX_PENDING, _pending
+        from shardwise.models.hf_moe import all_layers_aux
+        from shardwise.models.moe import queue_aux_loss
 
         rec = self.recorder
-        n_layers = rec.n_layers
-        global_rows = real.double().clamp(min=1)
-        prob_sum = side[0]
-        f = side[1].detach().double() / (global_rows * n_layers)
-        weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
-        aux = rec.n_experts * (f.to(prob_sum.dtype) * prob_sum * weight).sum()
-        aux = float(getattr(rec.config, "router_aux_loss_coef", 0.0)) * aux
+        aux = all_layers_aux(rec.config, rec.n_experts, side[1].detach(), side[0], real.double().clamp(min=1),
+                             rec.n_layers, ranks)
         if getattr(rec.config, "output_router_logits", False) and getattr(rec, "pp_aux", None) is not None:
             self._aux = aux  # joins the loss's gradient on the stage output (attach)
         elif getattr(rec.config, "output_router_logits", False):
-            if len(_pending) >= _MAX_PENDING:
-                import warnings
-
-                warnings.warn("MoE aux losses are recorded but never added to the loss; wrap the loss function "
-                              "with shardwise.models.moe.with_aux_loss", stacklevel=2)
-                _pending.clear()
-            _pending.append(aux)
+            queue_aux_loss(aux)
         holder = layers[0] if layers else next((b.shardwise_moe for b in self.blocks), None)
         if holder is not None:  # metrics: one aux value per micro-batch (take_moe_stats sums the stages)
             holder.window_aux = holder.window_aux + aux.detach()
