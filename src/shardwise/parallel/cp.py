@@ -221,8 +221,8 @@ class CPState:
         return self._biases[key]
 
 
-class _UlyssesMode(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` on sequence chunks through the all-to-alls."""
+class _CPMode(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` inside one attention module to the scheme's ``_attention``."""
 
     def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1, window: int | None = None) -> None:
         super().__init__()
@@ -236,7 +236,11 @@ class _UlyssesMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        return self._attention(*args, **kwargs)
+        return self._attention(*args, **kwargs)  # type: ignore[attr-defined]  # each scheme's own, below
+
+
+class _UlyssesMode(_CPMode):
+    """Sequence chunks through the all-to-alls."""
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -289,18 +293,8 @@ class _UlyssesMode(TorchFunctionMode):
         return gather_heads(y, self.group)
 
 
-class _RingMode(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` on this rank's ``ring_index`` tokens through the ring."""
-
-    def __init__(self, group: Any, cp: int, state: CPState, kv_groups: int = 1, window: int | None = None) -> None:
-        super().__init__()
-        self.group, self.cp, self.state, self.kv_groups, self.window = group, cp, state, kv_groups, window
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._attention(*args, **kwargs)
+class _RingMode(_CPMode):
+    """This rank's ``ring_index`` tokens through the ring."""
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
