@@ -116,7 +116,6 @@ class Workload:
     # LoRA adapters' rank (0: every weight trains); the spec already holds the adapters. The
     # runtime runs LoRA without sequence parallelism, so TP candidates turn it off.
     lora_rank: int = 0
-    lora_targets: tuple[str, ...] = ()  # empty: peft's default for the family
     # train.loss_chunks parsed (config.parse_loss_chunks): None auto (the runtime's default), 0 off,
     # N chunks. 0 here by default so other stacks' published runs keep their own loss; the CLI
     # passes the runtime's default (auto) unless --loss-chunks says otherwise.

@@ -205,7 +205,6 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
                     extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
-                    lora_targets=tuple(args.lora_targets or ()),
                     loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
