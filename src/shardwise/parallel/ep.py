@@ -181,11 +181,13 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
         experts.ep_dispatcher = dispatcher
         fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
         # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
-        experts.set_gradient_divide_factor(float(layout.dp))
-        if shard_dim.size() > 1 and dist.get_backend(shard_dim.get_group()) == "gloo":
-            # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
-            # (With one shard rank FSDP divides on its copy and HSDP's all-reduce is a plain sum.)
-            experts.set_force_sum_reduction_for_comms(True)
+        # FSDP2 divides by its own group (dp_mod_ep x dp_replicate ranks); the hook, which runs on
+        # the reduced gradient, divides by the rest (dp / that = ep). Not set_gradient_divide_factor:
+        # torch 2.13 divides twice with it on a one-rank shard group whenever the reduce dtype is
+        # neither float32 nor bfloat16 (a float64 or float16 model: its pre/post factor and the
+        # one-rank copy's division both apply), and a custom divisor is a PREMUL_SUM that gloo lacks.
+        ep_degree = float(layout.ep)
+        experts.set_all_reduce_hook(lambda grad, d=ep_degree: grad.div_(d))
 
 
 def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispatcher) -> None:

@@ -361,10 +361,11 @@ class Pipeline:
         if self.has_last:
             # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
             # calls on placeholder tensors while it infers shapes on the first step), unscaled.
-            loss = torch.stack([local_value(t.detach()).float() for t in losses])
+            # Summed in float64 (exact for float32 values; a float64 run's loss is not rounded).
+            loss = torch.stack([local_value(t.detach()).double() for t in losses])
             loss = (loss.sum() if summed else loss.mean()) / self._scale
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=ids.device)
+            loss = torch.zeros((), dtype=torch.float64, device=ids.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 

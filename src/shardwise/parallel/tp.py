@@ -183,7 +183,10 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     norms are summed over ``pp_group`` last.
     """
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-    squares = torch.zeros((), dtype=torch.float32, device=device)
+    # float32 at least; a float64 run's norm stays float64 (its clip factor must not be rounded).
+    dtype = torch.promote_types(next((p.grad.dtype for p in params if p.grad is not None), torch.float32),
+                                torch.float32)
+    squares = torch.zeros((), dtype=dtype, device=device)
     # On a 2-D (dp, tp) mesh DTensor reduces the partial norm with one all-reduce per mesh dim and
     # logs a warning about it each step; the result is exact, and it is one scalar, so stay quiet.
     redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -192,7 +195,7 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     try:
         for group in _grad_groups(params):
             norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-            squares = squares + local_value(norm).float().to(device) ** 2
+            squares = squares + local_value(norm).to(device, dtype) ** 2
     finally:
         redistribute_log.setLevel(level)
     if pp_group is not None:
