@@ -492,28 +492,6 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
                      layout_cp_impl(spec, layout, work))
 
 
-def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
-                       calib: Calibration | None = None) -> Candidate:
-    """``evaluate``, and for a sharded layout whose step-wise sync does not fit under accumulation,
-    the same layout reducing every micro-batch (``parallel.grad_sync = "microbatch"``).
-
-    Skipping the sync until the last micro-batch (the runtime's default) makes FSDP/ZeRO-2 hold a
-    whole unsharded fp32 gradient between micro-batches; for big models that alone exceeds the GPU,
-    while a reduce-scatter per micro-batch keeps gradients sharded at the cost of more traffic.
-    """
-    cand = evaluate(spec, cluster, work, layout, calib)
-    if (cand.fits or work.grad_sync != "step" or cand.grad_accum < 2 or layout.pp > 1
-            or layout.sharding not in ("zero2", "fsdp")):
-        return cand
-    per_microbatch = evaluate(spec, cluster, work, layout, calib, grad_sync="microbatch")
-    if not per_microbatch.fits:
-        return cand
-    per_microbatch.note = "; ".join(filter(None, [
-        per_microbatch.note, f"reduce-scatters every micro-batch: syncing once per step would hold the whole "
-        f"unsharded gradient ({cand.memory.total / GIB:.1f} GiB in total)"]))
-    return per_microbatch
-
-
 # Planner precision (how bytes are stored) -> the trainer's parallel.precision setting.
 TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16-fp32grad": "bf16-mixed"}
 
