@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardwise.errors import ConfigError
-from shardwise.families import LLAMA_LIKE, TP_FAMILIES
+from shardwise.families import LLAMA_LIKE, no_tp_plan
 from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import model_family, tp_plan_family
@@ -59,10 +59,8 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
         family = model_family(model)
         what = f"the {family} model" if family else type(model).__name__
         raise ConfigError(
-            f"tensor parallel has no plan for {what}: plans exist for the built-in GPT and the Hugging Face "
-            f"families {', '.join(f for f in TP_FAMILIES if f != 'gpt')}. Use a data-parallel or sharded "
-            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
-        )
+            f"{no_tp_plan(what)}. Use a data-parallel or sharded strategy (ddp, fsdp, hsdp) or pipeline parallel "
+            "for this model.")
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
