@@ -174,3 +174,5 @@ def test_refused_before_any_rank_starts() -> None:
     with pytest.raises(ConfigError, match="train.loss_chunks = 4 cannot run here: tensor parallel"):
         check(2, "parallel.strategy=fsdp+tp", "parallel.tp=2", "train.loss_chunks=4")
     check(2, "parallel.strategy=fsdp", "parallel.cp=2")
+    with pytest.raises(ConfigError, match="train.compile does not run with context parallel"):
+        check(2, "parallel.strategy=fsdp", "parallel.cp=2", "train.compile=true")  # one owner: check_compile
