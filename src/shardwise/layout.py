@@ -85,8 +85,9 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
 class Layout:
     """How the ranks of one run are arranged. Frozen; derive a variant with ``dataclasses.replace``.
 
-    ``dp`` is the whole data-parallel degree and ``shard`` the size of the group that shards model
-    state (``dp_shard``): ``dp_replicate = dp // shard`` groups replicate it. ddp and zero1 have
+    ``dp`` is the whole data dimension of the mesh (cp ranks included) and ``shard`` the size of the
+    group that shards model state, cp ranks included (``dp_shard x cp``, torchtitan's ``fsdp``
+    dim; ``dp_shard`` excludes cp): ``dp // shard`` groups replicate it. ddp and zero1 have
     shard 1 (zero1 shards only optimizer state, across all of ``dp``); zero2, fsdp, fsdp-offload
     and the fsdp compositions shard across all of ``dp``; hsdp across groups of ``shard`` ranks.
     ``shard=0`` and ``offload=None`` mean "what the strategy implies".
