@@ -11,7 +11,6 @@ from typing import Any
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
-from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.cp import CP_IMPLS
 from shardwise.plan.memory import (
@@ -29,6 +28,7 @@ from shardwise.plan.moe import ep_degrees
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 from shardwise.pp_schedules import tied_weights_refusal
+from shardwise.strategies import REGISTRY, StrategyInfo
 
 GIB = 1024**3
 LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)
