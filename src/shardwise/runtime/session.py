@@ -109,6 +109,8 @@ class Session:
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if dist.is_initialized():  # the caller's process group (any backend, e.g. the "fake" one) wins
+            self.rank = dist.get_rank()
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
             from shardwise.job import lifeline
@@ -116,9 +118,7 @@ class Session:
             lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
             logs.configure(self.rank)
-        self.world_size = _env_int("WORLD_SIZE", 1)
-        if dist.is_initialized():  # the caller's process group (any backend, e.g. the "fake" one) wins
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
         # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
