@@ -94,15 +94,15 @@ def test_moe_gpt_shapes_counts_and_aux_losses():
 def test_ep_layout_checks():
     layout = resolve_layout(ParallelConfig(strategy="fsdp", ep=2), 4)
     assert (layout.ep, layout.dp_shard_mod_ep, layout.world_size) == (2, 2, 4)
-    with pytest.raises(ConfigError, match="must divide the data-parallel shard degree 4"):
+    with pytest.raises(ConfigError, match="must divide the ranks that FSDP shards over, dp_shard x cp = 4"):
         resolve_layout(ParallelConfig(strategy="fsdp", ep=3), 4)
-    with pytest.raises(ConfigError, match="runs under strategy 'fsdp', 'hsdp' or 'fsdp\\+tp'"):
+    with pytest.raises(ConfigError, match="runs under the FSDP2 strategies fsdp, hsdp"):
         resolve_layout(ParallelConfig(strategy="ddp", ep=2), 2)
     # hsdp: the expert groups are carved out of each shard group.
     layout = resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=2, ep=2), 4)
     assert (layout.dp_replicate, layout.dp_shard, layout.dp_shard_mod_ep) == (2, 2, 1)
     assert "ep 2 (groups of 2 dp ranks split the experts)" in layout.describe()
-    with pytest.raises(ConfigError, match="must divide the data-parallel shard degree 2"):
+    with pytest.raises(ConfigError, match="must divide the ranks that FSDP shards over, dp_shard x cp = 2"):
         resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=2, ep=4), 4)
 
 
@@ -272,7 +272,7 @@ def test_planner_moe_math():
      "does not train correctly under the zero-bubble pipeline schedule 'zbv'"),
     (["--nproc", "4", "--strategy", "ddp+pp", "--set", "parallel.pp=2", "--set", "model.preset=moe-nano",
       "--set", "parallel.ep=2"],
-     "runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not 'ddp+pp'"),
+     "runs under the FSDP2 strategies fsdp, hsdp, fsdp+pp, fsdp+tp, fsdp+tp+pp, not 'ddp+pp'"),
 ])
 def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     """The model-shape EP rules run before launch (preflight), with the message the ranks would give."""

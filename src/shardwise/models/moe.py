@@ -7,7 +7,7 @@ without the model knowing (``shardwise.parallel.ep``):
   number per expert. Expert parallelism wraps exactly this call (torchtitan's ``distribute_module``
   input/output hooks): tokens go to the rank holding their expert and come back in the same order.
 * ``MoE.stats_group``: the process group over which the router's token counts are summed for the
-  load-balancing loss (None: this process alone). Set by ``parallel.ep.attach_moe``.
+  load-balancing loss (None: this process alone). Set by ``parallel.ep.route_moe``.
 
 Under pipeline parallel a forward hook (``parallel/moe_pp.py``) takes each forward's aux loss out
 of ``_pending`` and attaches it to the layer's output (Megatron's aux-loss auto-scaler), and
@@ -180,7 +180,7 @@ class MoE(nn.Module):
         self.shared = (SharedExperts(cfg.n_embd, cfg.expert_hidden * cfg.moe_shared_experts, cfg.bias)
                        if cfg.moe_shared_experts else None)
         self.drop = nn.Dropout(cfg.dropout)
-        self.stats_group: Any = None  # set from outside (parallel.ep.attach_moe); None: this process
+        self.stats_group: Any = None  # set from outside (parallel.ep.route_moe); None: this process
         self.reset_stats()
 
     def reset_stats(self) -> None:

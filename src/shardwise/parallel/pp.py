@@ -70,8 +70,8 @@ def n_pipeline_blocks(model: nn.Module) -> int:
 
 def check_pp_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
+    from shardwise.families import no_stage_split
     from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family
-    from shardwise.parallel.registry import PP_FAMILIES
 
     if not _is_gpt(model):
         if not hf_pp_family(model):
@@ -80,9 +80,8 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
             family = model_family(model)
             what = f"the Hugging Face {family} model" if family else type(model).__name__
             raise ConfigError(
-                f"pipeline parallel has a stage split for the built-in GPT and the Hugging Face families "
-                f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has no stage split. Use tensor parallel "
-                "or a data-parallel/sharded strategy (ddp, fsdp) for this model.")
+                f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
+                "this model.")
         check_hf_pp_model(model)
     from shardwise.parallel.pp_ties import check_stage_ties
 
