@@ -32,8 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.models.moe import at_least_fp32
-
 __all__ = ["AuxLossAutoScaler", "StageAux", "attach_pp_aux"]
 
 
@@ -116,7 +114,8 @@ class StageAux:
         over the pipeline ranks); forget them."""
         total = torch.stack(self._values).sum() if self._values else torch.zeros((), device=device)
         self._values.clear()
-        total = at_least_fp32(total).to(device)
+        # float64 on the wire: stages must agree on the dtype, and a stage's aux dtype is its model's.
+        total = total.double().to(device)
         dist.all_reduce(total, group=self.pp_group)
         return total / n_microbatches
 

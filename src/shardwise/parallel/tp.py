@@ -190,7 +190,11 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     finally:
         redistribute_log.setLevel(level)
     if pp_group is not None:
-        dist.all_reduce(squares, group=pp_group)
+        # In float64 on the wire: every stage must send the same dtype, and a stage without
+        # gradients does not know the model's (for two float32 stages the result is the float32 sum).
+        total = squares.double()
+        dist.all_reduce(total, group=pp_group)
+        squares = total.to(squares.dtype)
     return squares.sqrt()
 
 
