@@ -74,6 +74,9 @@ class Kernels:
       all-reduced) in buckets of max(40M, 1M x dp) parameters during the last micro-batch's
       backward, and the updated parameters all-gathered bucket by bucket during the next step's
       first forward (megatron/core/distributed/distributed_data_parallel.py).
+    * ``ep_overlap``: the expert-parallel all-to-alls of one micro-batch run while another
+      micro-batch computes (Megatron-Core's 1F1B A2A overlap, DeepSeek's DualPipe): hidden up to
+      the compute of the step. shardwise's runtime does not overlap them.
     * ``grad_allreduce_after_backward``: Megatron-LM 2021's "local" DDP: one all-reduce of the
       contiguous gradient buffer after the last micro-batch's backward has finished, not
       overlapped (megatron/training.py train_step at 903f746c, April 2021).
@@ -102,6 +105,7 @@ class Kernels:
     norm: str = "eager"
     tp_overlap: bool = False
     dp_overlap: bool = False
+    ep_overlap: bool = False
     grad_allreduce_after_backward: bool = False
     grad_buffer: str = "ddp"
 
@@ -295,6 +299,23 @@ def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
     """Elements of the parameters one rank's pipeline stage holds unsharded (after TP)."""
     return _memo(("numel", id(spec), layout, stage), spec,
                  lambda: sum(p.numel for p in _local_params(spec, layout, stage)))
+
+
+def routed_expert_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
+    """Elements of routed-expert tensors (``.experts.``) on one rank's pipeline stage, before EP:
+    the MoE layers of that stage only (0 for a dense model)."""
+    if spec.moe is None:
+        return 0
+    return _memo(("experts", id(spec), layout, stage), spec,
+                 lambda: sum(p.numel for p in _local_params(spec, layout, stage) if ".experts." in p.name))
+
+
+def held_unsharded_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
+    """Elements a rank's stage holds unsharded: ``local_numel`` less the routed experts of its MoE
+    layers that live on the other ``ep - 1`` ranks of its expert group (each holds n_experts / ep)."""
+    ep = getattr(layout, "ep", 1) or 1
+    full = local_numel(spec, layout, stage)
+    return full - routed_expert_numel(spec, layout, stage) * (ep - 1) // ep
 
 
 def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
@@ -639,6 +660,9 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         unit = math.ceil(unit / layout.tp)
     full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
         spec.n_params / (layout.tp * layout.pp))
+    # What stays unsharded on this rank (pipeline stage, no_sync accumulation): under expert
+    # parallel only its own n_experts / ep experts of each of the stage's MoE layers.
+    held_local = held_unsharded_numel(spec, layout, 0) if spec.params else full_local
     grads = state.grads
     reduce_copies = 0  # bytes that exist only while the gradients are reduced, after the schedule
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
@@ -656,8 +680,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # torch.distributed.pipelining keeps each stage unsharded for the whole schedule
         # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
         # the last micro-batch (set_requires_gradient_sync(False)).
-        parts["unsharded stage params (pp schedule)"] = prec.param * full_local
-        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * full_local
+        parts["unsharded stage params (pp schedule)"] = prec.param * held_local
+        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * held_local
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
@@ -668,7 +692,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step":
         # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
         # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
-        parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * full_local
+        parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * held_local
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
