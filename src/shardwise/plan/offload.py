@@ -135,7 +135,7 @@ def offload_compute(spec: Any, cluster: Any, work: Any) -> tuple[float, int, int
     if "checkpoint" in getattr(work, "search", ()):
         work = dataclasses.replace(work, checkpoint="full")
     accum, _ = _grad_accum(work, world, world)
-    work = dataclasses.replace(work, grad_accum=accum)
+    work = dataclasses.replace(work, grad_accum=accum, global_batch=None)
     step = predict_step_time(spec, cluster, work, Layout("fsdp", dp=world) if world > 1 else Layout("single"))
     return step.compute_s, work.micro_batch, accum
 
