@@ -22,6 +22,7 @@ from shardwise.plan.memory import (
     Kernels,
     Layout,
     MemoryBreakdown,
+    Precision,
     memory_breakdown,
     precision,
 )
@@ -493,16 +494,30 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
                      cp_impl=layout_cp_impl(spec, layout, work))
 
 
+def stored_precisions(work: Workload, layout: Layout) -> tuple[Precision, Precision | None]:
+    """(what a step materialises, what the run stores or None for the same): for the runtime's own
+    layouts under ``Kernels.state`` "fp32-params", exactly what ``train`` keeps (plan/predict.py:
+    fp32 state, FSDP2's 16-bit gathers and fp32 reduces, autocast's fp32 gradients), so the plan's
+    columns are ``train --dry-run``'s; else the workload's precision as given."""
+    from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
+
+    if work.kernels.state != "fp32-params" or layout.external is not None:
+        return precision(work.precision), None
+    runtime = TRAIN_PRECISION[work.precision]
+    return compute_precision(runtime, layout), RUNTIME_PRECISIONS[runtime]
+
+
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
              calib: Calibration | None = None, grad_sync: str | None = None) -> Candidate:
     """Memory and time of one layout (``calib``: the GPU's fitted constants unless given;
     ``grad_sync``: when gradients are reduced under accumulation, ``work.grad_sync`` unless given)."""
     calib = calib or cluster.calibration
     grad_sync = grad_sync or work.grad_sync
-    prec = precision(work.precision)
+    prec, state_prec = stored_precisions(work, layout)
     accum, note = _grad_accum(work, replicas(layout), cluster.world)
     chunked = loss_chunked(spec, layout, work)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
+                           state_prec=state_prec,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
                            attention=work.attention, every=work.ac_every, grad_sync=grad_sync,
                            fragmentation=calib.fragmentation,

@@ -50,6 +50,7 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 # shardwise.strategies (the planner plans exactly what the runtime runs).
 CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused", "chunked")
+STATE_KINDS = ("fp32-params", "master-copy")
 NORM_KINDS = ("eager", "fused")
 GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
 
@@ -74,6 +75,11 @@ class Kernels:
       all-reduced) in buckets of max(40M, 1M x dp) parameters during the last micro-batch's
       backward, and the updated parameters all-gathered bucket by bucket during the next step's
       first forward (megatron/core/distributed/distributed_data_parallel.py).
+    * ``state``: how the stack stores the model state under 16-bit training. "fp32-params"
+      (shardwise, torch FSDP2 / FSDP1 with a mixed-precision policy, torch.autocast): fp32
+      parameters and gradients, no separate master copy; "master-copy" (Megatron, DeepSpeed):
+      16-bit parameters and gradients next to an fp32 master copy. Applied to the runtime's own
+      layouts (an external stack's layout keeps the workload's precision as given).
     * ``ep_overlap``: the expert-parallel all-to-alls of one micro-batch run while another
       micro-batch computes (Megatron-Core's 1F1B A2A overlap, DeepSeek's DualPipe): hidden up to
       the compute of the step. shardwise's runtime does not overlap them.
@@ -108,8 +114,11 @@ class Kernels:
     ep_overlap: bool = False
     grad_allreduce_after_backward: bool = False
     grad_buffer: str = "ddp"
+    state: str = "fp32-params"
 
     def __post_init__(self) -> None:
+        if self.state not in STATE_KINDS:
+            raise unknown_choice("model-state storage", self.state, STATE_KINDS)
         if self.loss not in LOSS_KINDS:
             raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
         if self.norm not in NORM_KINDS:
@@ -622,8 +631,11 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
                      attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
                      fragmentation: float = 0.0, kernels: Kernels = SHARDWISE_KERNELS,
-                     loss_chunks: int | None = None) -> MemoryBreakdown:
+                     loss_chunks: int | None = None, state_prec: Precision | None = None) -> MemoryBreakdown:
     """Per-GPU peak bytes of ``layout`` (worst rank / pipeline stage).
+
+    ``prec`` sizes what a step materialises (gathers, buckets, activations); ``state_prec``, when
+    given, what the run stores (parameters, gradients, master copy), else ``prec``.
 
     ``loss_chunks`` (``train.loss_chunks``: None auto-sized chunks, N) sizes the chunks when
     ``kernels.loss`` is "chunked".
@@ -640,7 +652,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
 
     if grad_sync not in GRAD_SYNC_MODES:
         raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)
-    state = state_bytes(spec, layout, prec, optimizer)
+    state = state_bytes(spec, layout, state_prec or prec, optimizer)
     layout = _with_blocks(spec, layout)
     layers_here = len(layout.rank_layers(0)) if layout.pp > 1 else (spec.n_layers or 1)
     # The first pipeline stage holds the most: its blocks plus embeddings, and (1F1B) up to pp
