@@ -54,6 +54,7 @@ from shardwise.plan.cost import (  # noqa: E402
 from shardwise.plan.memory import Kernels, Layout  # noqa: E402
 from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
+from shardwise.plan.stacks import stack_settings  # noqa: E402
 
 DATA = Path(__file__).with_name("published_runs.json")
 GENERATIONS = ("a100", "h100")
@@ -164,6 +165,14 @@ def run_layout(strategy: str, dp: int, tp: int, pp: int, **extra: Any) -> Layout
                                  shard=dp if dp_kind in ("zero2", "fsdp") else 1, **extra)
 
 
+def run_kernels(run: dict[str, Any]) -> Kernels:
+    """A run's stack properties, read as ``plan --stack-set KEY=VALUE`` reads them (plan/stacks.py):
+    a run can state only what the CLI can say."""
+    sets = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in run.get("kernels", {}).items()]
+    kernels, _ = stack_settings("shardwise", sets)
+    return kernels
+
+
 def load_cases(data: dict[str, Any]) -> list[Case]:
     gpus = {name: gpu_from_dict({k: v for k, v in spec.items() if k != "why"}, f"{DATA.name} gpus.{name}")
             for name, spec in data.get("gpus", {}).items()}
@@ -191,7 +200,7 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
-                        kernels=Kernels(**run.get("kernels", {})), safety_margin=0.0,
+                        kernels=run_kernels(run), safety_margin=0.0,
                         pp_schedule=run.get("pp_schedule", "1f1b"), pp_stages_per_rank=run.get("pp_stages_per_rank", 1))
         refused = ""
         try:

@@ -201,3 +201,24 @@ def test_dry_run_columns_equal_plan_columns_for_every_strategy(model, nodes):
             assert r.host_bytes > 0 and r.state_bytes == 0
         strategies.add(c.layout.strategy)
     assert len(strategies) >= 4, strategies
+
+
+def test_stack_names_its_properties_and_each_is_settable_alone():
+    from shardwise.errors import ConfigError as Err
+    from shardwise.plan import cli as plan_cli
+    from shardwise.plan.stacks import STACKS, stack_settings
+    from tests.test_plan_grid import plan_args
+
+    kernels, sync = stack_settings("megatron")
+    assert kernels == Kernels(**STACKS["megatron"]) and sync is None
+    kernels, sync = stack_settings("megatron", ["tp_overlap=false", "grad_sync=microbatch"])
+    assert not kernels.tp_overlap and kernels.state == "master-copy" and sync == "microbatch"
+    assert stack_settings("torchtitan")[1] == "microbatch"
+    for bad in (("nope", []), ("shardwise", ["tp_overlap=maybe"]), ("shardwise", ["colour=red"]),
+                ("shardwise", ["state=bf16"])):
+        with pytest.raises(Err):
+            stack_settings(*bad)
+    plan = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--stack", "torchtitan", "--stack-set",
+                                         "loss=fused"))
+    assert plan.workload.kernels.loss == "fused" and plan.workload.grad_sync == "microbatch"
+    assert "grad_sync" not in plan.workload.search
