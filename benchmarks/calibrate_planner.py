@@ -9,6 +9,11 @@ run's own strategy, degrees, micro-batch and checkpointing, and a zero safety ma
     python benchmarks/calibrate_planner.py --no-fit     # evaluate the constants in plan/cost.py
     python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
     python benchmarks/calibrate_planner.py --by-source  # leave-one-source-out error per source
+    python benchmarks/calibrate_planner.py --blind      # the held-out sources, against the 10 % goal
+
+Sources marked ``"held_out": true`` never enter a fit. Every run is scored: a layout the planner
+cannot express is a refusal (no prediction, a wrong verdict for a run that ran), never a skipped
+row. Each run's stack properties (``kernels``) are read through ``plan --stack-set``'s parser.
 
 The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
 tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies,

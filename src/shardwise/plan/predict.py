@@ -30,7 +30,6 @@ from shardwise.plan.memory import (
     Precision,
     StateBytes,
     _local_params,
-    activation_bytes,
     memory_breakdown,
     state_bytes,
 )
@@ -204,11 +203,12 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
     # Activations and transients (gathers, buckets, recomputation, logits) in what a step
     # materialises; model state in what the run stores.
-    breakdown = memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
-                                 micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
-                                 gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
-                                 kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
-                                 loss_chunks=chunks)
+    # One breakdown per pipeline rank: its own activations, in-flight micro-batches and loss.
+    breakdowns = [memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
+                                   micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
+                                   gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
+                                   kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
+                                   loss_chunks=chunks, stage=s) for s in range(layout.pp)]
     ranks = []
     states: dict[tuple[int, int], StateBytes] = {}
     full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
@@ -221,19 +221,14 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         if key not in states:
             states[key] = _runtime_state(spec, layout, prec, state_rank, stage)
         sb = states[key]
-        act = breakdown.activations
-        if layout.pp > 1 and spec.has_structure:
-            # Each pipeline rank saves activations for its own blocks (the first also the
-            # embeddings, the last the head and loss); in-flight micro-batches are transients.
-            act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
-                                   sp=layout.sequence_parallel, n_layers=len(layout.rank_layers(stage)),
-                                   first_stage=layout.holds_first_stage(stage),
-                                   last_stage=layout.holds_last_stage(stage), every=ac_every).saved
+        # Each pipeline rank saves activations for its own blocks (the first also the embeddings,
+        # the last the head and loss); its in-flight micro-batches are transients.
+        act, transient = breakdowns[stage].activations, breakdowns[stage].transient
         state = (sb.params + sb.master, sb.grads, sb.optimizer)
         if layout.offload:  # in host memory (or on NVMe): the host columns, not the GPU's
-            ranks.append(RankPrediction(rank, 0, 0, 0, act, breakdown.transient, *state))
+            ranks.append(RankPrediction(rank, 0, 0, 0, act, transient, *state))
         else:
-            ranks.append(RankPrediction(rank, *state, act, breakdown.transient))
+            ranks.append(RankPrediction(rank, *state, act, transient))
     if layout.offload:
         where = "on NVMe (parallel.nvme_path)" if layout.strategy == "zero3-nvme" else "in host memory"
         notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
