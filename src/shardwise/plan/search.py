@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shardwise.families import CP_FAMILIES
+from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
 from shardwise.plan.pipeline import pipeline_degrees
 from shardwise.pp_schedules import schedule_info
@@ -173,7 +174,7 @@ def moving_parts(c: Candidate) -> int:
 # * An offload layout (state in host RAM) ranks with them only when it is within OFFLOAD_FACTOR of
 #   the fastest layout that keeps its state on the GPUs and is within the device's memory, or when
 #   no such layout exists (offload is the only way). Otherwise it comes after every such layout.
-TIGHT_HEADROOM_GIB = 2.0  # = advice.RUNTIME_RESERVE_GIB
+TIGHT_HEADROOM_GIB = RUNTIME_RESERVE_GIB  # the reserve the budget takes off the device (plan.advice)
 OFFLOAD_FACTOR = 2.0  # an offload layout at most 2x slower than the fastest on-GPU one may be picked
 
 
@@ -220,7 +221,6 @@ def describe(c: Candidate) -> str:
 
 def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workload) -> str:
     """Why ``c`` is not the recommendation, in the numbers the table prints for both."""
-    from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 
     device = device_gib(cluster.gpu.memory_gib)
     if c.verdict == "no":
