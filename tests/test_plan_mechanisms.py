@@ -94,6 +94,9 @@ def test_moe_with_context_parallel_and_ep_above_dp_are_refused_by_name(mixtral):
     assert not plan.candidates
     assert any(line.startswith("cp2: context parallel does not run the mixture-of-experts mixtral") for line in
                plan.skipped), plan.skipped
+    # No command for other degrees than those asked for (no offload row), and the warning says why.
+    assert plan.recommended is None and not plan.commands and not plan.offload
+    assert any("no layout runs with the degrees asked for" in w for w in plan.warnings)
     cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=4)
     plan = make_plan(mixtral, cluster, Workload(seq=4096, micro_batch=1, global_batch=64, checkpoint="full"),
                      tp=2, pp=4, ep=8)

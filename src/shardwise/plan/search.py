@@ -328,7 +328,12 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
-    if best is None:
+    offload: list = []
+    if not cands and skipped:
+        # Every layout of the degrees asked for is refused (the runtime cannot run them): say so;
+        # an offload row would run other degrees than those asked for.
+        warnings.append("no layout runs with the degrees asked for; the 'not offered' lines say why.")
+    elif best is None:
         open_knobs = "" if set(work.search) >= {"checkpoint", "micro_batch"} else (
             " Leave --checkpoint and --micro-batch out to let the planner search them;")
         warnings.append("nothing fits, not even tight (above the device's memory) at every setting searched."
