@@ -9,6 +9,11 @@ run's own strategy, degrees, micro-batch and checkpointing, and a zero safety ma
     python benchmarks/calibrate_planner.py --no-fit     # evaluate the constants in plan/cost.py
     python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
     python benchmarks/calibrate_planner.py --by-source  # leave-one-source-out error per source
+    python benchmarks/calibrate_planner.py --blind      # the held-out sources, against the 10 % goal
+
+Sources marked ``"held_out": true`` never enter a fit. Every run is scored: a layout the planner
+cannot express is a refusal (no prediction, a wrong verdict for a run that ran), never a skipped
+row. Each run's stack properties (``kernels``) are read through ``plan --stack-set``'s parser.
 
 The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
 tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies,
@@ -35,6 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
+from shardwise.config import ConfigError  # noqa: E402
+from shardwise.families import CP_FAMILIES  # noqa: E402
 from shardwise.parallel.registry import REGISTRY  # noqa: E402
 from shardwise.plan.advice import (  # noqa: E402
     GIB,
@@ -44,10 +51,15 @@ from shardwise.plan.advice import (  # noqa: E402
     evaluate,
     predict_step_time,
 )
-from shardwise.plan.cost import CALIBRATIONS, Calibration  # noqa: E402
+from shardwise.plan.cost import (  # noqa: E402
+    CALIBRATIONS,
+    Calibration,
+    flops_per_token,  # noqa: E402
+)
 from shardwise.plan.memory import Kernels, Layout  # noqa: E402
 from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
-from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like  # noqa: E402
+from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
+from shardwise.plan.stacks import stack_settings  # noqa: E402
 
 DATA = Path(__file__).with_name("published_runs.json")
 GENERATIONS = ("a100", "h100")
@@ -77,6 +89,8 @@ def model_spec(model: str | dict[str, Any]) -> ModelSpec:
     if isinstance(model, str):
         return model_preset(model)
     family = model["family"]
+    if family == "hf":  # a Hugging Face config.json, inline: what `plan --hf-config` reads
+        return from_hf_config_dict(model["config"], model["name"])
     spec = from_gpt2_like(model["name"], n_layers=model["layers"], hidden=model["hidden"], n_heads=model["heads"],
                           vocab=model["vocab"], n_positions=model["positions"])
     if family in ("mpt", "megatron-gpt"):
@@ -104,6 +118,10 @@ class Case:
     work: Workload
     layout: Layout
     published_tps: float | None
+    # Why the planner cannot express this run's layout ('' when it can): such a run has no
+    # prediction and counts as a miss, never as a skipped row.
+    refused: str = ""
+    source_held_out: bool = False
 
     @property
     def id(self) -> str:
@@ -111,7 +129,7 @@ class Case:
 
     @property
     def fitted(self) -> bool:
-        return self.run["split"] == "fit"
+        return self.run["split"] == "fit" and not self.source_held_out and not self.refused
 
 
 def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None:
@@ -130,6 +148,8 @@ def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None
         per_token = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     elif formula == "megatron-model-flops":  # 72 B s l h^2 (1 + s/6h + V/12lh)
         per_token = 72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    elif formula == "planner":  # the source states none: the planner's own convention (plan/cost.py)
+        per_token = flops_per_token(spec, s)
     else:
         raise SystemExit(f"{run['id']}: unknown flops_formula {formula!r}")
     return pub["tflops_per_gpu"] * 1e12 / per_token
@@ -150,10 +170,19 @@ def run_layout(strategy: str, dp: int, tp: int, pp: int, **extra: Any) -> Layout
                                  shard=dp if dp_kind in ("zero2", "fsdp") else 1, **extra)
 
 
+def run_kernels(run: dict[str, Any]) -> Kernels:
+    """A run's stack properties, read as ``plan --stack-set KEY=VALUE`` reads them (plan/stacks.py):
+    a run can state only what the CLI can say."""
+    sets = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in run.get("kernels", {}).items()]
+    kernels, _ = stack_settings("shardwise", sets)
+    return kernels
+
+
 def load_cases(data: dict[str, Any]) -> list[Case]:
     gpus = {name: gpu_from_dict({k: v for k, v in spec.items() if k != "why"}, f"{DATA.name} gpus.{name}")
             for name, spec in data.get("gpus", {}).items()}
     cases = []
+    held_sources = {name for name, src in data["sources"].items() if src.get("held_out")}
     for run in data["runs"]:
         spec = model_spec(run["model"])
         if "published_params" in run and spec.n_params != run["published_params"]:
@@ -170,12 +199,25 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         extra = {"pp_first_stage_fewer": run["pp_first_stage_fewer"]} if "pp_first_stage_fewer" in run else {}
         if "sequence_parallel" in run:  # a stack without it (Megatron-DeepSpeed 2022) says so
             extra["sequence_parallel"] = run["sequence_parallel"]
-        layout = run_layout(run["strategy"], dp, tp, pp, **extra)
+        for key in ("cp", "ep", "pp_schedule", "pp_stages_per_rank"):
+            if run.get(key, 1) != 1:
+                extra[key] = run[key]
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
-                        kernels=Kernels(**run.get("kernels", {})), safety_margin=0.0)
-        cases.append(Case(run, spec, cluster, work, layout, published_tokens_per_s(run, spec)))
+                        kernels=run_kernels(run), safety_margin=0.0,
+                        pp_schedule=run.get("pp_schedule", "1f1b"), pp_stages_per_rank=run.get("pp_stages_per_rank", 1))
+        refused = ""
+        try:
+            layout = run_layout(run["strategy"], dp, tp, pp, **extra)
+            if run.get("cp", 1) > 1 and spec.moe is not None and spec.family not in CP_FAMILIES:
+                raise ConfigError(f"context parallel does not run the {spec.family} family's attention")
+        except ConfigError as e:  # a layout the planner (and the runtime) cannot express
+            refused = str(e).split("\n")[0]
+            plain = {k: v for k, v in extra.items() if k not in ("ep", "cp")}
+            layout = run_layout(run["strategy"], dp, tp, pp, **plain)
+        cases.append(Case(run, spec, cluster, work, layout, published_tokens_per_s(run, spec), refused,
+                          run["source"] in held_sources))
     return cases
 
 
@@ -191,11 +233,13 @@ class Result:
     @property
     def error(self) -> float | None:
         p = self.case.published_tps
-        return None if p is None else (self.predicted_tps - p) / p
+        return None if p is None or self.case.refused else (self.predicted_tps - p) / p
 
     @property
     def verdict_right(self) -> bool:
-        # A run that ran must not be called "no"; one that ran out of memory must be.
+        # A run that ran must not be called "no" (nor be refused); one that ran out of memory must be.
+        if self.case.refused:
+            return not self.case.run["ran"]
         return (self.verdict != "no") == self.case.run["ran"]
 
     @property
@@ -206,6 +250,8 @@ class Result:
 
 def evaluate_case(case: Case, calibrations: dict[str, Calibration]) -> Result:
     calib = calibrations[case.cluster.gpu.calibration]
+    if case.refused:
+        return Result(case, float("nan"), float("nan"), False, "refused")
     cand = evaluate(case.spec, case.cluster, case.work, case.layout, calib)
     return Result(case, cand.time.tokens_per_s_per_gpu, cand.memory.total / GIB, cand.fits, cand.verdict)
 
@@ -304,7 +350,59 @@ def summary(results: list[Result]) -> dict[str, Any]:
     return {"runs": len(results), "with_throughput": len(errs),
             "mean_abs_error": statistics.fmean(errs) if errs else float("nan"),
             "max_abs_error": max(errs) if errs else float("nan"),
-            "verdicts_right": sum(r.verdict_right for r in results)}
+            "verdicts_right": sum(r.verdict_right for r in results),
+            "refused": sum(bool(r.case.refused) for r in results)}
+
+
+# The goal every report is checked against (issue: a planner right on runs it has never seen):
+# a mean |throughput error| of at most 10 % and every fit verdict right, overall and separately on
+# the MoE/EP and the context-parallel runs. Not a bound set at a reached value; a miss is printed.
+GOAL_MEAN_ABS_ERROR = 0.10
+
+
+def run_kind(case: Case) -> str:
+    """The kind a run is reported under: moe-ep, cp, pp or dense (the first that applies)."""
+    run = case.run
+    if case.spec.moe is not None:
+        return "moe-ep" if run.get("ep", 1) > 1 else "moe"
+    if run.get("cp", 1) > 1:
+        return "cp"
+    return "pp" if run["pp"] > 1 else "dense"
+
+
+def goal_check(label: str, results: list[Result]) -> str:
+    """One line: the figures of ``results`` against GOAL_MEAN_ABS_ERROR and every verdict right."""
+    s = summary(results)
+    met = (s["with_throughput"] == s["runs"] - sum(1 for r in results if r.case.published_tps is None)
+           and s["with_throughput"] > 0 and s["mean_abs_error"] <= GOAL_MEAN_ABS_ERROR
+           and s["verdicts_right"] == s["runs"])
+    err = (f"mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} over {s['with_throughput']}"
+           if s["with_throughput"] else "no throughput predicted")
+    return (f"{label:28s} {s['runs']:>3} runs: {err}; verdicts right {s['verdicts_right']}/{s['runs']}; "
+            f"refused {s['refused']}; goal (<= {GOAL_MEAN_ABS_ERROR:.0%} mean, every verdict right): "
+            + ("MET" if met else "MISSED"))
+
+
+def blind(cases: list[Case], calibrations: dict[str, Calibration]) -> str:
+    """The held-out sources (``"held_out": true``), with the constants in plan/cost.py: per source,
+    per kind, and each refused or wrong run by name."""
+    held = [c for c in cases if c.source_held_out]
+    results = evaluate_all(held, calibrations)
+    lines = ["held-out sources, constants as in plan/cost.py (never fitted on these):"]
+    for src in dict.fromkeys(c.run["source"] for c in held):
+        lines.append("  " + goal_check(src, [r for r in results if r.case.run["source"] == src]))
+    for kind in ("moe-ep", "moe", "cp", "pp", "dense"):
+        part = [r for r in results if run_kind(r.case) == kind]
+        if part:
+            lines.append("  " + goal_check(f"kind {kind}", part))
+    lines.append("  " + goal_check("all held-out sources", results))
+    for r in results:
+        what = (f"refused: {r.case.refused}" if r.case.refused else
+                f"predicted {r.predicted_tps:,.0f} vs {r.case.published_tps or float('nan'):,.0f} tok/s/GPU "
+                f"({r.error:+.1%})" if r.error is not None else f"predicted {r.predicted_tps:,.0f}")
+        lines.append(f"    {r.case.id:44s} {run_kind(r.case):6s} {what}; verdict {r.verdict}"
+                     + ("" if r.verdict_right else " WRONG"))
+    return "\n".join(lines)
 
 
 def evaluate_all(cases: list[Case], calibrations: dict[str, Calibration]) -> list[Result]:
@@ -376,7 +474,8 @@ def leave_one_source_out(cases: list[Case], start: dict[str, Calibration]) -> di
     sources = sorted({c.run["source"] for c in cases}, key=lambda s: -sum(c.run["source"] == s for c in cases))
     out = {}
     for src in sources:
-        cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src)
+        cal = fit(cases, start, use=lambda c, src=src: c.run["source"] != src and not c.source_held_out
+                  and not c.refused)
         out[src] = evaluate_all([c for c in cases if c.run["source"] == src], cal)
     return out
 
@@ -420,13 +519,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print the run table as markdown")
     p.add_argument("--by-source", action="store_true",
                    help="leave-one-source-out: fit on all other sources, report the error per held-out source")
+    p.add_argument("--blind", action="store_true",
+                   help="evaluate the held-out sources only, with the constants in plan/cost.py (no fit)")
     p.add_argument("--json", metavar="PATH", help="also write every run's prediction to PATH")
     args = p.parse_args(argv)
     data = json.loads(DATA.read_text())
     cases = load_cases(data)
     calibrations = {g: CALIBRATIONS[g] for g in GENERATIONS}
+    if args.blind:
+        print(blind(cases, calibrations))
+        return 0
     if args.by_source:
         print(by_source(cases, calibrations))
+        print(blind(cases, calibrations))
         return 0
     if not args.no_fit:
         calibrations = fit(cases, calibrations)

@@ -21,6 +21,7 @@ from shardwise.plan.memory import (
     Kernels,
     Layout,
     MemoryBreakdown,
+    Precision,
     memory_breakdown,
     precision,
 )
@@ -331,7 +332,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
     layouts: list[Layout] = []
-    skipped: list[str] = []
+    skipped: list[str] = refused_degrees(spec, cluster, tp=tp, pp=pp, cp=cp, ep=ep)
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
                                seq=work.seq, cp_impl=work.cp_impl):
         t, p, c, x = degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"]
@@ -389,6 +390,31 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
             if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
     return layouts, skipped
+
+
+def refused_degrees(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp: int | None = None,
+                    cp: int | None = None, ep: int | None = None) -> list[str]:
+    """Why pinned degrees give no layout at all, by name (the search would otherwise come back
+    empty without a word): context parallel for a family whose attention the runtime cannot split
+    (the Hugging Face MoE families among them), and an expert-parallel degree above the data-parallel
+    one (the runtime's expert groups are FSDP shard ranks only)."""
+    from shardwise.families import CP_FAMILIES
+
+    out = []
+    if cp and cp > 1 and spec.family and spec.family not in CP_FAMILIES:
+        kind = "mixture-of-experts " if spec.moe is not None else ""
+        out.append(f"cp{cp}: context parallel does not run the {kind}{spec.family} family's attention (the runtime "
+                   f"splits the sequence for {', '.join(CP_FAMILIES)}); drop --cp, or use a shorter --seq")
+    if ep and ep > 1:
+        for p in [pp] if pp else [1]:
+            dp = cluster.world // ((tp or 1) * p)
+            if ep > dp // (cp or 1):
+                out.append(f"ep{ep} > the {dp // (cp or 1)} data-parallel ranks of tp{tp or 1} x pp{p}"
+                           f"{f' x cp{cp}' if cp and cp > 1 else ''}: the runtime makes expert groups of FSDP "
+                           "shard ranks only; groups that also span tp or cp ranks (torchtitan's ep over "
+                           "dp_shard x cp, Megatron's expert-tensor-parallel) are not implemented. Use --ep <= "
+                           "the data-parallel degree, or a smaller --tp / --pp")
+    return out
 
 
 def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None, cp: int | None = None,
@@ -468,16 +494,30 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
                      cp_impl=layout_cp_impl(spec, layout, work))
 
 
+def stored_precisions(work: Workload, layout: Layout) -> tuple[Precision, Precision | None]:
+    """(what a step materialises, what the run stores or None for the same): for the runtime's own
+    layouts under ``Kernels.state`` "fp32-params", exactly what ``train`` keeps (plan/predict.py:
+    fp32 state, FSDP2's 16-bit gathers and fp32 reduces, autocast's fp32 gradients), so the plan's
+    columns are ``train --dry-run``'s; else the workload's precision as given."""
+    from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
+
+    if work.kernels.state != "fp32-params" or layout.external is not None:
+        return precision(work.precision), None
+    runtime = TRAIN_PRECISION[work.precision]
+    return compute_precision(runtime, layout), RUNTIME_PRECISIONS[runtime]
+
+
 def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
              calib: Calibration | None = None, grad_sync: str | None = None) -> Candidate:
     """Memory and time of one layout (``calib``: the GPU's fitted constants unless given;
     ``grad_sync``: when gradients are reduced under accumulation, ``work.grad_sync`` unless given)."""
     calib = calib or cluster.calibration
     grad_sync = grad_sync or work.grad_sync
-    prec = precision(work.precision)
+    prec, state_prec = stored_precisions(work, layout)
     accum, note = _grad_accum(work, replicas(layout), cluster.world)
     chunked = loss_chunked(spec, layout, work)
     mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
+                           state_prec=state_prec,
                            checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
                            attention=work.attention, every=work.ac_every, grad_sync=grad_sync,
                            fragmentation=calib.fragmentation,

@@ -24,6 +24,7 @@ from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.search import device_gib, gib, searched, tps
+from shardwise.plan.stacks import stack_settings
 from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
 
 
@@ -110,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
                    help="pipeline stages per rank (interleaved/looped schedules: 2 or more, searched when "
                    "left out; shrinks the bubble V times; V-shaped schedules: 2)")
+    w.add_argument("--stack", default="shardwise", help="whose training stack the times and memory describe "
+                   "(plan/stacks.py): shardwise (default), torchtitan, megatron or deepspeed; the printed "
+                   "commands always run shardwise")
+    w.add_argument("--stack-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one stack property alone (repeatable): loss, norm, tp_overlap, dp_overlap, ep_overlap, "
+                   "grad_allreduce_after_backward, grad_buffer, state, grad_sync")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
     w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
                    "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "
@@ -194,12 +201,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
         offload.nvme_gbs_for(cluster.gpu.name, args.nvme_gbs)  # a clear error for a rate <= 0
     seq = args.seq or min(model.max_seq or 2048, 8192)
     recipe, sets, target_warnings = run_target(args, model, seq)
+    # The stack's properties (plan/stacks.py); a grad_sync it implies counts as given.
+    kernels, stack_sync = stack_settings(args.stack, args.stack_set)
+    if stack_sync and args.grad_sync is None:
+        args.grad_sync = stack_sync
     # What the user leaves out, the planner searches (per layout); what they give stays fixed.
     stages = schedule_info(args.pp_schedule).stages_per_rank  # "one", "two" (V) or "many" (searched)
     search = tuple(knob for knob, given in (
         ("checkpoint", args.checkpoint), ("micro_batch", args.micro_batch), ("grad_sync", args.grad_sync),
         ("pp_stages_per_rank", args.pp_stages_per_rank if stages == "many" else 1)) if given is None)
-    work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch,
+    work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch, kernels=kernels,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,

@@ -39,6 +39,7 @@ from shardwise.plan.memory import (
     layer_activation_bytes,
     outer_activation_bytes,
     recompute_share,
+    routed_expert_numel,
 )
 from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
@@ -254,12 +255,16 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         # The chunked loss recomputes each chunk's logits in backward: one more head forward.
         compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / (
             fabric.peak_tflops * 1e12 * calib.matmul_efficiency)
-    # Expert parallel (plan/moe.py): token dispatch + combine all-to-alls, forward and backward, not
-    # overlapped; the ep ranks are consecutive data-parallel ranks, tp apart.
+    # Expert parallel (plan/moe.py): token dispatch + combine all-to-alls, forward, backward and
+    # recompute, for the MoE layers of this rank's pipeline stage(s) only; the ep ranks are
+    # consecutive data-parallel ranks, tp apart. Exposed unless the stack overlaps them with
+    # another micro-batch's compute (Kernels.ep_overlap).
     ep = getattr(layout, "ep", 1) or 1
     ep_s = ep_all_to_all_s(spec, seq // cp * micro_batch, ep, fabric.collective_gbs(ep, tp), prec.act,
-                           calib.hop_latency_s) * grad_accum if ep > 1 else 0.0
+                           calib.hop_latency_s, layers=moe_layers_on_busiest_stage(spec, layout),
+                           recompute=share.tp_collectives) * grad_accum if ep > 1 else 0.0
     compute = compute_micro * grad_accum
+    ep_exposed = max(0.0, ep_s - compute) if kernels.ep_overlap else ep_s
 
     # Mesh order, innermost first: tp (stride 1), then the data-parallel dims, then pp.
     local_params = math.ceil(spec.n_params / (tp * pp))
@@ -350,11 +355,26 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         from shardwise.plan.pipeline import idle_ratio
 
         bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
-    exposed += cp_exposed + ep_s
+    exposed += cp_exposed + ep_exposed
     total += cp_s + ep_s
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
+
+
+def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:
+    """MoE layers on the pipeline rank that holds the most of them (None: no pipeline, every MoE
+    layer): counted from the routed-expert tensors of each rank's stages, which TP leaves whole."""
+    info = getattr(spec, "moe", None)
+    if info is None or layout.pp == 1 or not spec.params:
+        return None
+    per_layer = info.n_experts * info.params_per_expert
+
+    def busiest() -> int:
+        split = layout.with_blocks(spec.n_layers or 1) if layout.n_blocks is None else layout
+        return max(round(routed_expert_numel(spec, split, r) / per_layer) for r in range(split.pp))
+
+    return _memo(("moe-busiest", id(spec), layout), spec, busiest)
 
 
 def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:

@@ -85,18 +85,21 @@ def expert_unit_bytes(spec: ModelSpec, ep: int, bytes_per_param: float = 4.0) ->
 
 
 def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act_bytes: float = 2.0,
-                 alpha_s: float = 0.0) -> float:
-    """Seconds of token all-to-all per step: dispatch + combine, forward + backward, every MoE layer.
+                 alpha_s: float = 0.0, *, layers: int | None = None, recompute: float = 0.0) -> float:
+    """Seconds of token all-to-all per micro-batch: dispatch + combine, forward + backward, for
+    ``layers`` MoE layers (None: every MoE layer of the model; under a pipeline, the stage's).
 
     Each all-to-all sends ``(ep-1)/ep`` of ``tokens x top_k x hidden`` activations out of the rank
     (uniform routing) at ``gbs`` GB/s per direction; ``alpha_s`` is the per-call latency.
+    ``recompute`` is the share of the forward that activation checkpointing runs again: its
+    dispatch and combine run again with it (4 + 2 x recompute calls per layer).
     """
     info = _moe(spec)
     if info is None or ep <= 1:
         return 0.0
     size = tokens_per_rank * info.top_k * info.hidden * act_bytes
     per_call = (ep - 1) / ep * size / (gbs * 1e9) + (ep - 1) * alpha_s
-    return 4 * info.n_moe_layers * per_call
+    return (4 + 2 * recompute) * (info.n_moe_layers if layers is None else layers) * per_call
 
 
 def ep_degrees(n_experts: int) -> list[int]:

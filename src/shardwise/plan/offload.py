@@ -121,22 +121,40 @@ def to_dict(row: OffloadEstimate) -> dict[str, object]:
             "optimizer_s": round(row.optimizer_s, 3), "step_s": round(row.step_s, 3)}
 
 
+def offload_compute(spec: Any, cluster: Any, work: Any) -> tuple[float, int, int]:
+    """(GPU compute seconds per step, micro-batch, micro-batches per step) of the offload engines'
+    own layout: fully sharded data parallel over every GPU of the job, at the workload's
+    micro-batch, accumulation and checkpointing (full where the search leaves it open: the state
+    leaves the GPU precisely because memory is short). Positive for any model."""
+    import dataclasses
+
+    from shardwise.plan.advice import _grad_accum, predict_step_time
+    from shardwise.plan.memory import Layout
+
+    world = cluster.world
+    if "checkpoint" in getattr(work, "search", ()):
+        work = dataclasses.replace(work, checkpoint="full")
+    accum, _ = _grad_accum(work, world, world)
+    work = dataclasses.replace(work, grad_accum=accum, global_batch=None)
+    step = predict_step_time(spec, cluster, work, Layout("fsdp", dp=world) if world > 1 else Layout("single"))
+    return step.compute_s, work.micro_batch, accum
+
+
 def offload_advice(spec: Any, cluster: Any, work: Any, cands: list[Any],
                    nvme_path: str = "/local_nvme/shardwise") -> tuple[list[OffloadEstimate], list[str], str]:
     """The planner's last row (``plan.search.make_plan`` calls it when no GPU layout fits).
 
     Returns (offload rows that fit the node's host RAM, fastest first; the commands of the fastest,
     as ``advice.launch_commands`` prints them; one line for the plan's warnings). The rows take the
-    GPU compute of the plain data-parallel candidate (the cost model's step time without offload)
-    and its micro-batch / accumulation, since the offload engines run data parallel over the
-    node's GPUs (ZeRO-3 partitions the state over every rank of the job).
+    GPU compute of the layout the offload engines run -- data parallel over every GPU of the job
+    (ZeRO-3 partitions the state over all ranks), at the workload's own micro-batch, accumulation
+    and checkpointing -- from the cost model (``offload_compute``), never another candidate's.
     """
-    from shardwise.plan.advice import TRAIN_PRECISION, runtime_batch
+    from shardwise.plan.advice import TRAIN_PRECISION
     from shardwise.plan.finetune import shell_word
 
-    plain = [c for c in cands if c.layout.tp == 1 and c.layout.pp == 1 and not c.layout.info.hybrid]
-    base = min(plain or cands, key=lambda c: c.time.step_s) if (plain or cands) else None
-    compute_s = base.time.compute_s if base else 0.0
+    del cands  # the rows never borrow a GPU candidate's compute or batch
+    compute_s, mb, accum = offload_compute(spec, cluster, work)
     host_gib = cluster.host_ram_gib or cluster.gpu.host_ram_gib
     nodes = cluster.nodes
     rows = offload_candidates(-(-spec.n_params // nodes), cluster.gpus_per_node, compute_s, host_ram_gib=host_gib,
@@ -153,9 +171,7 @@ def offload_advice(spec: Any, cluster: Any, work: Any, cands: list[Any],
     if not work.recipe:
         return rows, [], line
     sets = list(work.extra_sets) + [f"parallel.precision={TRAIN_PRECISION[work.precision]}"]
-    if base is not None:
-        mb, accum = runtime_batch(base.layout, base.micro_batch, base.grad_accum)
-        sets += [f"train.micro_batch_size={mb}", f"train.grad_accum_steps={accum}"]
+    sets += [f"train.micro_batch_size={mb}", f"train.grad_accum_steps={accum}"]
     if best.strategy == "zero3-nvme":
         sets.append(f"parallel.nvme_path={nvme_path}")
     args = f"{shell_word(work.recipe)} --strategy {best.strategy} " + " ".join(f"--set {shell_word(s)}" for s in sets)

@@ -30,7 +30,6 @@ from shardwise.plan.memory import (
     Precision,
     StateBytes,
     _local_params,
-    activation_bytes,
     memory_breakdown,
     state_bytes,
 )
@@ -71,25 +70,39 @@ class RankPrediction:
     """Predicted bytes one rank holds: model state, activations saved for backward, transients."""
 
     rank: int
-    param_bytes: int
+    param_bytes: int  # on the GPU
     grad_bytes: int
     optim_bytes: int
     activation_bytes: int
     transient_bytes: int
+    # Model state an offload layout keeps in host memory (or on NVMe) instead: not on the GPU, not
+    # in its peak, but still this rank's (the memory ledger counts it wherever it lives).
+    host_param_bytes: int = 0
+    host_grad_bytes: int = 0
+    host_optim_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
+        """Model state on the GPU."""
         return self.param_bytes + self.grad_bytes + self.optim_bytes
 
     @property
+    def host_bytes(self) -> int:
+        return self.host_param_bytes + self.host_grad_bytes + self.host_optim_bytes
+
+    @property
     def peak_bytes(self) -> int:
-        """State + activations + transients: what ``torch.cuda.max_memory_allocated`` measures."""
+        """GPU state + activations + transients: what ``torch.cuda.max_memory_allocated`` measures."""
         return self.state_bytes + self.activation_bytes + self.transient_bytes
+
+    def held(self, key: str) -> int:
+        """A state category wherever it lives (``param_bytes`` ...): what the ledger measures."""
+        return getattr(self, key) + getattr(self, "host_" + key)
 
     def to_dict(self) -> dict[str, int]:
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optim_bytes": self.optim_bytes,
                 "activation_bytes": self.activation_bytes, "transient_bytes": self.transient_bytes,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes}
 
 
 @dataclass(frozen=True)
@@ -115,16 +128,16 @@ class RunPrediction:
 
     def table(self) -> str:
         """Per-rank MiB, one row per distinct prediction (ranks that hold the same are grouped)."""
-        rows = ["ranks        params_MiB  grads_MiB  optim_MiB  activ_MiB  transient_MiB  peak_MiB"]
+        rows = ["ranks        params_MiB  grads_MiB  optim_MiB  activ_MiB  transient_MiB  peak_MiB  host_MiB"]
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in self.ranks:
-            key = (r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.transient_bytes)
+            key = (r.param_bytes, r.grad_bytes, r.optim_bytes, r.activation_bytes, r.transient_bytes, r.host_bytes)
             groups.setdefault(key, []).append(r.rank)
         for key, ranks in groups.items():
             label = _ranks_label(ranks)
-            values = [*key, sum(key)]
+            values = [*key[:5], sum(key[:5]), key[5]]
             rows.append(f"{label:<11}" + "".join(f"{v / MIB:>{w}.2f}" for v, w in
-                                                 zip(values, (12, 11, 11, 11, 15, 10))))
+                                                 zip(values, (12, 11, 11, 11, 15, 10, 10))))
         return "\n".join(rows)
 
 
@@ -190,11 +203,12 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
     # Activations and transients (gathers, buckets, recomputation, logits) in what a step
     # materialises; model state in what the run stores.
-    breakdown = memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
-                                 micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
-                                 gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
-                                 kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
-                                 loss_chunks=chunks)
+    # One breakdown per pipeline rank: its own activations, in-flight micro-batches and loss.
+    breakdowns = [memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
+                                   micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
+                                   gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
+                                   kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
+                                   loss_chunks=chunks, stage=s) for s in range(layout.pp)]
     ranks = []
     states: dict[tuple[int, int], StateBytes] = {}
     full = {stage: _full_shards(spec, layout, stage) for stage in range(layout.pp)}
@@ -207,16 +221,14 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         if key not in states:
             states[key] = _runtime_state(spec, layout, prec, state_rank, stage)
         sb = states[key]
-        act = breakdown.activations
-        if layout.pp > 1 and spec.has_structure:
-            # Each pipeline rank saves activations for its own blocks (the first also the
-            # embeddings, the last the head and loss); in-flight micro-batches are transients.
-            act = activation_bytes(spec, seq, micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
-                                   sp=layout.sequence_parallel, n_layers=len(layout.rank_layers(stage)),
-                                   first_stage=layout.holds_first_stage(stage),
-                                   last_stage=layout.holds_last_stage(stage), every=ac_every).saved
-        # Offloaded state is still this rank's (the ledger counts it wherever it lives).
-        ranks.append(RankPrediction(rank, sb.params + sb.master, sb.grads, sb.optimizer, act, breakdown.transient))
+        # Each pipeline rank saves activations for its own blocks (the first also the embeddings,
+        # the last the head and loss); its in-flight micro-batches are transients.
+        act, transient = breakdowns[stage].activations, breakdowns[stage].transient
+        state = (sb.params + sb.master, sb.grads, sb.optimizer)
+        if layout.offload:  # in host memory (or on NVMe): the host columns, not the GPU's
+            ranks.append(RankPrediction(rank, 0, 0, 0, act, transient, *state))
+        else:
+            ranks.append(RankPrediction(rank, *state, act, transient))
     if layout.offload:
         where = "on NVMe (parallel.nvme_path)" if layout.strategy == "zero3-nvme" else "in host memory"
         notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
@@ -272,7 +284,7 @@ def compare(prediction: RunPrediction, memory: dict[str, Any]) -> list[dict[str,
         fields = [*STATE_FIELDS, *(("peak_bytes",) if comparable_peak else ())]
         row: dict[str, Any] = {"rank": entry["rank"]}
         for key in fields:
-            p, m = getattr(pred, key), int(entry[key])
+            p, m = (pred.held(key) if key in STATE_FIELDS else getattr(pred, key)), int(entry[key])
             row[key] = {"predicted": p, "measured": m, "diff_bytes": p - m,
                         "diff_pct": None if m == 0 else round(100.0 * (p - m) / m, 2)}
         rows.append(row)

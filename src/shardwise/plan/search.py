@@ -11,10 +11,13 @@ Two lists own what the planner explores, so a new dimension plugs into one place
   (activation checkpointing, micro-batch, gradient-sync mode, stages per rank of an interleaved
   pipeline). What the user fixes stays fixed: ``Workload.search`` names only the open ones.
 
-Ranking (:func:`rank_key`): a layout that fits the usable budget beats one that is only ``tight``
-(between the budget and the device's memory), which beats one that does ``no``t fit; among fitting
-ones the highest tokens/s/GPU wins, ties (equal as printed) go to less memory (as printed), then to
-fewer moving parts (model-parallel degrees, non-default settings, the registry's order). Every
+Ranking (:func:`rank_key`, :func:`tier`): among the *usable* layouts -- those that fit the budget
+and those ``tight`` (over the budget, within the device) that still leave the runtime reserve free
+-- the highest tokens/s/GPU wins; an offload layout joins them only within OFFLOAD_FACTOR of the
+fastest on-GPU layout or where it is the only way; then the tight ones without that headroom, the
+slower offload ones, and last those that do ``no``t fit. Ties (equal as printed) go to less memory
+(as printed), then to fewer moving parts (model-parallel degrees, non-default settings, the
+registry's order). Every
 "not X" reason is built from the same printed numbers the table shows (:func:`reason`).
 """
 
@@ -25,6 +28,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shardwise.families import CP_FAMILIES
+from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
 from shardwise.plan.pipeline import pipeline_degrees
 from shardwise.pp_schedules import schedule_info
@@ -163,14 +167,48 @@ def moving_parts(c: Candidate) -> int:
             + int(c.checkpoint != "none") + int(c.grad_sync != "step") + int(lay.pp_stages_per_rank > 1))
 
 
-def rank_key(c: Candidate, order: dict[str, int]) -> tuple:
-    """Sort key, best first: verdict; then speed and memory as printed; then simplicity."""
+# The ranking rule (what a practitioner picks):
+# * A layout is *usable* if it fits the budget, or is tight with at least TIGHT_HEADROOM_GIB of the
+#   device left: the runtime reserve (CUDA context, NCCL and cuBLAS workspaces) still fits beside
+#   the predicted peak; only the safety margin is waived. Usable layouts rank by speed alone.
+# * An offload layout (state in host RAM) ranks with them only when it is within OFFLOAD_FACTOR of
+#   the fastest layout that keeps its state on the GPUs and is within the device's memory, or when
+#   no such layout exists (offload is the only way). Otherwise it comes after every such layout.
+TIGHT_HEADROOM_GIB = RUNTIME_RESERVE_GIB  # the reserve the budget takes off the device (plan.advice)
+OFFLOAD_FACTOR = 2.0  # an offload layout at most 2x slower than the fastest on-GPU one may be picked
+
+
+def usable(c: Candidate) -> bool:
+    """Fits, or is tight with the runtime reserve still free (TIGHT_HEADROOM_GIB)."""
+    return c.verdict == "fits" or (c.verdict == "tight" and c.headroom_bytes >= TIGHT_HEADROOM_GIB * GIB)
+
+
+def on_gpu_speed(cands: Iterable[Candidate]) -> float | None:
+    """Tokens/s/GPU of the fastest layout that keeps its state on the GPUs and is within the
+    device's memory (None: no such layout; offload is then the only way)."""
+    speeds = [c.time.tokens_per_s_per_gpu for c in cands if not c.layout.offload and c.verdict != "no"]
+    return max(speeds) if speeds else None
+
+
+def tier(c: Candidate, gpu_speed: float | None = None) -> int:
+    """0 usable (an offload one only within OFFLOAD_FACTOR of ``gpu_speed``, or with none),
+    1 tight without the headroom, 2 offload slower than that, 3 does not fit."""
+    if c.verdict == "no":
+        return 3
+    if c.layout.offload and gpu_speed is not None and c.time.tokens_per_s_per_gpu * OFFLOAD_FACTOR < gpu_speed:
+        return 2
+    return 0 if usable(c) else 1
+
+
+def rank_key(c: Candidate, order: dict[str, int], gpu_speed: float | None = None) -> tuple:
+    """Sort key, best first: tier (``tier``); then speed and memory as printed; then simplicity."""
     speed, mem = _printed(c)
     simple = (moving_parts(c), order.get(c.layout.strategy, 99), CHECKPOINT_SEARCH.index(c.checkpoint),
               -c.micro_batch)
-    if c.verdict == "no":
-        return (2, mem, 0.0, simple)  # closest to fitting first
-    return (VERDICTS.index(c.verdict), -speed, mem, simple)
+    t = tier(c, gpu_speed)
+    if t == 3:
+        return (3, mem, 0.0, simple)  # closest to fitting first
+    return (t, -speed, mem, simple)
 
 
 def describe(c: Candidate) -> str:
@@ -183,7 +221,6 @@ def describe(c: Candidate) -> str:
 
 def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workload) -> str:
     """Why ``c`` is not the recommendation, in the numbers the table prints for both."""
-    from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 
     device = device_gib(cluster.gpu.memory_gib)
     if c.verdict == "no":
@@ -197,14 +234,17 @@ def reason(c: Candidate, best: Candidate | None, cluster: Cluster, work: Workloa
         state = (f"tight: needs {gib(c.memory.total)} GiB, over the {gib(c.budget_bytes)} GiB budget (after the "
                  f"{RUNTIME_RESERVE_GIB:.0f} GiB reserve and {work.safety_margin:.0%} margin) with "
                  f"{gib(c.headroom_bytes)} GiB left of the device's {device} GiB")
-        if best is None or best.verdict == "fits":
-            return state
+        if not usable(c):
+            return state + f", under the {TIGHT_HEADROOM_GIB:.0f} GiB a tight layout must leave free"
     else:
         state = f"fits ({gib(c.memory.total)} GiB)"
     if best is None:
         return state
     speed, mem = _printed(c)
     best_speed, best_mem = _printed(best)
+    if c.layout.offload and tier(c, best.time.tokens_per_s_per_gpu if not best.layout.offload else None) == 2:
+        return (f"{state} but offloads its state to the host at {tps(c.time.tokens_per_s_per_gpu)} tokens/s/GPU, "
+                f"more than {OFFLOAD_FACTOR:.0f}x slower than {tps(best.time.tokens_per_s_per_gpu)} on the GPUs")
     if speed < best_speed:
         return f"{state} but slower: {tps(c.time.tokens_per_s_per_gpu)} tokens/s/GPU vs " \
                f"{tps(best.time.tokens_per_s_per_gpu)}"
@@ -255,7 +295,8 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
                 c.note = "; ".join(filter(None, [c.note, (
                     f"reduce-scatters every micro-batch: syncing once per step would hold the whole unsharded "
                     f"gradient ({gib(step[0].memory.total)} GiB in total)")]))
-    chosen.sort(key=lambda c: rank_key(c, order))
+    gpu_speed = on_gpu_speed(chosen)
+    chosen.sort(key=lambda c: rank_key(c, order, gpu_speed))
     offered = {c.name.split(" ", 1)[0] for c in chosen}
     left = [line for label, line in skipped.items() if not any(o.startswith(label) for o in offered)]
     return chosen, left
@@ -278,18 +319,21 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
     if spec.max_seq and work.seq > spec.max_seq and spec.arch == "gpt" and spec.learned_positions:
         warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
     cands, skipped = search(spec, cluster, work, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)
-    best = next((c for c in cands if c.verdict == "fits"), None)
-    if best is None:
-        best = next((c for c in cands if c.verdict == "tight"), None)
-        if best is not None:
-            warnings.append(
-                f"nothing fits within the safety margin; {best.name} is recommended but tight: "
-                f"{gib(best.memory.total)} GiB of the device's {device_gib(cluster.gpu.memory_gib)} GiB "
-                f"({gib(best.headroom_bytes)} GiB left). Published runs do run this close; expect to tune "
-                "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
+    best = cands[0] if cands and cands[0].verdict != "no" else None  # ranked: search.rank_key
+    if best is not None and best.verdict == "tight":
+        warnings.append(
+            f"{best.name} is recommended but tight (the fastest usable layout): "
+            f"{gib(best.memory.total)} GiB of the device's {device_gib(cluster.gpu.memory_gib)} GiB "
+            f"({gib(best.headroom_bytes)} GiB left). Published runs do run this close; expect to tune "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
-    if best is None:
+    offload: list = []
+    if not cands and skipped:
+        # Every layout of the degrees asked for is refused (the runtime cannot run them): say so;
+        # an offload row would run other degrees than those asked for.
+        warnings.append("no layout runs with the degrees asked for; the 'not offered' lines say why.")
+    elif best is None:
         open_knobs = "" if set(work.search) >= {"checkpoint", "micro_batch"} else (
             " Leave --checkpoint and --micro-batch out to let the planner search them;")
         warnings.append("nothing fits, not even tight (above the device's memory) at every setting searched."

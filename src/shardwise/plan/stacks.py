@@ -1,0 +1,72 @@
+"""Training stacks as the planner's cost and memory model sees them: named sets of properties.
+
+``plan --stack NAME`` picks one set; ``plan --stack-set KEY=VALUE`` (repeatable) sets one property
+alone, on top of the stack. Every property is a field of ``plan.memory.Kernels`` (how the stack
+implements the pieces whose bytes and time differ) or ``grad_sync`` (when gradients are reduced
+under accumulation). ``benchmarks/calibrate_planner.py`` describes each published run with these
+same settings (``settings_from``), so a calibration row is something the CLI can say.
+
+What each stack implies (the properties not named keep shardwise's defaults):
+
+* ``shardwise``: this runtime -- torch cross-entropy and eager RMSNorm, no TP or EP overlap, DDP's
+  bucket copy, fp32 parameters (FSDP2 / autocast), gradients reduced once per step (no_sync).
+* ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch.
+* ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, TP communication overlap, the
+  distributed optimizer overlapping its reduce-scatter / all-gather, a contiguous fp32 gradient
+  buffer, 16-bit parameters with an fp32 master copy.
+* ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
+  parameters with an fp32 master copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardwise.errors import ConfigError
+from shardwise.plan.memory import GRAD_SYNC_MODES, Kernels
+
+__all__ = ["STACKS", "STACK_KEYS", "settings_from", "stack_settings"]
+
+STACKS: dict[str, dict[str, Any]] = {
+    "shardwise": {},
+    "torchtitan": {"grad_sync": "microbatch"},
+    "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
+                 "grad_buffer": "contiguous", "state": "master-copy"},
+    "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy"},
+}
+STACK_KEYS = (*(f.name for f in dataclasses.fields(Kernels)), "grad_sync")
+
+
+def _value(key: str, text: str) -> Any:
+    """``text`` as the type of property ``key`` (booleans: true/false)."""
+    if key == "grad_sync":
+        if text not in GRAD_SYNC_MODES:
+            raise ConfigError(f"--stack-set grad_sync={text}: allowed: {', '.join(GRAD_SYNC_MODES)}.")
+        return text
+    default = getattr(Kernels(), key)
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false"):
+            raise ConfigError(f"--stack-set {key}={text}: {key} is true or false.")
+        return text.lower() == "true"
+    return text
+
+
+def settings_from(stack: str = "shardwise", sets: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """The properties of ``stack`` with each ``KEY=VALUE`` of ``sets`` applied on top."""
+    if stack not in STACKS:
+        raise ConfigError(f"--stack {stack!r} is not a stack the planner models; allowed: {', '.join(STACKS)}.")
+    out = dict(STACKS[stack])
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep or key not in STACK_KEYS:
+            raise ConfigError(f"--stack-set {item!r}: give KEY=VALUE with KEY one of {', '.join(STACK_KEYS)}.")
+        out[key] = _value(key, text)
+    return out
+
+
+def stack_settings(stack: str = "shardwise", sets: tuple[str, ...] | list[str] = ()) -> tuple[Kernels, str | None]:
+    """(the Kernels, the grad_sync or None when the stack leaves it to the search) of a stack."""
+    props = settings_from(stack, sets)
+    grad_sync = props.pop("grad_sync", None)
+    return Kernels(**props), grad_sync

@@ -1,0 +1,227 @@
+"""The planner's mechanisms, each against a hand computation or the rule it states.
+
+* Expert parallel under a pipeline: the all-to-all of one step is charged for the MoE layers of the
+  busiest stage only (halving with each doubling of pp), again for the recomputed forward, and
+  hidden only where the stack overlaps it; the unsharded-stage memory holds n_experts / ep experts.
+* MoE with context parallel, and ep above the data-parallel degree: refused by name.
+* The offload fallback's compute: its own layout's, positive, never another candidate's.
+* The ranking rule (search.tier): speed among usable layouts; offload only as the only way or
+  within OFFLOAD_FACTOR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, make_plan, predict_step_time
+from shardwise.plan.cost import CALIBRATIONS, moe_layers_on_busiest_stage
+from shardwise.plan.memory import PRECISIONS, REDUCE_BYTES, Kernels, Layout, memory_breakdown
+from shardwise.plan.offload import offload_advice, offload_compute
+from shardwise.plan.presets import gpu, model_preset
+from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, rank_key, tier
+
+H100 = CALIBRATIONS["h100"]
+BF16 = PRECISIONS["bf16"]
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return model_preset("mixtral-8x7b")
+
+
+def _exposed(spec, cluster, work, layout):
+    return predict_step_time(spec, cluster, work, layout, H100)
+
+
+def test_ep_all_to_all_per_stage_against_a_hand_computation(mixtral):
+    """Mixtral (32 MoE layers, top-2, hidden 4096) on 4 nodes of 8 H100, seq 4096, micro-batch 1,
+    8 micro-batches, no checkpointing: per MoE layer and micro-batch 4 all-to-alls of
+    (ep-1)/ep x 4096 x 2 x 4096 x 2 bytes at the ep group's bus bandwidth, plus (ep-1) hop latencies;
+    times the busiest stage's MoE layers (32 / pp) and the 8 micro-batches."""
+    cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=4)
+    work = Workload(seq=4096, micro_batch=1, grad_accum=8, checkpoint="none")
+    fabric = cluster.fabric("bf16", H100)
+    ep = 8
+    gbs = fabric.collective_gbs(ep, 1)
+    per_call = (ep - 1) / ep * 4096 * 2 * 4096 * 2 / (gbs * 1e9) + (ep - 1) * H100.hop_latency_s
+    seen = {}
+    for pp in (2, 4):
+        layout = Layout("fsdp+pp", dp=32 // pp, pp=pp, ep=ep)
+        assert moe_layers_on_busiest_stage(mixtral, layout) == 32 // pp
+        hand = 8 * 4 * (32 // pp) * per_call
+        with_ep = _exposed(mixtral, cluster, work, layout)
+        without = _exposed(mixtral, cluster, work, dataclasses.replace(layout, ep=1))
+        # Nothing else in the step depends on ep: the difference is the all-to-all alone.
+        assert with_ep.comm_exposed_s - without.comm_exposed_s == pytest.approx(hand, rel=1e-9)
+        seen[pp] = hand
+    assert seen[4] == pytest.approx(seen[2] / 2)  # each doubling of pp halves a rank's share
+    # Full recompute runs every forward again: its dispatch and combine too (4 + 2 calls per layer).
+    full = dataclasses.replace(work, checkpoint="full")
+    layout = Layout("fsdp+pp", dp=8, pp=4, ep=ep)
+    extra = (_exposed(mixtral, cluster, full, layout).comm_exposed_s
+             - _exposed(mixtral, cluster, full, dataclasses.replace(layout, ep=1)).comm_exposed_s)
+    assert extra == pytest.approx(8 * 6 * 8 * per_call, rel=1e-9)
+    # A stack that overlaps the all-to-all with another micro-batch's compute hides it up to that compute.
+    overlap = dataclasses.replace(work, kernels=Kernels(ep_overlap=True))
+    hidden = _exposed(mixtral, cluster, overlap, layout)
+    assert hidden.comm_exposed_s == pytest.approx(_exposed(mixtral, cluster, overlap,
+                                                           dataclasses.replace(layout, ep=1)).comm_exposed_s)
+    assert hidden.comm_total_s > hidden.comm_exposed_s
+
+
+def test_ep_memory_per_stage_holds_its_own_experts(mixtral):
+    """The unsharded-stage terms (params in bf16, grads in fp32) of a pp=4 stage: its 8 blocks hold
+    8 x 8 experts of 3 x 4096 x 14336 elements; under ep 8 a rank keeps 1 of the 8 per layer."""
+    prec = BF16
+    expert = 3 * 4096 * 14336
+    base = Layout("fsdp+pp", dp=8, pp=4)
+    parts = {}
+    for ep in (1, 8):
+        m = memory_breakdown(mixtral, dataclasses.replace(base, ep=ep), prec, "adamw", seq=4096, micro_batch=1,
+                             checkpoint="full", grad_accum=8)
+        parts[ep] = (m.transient_parts["unsharded stage params (pp schedule)"],
+                     m.transient_parts["unsharded stage grads (pp schedule)"])
+    dropped = 8 * 8 * expert * 7 // 8  # the other 7 experts of each of the stage's 8 MoE layers
+    assert parts[1][0] - parts[8][0] == prec.param * dropped
+    assert parts[1][1] - parts[8][1] == REDUCE_BYTES * dropped
+
+
+def test_moe_with_context_parallel_and_ep_above_dp_are_refused_by_name(mixtral):
+    cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=2)
+    plan = make_plan(mixtral, cluster, Workload(seq=8192, micro_batch=1, search=("checkpoint",)), cp=2)
+    assert not plan.candidates
+    assert any(line.startswith("cp2: context parallel does not run the mixture-of-experts mixtral") for line in
+               plan.skipped), plan.skipped
+    # No command for other degrees than those asked for (no offload row), and the warning says why.
+    assert plan.recommended is None and not plan.commands and not plan.offload
+    assert any("no layout runs with the degrees asked for" in w for w in plan.warnings)
+    cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=4)
+    plan = make_plan(mixtral, cluster, Workload(seq=4096, micro_batch=1, global_batch=64, checkpoint="full"),
+                     tp=2, pp=4, ep=8)
+    assert any(line.startswith("ep8 > the 4 data-parallel ranks of tp2 x pp4") and "expert-tensor-parallel" in line
+               for line in plan.skipped), plan.skipped
+
+
+def test_offload_fallback_compute_is_its_own_layouts(mixtral):
+    cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=1)
+    work = Workload(seq=4096, micro_batch=2, global_batch=32, checkpoint="full", recipe="hf-shakespeare")
+    compute, mb, accum = offload_compute(mixtral, cluster, work)
+    # Full sharding over the 8 GPUs, 2 sequences each, 2 micro-batches for the 32-sequence batch.
+    assert (mb, accum) == (2, 2)
+    hand = predict_step_time(mixtral, cluster, dataclasses.replace(work, grad_accum=2, global_batch=None),
+                             Layout("fsdp", dp=8)).compute_s
+    assert compute == pytest.approx(hand) and compute > 0
+    # The rows and the command take that compute and batch whatever candidates exist (none here).
+    rows, commands, _ = offload_advice(mixtral, cluster, work, [])
+    assert rows and all(r.step_s >= compute for r in rows)
+    assert "train.micro_batch_size=2" in commands[0] and "train.grad_accum_steps=2" in commands[0]
+    # Not below the GPUs' peak: model FLOPs of the step over the step time stay under 100 % MFU.
+    flops = 6 * 12.9e9 * 4096 * 32 / 8
+    assert flops / rows[0].step_s < gpu("h100-sxm").bf16_tflops * 1e12
+
+
+def _with(cand, *, verdict_total_gib=None, speed=None, offload=None):
+    """A copy of ``cand`` with its total memory / speed / offload flag replaced."""
+    out = dataclasses.replace(cand)
+    if verdict_total_gib is not None:
+        out.memory = dataclasses.replace(cand.memory)
+        out.memory.activations = int(cand.memory.activations + verdict_total_gib * GIB - cand.memory.total)
+        out.fits = out.memory.total <= out.budget_bytes
+    if speed is not None:
+        t = cand.time
+        out.time = dataclasses.replace(t, tokens_per_step=int(speed * t.step_s * t.world))
+    if offload is not None:
+        out.layout = Layout("fsdp-offload" if offload else "fsdp", dp=cand.layout.dp)
+    return out
+
+
+def test_ranking_rule():
+    spec = model_preset("llama-3-8b")
+    cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=1)
+    base = evaluate(spec, cluster, Workload(seq=4096, micro_batch=1, checkpoint="full"), Layout("fsdp", dp=8))
+    device = base.device_bytes / GIB
+    fits = _with(base, verdict_total_gib=40, speed=1000)
+    tight_room = _with(base, verdict_total_gib=device - TIGHT_HEADROOM_GIB - 0.5, speed=2000)
+    tight_none = _with(base, verdict_total_gib=device - 0.5, speed=3000)
+    assert (fits.verdict, tight_room.verdict, tight_none.verdict) == ("fits", "tight", "tight")
+    order: dict[str, int] = {}
+    # A tight layout that leaves the reserve free is ranked by speed with the fitting ones.
+    ranked = sorted([fits, tight_room, tight_none], key=lambda c: rank_key(c, order, 3000))
+    assert ranked == [tight_room, fits, tight_none]
+    # Offload: 57x slower than the fastest on-GPU layout comes after every on-GPU one in the device...
+    slow_offload = _with(base, verdict_total_gib=20, speed=2000 / 57, offload=True)
+    assert tier(slow_offload, 2000) == 2 > tier(tight_none, 2000)
+    # ... within OFFLOAD_FACTOR it competes on speed, and with no on-GPU layout it is the way.
+    near = _with(base, verdict_total_gib=20, speed=2000 / OFFLOAD_FACTOR * 1.01, offload=True)
+    assert tier(near, 2000) == 0 and tier(slow_offload, None) == 0
+    # The qwen3-30b-a3b case: the plan recommends an on-GPU layout, not fsdp-offload at 117 tok/s.
+    plan = make_plan(model_preset("qwen3-30b-a3b"), cluster,
+                     Workload(seq=4096, search=("checkpoint", "micro_batch", "grad_sync")))
+    assert plan.recommended is not None and not plan.recommended.layout.offload
+    assert any(line.startswith("fsdp-offload: fits") and "more than 2x slower" in line for line in plan.rejected)
+
+
+@pytest.mark.parametrize("model,nodes", [("llama-3-8b", 2), ("qwen3-30b-a3b", 1), ("gpt2", 2)])
+def test_dry_run_columns_equal_plan_columns_for_every_strategy(model, nodes):
+    """``train --dry-run``'s per-rank prediction (plan/predict.py, what the run stores) and the
+    plan's table agree on every column for every candidate, offload included: parameters (with any
+    master copy), gradients, optimizer state, activations, transients, the peak without the
+    allocator's fragmentation, and host-resident state in the host column, not the GPU's."""
+    from shardwise.plan import cli as plan_cli
+    from shardwise.plan.advice import TRAIN_PRECISION, runtime_batch
+    from shardwise.plan.predict import predict_run
+    from tests.test_plan_grid import plan_args
+
+    plan = plan_cli.build_plan(plan_args("--model", model, "--gpus-per-node", "8", "--nodes", str(nodes),
+                                         "--seq", "2048" if model == "gpt2" else "4096"))
+    strategies = set()
+    for c in plan.candidates:
+        w = plan.workload
+        mb, accum = runtime_batch(c.layout, c.micro_batch, c.grad_accum)
+        pred = predict_run(plan.spec, c.layout, precision=TRAIN_PRECISION[w.precision], seq=w.seq,
+                           micro_batch_size=mb, grad_accum_steps=accum, activation_checkpointing=c.checkpoint,
+                           ac_every=w.ac_every, grad_sync=c.grad_sync, ranks_per_node=plan.cluster.gpus_per_node,
+                           loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks)
+        # The plan's state columns are its largest rank's (over stages and shards); its activations
+        # and transients those of the pipeline rank that peaks higher of the first (most micro-batches
+        # in flight) and the last (the head and the loss), each as that rank's --dry-run row says.
+        m = c.memory
+        big = max(pred.ranks, key=lambda q: (q.state_bytes + q.host_bytes, -q.rank))
+        columns = {"params": (big.param_bytes, m.params + m.master), "grads": (big.grad_bytes, m.grads),
+                   "optim": (big.optim_bytes, m.optimizer)}
+        assert all(a == b for a, b in columns.values()), (c.name, columns)
+        ends = [pred.ranks[0], pred.ranks[-1]]
+        assert any((q.activation_bytes, q.transient_bytes) == (m.activations, m.transient) for q in ends), c.name
+        # The plan's peak is the worst rank's: no rank's exceeds it, and without a pipeline it is it.
+        assert max(q.peak_bytes for q in pred.ranks) <= m.allocated, c.name
+        if c.layout.pp == 1:
+            assert big.peak_bytes == m.allocated, c.name
+        # Host memory per node: the plan counts its largest rank's state on every GPU of the node.
+        assert big.host_bytes * plan.cluster.gpus_per_node == m.host_bytes, c.name
+        if c.layout.offload:
+            assert all(q.host_bytes > 0 and q.state_bytes == 0 for q in pred.ranks)
+        strategies.add(c.layout.strategy)
+    assert len(strategies) >= 4, strategies
+
+
+def test_stack_names_its_properties_and_each_is_settable_alone():
+    from shardwise.errors import ConfigError as Err
+    from shardwise.plan import cli as plan_cli
+    from shardwise.plan.stacks import STACKS, stack_settings
+    from tests.test_plan_grid import plan_args
+
+    kernels, sync = stack_settings("megatron")
+    assert kernels == Kernels(**STACKS["megatron"]) and sync is None
+    kernels, sync = stack_settings("megatron", ["tp_overlap=false", "grad_sync=microbatch"])
+    assert not kernels.tp_overlap and kernels.state == "master-copy" and sync == "microbatch"
+    assert stack_settings("torchtitan")[1] == "microbatch"
+    for bad in (("nope", []), ("shardwise", ["tp_overlap=maybe"]), ("shardwise", ["colour=red"]),
+                ("shardwise", ["state=bf16"])):
+        with pytest.raises(Err):
+            stack_settings(*bad)
+    plan = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--stack", "torchtitan", "--stack-set",
+                                         "loss=fused"))
+    assert plan.workload.kernels.loss == "fused" and plan.workload.grad_sync == "microbatch"
+    assert "grad_sync" not in plan.workload.search
