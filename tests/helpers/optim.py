@@ -63,7 +63,6 @@ def muon_run(rank: int, world_size: int, strategy: str = "single", steps: int = 
         opt = _Both(refs)
     else:
         opt = build_optimizer(plain, t, OptimizerConfig(name=optimizer), "cpu")
-    names = [n for n, _ in plain.named_parameters()]
     grads = {s: full_grads(plain, s) for s in range(steps)} if mode == "grads" else {}
     model, opt = session.prepare(plain, opt) if not reference else (plain, opt)
     losses: list[float] = []

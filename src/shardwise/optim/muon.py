@@ -68,6 +68,17 @@ class MuonAdamW(torch.optim.AdamW):
                             f"parameter of shape {tuple(p.shape)} is in a muon group. Put vectors, "
                             "embeddings and the output head in an AdamW group (muon = False).")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Adam's __setstate__ reads every non-empty state's "step"; Muon's states hold only their
+        # momentum buffer: set those aside, then put them back.
+        states = state.get("state", {})
+        muon = {k: v for k, v in states.items() if v and "momentum_buffer" in v}
+        for k in muon:
+            del states[k]
+        super().__setstate__(state)
+        for k, v in muon.items():
+            self.state[k] = v
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         param_group.setdefault("muon", False)
         super().add_param_group(param_group)
@@ -228,8 +239,11 @@ def _gather_plan(param: torch.Tensor, plans: dict[Any, Any]) -> _Gather | None:
     if any(pl.is_partial() for pl in placements):
         raise ShardwiseError(f"Muon got a parameter with placements {placements}: a Partial (unreduced) "
                              "parameter cannot be orthogonalised; this is a strategy bug.")
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
     ndim = param.dim()
-    shard_dims = [d for d, pl in enumerate(placements) if pl.is_shard()]
+    # FSDP over a column-wise TP shard is a _StridedShard, not a Shard (torch 2.13): both cut a dim.
+    shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
     if not any(placements[d].dim % ndim >= ndim - 2 for d in shard_dims):
         return None  # only the expert dim (or nothing) is cut: whole matrices here
     if id(param) not in plans:
@@ -253,16 +267,17 @@ def _make_plan(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], s
         shapes.append(tuple(local_shape))
         offsets.append(tuple(offset))
     me = dist.get_rank(group)
-    if shapes[me] != tuple(_local_shape_here(mesh, placements, shape)):
+    if (shapes[me], offsets[me]) != _local_shape_here(mesh, placements, shape):
         raise ShardwiseError("Muon's gather plan does not match this rank's shard (the mesh group's rank "
                              "order differs from the mesh's); this is a bug.")
     return _Gather(group, me, shapes, offsets, max(math.prod(s) for s in shapes))
 
 
-def _local_shape_here(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+def _local_shape_here(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return compute_local_shape_and_global_offset(shape, mesh, placements)[0]
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local), tuple(offset)
 
 
 def _shard_group(mesh: Any, shard_dims: list[int], groups: dict[Any, Any]) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -29,8 +30,10 @@ from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.optim.build import build_optimizer as build_named_optimizer
+from shardwise.optim.build import optimizer_name
 from shardwise.optim.schedule import lr_at as schedule_lr
 from shardwise.optim.schedule import set_lr
+from shardwise.optim.switch import resets_state, saved_state
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
@@ -456,8 +459,18 @@ class Trainer:
             return None
         s = self.session
         t0 = time.perf_counter()
-        loaded = s.load(source, self.model, self.optimizer, loader=self.train_loader,
-                        restore_rng=False)
+        saved, where = saved_state(source)
+        name = optimizer_name(self.optimizer)
+        reset = resets_state(saved, name, self.cfg.optimizer.on_switch, where)
+        optimizer, s.optimizer = s.optimizer, (None if reset else s.optimizer)
+        try:  # a switch allowed: the model and data position load, the optimizer keeps its fresh state
+            loaded = s.load(source, self.model, None if reset else self.optimizer, loader=self.train_loader,
+                            restore_rng=False)
+        finally:
+            s.optimizer = optimizer
+        if reset:
+            s.log(f"warning: resumed {where} (optimizer {saved.get('optimizer', 'adamw')!r}) under optimizer "
+                  f"{name!r} with fresh optimizer state (optimizer.on_switch = reset)", logging.WARNING)
         load_s = time.perf_counter() - t0
         self.state.step = self._saved_step = loaded.step
         self.state.last_train_loss = loaded.state.get("last_train_loss", float("nan"))
@@ -490,6 +503,7 @@ class Trainer:
                  # lr is a pure function of the step (lr_at); recorded for people reading it.
                  "next_lr": lr_at(st.step, t, self.cfg.schedule),
                  "global_batch": self.global_batch, "seed": t.seed,
+                 "optimizer": optimizer_name(self.optimizer),
                  "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
                            "overrides": self.cfg.model.overrides}}
         # A checkpoint never holds NaN weights: check the flag and the weights first.
