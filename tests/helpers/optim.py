@@ -107,3 +107,30 @@ class _Both:
 def muon_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     """Several ``muon_run`` configurations in one spawn."""
     return [muon_run(rank, world_size, **case) for case in cases]
+
+
+def optimizer_bytes_vs_plan(rank: int, world_size: int, cases: list[dict]) -> list[tuple[int, int]]:
+    """(ledger's optimizer bytes, planner's) on this rank after one step, per case (strategy, optimizer)."""
+    from shardwise.plan.predict import predict_run
+    from shardwise.plan.spec import from_module
+    from shardwise.runtime import ledger
+
+    out = []
+    for case in cases:
+        case = dict(case)
+        name, preset = case.pop("optimizer"), case.pop("preset", "nano")
+        session = Session(parallel=ParallelConfig(**case), seed=0)  # type: ignore[arg-type]
+        cfg = GPT_PRESETS[preset]
+        torch.manual_seed(0)
+        plain = GPT(cfg)
+        spec = from_module(plain, name=preset)
+        opt = build_optimizer(plain, TrainConfig(), OptimizerConfig(name=name), "cpu")
+        model, opt = session.prepare(plain, opt)
+        data = fixed_batches(1, 4 * world_size, cfg.block_size, cfg.vocab_size)
+        train_fixed_batches(session, model, opt, data)
+        measured = ledger.optimizer_bytes(opt)
+        predicted = predict_run(spec, session.layout, precision="fp32", seq=cfg.block_size, micro_batch_size=4,
+                                optimizer=name).ranks[rank].optim_bytes
+        out.append((measured, predicted))
+        session.close()
+    return out

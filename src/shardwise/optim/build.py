@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardwise.config import OptimizerConfig, TrainConfig
+from shardwise.errors import ConfigError
 from shardwise.runtime.optim import adamw_implementation
 
 
@@ -91,3 +92,18 @@ def optimizer_name(optimizer: Any) -> str:
         if kind is cls:
             return name
     return kind.__name__
+
+
+def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
+    """Raise ConfigError where the optimizer cannot run on the layout's parameters.
+
+    torch.optim.Adafactor (torch 2.13) squares its row/column norms in place, which DTensor refuses
+    on a sharded parameter (``_NormPartial`` placement): it runs where parameters are whole tensors.
+    """
+    sharded = layout.sharding in ("zero2", "fsdp") or layout.tp > 1 or layout.ep > 1
+    if o.name == "adafactor" and sharded:
+        raise ConfigError(
+            f"optimizer 'adafactor' does not run under strategy {layout.strategy!r}: torch.optim.Adafactor "
+            "(torch 2.13) squares its row/column norms in place, which DTensor refuses on sharded parameters "
+            "(FSDP2, zero2, tensor or expert parallel). Use it under single, ddp, zero1 or a ddp+pp layout, or "
+            "pick adamw, muon or sgd (all shard).")

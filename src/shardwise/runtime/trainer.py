@@ -30,7 +30,7 @@ from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.optim.build import build_optimizer as build_named_optimizer
-from shardwise.optim.build import optimizer_name
+from shardwise.optim.build import check_optimizer, optimizer_name
 from shardwise.optim.schedule import lr_at as schedule_lr
 from shardwise.optim.schedule import set_lr
 from shardwise.optim.switch import resets_state, saved_state
@@ -163,6 +163,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(spec, self.workload.tokens_per_sample)
         # For an engine strategy's "auto" config values (DeepSpeed); ignored by the others.
         self.session.engine_hints.update(micro_batch_size=t.micro_batch_size, weight_decay=t.weight_decay)
+        check_optimizer(cfg.optimizer, self.session.layout)
         self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t, self.session.device,
                                                                                   cfg.optimizer))
         for note in self.session.notes:
