@@ -148,7 +148,7 @@ CASES_2 = {
 }
 CASES_4 = {
     "fsdp+tp": dict(strategy="fsdp+tp", tp=2), "fsdp+tp-llama": dict(strategy="fsdp+tp", tp=2, hf="llama-tiny"),
-    "fsdp+tp+pp": dict(strategy="fsdp+tp+pp", tp=2, pp=2),
+    "fsdp+tp+pp": dict(strategy="fsdp+tp+pp", tp=2, pp=2), "hsdp": dict(strategy="hsdp", hsdp_shard_size=2),
     "ep": dict(strategy="fsdp", ep=2, preset="moe-nano"), "ep4": dict(strategy="fsdp", ep=4, preset="moe-nano"),
     "train-fsdp+tp-muon": dict(strategy="fsdp+tp", tp=2, mode="train"),
 }
