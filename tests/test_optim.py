@@ -32,7 +32,7 @@ from shardwise.optim.names import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from shardwise.optim.schedule import lr_at, set_lr
 from shardwise.testing import run_distributed
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, small_text
-from tests.helpers.optim import muon_cases, muon_run, optimizer_bytes_vs_plan
+from tests.helpers.optim import muon_cases, muon_run, muon_save_or_load, optimizer_bytes_vs_plan
 
 TRAIN_PARAM_TOL = 1e-10
 TRAIN_LOSS_TOL = 1e-12
@@ -207,3 +207,11 @@ def test_adafactor_on_sharded_parameters_is_refused_with_a_message():
     check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="ddp"), 2))
     with pytest.raises(ConfigError, match="Adafactor.*DTensor"):
         check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="fsdp"), 2))
+
+
+def test_muon_state_saved_under_fsdp_loads_in_one_process(tmp_path):
+    """Muon's momentum reshards through DCP like AdamW's: saved by 2 fsdp ranks, loaded by one."""
+    saved = run_distributed(muon_save_or_load, 2, strategy="fsdp", ckpt_dir=str(tmp_path), timeout_s=300)[0]
+    loaded = muon_save_or_load(0, 1, strategy="single", ckpt_dir=str(tmp_path), load=True)
+    assert saved and set(saved) == set(loaded)
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -134,3 +134,34 @@ def optimizer_bytes_vs_plan(rank: int, world_size: int, cases: list[dict]) -> li
         out.append((measured, predicted))
         session.close()
     return out
+
+
+def momentum_by_name(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Muon's whole momentum buffers by parameter name (DTensors gathered: a collective)."""
+    from shardwise.parallel.checkpointing import clean_name
+
+    out = {}
+    for n, p in model.named_parameters():
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            out[clean_name(n)] = (buf.full_tensor() if hasattr(buf, "full_tensor") else buf).clone()
+    return out
+
+
+def muon_save_or_load(rank: int, world_size: int, strategy: str, ckpt_dir: str, load: bool = False,
+                      **options: object) -> dict[str, torch.Tensor]:
+    """Train 2 float64 steps with Muon and save (or only load ``ckpt_dir``); return the momentum by name."""
+    session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
+    plain = _model("nano", None, "")
+    opt = build_optimizer(plain, TrainConfig(lr=LR), OptimizerConfig(name="muon"), "cpu")
+    model, opt = session.prepare(plain, opt)
+    if load:
+        session.load(ckpt_dir, model, opt)
+    else:
+        cfg = GPT_PRESETS["nano"]
+        train_fixed_batches(session, model, opt, fixed_batches(2, 8, cfg.block_size, cfg.vocab_size),
+                            loss_fn=f64_loss)
+        session.save(ckpt_dir, model, opt, step=2)
+    out = momentum_by_name(model, opt)
+    session.close()
+    return out
