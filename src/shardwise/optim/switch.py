@@ -15,12 +15,13 @@ from shardwise.errors import ConfigError
 
 # Checkpoints written before the optimizer was recorded were all AdamW's (the only one then).
 BEFORE_RECORDING = "adamw"
+CANNOT_READ = ""  # a checkpoint whose manifest does not read: no check here, the load reports it
 
 
 def resets_state(saved_state: dict[str, Any], current: str, on_switch: str, where: str) -> bool:
     """True when the saved optimizer state must not be loaded (a switch, allowed); raise if refused."""
     saved = saved_state.get("optimizer", BEFORE_RECORDING)
-    if saved == current:
+    if saved in (current, CANNOT_READ):
         return False
     if on_switch == "reset":
         return True
@@ -32,8 +33,17 @@ def resets_state(saved_state: dict[str, Any], current: str, on_switch: str, wher
 
 
 def saved_state(source: str) -> tuple[dict[str, Any], str]:
-    """The trainer state a checkpoint source holds, and the checkpoint's directory."""
+    """The trainer state a checkpoint source holds, and the checkpoint's directory.
+
+    A checkpoint that cannot be read yields no state (and so no optimizer check): loading it then
+    raises the checkpoint's own error, on every rank alike (``load_checkpoint``).
+    """
+    from shardwise.errors import CheckpointError
     from shardwise.runtime.checkpoint import read_manifest, resolve_checkpoint
 
-    path = resolve_checkpoint(source)
-    return read_manifest(path).get("state", {}), str(path)
+    try:
+        path = resolve_checkpoint(source)
+        state = read_manifest(path).get("state", {})
+    except CheckpointError:
+        return {"optimizer": CANNOT_READ}, str(source)
+    return state, str(path)
