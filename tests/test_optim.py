@@ -207,6 +207,8 @@ def test_adafactor_on_sharded_parameters_is_refused_with_a_message():
     check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="ddp"), 2))
     with pytest.raises(ConfigError, match="Adafactor.*DTensor"):
         check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="fsdp"), 2))
+    with pytest.raises(ConfigError, match="muon.*host"):
+        check_optimizer(OptimizerConfig(name="muon"), resolve_layout(ParallelConfig(strategy="fsdp-offload"), 2))
 
 
 def test_muon_state_saved_under_fsdp_loads_in_one_process(tmp_path):

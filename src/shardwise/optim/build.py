@@ -99,6 +99,7 @@ def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
 
     torch.optim.Adafactor (torch 2.13) squares its row/column norms in place, which DTensor refuses
     on a sharded parameter (``_NormPartial`` placement): it runs where parameters are whole tensors.
+    Muon needs matrices on the device: not under offload or a DeepSpeed engine.
     """
     sharded = layout.sharding in ("zero2", "fsdp") or layout.tp > 1 or layout.ep > 1
     if o.name == "adafactor" and sharded:
@@ -107,3 +108,10 @@ def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
             "(torch 2.13) squares its row/column norms in place, which DTensor refuses on sharded parameters "
             "(FSDP2, zero2, tensor or expert parallel). Use it under single, ddp, zero1 or a ddp+pp layout, or "
             "pick adamw, muon or sgd (all shard).")
+    engine = layout.info.impl in ("deepspeed", "zero3-offload", "zero3-nvme")
+    if o.name == "muon" and (layout.info.offload or engine):
+        raise ConfigError(
+            f"optimizer 'muon' does not run under strategy {layout.strategy!r}: its state and step live in host "
+            "memory (or on NVMe), where Muon's gather of each matrix to its owner rank cannot use the device's "
+            "collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than matrices. "
+            "Use muon under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")
