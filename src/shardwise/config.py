@@ -26,6 +26,8 @@ from typing import Any
 from shardwise.config_version import CONFIG_VERSION, upgrade
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 from shardwise.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
+from shardwise.optim.names import MUON_LR_ADJUST, ON_SWITCH, OPTIMIZER_NAMES, SCHEDULE_NAMES
+from shardwise.optim.schedule import check_schedule
 from shardwise.strategies import (  # modes live with the degrees (re-exported)
     AC_MODES,
     GRAD_SYNC_MODES,
@@ -236,6 +238,36 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optimizer trains the model (shardwise.optim.build). Learning rate, betas and weight decay
+    stay in ``[train]``; weight decay applies to matrices only, for every optimizer."""
+
+    name: str = setting("adamw", choices=OPTIMIZER_NAMES, label="optimizer")
+    eps: float = setting(1e-8, gt=0.0, le=1.0)  # AdamW's (also Muon's AdamW groups)
+    # sgd: momentum and Nesterov.
+    momentum: float = setting(0.9, ge=0.0, lt=1.0)
+    nesterov: bool = False
+    # muon: hidden 2-D weights (and experts' matrices) by Muon, embeddings/head/norms/biases by AdamW.
+    muon_lr: float = setting(0.0, ge=0.0, le=10.0)  # 0: train.lr (with match_rms_adamw, as Moonlight)
+    muon_momentum: float = setting(0.95, ge=0.0, lt=1.0)
+    muon_nesterov: bool = True
+    muon_ns_steps: int = setting(5, gt=0, lt=100)
+    muon_adjust_lr: str = setting("match_rms_adamw", choices=MUON_LR_ADJUST, label="optimizer.muon_adjust_lr")
+    # adafactor: torch.optim.Adafactor's beta2 decay exponent.
+    adafactor_beta2_decay: float = setting(-0.8, ge=-1.0, le=0.0)
+    # Resuming a checkpoint saved by another optimizer: "refuse", or "reset" its state (a warning).
+    on_switch: str = setting("refuse", choices=ON_SWITCH, label="optimizer.on_switch")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The learning-rate schedule (shardwise.optim.schedule); lr, min_lr and warmup_steps are in ``[train]``."""
+
+    name: str = setting("cosine", choices=SCHEDULE_NAMES, label="schedule")
+    decay_fraction: float = setting(0.2, gt=0.0, le=1.0)  # wsd: the last fraction of train.steps decays
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: str = setting("auto", choices=tuple(strategy_names()),
                             label="strategy")  # auto: ddp when more than one rank, else single
@@ -368,6 +400,8 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
@@ -750,6 +784,7 @@ def validate(cfg: RunConfig) -> None:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr:g}) must not exceed train.lr ({t.lr:g}): the schedule "
                           "decays from lr down to min_lr.")
+    check_schedule(t, cfg.schedule)
     if p.wrap not in ("block", "model") and not (str(p.wrap).isdigit() and 1 <= int(p.wrap) <= 10**6):
         raise ConfigError(f"parallel.wrap must be 'block', 'model' or a number of blocks, got {p.wrap!r}.")
     parse_loss_chunks(t.loss_chunks)

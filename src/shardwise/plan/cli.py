@@ -22,6 +22,7 @@ from shardwise.plan.advice import (
 )
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.search import device_gib, gib, searched, tps
 from shardwise.plan.stacks import stack_settings
@@ -238,7 +239,7 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
                        micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
                        activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
                        ranks_per_node=plan.cluster.gpus_per_node,
-                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks)
+                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks, optimizer=w.optimizer)
 
 
 def _per_rank(pred: RunPrediction) -> list[dict]:
@@ -283,6 +284,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "recommended_per_rank": _per_rank(pred) if (pred := run_prediction(plan)) else None,
         "rejected": plan.rejected, "skipped": plan.skipped, "commands": plan.commands, "warnings": plan.warnings,
         "offload": [offload.to_dict(r) for r in plan.offload],
+        "muon": (dataclasses.asdict(muon_cost(s, plan.recommended.layout))
+                 if w.optimizer == "muon" and plan.recommended else None),
     }
 
 
@@ -327,6 +330,8 @@ def format_table(plan: Plan) -> str:
     lines.append(f"(calibration {cal.name!r}: matmul {cal.matmul_efficiency:.2f}, attention "
                  f"{cal.attention_efficiency:.2f}, links {cal.link_efficiency:.2f} of peak; "
                  + (f"fitted on {cal.fitted_runs} published runs)" if cal.fitted_runs else "not fitted)"))
+    if w.optimizer == "muon" and plan.recommended:
+        lines.append(muon_line(s, plan.recommended.layout))
     lines.append("")
     if plan.recommended:
         r = plan.recommended

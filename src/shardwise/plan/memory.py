@@ -21,8 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
+from shardwise.optim.names import OPTIMIZER_NAMES
 from shardwise.plan.cp import cp_degree, logits_bytes
 from shardwise.plan.moe import expert_unit_bytes
+from shardwise.plan.optim_state import tensor_state_bytes
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
 from shardwise.strategies import AC_MODES, GRAD_SYNC_MODES
 
@@ -45,7 +47,7 @@ PRECISIONS: dict[str, Precision] = {
     "bf16-fp32grad": Precision("bf16-fp32grad", 2, 4, 4, 2),
 }
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor")
+OPTIMIZERS = OPTIMIZER_NAMES  # the ones the trainer builds (optim/names.py)
 # The runtime's parallel.activation_checkpointing and parallel.grad_sync modes, defined once in
 # shardwise.strategies (the planner plans exactly what the runtime runs).
 CHECKPOINT_MODES = AC_MODES
@@ -135,35 +137,12 @@ class Kernels:
 
 SHARDWISE_KERNELS = Kernels()
 REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
-STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)
 
 
 def precision(name: str) -> Precision:
     if name not in PRECISIONS:
         raise unknown_choice("precision", name, PRECISIONS)
     return PRECISIONS[name]
-
-
-def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
-    """fp32 optimizer-state bytes for one (local) tensor of ``shape``, excluding ``step``."""
-    numel = math.prod(shape)
-    if numel == 0:
-        return 0
-    if optimizer == "adamw":
-        return 8 * numel  # exp_avg + exp_avg_sq
-    if optimizer == "sgd":
-        return 4 * numel  # momentum buffer
-    if optimizer == "adafactor":
-        # Factored second moment (row + column statistics) for >=2-D tensors, full for vectors; no
-        # first moment (torch.optim.Adafactor's default beta1=None).
-        if len(shape) >= 2:
-            return 4 * (numel // shape[-1] + numel // shape[-2])
-        return 4 * numel
-    raise unknown_choice("optimizer", optimizer, OPTIMIZERS)
-
-
-def _step_bytes(optimizer: str) -> int:
-    return 0 if optimizer == "sgd" else STEP_BYTES
 
 
 @dataclass
@@ -347,7 +326,6 @@ def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: st
 def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
                      params: list[ParamInfo], zero1_owned: list[list[int]] | None = None,
                      numels: list[int] | None = None) -> StateBytes:
-    step = _step_bytes(optimizer)
     out = StateBytes()
     if layout.sharding in ("replicate", "zero1"):
         numels = numels if numels is not None else [p.numel for p in params]
@@ -357,7 +335,7 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         if layout.sharding == "zero1" and not spec.params:
             # Bare count: no tensor boundaries known, so assume an even split of the flat state.
             share = math.ceil(numels[0] / layout.dp)
-            out.optimizer = optimizer_state_bytes((share,), optimizer) + step
+            out.optimizer = tensor_state_bytes(params[0], (share,), optimizer)
             out.master = prec.master * share
             return out
         if layout.sharding == "replicate":
@@ -365,7 +343,7 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         else:
             owned = (zero1_owned or _zero1_owned(params, numels, layout.dp))[rank]
         for i in owned:
-            out.optimizer += optimizer_state_bytes(params[i].shape, optimizer) + step
+            out.optimizer += tensor_state_bytes(params[i], params[i].shape, optimizer)
             out.master += prec.master * numels[i]
         return out
     n = layout.shard
@@ -377,7 +355,7 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             continue  # frozen (LoRA base): no gradient, no optimizer state, no master copy
         out.grads += prec.grad * padded * rest
         local_shape = (actual, *p.shape[1:])
-        out.optimizer += optimizer_state_bytes(local_shape, optimizer) + step
+        out.optimizer += tensor_state_bytes(p, local_shape, optimizer)
         out.master += prec.master * actual * rest
     return out
 

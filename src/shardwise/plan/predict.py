@@ -168,9 +168,10 @@ def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
     return min(max(1, p.shape[0] // -(-p.shape[0] // n)) for p in _local_params(spec, layout, stage))
 
 
-def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int) -> StateBytes:
-    sb = state_bytes(spec, layout, prec, "adamw", rank=rank, stage=stage)
-    if prec.name == "bf16-true":
+def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int,
+                   optimizer: str = "adamw") -> StateBytes:
+    sb = state_bytes(spec, layout, prec, optimizer, rank=rank, stage=stage)
+    if prec.name == "bf16-true" and optimizer == "adamw":
         # AdamW's moments follow the bfloat16 parameters (4 bytes/element instead of 8); its
         # ``step`` counters stay fp32. SGD's single fp32 buffer is exactly one moment's worth.
         one_moment = state_bytes(spec, layout, prec, "sgd", rank=rank, stage=stage).optimizer
@@ -180,8 +181,10 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
 
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
                 grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
-                grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0) -> RunPrediction:
-    """Predict every rank's bytes for ``spec`` trained under ``layout`` with AdamW (the trainer's).
+                grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0,
+                optimizer: str = "adamw") -> RunPrediction:
+    """Predict every rank's bytes for ``spec`` trained under ``layout`` with ``optimizer`` (the
+    trainer's ``[optimizer]``; under bf16-true only AdamW's state is predicted in bfloat16).
 
     ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
     tokens per sample (1 for images: activations are then not modelled); ``loss_chunks`` is
@@ -219,7 +222,7 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
             state_rank = 0  # same bytes as shard 0
         key = (state_rank, stage)
         if key not in states:
-            states[key] = _runtime_state(spec, layout, prec, state_rank, stage)
+            states[key] = _runtime_state(spec, layout, prec, state_rank, stage, optimizer)
         sb = states[key]
         # Each pipeline rank saves activations for its own blocks (the first also the embeddings,
         # the last the head and loss); its in-flight micro-batches are transients.
@@ -246,6 +249,7 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
                        loss_chunks=getattr(cfg.train, "loss_chunks", 0) if plain_ce else 0,
+                       optimizer=cfg.optimizer.name if hasattr(cfg, "optimizer") else "adamw",
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
                                                                             nproc=cfg.parallel.nproc))
 

@@ -1,6 +1,7 @@
 """The built-in trainer, written on exactly the public Session API a user's own loop uses.
 
-AdamW with warmup + cosine decay, gradient clipping, gradient accumulation, periodic evaluation
+The ``[optimizer]`` (AdamW by default) with the ``[schedule]`` (warm-up + cosine by default),
+gradient clipping, gradient accumulation, periodic evaluation
 (validation loss averaged across ranks), rank-0 metrics, and a text sample at the end.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
+import logging
 import os
 import signal
 import threading
@@ -21,13 +22,18 @@ import torch
 from torch import nn
 
 from shardwise import logs
-from shardwise.config import RunConfig, TrainConfig
+from shardwise.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
+from shardwise.optim.build import build_optimizer as build_named_optimizer
+from shardwise.optim.build import check_optimizer, optimizer_name
+from shardwise.optim.schedule import lr_at as schedule_lr
+from shardwise.optim.schedule import set_lr
+from shardwise.optim.switch import resets_state, saved_state
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
@@ -39,7 +45,6 @@ from shardwise.runtime.checkpoint import (
     truncate_metrics,
 )
 from shardwise.runtime.collective import gather
-from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.session import Session
 from shardwise.runtime.token_loss import step_scale, token_sum, token_sum_loss
@@ -49,23 +54,15 @@ from shardwise.workloads import Workload, build_workload
 _NO_BAD_STEP = 2**62
 
 
-def lr_at(step: int, t: TrainConfig) -> float:
-    """Learning rate after ``step`` optimizer steps: linear warmup, then cosine down to min_lr."""
-    if t.warmup_steps and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+def lr_at(step: int, t: TrainConfig, schedule: ScheduleConfig | None = None) -> float:
+    """Learning rate after ``step`` optimizer steps (``optim.schedule``; default warm-up + cosine)."""
+    return schedule_lr(step, t, schedule)
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device | str = "cpu") -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, norms' scales or 1-d params); fused
-    where ``device`` has a fused kernel (``adamw_implementation``)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, **adamw_implementation(device))
+def build_optimizer(model: nn.Module, t: TrainConfig, device: torch.device | str = "cpu",
+                    o: OptimizerConfig | None = None) -> torch.optim.Optimizer:
+    """The ``[optimizer]`` the run names (default AdamW), built by ``optim.build``."""
+    return build_named_optimizer(model, t, o, device)
 
 
 @dataclass
@@ -166,7 +163,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(spec, self.workload.tokens_per_sample)
         # For an engine strategy's "auto" config values (DeepSpeed); ignored by the others.
         self.session.engine_hints.update(micro_batch_size=t.micro_batch_size, weight_decay=t.weight_decay)
-        self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t, self.session.device))
+        check_optimizer(cfg.optimizer, self.session.layout)
+        self.model, self.optimizer = self.session.prepare(model, build_optimizer(model, t, self.session.device,
+                                                                                  cfg.optimizer))
         for note in self.session.notes:
             self.session.log(note)
         self.session.log(f"model ready in {time.perf_counter() - t0:.2f}s (model.init = {cfg.model.init!r}"
@@ -206,8 +205,7 @@ class Trainer:
         waiting on the data loader is added to ``self.data_wait_s``.
         """
         s, t = self.session, self.cfg.train
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.state.step, t)
+        set_lr(self.optimizer.param_groups, self.state.step, t, self.cfg.schedule)
         loss_sum = torch.zeros((), device=s.device)
         loss_fn = self._loss_fn()
         micro: list[Any] = []
@@ -383,7 +381,8 @@ class Trainer:
                 st.step_times_s.append(window.get("step_time_s", 0.0))
                 st.tokens_per_s.append(window.get("tokens_per_s", 0.0))
                 # The per-logging-step record: metrics.jsonl, then every RunDir sink (trackers).
-                record = {"step": st.step, "loss": st.last_train_loss, "lr": lr_at(st.step - 1, t),
+                record = {"step": st.step, "loss": st.last_train_loss,
+                          "lr": lr_at(st.step - 1, t, self.cfg.schedule),
                           "grad_norm": float(grad_norm), **window}
                 if t.nonfinite == "skip":
                     record["skipped_steps"] = self.skipped_steps
@@ -461,8 +460,18 @@ class Trainer:
             return None
         s = self.session
         t0 = time.perf_counter()
-        loaded = s.load(source, self.model, self.optimizer, loader=self.train_loader,
-                        restore_rng=False)
+        saved, where = saved_state(source)
+        name = optimizer_name(self.optimizer)
+        reset = resets_state(saved, name, self.cfg.optimizer.on_switch, where)
+        optimizer, s.optimizer = s.optimizer, (None if reset else s.optimizer)
+        try:  # a switch allowed: the model and data position load, the optimizer keeps its fresh state
+            loaded = s.load(source, self.model, None if reset else self.optimizer, loader=self.train_loader,
+                            restore_rng=False)
+        finally:
+            s.optimizer = optimizer
+        if reset:
+            s.log(f"warning: resumed {where} (optimizer {saved.get('optimizer', 'adamw')!r}) under optimizer "
+                  f"{name!r} with fresh optimizer state (optimizer.on_switch = reset)", logging.WARNING)
         load_s = time.perf_counter() - t0
         self.state.step = self._saved_step = loaded.step
         self.state.last_train_loss = loaded.state.get("last_train_loss", float("nan"))
@@ -493,8 +502,9 @@ class Trainer:
         s, st, t = self.session, self.state, self.cfg.train
         state = {"last_train_loss": st.last_train_loss, "last_val_loss": st.last_val_loss,
                  # lr is a pure function of the step (lr_at); recorded for people reading it.
-                 "next_lr": lr_at(st.step, t),
+                 "next_lr": lr_at(st.step, t, self.cfg.schedule),
                  "global_batch": self.global_batch, "seed": t.seed,
+                 "optimizer": optimizer_name(self.optimizer),
                  "model": {"kind": self.cfg.model.kind, "preset": self.cfg.model.preset,
                            "overrides": self.cfg.model.overrides}}
         # A checkpoint never holds NaN weights: check the flag and the weights first.
