@@ -33,8 +33,9 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
     Written as a cross-entropy so that tensor parallel's ``loss_parallel`` computes it on
     vocabulary-sharded logits without gathering them."""
-    out = -F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="none")
+    flat = logits.flatten(0, -2)
+    out = -F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="none")
     full = getattr(out, "full_tensor", None)  # a DTensor under loss_parallel: every tp rank holds it all
     if full is not None:
         out = full()
