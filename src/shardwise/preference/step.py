@@ -28,15 +28,15 @@ from shardwise.runtime.collective import gather
 _SLOTS = 7
 
 
-def check_layout(session: Any) -> None:
-    """ConfigError where the DPO step cannot run under this layout yet (every rank raises the same)."""
-    layout = session.layout
+def check_layout(layout: Any, strategy: Any) -> None:
+    """ConfigError where the DPO step cannot run under this layout yet (preflight asks before launch;
+    every rank asks again)."""
     missing = [what for what, on in (
         ("pipeline parallel (parallel.pp > 1): the schedule cuts a batch's rows apart, separating a pair's "
          "chosen and rejected rows", layout.pp > 1),
         ("context parallel (parallel.cp > 1): each rank would score a chunk of every answer", layout.cp > 1),
         ("expert parallel (parallel.ep > 1)", layout.ep > 1),
-        (f"the {session.strategy_name} engine, which owns the step", session.strategy.owns_step),
+        (f"the {layout.strategy} engine, which owns the step", strategy.owns_step),
     ) if on]
     if missing:
         raise ConfigError("train.objective = 'dpo' does not support " + "; ".join(missing) + " yet. It runs "
@@ -49,7 +49,7 @@ class PreferenceStep:
 
     def __init__(self, trainer: Any) -> None:
         cfg, s = trainer.cfg, trainer.session
-        check_layout(s)
+        check_layout(s.layout, s.strategy)
         self.session, self.pc, self.model = s, cfg.preference, trainer.model
         self.pack = cfg.data.packed
         self.mode = ("precomputed" if self.pc.precompute_reference
