@@ -225,3 +225,24 @@ def test_objective_and_data_kind_go_together(tmp_path):
         load_config("hf-dpo", [f'model.pretrained="{tmp_path}"', "train.objective=lm"])
     with pytest.raises(ConfigError, match="objective"):
         load_config("hf-sft", [f'model.pretrained="{tmp_path}"', "train.objective=dpo"])
+
+
+def test_planner_counts_the_reference_and_the_doubled_sequences():
+    from shardwise.layout import Layout
+    from shardwise.plan.memory import memory_breakdown, precision
+    from shardwise.plan.preference import dpo_breakdown, reference_for
+    from shardwise.plan.presets import model_preset
+
+    spec, bf16, layout = model_preset("llama-3-8b"), precision("bf16"), Layout("fsdp", dp=8)
+    lm = memory_breakdown(spec, layout, bf16, "adamw", seq=2048, micro_batch=2)
+    doubled = memory_breakdown(spec, layout, bf16, "adamw", seq=2048, micro_batch=4)
+    copy = dpo_breakdown(spec, layout, bf16, "adamw", seq=2048, micro_batch_pairs=2, reference="copy")
+    assert copy.activations == doubled.activations > lm.activations  # 2 pairs = 4 sequences
+    assert copy.params == 2 * lm.params and copy.grads == lm.grads and copy.optimizer == lm.optimizer
+    free = dpo_breakdown(spec, layout, bf16, "adamw", seq=2048, micro_batch_pairs=2, reference="adapters")
+    assert free.params == lm.params
+    pre = dpo_breakdown(spec, layout, bf16, "adamw", seq=2048, micro_batch_pairs=2, reference="precomputed",
+                        pairs=1000)
+    assert pre.params == lm.params and pre.host_bytes == lm.host_bytes + 16_000
+    assert [reference_for(0, False), reference_for(8, False), reference_for(8, True)] == [
+        "copy", "adapters", "precomputed"]

@@ -20,6 +20,7 @@ import torch
 
 from shardwise.errors import ConfigError
 from shardwise.models.masking import real_token_count
+from shardwise.plan.preference import reference_for
 from shardwise.preference import reference as refs
 from shardwise.preference.objective import answer_logps, pair_logps, preference_losses
 from shardwise.runtime.collective import gather
@@ -52,8 +53,7 @@ class PreferenceStep:
         check_layout(s.layout, s.strategy)
         self.session, self.pc, self.model = s, cfg.preference, trainer.model
         self.pack = cfg.data.packed
-        self.mode = ("precomputed" if self.pc.precompute_reference
-                     else "adapters" if cfg.lora.rank else "copy")
+        self.mode = reference_for(cfg.lora.rank, self.pc.precompute_reference)
         self.ref_model = None
         self.scores: dict[str, np.ndarray] | None = None
         t0 = time.perf_counter()
