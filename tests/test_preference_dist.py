@@ -4,7 +4,8 @@ tolerances, derived in shardwise.verify: only summation order differs), with gra
 * 2 ranks: fsdp with the frozen sharded reference copy; ddp with LoRA (reference = adapters off)
   on packed pairs; fsdp with the reference precomputed before training;
 * 4 ranks: fsdp+tp (dp_shard 2 x tp 2: vocabulary-sharded logits under loss_parallel) with the
-  frozen copy, and with LoRA.
+  frozen copy, and with LoRA; and the logged DPO metrics (window means and held-out evaluation)
+  equal one process's on every rank: global, not rank 0's.
 
 Then a 2-rank ``shardwise train hf-dpo`` killed after step 3 and resumed continues bit-exactly
 (every logged loss and DPO metric, and the final weights). Pipeline parallel is refused with a
@@ -27,7 +28,13 @@ from shardwise.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.ckpt import final_weights, run_cli  # noqa: E402
-from tests.helpers.preference import dpo_overrides, preference_records, write_jsonl  # noqa: E402
+from tests.helpers.preference import (  # noqa: E402
+    dpo_metrics,
+    dpo_overrides,
+    dpo_rank,
+    preference_records,
+    write_jsonl,
+)
 from tests.helpers.sft import save_qwen2, verify_cases  # noqa: E402
 
 STEPS = 3
@@ -45,17 +52,32 @@ def _cfg(inputs, strategy, nproc, *extra):
                                   "train.grad_accum_steps=2", "train.lr=1e-3", *extra])
 
 
-def _check(inputs, cases, nproc):
+def _check(inputs, cases, nproc, metrics_case=None):
     tmp = inputs[0]
-    ranks = run_distributed(verify_cases, nproc, timeout_s=500, cases=[
-        {"cfg": cfg, "steps": STEPS, "out": str(tmp / f"run-{name}")} for name, cfg in cases.items()])
+    runs = [{"cfg": cfg, "steps": STEPS, "out": str(tmp / f"run-{name}")} for name, cfg in cases.items()]
+    if metrics_case is None:
+        ranks = [{"verify": r} for r in run_distributed(verify_cases, nproc, timeout_s=500, cases=runs)]
+    else:
+        metrics = {"cfg": metrics_case, "steps": STEPS, "out": str(tmp / "run-metrics")}
+        ranks = run_distributed(dpo_rank, nproc, timeout_s=500, cases=runs, metrics=metrics)
     for i, (name, cfg) in enumerate(cases.items()):
-        got = ranks[0][i]
+        got = ranks[0]["verify"][i]
         ref = run_steps(reference_config(cfg, got["dp_size"]), STEPS, tmp / f"ref-{name}")
         report = compare(ref, got, "fp32")
         assert report.passed, f"{name}:\n{report.table()}"
         assert abs(ref["losses"][0] - 0.6931471805599453) < 1e-6, name  # policy == reference at step 1
         assert ref["losses"][-1] < ref["losses"][0], name  # it trained
+    if metrics_case is not None:
+        # Global metrics: every rank reports one process's numbers (sums over all ranks' pairs).
+        dp = ranks[0]["metrics"]["dp_size"]
+        one = dpo_metrics(reference_config(metrics_case, dp), STEPS, str(tmp / "ref-metrics"))
+        one["dp_size"] = dp
+        # 3 steps x 2 micro-batches x 2 pairs on each data-parallel rank
+        assert one["dpo/pairs"] == STEPS * 2 * 2 * dp and one["val_pairs"] > 0
+        for r in ranks:
+            assert r["metrics"].keys() == one.keys()
+            for key, value in one.items():
+                assert r["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_dpo_at_two_ranks_equals_one_process(inputs):
@@ -70,7 +92,7 @@ def test_dpo_under_fsdp_tp_at_four_ranks_equals_one_process(inputs):
     _check(inputs, {
         "fsdp+tp-copy": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2"),
         "fsdp+tp-lora": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "lora.rank=4", "train.lr=1e-2"),
-    }, 4)
+    }, 4, metrics_case=_cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "train.eval_batches=2"))
 
 
 def _metrics(run_dir):

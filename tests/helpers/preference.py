@@ -35,3 +35,30 @@ def dpo_overrides(model: Path, data: Path, strategy: str, *extra: str) -> list[s
             "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "train.eval_every=0",
             "train.progress=false", "checkpoint.every=0", f'parallel.strategy="{strategy}"', "data.val_fraction=0.2",
             "preference.beta=0.5", *extra]
+
+
+def dpo_metrics(cfg, steps: int, out: str) -> dict:
+    """Train ``steps`` DPO steps of ``cfg`` on this rank; the window's global metrics and the
+    held-out evaluation (every rank gets the same numbers)."""
+    from shardwise.runtime.session import Session
+    from shardwise.runtime.trainer import Trainer
+
+    t = cfg.train
+    session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed)
+    try:
+        trainer = Trainer(cfg, out, session)
+        batches = trainer.train_loader.forever()
+        for _ in range(steps):
+            trainer.train_step(batches)
+        window = trainer.objective.take_metrics()
+        val_loss, val = trainer.objective.evaluate(trainer.val_loader, t.eval_batches)
+        return {**window, "val_loss": val_loss, **val, "dp_size": session.dp_size}
+    finally:
+        session.close()
+
+
+def dpo_rank(rank: int, world_size: int, cases: list[dict], metrics: dict) -> dict:
+    """Rank function of one spawn: ``verify_cases`` and then ``dpo_metrics`` of one config."""
+    from tests.helpers.sft import verify_cases
+
+    return {"verify": verify_cases(rank, world_size, cases), "metrics": dpo_metrics(**metrics)}
