@@ -33,16 +33,16 @@ def check_layout(layout: Any, strategy: Any) -> None:
     """ConfigError where the DPO step cannot run under this layout yet (preflight asks before launch;
     every rank asks again)."""
     missing = [what for what, on in (
-        ("pipeline parallel (parallel.pp > 1): the schedule cuts a batch's rows apart, separating a pair's "
-         "chosen and rejected rows", layout.pp > 1),
-        ("context parallel (parallel.cp > 1): each rank would score a chunk of every answer", layout.cp > 1),
+        ("pipeline parallel (parallel.pp > 1; its schedule cuts a batch's rows apart, separating a pair's "
+         "chosen and rejected rows)", layout.pp > 1),
+        ("context parallel (parallel.cp > 1; each rank would score a chunk of every answer)", layout.cp > 1),
         ("expert parallel (parallel.ep > 1)", layout.ep > 1),
-        (f"the {layout.strategy} engine, which owns the step", strategy.owns_step),
+        (f"the {layout.strategy} engine (it owns the step)", strategy.owns_step),
     ) if on]
     if missing:
-        raise ConfigError("train.objective = 'dpo' does not support " + "; ".join(missing) + " yet. It runs "
-                          "under single, ddp, zero1/zero2, fsdp (hsdp, offload) and tensor parallel "
-                          "(fsdp+tp, tp).")
+        raise ConfigError("train.objective = 'dpo' does not run under " + "; nor under ".join(missing) + " yet. "
+                          "It runs under single, ddp, zero1, fsdp and tensor parallel (tp, fsdp+tp); set the "
+                          "strategy to one of them.")
 
 
 class PreferenceStep:
