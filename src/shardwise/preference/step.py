@@ -193,7 +193,10 @@ class PreferenceStep:
         out = self._means(sums, "val_")
         return out.pop("val_loss"), out
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, memory: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The objective's part of summary.json; the reference's bytes join the ledger's rows."""
+        for entry in (memory or {}).get("ranks", []):
+            entry["reference_bytes"] = self.reference_bytes[entry["rank"]]
         return {"objective": "dpo", "loss": self.pc.loss, "beta": self.pc.beta,
                 "label_smoothing": self.pc.label_smoothing, "reference": self.mode,
                 "reference_bytes_per_rank": self.reference_bytes, "reference_setup_s": round(self.setup_s, 3)}

@@ -443,7 +443,7 @@ class Trainer:
         memory["prediction"] = {k: v for k, v in self.prediction.to_dict().items() if k != "ranks"}
         memory["predicted_vs_measured"] = rows = compare_prediction(self.prediction, memory)
         if self.objective is not None:
-            summary["preference"] = self.objective.summary()
+            summary["preference"] = self.objective.summary(memory)
         s.log("memory per rank (MiB)\n" + ledger.format_table(memory))
         peak_note = ("" if any("peak_bytes" in r for r in rows) else
                      f"\n(peak not compared: measured as {memory['peak_source']}, which is not what the "
