@@ -165,9 +165,15 @@ def test_precomputed_reference_trains_exactly_as_the_live_copy_and_is_kept(tmp_p
     assert live["losses"][-1] < live["losses"][0]  # it trained
     saved = tmp_path / "pre" / "reference_logps.npz"
     assert saved.is_file()
-    # A second start in the same run directory (a resume) reads them instead of scoring its weights.
+    # A second start in the same run directory (a resume) reads them instead of scoring its weights:
+    # shifted chosen log-probs in the file move the first loss off log 2 by the expected amount.
+    with np.load(saved) as z:
+        kept = {k: z[k] for k in z.files}
+    kept["train"] = kept["train"] + np.array([1.0, 0.0])
+    np.savez(saved, **kept)
     again = run_steps(pre_cfg, 1, tmp_path / "pre")
-    assert again["losses"][0] == pytest.approx(pre["losses"][0], abs=1e-7)
+    beta = pre_cfg.preference.beta  # z = -1 for every pair: loss = -log sigmoid(-beta)
+    assert again["losses"][0] == pytest.approx(-math.log(1 / (1 + math.exp(beta))), abs=1e-6)
 
 
 def _renderer(tmp_path, **dc):
