@@ -82,9 +82,10 @@ SECTIONS = sorted({f.key.split(".")[0] for f in FIELDS if "." in f.key})
 # Fields whose valid values cannot make this small job fail (no file system, world size or model
 # coupling, no fault injection): a case changing only these must resolve, pass `train --dry-run`
 # with exit 0, and (test_fuzz_real_train) train.
+# (train.objective couples to data.kind: "dpo" needs preference records.)
 FREE = {f.key for f in FIELDS if f.key.split(".")[0] in ("train", "checkpoint", "watchdog")
-        and f.key != "checkpoint.resume"} | {"name", "data.num_workers", "parallel.activation_checkpointing",
-                                             "parallel.ac_every", "model.overrides"}
+        and f.key not in ("checkpoint.resume", "train.objective")} | {
+            "name", "data.num_workers", "parallel.activation_checkpointing", "parallel.ac_every", "model.overrides"}
 # Valid ranges narrowed for FREE fields, where the whole schema range would make the small job
 # fail or run long for reasons that are not config errors (a batch larger than the tiny dataset,
 # a billion steps, a watchdog shorter than a step, 256 loader processes).
@@ -355,6 +356,9 @@ def _meet_cross_field_rules(raw: dict, sets: list[str], pretrained: str) -> None
         fix("model.kind", "hf")
     if _get(raw, "lora.rank") and _get(raw, "parallel.sequence_parallel"):
         fix("parallel.sequence_parallel", False)
+    # The DPO objective trains on preference records, and preference records only with it.
+    if (_get(raw, "train.objective") == "dpo") != (_get(raw, "data.kind") == "preference"):
+        fix("train.objective", "dpo" if _get(raw, "data.kind") == "preference" else "lm")
 
 
 def _pretrained_case(data: Path, pretrained: str, lora: bool) -> Case:

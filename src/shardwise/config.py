@@ -51,6 +51,8 @@ ATTENTION_MODES = ("mask", "varlen")  # how a Hugging Face model attends within 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("", "offline", "online", "disabled")
 NONFINITE_MODES = ("stop", "skip")
+OBJECTIVES = ("lm", "dpo")  # train.objective
+PREFERENCE_LOSSES = ("sigmoid", "ipo")  # preference.loss (shardwise.preference.objective)
 LOG_LEVELS = ("debug", "info", "warning", "error")  # shardwise.logs.LEVELS
 
 # Sane upper bounds: far beyond any real job, small enough that a typo (an extra dozen zeros)
@@ -235,6 +237,9 @@ class TrainConfig:
     # exist (shardwise.loss): "auto" (on where it runs and the vocabulary is > 4 x hidden), 0 off,
     # or a number of chunks per micro-batch.
     loss_chunks: str = setting("auto", text="word")
+    # "lm": next-token cross-entropy; "dpo": preference tuning on chosen/rejected pairs (data.kind =
+    # "preference"; the [preference] section; shardwise.preference).
+    objective: str = setting("lm", choices=OBJECTIVES, label="train.objective")
 
 
 @dataclass(frozen=True)
@@ -312,6 +317,20 @@ class ParallelConfig:
     # user's ds_config.json for strategy "deepspeed" ("auto" values filled from this config).
     nvme_path: str = setting("", text="path")
     deepspeed_config: str = setting("", text="path")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """``[preference]``: the DPO objective (``train.objective = "dpo"``; see shardwise.preference)."""
+
+    beta: float = setting(0.1, gt=0.0, le=1e3)  # the KL strength: rewards are beta x log(pi / ref)
+    label_smoothing: float = setting(0.0, ge=0.0, lt=0.5)  # conservative DPO: the labels' assumed noise
+    loss: str = setting("sigmoid", choices=PREFERENCE_LOSSES, label="preference.loss")  # sigmoid (DPO) or ipo
+    # Score the reference once before training and keep its log-probs with the data (no second model);
+    # otherwise the reference is the model with its LoRA adapters off, or a frozen copy sharded like it.
+    precompute_reference: bool = False
+    chosen_field: str = setting("chosen", text="key")
+    rejected_field: str = setting("rejected", text="key")
 
 
 @dataclass(frozen=True)
@@ -398,6 +417,7 @@ class RunConfig:
     config_version: int = setting(CONFIG_VERSION, ge=1, le=CONFIG_VERSION)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -799,6 +819,10 @@ def validate(cfg: RunConfig) -> None:
     if len(set(cfg.log.trackers)) != len(cfg.log.trackers):
         raise ConfigError(f"log.trackers lists a tracker twice: {cfg.log.trackers}.")
     _validate_model(cfg.model, cfg.lora, cfg.name)
+    if (t.objective == "dpo") != (cfg.data.kind == "preference"):
+        raise ConfigError(f"train.objective = {t.objective!r} with data.kind = {cfg.data.kind!r}: preference "
+                          "records (data.kind = 'preference') train with train.objective = 'dpo', and the DPO "
+                          "objective needs them. Set both, or neither.")
     if cfg.lora.rank and p.sequence_parallel:
         raise ConfigError("LoRA adapters do not run with parallel.sequence_parallel: the adapters' matmuls would "
                           "need their own sequence-parallel layouts. Unset sequence_parallel (tensor parallel "
@@ -807,7 +831,7 @@ def validate(cfg: RunConfig) -> None:
 
 # Recipes that fine-tune a pretrained folder: without model.pretrained they would silently train
 # a randomly initialised model from scratch (issue 24), so they refuse to start instead.
-PRETRAINED_RECIPES = ("hf-finetune", "hf-sft")
+PRETRAINED_RECIPES = ("hf-finetune", "hf-sft", "hf-dpo")
 
 
 def _validate_model(mc: ModelConfig, lc: LoraConfig, recipe: str = "") -> None:

@@ -19,7 +19,7 @@ __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
 MODEL_KINDS = ("gpt", "cnn", "hf", "custom")
-DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "chat", "instruct", "custom")
+DATA_KINDS = ("shakespeare", "cifar10", "text", "tokens", "chat", "instruct", "preference", "custom")
 # Data kinds whose examples are separate records with -100 labels: trained with a token-mean loss.
 RECORD_KINDS = ("chat", "instruct")
 # data.pack: "auto" packs records (chat/instruct: packing is what fine-tuning wants) but not text (a

@@ -68,6 +68,10 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     check_observability(resolved, world_size)
     check_debug_collectives(resolved, world_size)
     strategy = get_strategy(layout)
+    if cfg.train.objective == "dpo":
+        from shardwise.preference.step import check_layout
+
+        check_layout(layout, strategy)
     cp_impl = "alltoall"
     if layout.cp > 1:
         import torch
@@ -83,7 +87,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
     if workload is None:
         # Building the datasets reports a missing or malformed data file here, once.
-        workload = build_workload(cfg.model, cfg.data, cfg.lora)
+        workload = build_workload(cfg.model, cfg.data, cfg.lora, cfg.preference)
         meta = meta_model(workload, builtin=cfg.model.kind != "custom")
     if meta is not None:
         pretrained_tensors = getattr(meta, "pretrained_tensors", None)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardwise.config import DataConfig, LoraConfig, ModelConfig, Rule, check_value
+from shardwise.config import DataConfig, LoraConfig, ModelConfig, PreferenceConfig, Rule, check_value
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 from shardwise.families import DATA_KINDS, MODEL_KINDS, RECORD_KINDS
 
@@ -141,13 +141,21 @@ def _is_dataset(d: Any) -> bool:
     return isinstance(d, IterableDataset) or (hasattr(d, "__len__") and hasattr(d, "__getitem__"))
 
 
-def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = None) -> Workload:
-    """Build the workload named by the model and data config sections (and ``[lora]`` adapters)."""
+def preference_step_only(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Preference pairs have no per-batch loss of this form: the DPO step (shardwise.preference.step) runs them."""
+    raise ConfigError("preference data (data.kind = 'preference') trains with train.objective = 'dpo', whose step "
+                      "scores chosen and rejected answers against a reference; it has no plain loss function.")
+
+
+def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = None,
+                   preference: PreferenceConfig | None = None) -> Workload:
+    """Build the workload named by the model and data config sections (and ``[lora]`` adapters,
+    ``[preference]`` fields)."""
     if mc.kind not in MODEL_KINDS:
         raise unknown_choice("model kind", mc.kind, MODEL_KINDS)
     if dc.kind not in DATA_KINDS:
         raise unknown_choice("data kind", dc.kind, DATA_KINDS)
-    if dc.kind in ("text", *RECORD_KINDS) and not dc.tokenizer and mc.pretrained:
+    if dc.kind in ("text", "preference", *RECORD_KINDS) and not dc.tokenizer and mc.pretrained:
         # A model folder usually holds its tokenizer (save_pretrained of both): use it by default.
         dc = dataclasses.replace(dc, tokenizer=mc.pretrained)
 
@@ -166,6 +174,13 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         from shardwise.data.collate import collate_rows
 
         collate_fn = collate_rows
+    elif dc.kind == "preference":
+        from shardwise.preference.batches import load_preference
+
+        seq = block_size_of(mc)
+        train, val, collate_fn, facts = load_preference(dc, preference or PreferenceConfig(), seq)
+        notes, vocab_size, max_token_id = facts["notes"], facts["vocab_size"], facts["max_token_id"]
+        tokens_per_sample = seq
     elif dc.kind in ("text", "tokens"):
         seq = block_size_of(mc)
         if dc.kind == "text":
@@ -219,7 +234,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
 
     family, flops, sample = "", None, None
     _check_model_takes_data(mc, dc)
-    loss_fn = cross_entropy_loss
+    loss_fn = preference_step_only if dc.kind == "preference" else cross_entropy_loss
     if mc.attention != "mask" and mc.kind != "hf":
         raise ConfigError(f"model.attention = {mc.attention!r} is for Hugging Face models (model.kind = 'hf'); "
                           f"model.kind = {mc.kind!r} attends within packed documents through its own mask.")
@@ -263,7 +278,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         factory = import_factory(mc.factory, "model.factory")
         check_call(factory, mc.overrides, "model.overrides", mc.factory)
         build = lambda: _module_from(factory, mc.overrides, mc.factory)  # noqa: E731
-    if dc.packed and dc.kind not in ("text", *RECORD_KINDS):
+    if dc.packed and dc.kind not in ("text", "preference", *RECORD_KINDS):
         raise ConfigError(f"data.pack = true works for data.kind 'text', 'chat' and 'instruct', not {dc.kind!r}.")
     return Workload(name=f"{mc.kind}/{dc.kind}", build_model=build, train_set=train, val_set=val,
                     loss_fn=loss_fn, tokens_per_sample=tokens_per_sample, flops_per_token=flops, family=family,

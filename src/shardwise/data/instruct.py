@@ -362,13 +362,35 @@ def _load(entry: Path) -> Encoded | None:
                    list(np.split(labels, cuts)) if len(lengths) else [], *map(int, counts))
 
 
-def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, bool]:
-    """The encoded ``part`` ("train" or "val") records of ``dc``, from the cache or built now."""
+def _part_source(dc: DataConfig, part: str) -> tuple[Path, str, str | None]:
+    """(the file or folder ``part`` is read from, its config key, the datasets folder's validation split)."""
     path = Path(dc.path).expanduser()
     val_path = Path(dc.val_path).expanduser() if dc.val_path else None
     splits = hf_disk_splits(path) if is_hf_disk(path) else []
     hf_val = next((s for s in ("validation", "test") if s in splits), None) if val_path is None else None
-    source, key = (val_path, "data.val_path") if part == "val" and val_path is not None else (path, "data.path")
+    if part == "val" and val_path is not None:
+        return val_path, "data.val_path", None
+    return path, "data.path", hf_val
+
+
+def records_of_part(dc: DataConfig, part: str) -> list[Record]:
+    """The records of ``part`` ("train" or "val"): ``data.val_path``, else a datasets folder's
+    validation/test split, else a seeded ``data.val_fraction`` of ``data.path``'s records."""
+    source, key, hf_val = _part_source(dc, part)
+    if part == "val" and hf_val is not None:
+        return read_records(source, key, hf_val)
+    if key == "data.val_path":
+        return read_records(source, key)
+    records = read_records(source, key, "train")
+    if not dc.val_path and hf_val is None:
+        train_idx, val_idx = split_by_record(len(records), dc.val_fraction)
+        records = [records[i] for i in (train_idx if part == "train" else val_idx)]
+    return records
+
+
+def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, bool]:
+    """The encoded ``part`` ("train" or "val") records of ``dc``, from the cache or built now."""
+    source, key, _ = _part_source(dc, part)
     settings = {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)
                 if f.name not in ("num_workers", "cache_dir", "pack", "factory", "token_dtype", "text_field")}
     parts = {"format": CACHE_FORMAT, "part": part, "sources": _sources(source, key), "block_size": block_size,
@@ -388,15 +410,7 @@ def encoded_split(dc: DataConfig, block_size: int, part: str) -> tuple[Encoded, 
         t0 = time.perf_counter()
         tok = load_hf_tokenizer(dc.tokenizer, dc.chat_template)
         renderer = RecordRenderer(tok, dc)
-        if part == "val" and hf_val is not None:
-            records = read_records(path, key, hf_val)
-        elif source is val_path:
-            records = read_records(val_path, key)
-        else:
-            records = read_records(path, key, "train")
-            if val_path is None and hf_val is None:
-                train_idx, val_idx = split_by_record(len(records), dc.val_fraction)
-                records = [records[i] for i in (train_idx if part == "train" else val_idx)]
+        records = records_of_part(dc, part)
         print(f"shardwise: tokenising {len(records):,} {dc.kind} records ({part}) of {str(source)!r} "
               f"{where_built(real_root)}", file=sys.stderr, flush=True)
         enc = encode_records(records, renderer, block_size, dc.truncation)

@@ -38,6 +38,7 @@ from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
+from shardwise.preference.step import build_objective
 from shardwise.runtime import ledger
 from shardwise.runtime.checkpoint import (
     latest_checkpoint,
@@ -139,7 +140,7 @@ class Trainer:
         self._skips_in_a_row = 0
         # Profiler and experiment trackers (observe.hooks); checks their extras on every rank.
         self.hooks = RunHooks(cfg, self.session)
-        self.workload = build_workload(cfg.model, cfg.data, cfg.lora)
+        self.workload = build_workload(cfg.model, cfg.data, cfg.lora, cfg.preference)
         if not self.workload.plain_token_ce:
             # The chunked head computes the token-mean CE only; other losses see whole logits
             # (an explicit train.loss_chunks was refused before launch: preflight).
@@ -195,6 +196,8 @@ class Trainer:
             val_batch = max(m, val_batch - val_batch % m)
         self.val_loader = self.session.dataloader(self.workload.val_set, val_batch, shuffle=False,
                                                   collate_fn=collate_fn)
+        # train.objective = "dpo": its own micro-batches, evaluation and metrics (shardwise.preference).
+        self.objective = build_objective(self)
 
     # -------------------------------------------------------------- one optimizer step
     def train_step(self, batches: Any, *, measure: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +212,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=s.device)
         loss_fn = self._loss_fn()
         micro: list[Any] = []
+        micro_batches = t.grad_accum_steps
+        if self.objective is not None:
+            loss_sum = self.objective.micro_batches(self, batches, micro_batches)
+            micro_batches = 0
         if self.workload.token_loss:
             # The step's micro-batches first: their trained-token count scales every loss (runtime.token_loss).
             t0 = time.perf_counter()
@@ -224,7 +231,7 @@ class Trainer:
                 scaled = with_aux_loss(scaled)
             # Still a token sum (scaled): a pipeline adds it up over its micro-batches (token_loss).
             loss_fn = token_sum(scaled)
-        for k in range(t.grad_accum_steps):
+        for k in range(micro_batches):
             t0 = time.perf_counter()
             x, y = micro[k] if micro else next(batches)
             self.data_wait_s += time.perf_counter() - t0
@@ -372,7 +379,7 @@ class Trainer:
                 stop = not s.is_distributed and self._stop_signal is not None
             # Record data counts real tokens (not padding) for tokens/s and MFU.
             self.meter.add_step(time.perf_counter() - t0, self.data_wait_s,
-                                tokens=self.real_tokens if self.workload.token_loss else None)
+                                tokens=self.real_tokens if self.workload.token_loss or self.objective else None)
             self.real_tokens = 0
             self.hooks.step(st.step)
             if log_step:
@@ -389,15 +396,21 @@ class Trainer:
                 # [issue 20] MoE routing over the window (every rank: one small all-reduce); {} if dense.
                 moe = take_moe_stats(self.model)
                 record.update(moe)
+                if self.objective is not None:  # global DPO means over the window (a collective)
+                    record.update(self.objective.take_metrics())
                 if moe:
                     s.log(f"step {st.step}: moe tokens/expert min {moe['moe/tokens_per_expert_min']:.0f} mean "
                           f"{moe['moe/tokens_per_expert_mean']:.0f} max {moe['moe/tokens_per_expert_max']:.0f}, "
                           f"aux {moe['moe/aux_loss']:.4f}, z {moe['moe/z_loss']:.4f}, dropped 0")
                 self.run_dir.log_metrics(record)
             if (t.eval_every and st.step % t.eval_every == 0) or last:
-                st.last_val_loss = evaluate(s, self.model, self.workload, self.val_loader,
-                                            t.eval_batches)
-                self.run_dir.log_metrics({"step": st.step, "val_loss": st.last_val_loss})
+                extra: dict[str, float] = {}
+                if self.objective is not None:
+                    st.last_val_loss, extra = self.objective.evaluate(self.val_loader, t.eval_batches)
+                else:
+                    st.last_val_loss = evaluate(s, self.model, self.workload, self.val_loader,
+                                                t.eval_batches)
+                self.run_dir.log_metrics({"step": st.step, "val_loss": st.last_val_loss, **extra})
                 if not last:
                     s.log(f"step {st.step}: val_loss {st.last_val_loss:.4f}")
             bar.update(1, loss=st.last_train_loss, val=st.last_val_loss)
@@ -428,6 +441,8 @@ class Trainer:
             entry["predicted"] = predicted[entry["rank"]]
         memory["prediction"] = {k: v for k, v in self.prediction.to_dict().items() if k != "ranks"}
         memory["predicted_vs_measured"] = rows = compare_prediction(self.prediction, memory)
+        if self.objective is not None:
+            summary["preference"] = self.objective.summary(memory)
         s.log("memory per rank (MiB)\n" + ledger.format_table(memory))
         peak_note = ("" if any("peak_bytes" in r for r in rows) else
                      f"\n(peak not compared: measured as {memory['peak_source']}, which is not what the "
