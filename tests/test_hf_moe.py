@@ -18,11 +18,12 @@ from tests.helpers.hf_moe import SEQ, VOCAB, hf_moe_cases, hf_moe_train
 # Parity runs train in float64 (shardwise.testing.default_dtype), but transformers keeps float32
 # islands in a float64 model (RMSNorm's `.to(torch.float32)`, the routers' softmax in float32): where
 # a layout's float64 noise flips one float32 rounding, that activation moves by the float32 unit
-# roundoff (6e-8 relative). Bounds from that: a loss of ~4 moves by at most ~2.4e-7 if every flip
-# were aligned (1e-6); a gradient by ~6e-8 relative, which AdamW (update ~ g / |g| for |g| >> eps)
-# turns into ~lr x 6e-8 = 2e-10 per step (1e-7 over 5 steps, 500x margin). A defect moves a
-# parameter by O(lr) = 3e-3.
-LOSS_TOL, PARAM_TOL = 1e-6, 1e-7
+# roundoff (6e-8 relative), so a loss of ~4 moves by at most ~2.4e-7 even if every flip were aligned
+# (bound 1e-6). The parameters get no such derivation: through the islands AdamW can still turn a
+# near-zero gradient element's noise into a move up to lr, as in float32. Their bound is float32's
+# former 2e-5 (the islands are a subset of float32's noise sources; 2.9e-6 measured here in float64)
+# -- a bound this file cannot derive, listed as open; a defect moves a parameter by O(lr) = 3e-3.
+LOSS_TOL, PARAM_TOL = 1e-6, 2e-5
 # Against transformers' own float32 forward of the same weights: one forward's float32 rounding of a
 # loss of ~4 (unit roundoff 6e-8 x the loss, a few ulps over the layers).
 FP32_FORWARD_TOL = 1e-5

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
 
 from shardwise.errors import ShardwiseError
+from shardwise.parallel.mesh import flat_group
 
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
 # torch.optim.Muon's own defaults (its ``eps`` is the Newton-Schulz normaliser's floor).
@@ -289,6 +290,5 @@ def _shard_group(mesh: Any, shard_dims: list[int], groups: dict[Any, Any]) -> An
         names = mesh.mesh_dim_names
         if not names:
             raise ShardwiseError("Muon needs named mesh dims to gather a matrix sharded on several of them.")
-        sub = mesh[tuple(names[d] for d in shard_dims)]
-        groups[key] = sub._flatten("_".join(["muon", *(names[d] for d in shard_dims)])).get_group()
+        groups[key] = flat_group(mesh, tuple(names[d] for d in shard_dims), "muon")
     return groups[key]

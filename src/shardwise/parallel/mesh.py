@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from shardwise.layout import Layout
 
-__all__ = ["Meshes", "build_meshes"]
+__all__ = ["Meshes", "build_meshes", "flat_group"]
 
 
 @dataclass
@@ -114,3 +114,9 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
             0, (layout.pp, layout.dp_replicate, layout.dp_shard_mod_ep, layout.ep, layout.tp),
             ("pp", "dp_replicate", "efsdp", "ep", "tp"))
     return Meshes(layout, world, dense, batch, sparse)
+
+
+def flat_group(mesh: Any, dims: tuple[str, ...], purpose: str) -> Any:
+    """The process group over several named dims of a view (e.g. the dims a DTensor is sharded on:
+    Muon gathers a matrix over them), flattened once: torch keeps a flattened mesh by its name."""
+    return mesh[dims]._flatten("_".join((purpose, *dims))).get_group()
