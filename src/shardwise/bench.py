@@ -302,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.job.identity import new_launch_id
     from shardwise.job.rundir import lock_run_dir, move_run_aside
     from shardwise.reference import check_reference, is_reference
+    from shardwise.runtime.auto import peer_defaults
 
     names, notes = _parse_names(args.strategies)
     limits = (("nproc", args.nproc, 4096), ("steps", args.steps, 10**9), ("repeat", args.repeat, 1000))
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, _train_sets(args))
     for name in names:
         if is_reference(name):
-            check_reference(name, cfg)
+            check_reference(name, peer_defaults(cfg))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lock = lock_run_dir(args.out or f"runs/bench-{stamp}", new_launch_id(), "shardwise bench")
     try:
@@ -334,6 +335,7 @@ def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cf
 
     from shardwise.config import to_toml
     from shardwise.reference import is_reference
+    from shardwise.runtime.auto import peer_defaults
 
     runs: list[list[dict[str, Any]]] = []
     for k in range(args.repeat):
@@ -343,7 +345,8 @@ def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cf
             cmd, nproc = _command(name, args, run_dir)
             if is_reference(name):
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.toml").write_text(to_toml(cfg))
+                # The reference loops run "auto" settings at their own defaults (fp32, eager).
+                (run_dir / "config.toml").write_text(to_toml(peer_defaults(cfg)))
             print(f"bench: {name} on {nproc} rank(s), round {k + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
             summary_path = run_dir / "summary.json"
             summary_path.unlink(missing_ok=True)  # a failed run must not report an earlier run's figures

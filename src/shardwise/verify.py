@@ -231,7 +231,7 @@ def reference_config(cfg: Any, dp_size: int, split: int = 1) -> Any:
         "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
         # The reference runs eager: a compiled strategy run is checked against plain PyTorch, so
         # verify also proves that compiling (fused kernels, reordered reductions) kept the numbers.
-        "train.compile": False,
+        "train.compile": "false",
         "checkpoint.resume": "",
     })
 

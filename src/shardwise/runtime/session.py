@@ -45,10 +45,11 @@ from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import clean_name
-from shardwise.parallel.compile import check_compile, compile_loss
+from shardwise.parallel.compile import check_compile, compile_loss, compile_refusal
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
+from shardwise.runtime.auto import resolve_compile, resolve_precision
 from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
@@ -85,7 +86,7 @@ class Session:
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
                  collective_timeout_s: float = 1800.0, launch_id: str | None = None,
-                 compile: bool = False, loss_chunks: int | str = "auto") -> None:
+                 compile: bool | str = "auto", loss_chunks: int | str = "auto", steps: int | None = None) -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -97,8 +98,10 @@ class Session:
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
-        # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
-        self.compile = bool(compile)
+        # torch.compile each transformer block in prepare() (and the loss, see compile_loss); "auto"
+        # is resolved below, once the device and strategy are known (``steps``: the run's length,
+        # for its estimate; shardwise.runtime.auto).
+        self.compile = False
         # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
         from shardwise.loss import parse_loss_chunks
 
@@ -119,6 +122,11 @@ class Session:
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
+        # parallel.precision / train.compile = "auto": decided for this device (shardwise.runtime.auto).
+        precision_choice = resolve_precision(options.precision, self.device)
+        options = self.options = dataclasses.replace(options, precision=precision_choice.value)
+        if precision_choice.auto:
+            self.log(f"parallel.precision = 'auto' -> {precision_choice.value!r} ({precision_choice.reason})")
         # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
         # shard group, and the planner's intra-node links in the trainer's prediction.
         self.ranks_per_node = ranks_per_node(self.world_size, nproc=options.nproc,
@@ -127,6 +135,11 @@ class Session:
         self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=self.ranks_per_node)
         self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
+        self.compile_choice = resolve_compile(compile, self.device, steps=steps,
+                                              unsupported=compile_refusal(self.strategy, options, self.device.type))
+        self.compile = bool(self.compile_choice.value)
+        if self.compile_choice.auto:
+            self.log(f"train.compile = 'auto' -> {str(self.compile).lower()} ({self.compile_choice.reason})")
         self.backend = self.strategy.process_group_backend(self.device)
         self.strategy_name = self.strategy.name
         self.grad_accum_steps = grad_accum_steps

@@ -33,6 +33,7 @@ from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
+from shardwise.runtime.auto import resolved_config
 from shardwise.runtime.checkpoint import (
     latest_checkpoint,
     resume_source,
@@ -127,8 +128,10 @@ class Trainer:
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
-            compile=t.compile, loss_chunks=t.loss_chunks,
+            compile=t.compile, loss_chunks=t.loss_chunks, steps=t.steps,
         )
+        # What the session decided for "auto" precision/compile (runtime.auto) is what this run records.
+        self.cfg = cfg = resolved_config(cfg, self.session)
         # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
         # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
         # rank decides the same way whether to resume.
@@ -582,7 +585,7 @@ class Trainer:
             # peak_tflops_per_device, peak_source, devices (observe.throughput)
             **self.meter.summary(),
             "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
-            "compile": self.cfg.train.compile,
+            "compile": self.session.compile,
         }
 
     def sample(self) -> str | None:
