@@ -2,7 +2,7 @@
 
 Each shardwise strategy is a normal ``shardwise train`` run (its own run directory under the bench
 folder), so the figures are exactly what users get. Reference implementations (``torch-ddp``,
-``torch-fsdp2``, ``accelerate``; see ``shardwise.reference``) train the same workload, data order
+``torch-fsdp2``, ``accelerate``, ``fabric``; see ``shardwise.reference``) train the same workload, data order
 and seed with no shardwise code in their step, so each shardwise strategy's overhead against the
 loop a user would write is a measured ratio. ``--repeat K`` runs K rounds, each round every
 implementation once in turn (interleaved, so a slow minute on the machine hits all of them
@@ -35,18 +35,18 @@ MD_COLUMNS = ("strategy", "impl", "world_size", "status", "runs", "tokens_per_s"
               "tokens_per_s_max", "step_time_s", "peak_mib_per_rank", "model_state_mib_per_rank",
               "final_train_loss", "final_val_loss", "overhead_ratio", "overhead_vs")
 # `--strategies classic`: the lab's table, single vs DDP vs FSDP2 vs the plain loops.
-CLASSIC = ("single", "ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate")
+CLASSIC = ("single", "ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate", "fabric")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare strategies and plain PyTorch/Accelerate loops (table + plot)",
                        description="Train the same recipe under several shardwise strategies and "
-                       "reference loops (torch-ddp, torch-fsdp2, accelerate) and compare throughput, "
+                       "reference loops (torch-ddp, torch-fsdp2, accelerate, fabric) and compare throughput, "
                        "peak memory per rank, final loss and shardwise's overhead per step.")
     p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE_OR_TOML")
     p.add_argument("--strategies", default="single,ddp",
                    help="comma-separated shardwise strategies and reference loops (torch-ddp, "
-                   "torch-fsdp2, accelerate); 'classic' = " + ",".join(CLASSIC) + " (default: single,ddp)")
+                   "torch-fsdp2, accelerate, fabric); 'classic' = " + ",".join(CLASSIC) + " (default: single,ddp)")
     p.add_argument("--nproc", type=int, default=2, help="ranks for every multi-rank run")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--repeat", type=int, default=1, metavar="K",

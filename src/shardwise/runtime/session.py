@@ -177,6 +177,9 @@ class Session:
         # What an engine strategy (DeepSpeed) fills its "auto" values from, set before prepare():
         # micro_batch_size, weight_decay (the built-in trainer sets them; see parallel/deepspeed.py).
         self.engine_hints: dict[str, Any] = {}
+        # observe.step_phases.StepPhases once time_phases() was called: forward_backward, step and
+        # save mark their phases in it.
+        self.phases: Any = None
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -513,7 +516,8 @@ class Session:
         work under every strategy.
         """
         inputs, targets = self._cp_chunk(inputs, targets)
-        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn:
+        timed = self.phases.forward_backward() if self.phases is not None else contextlib.nullcontext()
+        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn, timed:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
 
     @torch.no_grad()
@@ -572,8 +576,10 @@ class Session:
         fp16-mixed the loss scaler already skips steps with non-finite gradients (and lowers its
         scale), so only ``loss`` decides there.
         """
+        if self.phases is not None:
+            self.phases.start("optimizer")
         if self.strategy.owns_step:
-            return self._engine_step(optimizer, max_norm, skip_nonfinite, loss)
+            return self._phase_done("optimizer", self._engine_step(optimizer, max_norm, skip_nonfinite, loss))
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
         norm_t = self.clip_grad_norm(max_norm)
@@ -601,7 +607,29 @@ class Session:
         self.steps_taken += 1
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return self.last_grad_norm
+        return self._phase_done("optimizer", self.last_grad_norm)
+
+    def _phase_done(self, phase: str, result: Any) -> Any:
+        """Close ``phase`` in the step-phase timer (if any); return ``result``."""
+        if self.phases is not None:
+            self.phases.stop(phase)
+        return result
+
+    def time_phases(self) -> Any:
+        """Start timing this rank's step phases; return the ``observe.step_phases.StepPhases``.
+
+        Collective (it learns every rank's host name). Call after ``prepare``; then mark each step
+        with ``phases.begin_step()`` / ``phases.end_step(data_wait_s)``, and call ``phases.window()``
+        on every rank at each logging step: rank 0 gets the slowest rank and spread per phase, and a
+        line naming a consistently slow rank. The built-in trainer does all of this.
+        """
+        from shardwise.observe.step_phases import StepPhases
+
+        assert self.model is not None, "call session.prepare() first"
+        if self.phases is None:
+            self.phases = StepPhases(self.rank, self.world_size, self.device, is_distributed=self.is_distributed)
+            self.phases.attach(self.model)
+        return self.phases
 
     def _engine_step(self, optimizer: Any, max_norm: float, skip_nonfinite: bool,
                      loss: torch.Tensor | None) -> torch.Tensor:
@@ -731,6 +759,8 @@ class Session:
                   **self.checkpoint_pieces}
         if self._watchdog is not None:
             self._watchdog.beat(phase="checkpoint save")
+        if self.phases is not None:
+            self.phases.start("checkpoint")
         engine_io = self.strategy.checkpoint_io()
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
             sched_state = scheduler_state(scheduler) if scheduler is not None else None
@@ -738,7 +768,7 @@ class Session:
                                  scheduler_state=sched_state, keep_last=keep_last, on_written=on_written)
             if self._watchdog is not None:
                 self._watchdog.beat(phase="train")
-            return out
+            return self._phase_done("checkpoint", out)
         # Every piece's state is checked on every rank before any file is written (save_checkpoint).
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
                               world_size=self.world_size, keep_last=keep_last, on_written=on_written,
@@ -746,7 +776,7 @@ class Session:
                               job=self.launch_id, pieces=pieces)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return out
+        return self._phase_done("checkpoint", out)
 
     def load(self, path: str | os.PathLike, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, loader: ShardedLoader | None = None,

@@ -27,13 +27,14 @@ from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
+from shardwise.observe.step_phases import format_table as format_phase_table
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
 from shardwise.runtime import ledger
-from shardwise.runtime.auto import resolved_config
+from shardwise.runtime.auto import job_key, record_run, resolved_config
 from shardwise.runtime.checkpoint import (
     latest_checkpoint,
     resume_source,
@@ -350,7 +351,9 @@ class Trainer:
     def _loop(self, tokens_per_step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
         s, t, st, ck = self.session, self.cfg.train, self.state, self.cfg.checkpoint
         bar = s.progress(t.steps, desc="train", enabled=t.progress, initial=st.step)
-        batches = self.train_loader.forever()
+        # Every rank's step phases (observe.step_phases): gathered at logging steps, slow ranks named.
+        phases = s.time_phases()
+        batches = faults.slow_rank(self.train_loader.forever(), s.unwrap(self.model), s.rank)  # SHARDWISE_DEBUG_SLOW
         if rng is not None:
             # DataLoader draws its base seed from the global RNG when an epoch's iterator is
             # created. Mid-epoch, the uninterrupted run drew it before the save, so create the
@@ -368,17 +371,21 @@ class Trainer:
             # Only logging and checkpoint steps wait for the device: the loss, the non-finite
             # flag and the stop signal are settled there in one all-reduce (``_agree``). Other
             # steps only queue work, so the host runs ahead of the device.
+            phases.begin_step()
             t0 = time.perf_counter()
             self.data_wait_s = 0.0
             loss, grad_norm = self.train_step(batches, measure=log_step)
             if log_step or save_step:
+                phases.start("collective")  # the agreement waits for every rank's step
                 mean_loss, stop = self._agree(loss)
+                phases.stop("collective")
             else:  # one process needs no agreement: its own flag is the answer
                 stop = not s.is_distributed and self._stop_signal is not None
             # Record data counts real tokens (not padding) for tokens/s and MFU.
             self.meter.add_step(time.perf_counter() - t0, self.data_wait_s,
                                 tokens=self.real_tokens if self.workload.token_loss else None)
             self.real_tokens = 0
+            phases.end_step(self.data_wait_s)
             self.hooks.step(st.step)
             if log_step:
                 st.last_train_loss = mean_loss
@@ -390,6 +397,9 @@ class Trainer:
                           "grad_norm": float(grad_norm), **window}
                 if t.nonfinite == "skip":
                     record["skipped_steps"] = self.skipped_steps
+                record.update(phases.window())  # every rank: one small gather
+                if "slow_rank_message" in record:
+                    s.log(f"step {st.step}: {record['slow_rank_message']}")
                 # [issue 20] MoE routing over the window (every rank: one small all-reduce); {} if dense.
                 moe = take_moe_stats(self.model)
                 record.update(moe)
@@ -427,6 +437,11 @@ class Trainer:
         # Per-rank bytes in parameters/gradients/optimizer state and peak (a collective), each
         # next to the planner's prediction for that rank.
         summary["memory"] = memory = ledger.collect(s, self.model, self.optimizer)
+        if s.is_main:
+            summary["step_phases"] = phases.summary()
+            s.log("step phases per rank (ms per step)\n" + format_phase_table(summary["step_phases"]))
+            # This job's measured step times: train.compile = "auto" decides from them next time.
+            record_run(job_key(self.cfg, s.device, s.world_size), s.compile, phases.host_step_s)
         predicted = {r.rank: r.to_dict() for r in self.prediction.ranks}
         for entry in memory["ranks"]:
             entry["predicted"] = predicted[entry["rank"]]
