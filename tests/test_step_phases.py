@@ -108,3 +108,76 @@ def test_one_outlier_window_names_nobody_and_a_streak_names_once():
     # Below the threshold (a fifth of the step): nobody.
     phases._streak = None
     assert "slow_rank" not in window(0.01) and "slow_rank" not in window(0.01)
+
+
+def test_profile_shows_the_per_rank_table(tmp_path, capsys):
+    import json
+
+    from shardwise.cli import main
+
+    table = {"phases": list(PHASES), "slow_ranks": [{"rank": 1, "host": "node-b", "phase": "data", "share": 0.41,
+                                                     "others_share": 0.04, "message": "rank 1 on node-b spends 41% "
+                                                     "of its step waiting for data; the others 4%"}],
+             "ranks": [{"rank": r, "host": h, "steps": 10, "step_s": 0.1, "other_s": 0.0,
+                        **{f"{p}_s": 0.1 / len(PHASES) for p in PHASES}} for r, h in ((0, "node-a"), (1, "node-b"))]}
+    (tmp_path / "summary.json").write_text(json.dumps({"step_phases": table}))
+    assert main(["profile", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step phases per rank" in out and "node-b" in out
+    assert "slow: rank 1 on node-b spends 41% of its step waiting for data; the others 4%" in out
+
+
+class _FakeEvent:
+    """A CUDA event the device has not passed yet: reading its time must not wait for it."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert end.done, "elapsed_time on an unfinished event would block the host"
+        return 5.0
+
+
+def test_cuda_marks_are_read_only_once_the_device_passed_them():
+    from shardwise.observe.step_phases import _CudaClock, _Step
+
+    phases = StepPhases(0, 1, torch.device("cpu"), is_distributed=False)
+    phases.clock = _CudaClock()
+    pending = _Step(start=_FakeEvent(True), end=_FakeEvent(False))
+    pending.intervals["forward"] = [(_FakeEvent(True), _FakeEvent(False))]
+    phases._pending = [pending]
+    phases._drain()  # nothing is ready: the step stays pending, nothing waited
+    assert phases._pending == [pending] and float(phases._window[-1]) == 0
+    pending.end.done = pending.intervals["forward"][0][1].done = True
+    phases._drain()
+    assert phases._pending == [] and float(phases._window[-1]) == 1
+    assert float(phases._window[PHASES.index("forward")]) == pytest.approx(0.005)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_no_host_sync_on_a_cuda_step_that_does_not_log(tmp_path):
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronising call; only logging steps may."""
+    cfg = load_config(None, [
+        "model.preset=nano", "train.steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=1",
+        "train.micro_batch_size=4", "train.sample_tokens=0", "train.progress=false", "parallel.strategy=single",
+        "checkpoint.at_end=false", "train.compile=false"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    phases = trainer.session.time_phases()
+    batches = trainer.train_loader.forever()
+    trainer.train_step(batches)  # the first step allocates and warms up
+    torch.cuda.synchronize()
+    for _ in range(3):
+        phases.begin_step()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            trainer.train_step(batches, measure=False)
+            phases.end_step(0.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # a logging step: now every mark can be read
+    phases._drain()
+    assert float(phases._window[-1]) == 3
+    trainer.session.close()
