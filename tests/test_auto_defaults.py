@@ -117,3 +117,24 @@ def _write(text: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(text)
     return f.name
+
+
+def test_the_nodes_of_a_job_decide_from_the_priors(tmp_path, monkeypatch):
+    # Each node has its own cache; their resolved configs name their rendezvous, so must agree.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = load_config(None, ["train.steps=300", "parallel.precision=fp32"])
+    strategy = get_strategy(resolve_layout(cfg.parallel, 1))
+    key = auto.job_key(cfg, "cpu", 1)
+    auto.record_run(key, False, [2.0] * 10)  # a slow eager step measured here: compile pays back after 105 steps
+    measured, _ = auto.resolve_compile_in(cfg, strategy, "cpu", world_size=1)
+    priors, notes = auto.resolve_compile_in(cfg, strategy, "cpu", world_size=1, measured=False)
+    assert measured.train.compile == "true" and priors.train.compile == "false"
+    assert "prior" in notes[0]
+
+
+def test_train_dry_run_prints_what_auto_decided(capsys):
+    from shardwise.cli import main
+
+    assert main(["train", "--dry-run", "--nproc", "1", "--set", "model.preset=nano"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.precision = 'auto' -> 'fp32'" in out and "train.compile = 'auto' -> false" in out

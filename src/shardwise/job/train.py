@@ -99,7 +99,9 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
     cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
-    cfg, compile_notes = resolve_compile_in(cfg, get_strategy(checked.layout), world_size=nproc * nnodes)
+    # Nodes of one job decide from the priors alone: their caches differ, their configs may not.
+    cfg, compile_notes = resolve_compile_in(cfg, get_strategy(checked.layout), world_size=nproc * nnodes,
+                                            measured=nnodes == 1 and most == nnodes)
     # A multi-node run without --out proposes this default; the first node's proposal wins
     # (job.multinode.agree), so the nodes' clocks never need to agree.
     return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "",

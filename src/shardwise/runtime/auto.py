@@ -228,15 +228,19 @@ def resolve_precision_in(cfg: RunConfig, device: torch.device | str | None = Non
 
 
 def resolve_compile_in(cfg: RunConfig, strategy: Any, device: torch.device | str | None = None, *,
-                       world_size: int | None = None) -> tuple[RunConfig, list[str]]:
+                       world_size: int | None = None, measured: bool = True) -> tuple[RunConfig, list[str]]:
     """``cfg`` with ``train.compile`` resolved for ``strategy`` on ``device`` over ``train.steps``, and a
-    log line when "auto" decided (precision must be resolved first: it is part of the job's shape)."""
+    log line when "auto" decided (precision must be resolved first: it is part of the job's shape).
+
+    ``measured=False``: decide from the priors only. The nodes of a multi-node job each resolve their
+    own config and must reach the same one (it names their rendezvous), but each has its own cache.
+    """
     if compile_flag(cfg.train.compile) != AUTO:
         return cfg, []
     dev = device_type(device)
     comp = resolve_compile(AUTO, dev, steps=cfg.train.steps,
                            unsupported=compile_refusal(strategy, cfg.parallel, dev),
-                           record=load_record(job_key(cfg, dev, world_size)))
+                           record=load_record(job_key(cfg, dev, world_size)) if measured else None)
     flag = "true" if comp.value else "false"
     return replace_in(cfg, **{"train.compile": flag}), [f"train.compile = 'auto' -> {flag} ({comp.reason})"]
 
