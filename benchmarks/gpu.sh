@@ -1,114 +1,217 @@
 #!/usr/bin/env bash
-# GPU figures and the CUDA-only paths CI cannot reach (CI has no GPU).
+# GPU figures and the CUDA-only paths CI cannot reach (CI has no GPU), in one short visit.
 #
 #   benchmarks/gpu.sh [OUT_DIR]          # default OUT_DIR: runs/gpu-bench
 #
-# On a machine with at least one CUDA GPU it runs, each as a normal `shardwise train` job:
-#   1. lab preset (6 layers, 384 wide, context 256), one GPU, bf16-mixed + torch.compile
-#   2. a GPT-2 124M-shaped model (12 layers, 12 heads, 768 wide, context 1024, vocab 50304),
-#      one GPU, bf16-mixed + torch.compile
-#   3. NCCL: ddp and fsdp on 2 GPUs when there are 2 or more, else fsdp on 1 GPU (one NCCL rank)
-#   4. fsdp-offload: FSDP2 CPUOffloadPolicy with pinned host memory
-#   5. the profiler with a CUDA memory snapshot (the pickle pytorch.org/memory_viz opens)
-# and prints tokens/s, MFU, peak memory per rank for each. Every step runs even when an earlier one
-# fails; the script exits 1 if any step failed (each failure is named at the end), 77 when there is
-# no GPU at all (the automake "skipped" code: nothing was measured), 0 only when everything passed.
+# A GPU machine is lent rarely and briefly, so this runs as a list of steps, each time-boxed (its
+# box in seconds is next to its name in STEP_LIST below), printing its figures the moment it has
+# them and appending them to ONE summary file, OUT_DIR/summary.jsonl (one JSON object per step),
+# so a visit cut short still leaves every figure measured so far. The steps:
+#   env             torch, CUDA and GPU versions
+#   gpt2-mfu        GPT-2 124M shape (12 x 768, context 1024, vocab 50304), one GPU, the defaults'
+#                   bf16-mixed + torch.compile: tokens/s, MFU, peak memory vs the planner's prediction
+#   fsdp-1rank      FSDP2 on one NCCL rank (lab preset)
+#   offload-pinned  fsdp-offload: FSDP2 CPUOffloadPolicy with pinned host memory
+#   varlen          packed documents: torch's varlen FlashAttention path vs the dense mask (tokens/s,
+#                   and the two losses must agree)
+#   ring-kernel     ring attention's flash / memory-efficient kernels on one rank vs plain SDPA
+#   memory-snapshot the profiler's CUDA memory snapshot (the pickle pytorch.org/memory_viz opens)
+# Every `shardwise train` step reports the planner's predicted peak next to the measured one.
+# To add a step: write a function step_<name> (it may call train_step / py_step) and add
+# "<name> <box seconds>" to STEP_LIST; docs/performance.md adds the boxes up into the visit's length.
 #
-# Knobs (environment): STEPS (default 200), PYTHON (default .venv/bin/python next to this repo);
-# GPU_SH_FORCE_CPU=1 runs the steps on the CPU anyway, to check the script itself (no figures:
-# bf16/compile/offload behave differently there and the memory snapshot step must fail).
+# Exit: 0 when every step passed, 1 when any failed or ran out of its box (named at the end), 77
+# when there is no GPU at all (the automake "skipped" code: nothing was measured).
+#
+# Knobs (environment): PYTHON (default .venv/bin/python next to this repo); GPU_SH_FORCE_CPU=1 runs
+# every step on the CPU with tiny shapes and a few steps, to check the script itself in CI (the
+# figures mean nothing there; CUDA-only parts report themselves as skipped); GPU_SH_BOX_SCALE
+# multiplies every box (default 1 on a GPU, 3 on the CPU check).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-runs/gpu-bench}"
-STEPS="${STEPS:-200}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PY" ]] || PY="$(command -v python3)"
+
+# name and time box (seconds on one H100). The boxes add up to 390 s; the machine's start-up and
+# this script's own overhead come on top (docs/performance.md).
+STEP_LIST=(
+    "env 10"
+    "gpt2-mfu 150"
+    "fsdp-1rank 60"
+    "offload-pinned 60"
+    "varlen 45"
+    "ring-kernel 20"
+    "memory-snapshot 45"
+)
 
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)"
 if [[ -z "$NGPU" ]]; then
     echo "gpu.sh: cannot import torch with $PY; run scripts/bootstrap first (or set PYTHON=...)." >&2
     exit 1
 fi
+CPU_MODE=0
 if [[ "$NGPU" == "0" && "${GPU_SH_FORCE_CPU:-0}" == "1" ]]; then
-    echo "gpu.sh: GPU_SH_FORCE_CPU=1: running on the CPU to check the script; the figures mean nothing." >&2
-    NGPU=1
+    echo "gpu.sh: GPU_SH_FORCE_CPU=1: running on the CPU with tiny shapes to check the script; the figures mean nothing." >&2
+    CPU_MODE=1
 elif [[ "$NGPU" == "0" ]]; then
     echo "gpu.sh: NO GPU on this machine (torch.cuda.is_available() is False): nothing was measured." >&2
     echo "gpu.sh: run it on a machine with a CUDA GPU; CPU figures come from 'shardwise bench'." >&2
     exit 77
 fi
 
+# On the CPU (a check of the script on a shared CI machine) every box is 3x longer unless told.
+BOX_SCALE="${GPU_SH_BOX_SCALE:-$(( CPU_MODE ? 3 : 1 ))}"
 mkdir -p "$OUT"
+SUMMARY="$OUT/summary.jsonl"
+: > "$SUMMARY"
 FAILED=()
+if (( CPU_MODE )); then
+    STEPS=3
+    LAB=(--set model.preset=nano --set train.micro_batch_size=4)
+    GPT2=(--set model.preset=nano --set train.micro_batch_size=4)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+else
+    STEPS=60
+    LAB=(--set model.preset=lab)
+    GPT2=(--set model.preset=lab --set model.overrides.n_layer=12 --set model.overrides.n_head=12
+          --set model.overrides.n_embd=768 --set model.overrides.block_size=1024
+          --set model.overrides.vocab_size=50304 --set train.micro_batch_size=8)
+fi
 COMMON=(--set train.steps="$STEPS" --set train.sample_tokens=0 --set train.progress=false
-        --set checkpoint.at_end=false --set train.eval_every=0 --set train.eval_batches=5)
-GPT2=(--set model.overrides.n_layer=12 --set model.overrides.n_head=12 --set model.overrides.n_embd=768
-      --set model.overrides.block_size=1024 --set model.overrides.vocab_size=50304
-      --set train.micro_batch_size=8)
+        --set checkpoint.at_end=false --set train.eval_every=0 --set train.eval_batches=2 --set train.log_every=10)
 
-report() {  # report NAME RUN_DIR: the figures of one finished run
-    "$PY" - "$1" "$2" <<'EOF'
+note() {  # note STEP JSON: one line into the summary file
+    printf '%s\n' "$2" >> "$SUMMARY"
+}
+
+report() {  # report NAME RUN_DIR: the figures of one finished run, printed and appended to the summary
+    "$PY" - "$1" "$2" "$SUMMARY" <<'EOF'
 import json, sys
-name, run = sys.argv[1], sys.argv[2]
+name, run, summary_path = sys.argv[1:4]
 s = json.load(open(f"{run}/summary.json"))
-ranks = (s.get("memory") or {}).get("ranks") or []
-peak = max((r.get("peak_bytes") or 0) for r in ranks) / 2**30 if ranks else float("nan")
-# MFU / FLOP fields, whatever their exact names (the trainer's throughput fields).
-extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                 for k, v in s.items() if any(w in k for w in ("mfu", "flop")))
-print(f"== {name}: {s['strategy']} x{s['world_size']} {s.get('precision')} | {s['tokens_per_s']:,.0f} tokens/s | "
-      f"step {s['step_time_s'] * 1e3:.1f} ms | peak {peak:.2f} GiB/rank | {extra or 'no MFU field'} | "
-      f"final loss {s['final_train_loss']:.4f}")
+mem = s.get("memory") or {}
+peaks = []
+for row in mem.get("predicted_vs_measured") or []:
+    if "peak_bytes" in row:
+        peaks.append((row["rank"], row["peak_bytes"]["predicted"] / 2**30, row["peak_bytes"]["measured"] / 2**30))
+if not peaks:  # on the CPU the ledger's peak is the process RSS, which the planner does not predict
+    for r in mem.get("ranks") or []:
+        pred = (r.get("predicted") or {}).get("peak_bytes")
+        peaks.append((r["rank"], pred / 2**30 if pred else float("nan"), (r.get("peak_bytes") or 0) / 2**30))
+fig = {"step": name, "strategy": s["strategy"], "world_size": s["world_size"], "precision": s.get("precision"),
+       "compile": s.get("compile"), "tokens_per_s": s.get("tokens_per_s"), "step_time_s": s.get("step_time_s"),
+       "mfu": s.get("mfu"), "peak_gib_predicted_measured": peaks, "final_train_loss": s.get("final_train_loss")}
+with open(summary_path, "a") as f:
+    f.write(json.dumps(fig) + "\n")
+mfu = f"{fig['mfu']:.1%}" if isinstance(fig["mfu"], float) else "n/a"
+peak = ", ".join(f"rank {r}: {p:.2f} predicted / {m:.2f} measured GiB" for r, p, m in peaks)
+print(f"== {name}: {fig['strategy']} x{fig['world_size']} {fig['precision']} compile={fig['compile']} | "
+      f"{fig['tokens_per_s']:,.0f} tokens/s | step {fig['step_time_s'] * 1e3:.1f} ms | MFU {mfu} | peak {peak}",
+      flush=True)
 EOF
 }
 
-step() {  # step NAME -- shardwise train arguments...
+train_step() {  # train_step NAME -- shardwise train arguments...: one run, then its figures
     local name="$1"; shift; shift
     local run="$OUT/$name"
     rm -f "$run/summary.json"
-    echo "gpu.sh: $name ..." >&2
-    if ! "$PY" -m shardwise train "$@" --out "$run" "${COMMON[@]}"; then
-        echo "gpu.sh: FAILED: $name (see the output above; run dir $run)" >&2
-        FAILED+=("$name")
-        return 1
-    fi
-    if [[ ! -f "$run/summary.json" ]]; then
-        echo "gpu.sh: FAILED: $name wrote no summary.json" >&2
-        FAILED+=("$name")
-        return 1
-    fi
-    report "$name" "$run" || FAILED+=("$name (report)")
+    "$PY" -m shardwise train "$@" --out "$run" --overwrite "${COMMON[@]}" || return 1
+    [[ -f "$run/summary.json" ]] || { echo "gpu.sh: $name wrote no summary.json" >&2; return 1; }
+    report "$name" "$run"
 }
 
-"$PY" -m shardwise env
-BF16_COMPILE=(--set parallel.precision=bf16-mixed --set train.compile=true)
-step lab-bf16-compile -- --nproc 1 --strategy single --set model.preset=lab "${BF16_COMPILE[@]}"
-step gpt2-124m-bf16-compile -- --nproc 1 --strategy single --set model.preset=lab "${GPT2[@]}" "${BF16_COMPILE[@]}"
-if (( NGPU >= 2 )); then
-    step nccl-ddp-2gpu -- --nproc 2 --strategy ddp --set model.preset=lab
-    step nccl-fsdp-2gpu -- --nproc 2 --strategy fsdp --set model.preset=lab
-    OFFLOAD_NPROC=2
-else
-    step nccl-fsdp-1gpu -- --nproc 1 --strategy fsdp --set model.preset=lab
-    OFFLOAD_NPROC=1
-fi
-step fsdp-offload-pinned -- --nproc "$OFFLOAD_NPROC" --strategy fsdp-offload --set model.preset=lab
-P_END=$(( STEPS < 5 ? STEPS : 5 )); P_START=$(( P_END < 3 ? P_END : 3 ))
-if step profile-memory-snapshot -- --nproc 1 --strategy single --set model.preset=lab \
-        --set profile.enabled=true --set profile.start_step=$P_START --set profile.end_step=$P_END; then
-    snap="$OUT/profile-memory-snapshot/profile/rank0.memory_snapshot.pickle"
-    if "$PY" -c "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb')); assert s['segments'], 'empty'; \
-print(f'== memory snapshot: {len(s[\"segments\"])} segments, {sum(len(t) for t in s[\"device_traces\"])} trace entries')" "$snap"; then
-        "$PY" -m shardwise profile "$OUT/profile-memory-snapshot" --top 10
+py_step() {  # py_step NAME SCRIPT ARGS...: a benchmark script; its printed lines go into the summary
+    local name="$1"; shift
+    local log="$OUT/$name.log"
+    "$PY" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    "$PY" -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "rc": int(sys.argv[2]), "lines": open(sys.argv[3]).read().splitlines()[-12:]}))' \
+        "$name" "$rc" "$log" >> "$SUMMARY"
+    return "$rc"
+}
+
+# ------------------------------------------------------------------------------ the steps
+step_env() {
+    "$PY" -m shardwise env
+    note env "$("$PY" -c 'import json, torch; print(json.dumps({"step": "env", "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))')"
+}
+
+step_gpt2-mfu() {
+    # What `auto` picks for a long run on a bf16 GPU; explicit here, since this run is short (runtime/auto.py).
+    # (On the CPU check it stays eager: minutes of C++ compilation would check nothing more here.)
+    train_step gpt2-mfu -- --nproc 1 --strategy single "${GPT2[@]}" \
+        --set parallel.precision=bf16-mixed --set train.compile="$( (( CPU_MODE )) && echo false || echo true)"
+}
+
+step_fsdp-1rank() {
+    train_step fsdp-1rank -- --nproc 1 --strategy fsdp "${LAB[@]}"
+}
+
+step_offload-pinned() {
+    train_step offload-pinned -- --nproc 1 --strategy fsdp-offload "${LAB[@]}"
+}
+
+step_varlen() {
+    if (( CPU_MODE )); then
+        py_step varlen "$ROOT/benchmarks/varlen_attention.py" --seq 512 --steps 1
     else
-        echo "gpu.sh: FAILED: no readable memory snapshot at $snap" >&2
-        FAILED+=("memory-snapshot")
+        py_step varlen "$ROOT/benchmarks/varlen_attention.py" --seq 8192 --steps 5
     fi
-fi
+}
+
+step_ring-kernel() {
+    if (( CPU_MODE )); then
+        py_step ring-kernel "$ROOT/benchmarks/ring_kernel.py" --seq 256 --heads 2 --head-dim 16
+    else
+        py_step ring-kernel "$ROOT/benchmarks/ring_kernel.py" --seq 8192
+    fi
+}
+
+step_memory-snapshot() {
+    local p_end=$(( STEPS < 5 ? STEPS : 5 )); local p_start=$(( p_end < 3 ? p_end : 3 ))
+    train_step memory-snapshot -- --nproc 1 --strategy single "${LAB[@]}" \
+        --set profile.enabled=true --set profile.start_step=$p_start --set profile.end_step=$p_end || return 1
+    if (( CPU_MODE )); then
+        note memory-snapshot '{"step": "memory-snapshot", "skipped": "a CUDA memory snapshot needs a GPU"}'
+        return 0
+    fi
+    local snap="$OUT/memory-snapshot/profile/rank0.memory_snapshot.pickle"
+    "$PY" -c "import json, pickle, sys; s = pickle.load(open(sys.argv[1], 'rb')); assert s['segments'], 'empty'; \
+r = {'step': 'memory-snapshot', 'segments': len(s['segments']), 'trace_entries': sum(len(t) for t in s['device_traces'])}; \
+print('== memory snapshot:', r); open(sys.argv[2], 'a').write(json.dumps(r) + '\n')" "$snap" "$SUMMARY" || return 1
+    "$PY" -m shardwise profile "$OUT/memory-snapshot" --top 10
+}
+
+# ------------------------------------------------------------------------------ run them, each in its box
+START=$(date +%s)
+for entry in "${STEP_LIST[@]}"; do
+    read -r name box <<< "$entry"
+    box=$("$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$box" "$BOX_SCALE")
+    echo "gpu.sh: $name (box ${box}s) ..." >&2
+    t0=$(date +%s)
+    # The step runs in a subshell under `timeout` (it kills the step's whole process group at the box).
+    timeout --kill-after=10 "$box" bash -c "$(declare -p ROOT OUT PY SUMMARY STEPS CPU_MODE LAB GPT2 COMMON 2>/dev/null); \
+$(declare -f note report train_step py_step "step_$name"); step_$name"
+    rc=$?
+    took=$(( $(date +%s) - t0 ))
+    if (( rc == 124 || rc == 137 )); then
+        echo "gpu.sh: TIMED OUT: $name after its ${box}s box" >&2
+        note "$name" "{\"step\": \"$name\", \"timed_out_after_s\": $box}"
+        FAILED+=("$name (timed out)")
+    elif (( rc != 0 )); then
+        echo "gpu.sh: FAILED: $name (exit $rc; see the output above; files under $OUT/$name*)" >&2
+        note "$name" "{\"step\": \"$name\", \"failed\": $rc}"
+        FAILED+=("$name")
+    fi
+    echo "gpu.sh: $name took ${took}s of its ${box}s box" >&2
+done
+TOTAL=$(( $(date +%s) - START ))
+note total "{\"step\": \"total\", \"seconds\": $TOTAL, \"failed\": ${#FAILED[@]}, \"cpu_mode\": $CPU_MODE}"
 
 if (( ${#FAILED[@]} )); then
-    echo "gpu.sh: ${#FAILED[@]} step(s) FAILED: ${FAILED[*]}" >&2
+    echo "gpu.sh: ${#FAILED[@]} step(s) FAILED: ${FAILED[*]} (${TOTAL}s; figures so far in $SUMMARY)" >&2
     exit 1
 fi
-echo "gpu.sh: all steps passed ($NGPU GPU(s)); run directories under $OUT" >&2
+echo "gpu.sh: all steps passed in ${TOTAL}s; figures in $SUMMARY, run directories under $OUT" >&2

@@ -67,27 +67,27 @@ def test_rounds_are_interleaved(monkeypatch, tmp_path):
 
 
 def test_bench_with_reference_loops_end_to_end(cli_env, tmp_path):
-    """ddp / fsdp against plain torch-ddp, torch-fsdp2 and Accelerate loops, one command."""
+    """ddp / fsdp against plain torch-ddp, torch-fsdp2, Accelerate and Lightning Fabric loops, one command."""
     proc = run_command([sys.executable, "-m", "shardwise", "bench", "--strategies",
-                        "ddp,fsdp,torch-ddp,torch-fsdp2,accelerate", "--nproc", "2", "--steps", "2",
+                        "ddp,fsdp,torch-ddp,torch-fsdp2,accelerate,fabric", "--nproc", "2", "--steps", "2",
                         "--out", str(tmp_path),
                         "--set", "model.preset=nano", "--set", "train.eval_batches=2"],
                        env=cli_env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["strategy"]: r for r in data["rows"]}
-    assert list(rows) == ["ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate"]
+    assert list(rows) == ["ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate", "fabric"]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["peak_mib_per_rank"] > 0 for r in rows.values())
     assert {r["impl"] for r in rows.values()} == {"shardwise", "reference"}
     # Same model, data order, seed and schedule: the plain loops end at shardwise's loss.
-    for strategy, ref in [("ddp", "torch-ddp"), ("ddp", "accelerate"), ("fsdp", "torch-fsdp2")]:
+    for strategy, ref in [("ddp", "torch-ddp"), ("ddp", "accelerate"), ("ddp", "fabric"), ("fsdp", "torch-fsdp2")]:
         assert rows[ref]["final_train_loss"] == pytest.approx(rows[strategy]["final_train_loss"], abs=1e-5)
         assert rows[ref]["final_val_loss"] == pytest.approx(rows[strategy]["final_val_loss"], abs=1e-5)
         # The same ledger at the same moment: sharded or not, the plain loop holds the same bytes.
         for kind in ("param", "grad", "optim"):
             assert rows[ref][f"{kind}_mib_per_rank"] == rows[strategy][f"{kind}_mib_per_rank"]
     pairs = {(p["strategy"], p["reference"]): p for p in data["overhead"]}
-    assert set(pairs) == {("ddp", "torch-ddp"), ("ddp", "accelerate"), ("fsdp", "torch-fsdp2")}
+    assert set(pairs) == {("ddp", "torch-ddp"), ("ddp", "accelerate"), ("ddp", "fabric"), ("fsdp", "torch-fsdp2")}
     assert rows["ddp"]["overhead_vs"] == "torch-ddp"
     assert rows["ddp"]["overhead_ratio"] == pytest.approx(rows["ddp"]["step_time_s"] / rows["torch-ddp"]["step_time_s"])
     md = (tmp_path / "bench.md").read_text()

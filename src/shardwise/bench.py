@@ -2,7 +2,7 @@
 
 Each shardwise strategy is a normal ``shardwise train`` run (its own run directory under the bench
 folder), so the figures are exactly what users get. Reference implementations (``torch-ddp``,
-``torch-fsdp2``, ``accelerate``; see ``shardwise.reference``) train the same workload, data order
+``torch-fsdp2``, ``accelerate``, ``fabric``; see ``shardwise.reference``) train the same workload, data order
 and seed with no shardwise code in their step, so each shardwise strategy's overhead against the
 loop a user would write is a measured ratio. ``--repeat K`` runs K rounds, each round every
 implementation once in turn (interleaved, so a slow minute on the machine hits all of them
@@ -35,18 +35,18 @@ MD_COLUMNS = ("strategy", "impl", "world_size", "status", "runs", "tokens_per_s"
               "tokens_per_s_max", "step_time_s", "peak_mib_per_rank", "model_state_mib_per_rank",
               "final_train_loss", "final_val_loss", "overhead_ratio", "overhead_vs")
 # `--strategies classic`: the lab's table, single vs DDP vs FSDP2 vs the plain loops.
-CLASSIC = ("single", "ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate")
+CLASSIC = ("single", "ddp", "fsdp", "torch-ddp", "torch-fsdp2", "accelerate", "fabric")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="compare strategies and plain PyTorch/Accelerate loops (table + plot)",
                        description="Train the same recipe under several shardwise strategies and "
-                       "reference loops (torch-ddp, torch-fsdp2, accelerate) and compare throughput, "
+                       "reference loops (torch-ddp, torch-fsdp2, accelerate, fabric) and compare throughput, "
                        "peak memory per rank, final loss and shardwise's overhead per step.")
     p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE_OR_TOML")
     p.add_argument("--strategies", default="single,ddp",
                    help="comma-separated shardwise strategies and reference loops (torch-ddp, "
-                   "torch-fsdp2, accelerate); 'classic' = " + ",".join(CLASSIC) + " (default: single,ddp)")
+                   "torch-fsdp2, accelerate, fabric); 'classic' = " + ",".join(CLASSIC) + " (default: single,ddp)")
     p.add_argument("--nproc", type=int, default=2, help="ranks for every multi-rank run")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
@@ -302,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.job.identity import new_launch_id
     from shardwise.job.rundir import lock_run_dir, move_run_aside
     from shardwise.reference import check_reference, is_reference
+    from shardwise.runtime.auto import peer_defaults
 
     names, notes = _parse_names(args.strategies)
     limits = (("nproc", args.nproc, 4096), ("steps", args.steps, 10**9), ("repeat", args.repeat, 1000))
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, _train_sets(args))
     for name in names:
         if is_reference(name):
-            check_reference(name, cfg)
+            check_reference(name, peer_defaults(cfg))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lock = lock_run_dir(args.out or f"runs/bench-{stamp}", new_launch_id(), "shardwise bench")
     try:
@@ -334,6 +335,7 @@ def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cf
 
     from shardwise.config import to_toml
     from shardwise.reference import is_reference
+    from shardwise.runtime.auto import peer_defaults
 
     runs: list[list[dict[str, Any]]] = []
     for k in range(args.repeat):
@@ -343,7 +345,8 @@ def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cf
             cmd, nproc = _command(name, args, run_dir)
             if is_reference(name):
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.toml").write_text(to_toml(cfg))
+                # The reference loops run "auto" settings at their own defaults (fp32, eager).
+                (run_dir / "config.toml").write_text(to_toml(peer_defaults(cfg)))
             print(f"bench: {name} on {nproc} rank(s), round {k + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
             summary_path = run_dir / "summary.json"
             summary_path.unlink(missing_ok=True)  # a failed run must not report an earlier run's figures

@@ -36,7 +36,12 @@ from shardwise.strategies import (  # modes live with the degrees (re-exported)
     strategy_names,
 )
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+AUTO = "auto"
+# "auto": bf16-mixed on GPUs with bfloat16, fp32 elsewhere (shardwise.runtime.auto decides).
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+# train.compile: "auto" compiles where the run is long enough to pay the compile time back
+# (shardwise.runtime.auto); TOML true/false read as "true"/"false".
+COMPILE_MODES = ("auto", "true", "false")
 # The names Lightning Fabric (precision="bf16-mixed", "16-mixed", "32-true", ...) and Accelerate
 # (mixed_precision="bf16", "fp16", "no") users already type; they become the canonical name when
 # the config is loaded. Plain "bf16" means bf16 autocast there, hence bf16-mixed here.
@@ -232,7 +237,8 @@ class TrainConfig:
     max_nonfinite_skips: int = setting(10, gt=0, le=10**6)
     # torch.compile each transformer block (and the loss), after TP and activation checkpointing,
     # before DDP/FSDP (torchtitan's order; see shardwise.parallel.compile). CPU: inductor's C++.
-    compile: bool = False
+    # "auto": on where the run pays the compile time back (shardwise.runtime.auto); true/false.
+    compile: str = setting("auto", choices=COMPILE_MODES, label="train.compile")
     # Output head + cross-entropy over chunks of tokens, so the whole [tokens, vocab] logits never
     # exist (shardwise.loss): "auto" (on where it runs and the vocabulary is > 4 x hidden), 0 off,
     # or a number of chunks per micro-batch.
@@ -277,7 +283,7 @@ class ParallelConfig:
     strategy: str = setting("auto", choices=tuple(strategy_names()),
                             label="strategy")  # auto: ddp when more than one rank, else single
     nproc: int = setting(0, ge=0, le=MAX_RANKS)  # 0: one per GPU, or 2 CPU processes when there is none
-    precision: str = setting("fp32", choices=PRECISIONS, label="precision", aliases=PRECISION_ALIASES)
+    precision: str = setting("auto", choices=PRECISIONS, label="precision", aliases=PRECISION_ALIASES)
     activation_checkpointing: str = setting("none", choices=AC_MODES, label="activation_checkpointing mode")
     ac_every: int = setting(2, gt=0, le=10**4)  # with "selective": checkpoint every k-th block (not "selective-op")
     # Sharded strategies: "block" (one unit per transformer block), "model" (one unit), or an int

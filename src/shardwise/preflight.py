@@ -79,7 +79,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.parallel.cp import resolve_cp_impl
 
         cp_impl = resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.train.compile:
+    if cfg.train.compile == "true":  # "auto" turns compile off where it cannot run (runtime.auto)
         import torch
 
         from shardwise.parallel.compile import check_compile

@@ -200,6 +200,19 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         session.close()
 
 
+def verify_defaults(cfg: Any, steps: int, strategy: Any) -> Any:
+    """``cfg`` with "auto" settings resolved for a verify: precision fp32 (the exact check; a lower
+    precision is verified when asked for), compile as ``runtime.auto`` decides for ``steps`` steps."""
+    from shardwise.config import replace_in
+    from shardwise.runtime.auto import resolve_compile_in
+
+    if cfg.parallel.precision == "auto":
+        cfg = replace_in(cfg, **{"parallel.precision": "fp32"})
+    resolved, _ = resolve_compile_in(replace_in(cfg, **{"train.steps": steps}), strategy,
+                                     world_size=cfg.parallel.nproc)
+    return replace_in(cfg, **{"train.compile": resolved.train.compile})
+
+
 def verify_overrides(overrides: list[str]) -> list[str]:
     """The user's ``--set`` overrides, after verify's own: the peak learning rate from step 1.
 
@@ -231,7 +244,7 @@ def reference_config(cfg: Any, dp_size: int, split: int = 1) -> Any:
         "parallel.activation_checkpointing": "none",  # recomputation changes memory, never the numbers
         # The reference runs eager: a compiled strategy run is checked against plain PyTorch, so
         # verify also proves that compiling (fused kernels, reordered reductions) kept the numbers.
-        "train.compile": False,
+        "train.compile": "false",
         "checkpoint.resume": "",
     })
 
@@ -324,6 +337,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.config import load_config, replace_in
+    from shardwise.parallel.registry import get_strategy
     from shardwise.preflight import check_run
 
     if not 1 <= args.nproc <= 4096:
@@ -342,6 +356,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
     out = Path(args.out or f"runs/verify-{checked.layout.strategy.replace('+', '_')}")
     cfg = replace_in(checked.config, **{"parallel.nproc": args.nproc})
+    cfg = verify_defaults(cfg, args.steps, get_strategy(checked.layout))
     if args.dry_run:
         from shardwise.job.train import ResolvedRun, dry_run_report
 

@@ -12,6 +12,11 @@ variable is read per save, so a test can set it for one run only; unset, nothing
 rank R) send itself SIGTERM (default) or SIGINT right after step N (its checkpoint, if any, is
 saved first), as a scheduler or Ctrl-C would: the run must then save at its next logging step and
 exit 130. Read after every step; the run-time fault fuzzer (tests/test_fuzz_faults.py) uses both.
+
+``SHARDWISE_DEBUG_SLOW="rank=R,phase=data|forward,seconds=S"`` makes rank R slow on every step: it
+sleeps S seconds before each batch it takes from the data loader (``data``) or at the start of its
+model's forward (``forward``), as a slow disk or a slower GPU would. The step-phase report
+(observe/step_phases.py) must then name that rank and phase.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 DISK_FULL_ENV = "SHARDWISE_DEBUG_DISK_FULL"
 SIGNAL_ENV = "SHARDWISE_DEBUG_SIGNAL"
+SLOW_ENV = "SHARDWISE_DEBUG_SLOW"
 
 
 def _spec_at(env: str, step: int, rank: int) -> dict[str, str] | None:
@@ -78,3 +86,26 @@ def storage_writer(path: Path, step: int, rank: int) -> Any:
             raise disk_full(target)
 
     return FullDiskWriter(path, sync_files=True)
+
+
+def slow_rank(batches: Iterator[Any], model: Any, rank: int) -> Iterator[Any]:
+    """``batches``, delayed on the rank ``SHARDWISE_DEBUG_SLOW`` names (its model's forward delayed instead
+    with ``phase=forward``); unchanged everywhere else."""
+    text = os.environ.get(SLOW_ENV, "")
+    spec = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    try:
+        if not spec or int(spec.get("rank", "-1")) != rank:
+            return batches
+        seconds = float(spec.get("seconds", "0.2"))
+    except ValueError:
+        return batches
+    if spec.get("phase", "data") == "forward":
+        model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+        return batches
+
+    def slow() -> Iterator[Any]:
+        for batch in batches:
+            time.sleep(seconds)
+            yield batch
+
+    return slow()

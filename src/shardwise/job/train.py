@@ -60,6 +60,7 @@ class ResolvedRun:
     nnodes: int  # the minimum node count (the count itself unless an elastic range MIN:MAX was given)
     out: Path
     nnodes_range: str = ""  # "MIN:MAX" for an elastic run
+    auto_notes: tuple[str, ...] = ()  # what "auto" precision/compile became, and why (runtime.auto)
 
     @property
     def multi_node(self) -> bool:
@@ -79,13 +80,18 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     from shardwise.device import default_nproc
     from shardwise.job.rundir import default_run_dir
     from shardwise.launch import check_launch_flags
+    from shardwise.parallel.registry import get_strategy
     from shardwise.preflight import check_run
+    from shardwise.runtime.auto import resolve_compile_in, resolve_precision_in
 
     overrides = list(args.overrides)
     if args.strategy:
         check_text("--strategy", args.strategy)
         overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
     cfg = load_config(args.recipe, overrides)
+    # "auto" precision is decided before the checks (the planner predicts its bytes), compile after
+    # them (it asks the resolved strategy); config.toml records both, so a resumed run keeps them.
+    cfg, auto_notes = resolve_precision_in(cfg)
     nnodes_text = str(getattr(args, "nnodes", None) or 1)
     nnodes, most = check_launch_flags(args.nproc, nnodes_text, getattr(args, "node_rank", None) or 0,
                                       getattr(args, "rdzv_endpoint", ""), getattr(args, "max_restarts", 0))
@@ -93,9 +99,13 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     checked = check_run(cfg, nproc * nnodes, ranks_per_node=nproc, workload=workload, meta=meta)
     out = Path(getattr(args, "out", None) or cfg.out_dir or default_run_dir(cfg.name, checked.layout.strategy))
     cfg = replace_in(checked.config, **{"parallel.nproc": nproc, "out_dir": str(out)})
+    # Nodes of one job decide from the priors alone: their caches differ, their configs may not.
+    cfg, compile_notes = resolve_compile_in(cfg, get_strategy(checked.layout), world_size=nproc * nnodes,
+                                            measured=nnodes == 1 and most == nnodes)
     # A multi-node run without --out proposes this default; the first node's proposal wins
     # (job.multinode.agree), so the nodes' clocks never need to agree.
-    return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "")
+    return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "",
+                       auto_notes=(*auto_notes, *compile_notes))
 
 
 def _use_run_config_for_resume(args: argparse.Namespace) -> None:
@@ -156,7 +166,7 @@ def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
     nodes = f" ({run.nnodes_range or run.nnodes} nodes x {run.nproc})" if run.multi_node else ""
     lines = [f"dry run of `shardwise {what}`: every check passed; no rank was started, nothing was written.",
              f"run: {cfg.name}, {layout.world_size} rank(s){nodes}, run directory {run.out}",
-             layout.describe(checked.cp_impl)]
+             layout.describe(checked.cp_impl), *run.auto_notes]
     model = checked.meta_model
     if model is None:
         lines.append("memory: no prediction (the model factory cannot build on the meta device; "
@@ -246,6 +256,8 @@ def run_train(args: argparse.Namespace) -> int:
             return _dry_run(resolve_run(args), args)
     run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
+    for note in run.auto_notes:
+        print(f"shardwise: {note}", file=sys.stderr, flush=True)
     launch_id = new_launch_id()
     agreement, rdzv_id = None, ""
     if run.multi_node:

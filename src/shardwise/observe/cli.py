@@ -1,6 +1,8 @@
 """``shardwise profile RUN_DIR``: the top ops and the compute / communication / data split per rank.
 
-Reads the traces a run with ``[profile] enabled = true`` wrote (``RUN_DIR/profile/rank*.pt.trace.json``)
+For a run directory it first prints the run's per-rank step-phase table (summary.json's
+``step_phases``, observe/step_phases.py: every run has it, profiled or not), then reads the traces
+a run with ``[profile] enabled = true`` wrote (``RUN_DIR/profile/rank*.pt.trace.json``)
 or any torch.profiler Chrome trace file(s) given directly.
 """
 
@@ -12,6 +14,7 @@ import re
 from pathlib import Path
 
 from shardwise.errors import ConfigError
+from shardwise.observe.step_phases import format_table
 
 _RANK_RE = re.compile(r"rank(\d+)\.pt\.trace\.json(\.gz)?$")
 
@@ -28,6 +31,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="only this rank (repeatable; default: every rank with a trace)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
+
+
+def step_phase_tables(paths: list[str]) -> dict[str, dict]:
+    """Run directory -> its summary.json's per-rank step-phase table, for the run directories in ``paths``."""
+    tables = {}
+    for raw in paths:
+        summary = Path(raw) / "summary.json"
+        if summary.is_file():
+            try:
+                table = json.loads(summary.read_text()).get("step_phases")
+            except (OSError, ValueError):
+                continue
+            if table:
+                tables[raw] = table
+    return tables
+
+
+def _has_traces(raw: str) -> bool:
+    path = Path(raw)
+    if path.is_file():
+        return True
+    folder = path / "profile" if (path / "profile").is_dir() else path
+    return folder.is_dir() and any(_RANK_RE.search(p.name) for p in folder.iterdir())
 
 
 def find_traces(paths: list[str]) -> list[Path]:
@@ -55,6 +81,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.top < 0:
         raise ConfigError(f"--top must be >= 0, got {args.top}.")
+    tables = step_phase_tables(args.paths)
+    if tables and not args.json:
+        for run_dir, table in tables.items():
+            print(f"{run_dir}: step phases per rank (ms per step)\n{format_table(table)}\n")
+    if tables and not any(_has_traces(p) for p in args.paths):
+        if args.json:
+            print(json.dumps({"step_phases": tables}, indent=2))
+        return 0  # a run without profiler traces: its step-phase table is the profile there is
     summaries = []
     for path in find_traces(args.paths):
         summary = summarize(load_trace(path), top=args.top)

@@ -48,13 +48,34 @@ def is_compiled(module: nn.Module) -> bool:
     return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
 
 
+def toolchain_refusal(device_type: str) -> str | None:
+    """Why inductor cannot generate code for ``device_type`` on this machine (None when it can)."""
+    if device_type == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang", "c++", "g++")):
+        return ("on the CPU inductor needs a C/C++ compiler (it generates C++ kernels), but none of cc, gcc, "
+                "clang, c++, g++ is on PATH (install one, e.g. apt-get install g++)")
+    return None
+
+
+def compile_refusal(strategy: Strategy, options: ParallelConfig, device_type: str) -> str | None:
+    """Why ``train.compile`` cannot run under ``strategy`` with ``options`` on this machine (None: it can).
+
+    ``check_compile`` raises it for an explicit ``true``; ``train.compile = "auto"`` turns compile off
+    for it (shardwise.runtime.auto).
+    """
+    reason = strategy.compile_unsupported(options)
+    if reason:
+        return f"strategy {strategy.name!r} cannot compile: {reason}"
+    if options.cp > 1:
+        return ("context parallel (parallel.cp > 1) does not compile yet: the all-to-all attention is routed "
+                "by a TorchFunctionMode")
+    return toolchain_refusal(device_type)
+
+
 def check_compile_toolchain(device_type: str) -> None:
     """Raise ConfigError when inductor cannot generate code for ``device_type`` on this machine."""
-    if device_type == "cpu" and not any(shutil.which(cc) for cc in ("cc", "gcc", "clang", "c++", "g++")):
-        raise ConfigError(
-            "train.compile = true on the CPU needs a C/C++ compiler (inductor generates C++ kernels), "
-            "but none of cc, gcc, clang, c++, g++ is on PATH. Install one (e.g. apt-get install g++), "
-            "or set train.compile = false.")
+    reason = toolchain_refusal(device_type)
+    if reason:
+        raise ConfigError(f"train.compile = true cannot run: {reason}; or set train.compile = false.")
 
 
 def check_compile(strategy: Strategy, options: ParallelConfig, device_type: str) -> None:

@@ -3,8 +3,11 @@
 DeepSpeed is an optional engine (``pip install shardwise[deepspeed]``). On a machine without a
 CUDA device it runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here before the first
 import). Its ops (CPU Adam, async I/O for NVMe) are compiled just in time on first use, which
-takes minutes: the build directory (``TORCH_EXTENSIONS_DIR``) defaults to a per-user cache, so
-every later run reuses them. NVMe offload (ZeRO-Infinity) needs Linux AIO (Debian: ``libaio-dev``)
+takes minutes: the build directory (``TORCH_EXTENSIONS_DIR``) defaults to a per-user cache keyed by
+what a build depends on (``extensions_key``: DeepSpeed's version and install path, torch's version,
+Python's, the compiler and its flags), so every later run of the same environment reuses its own
+builds, and two environments (two virtual environments on one machine) never rebuild each other's.
+NVMe offload (ZeRO-Infinity) needs Linux AIO (Debian: ``libaio-dev``)
 to build its async I/O op and a writable ``parallel.nvme_path`` with room for the swapped state.
 Each missing piece is one ConfigError paragraph here, never a JIT-build traceback on every rank.
 """
@@ -16,6 +19,8 @@ import ctypes.util
 import fcntl
 import os
 import shutil
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,14 +36,50 @@ NVME_HEADROOM = 1.1
 LIBAIO_HEADER = "/usr/include/libaio.h"
 
 
+def deepspeed_identity() -> tuple[str, str]:
+    """(version, install path) of the deepspeed package this interpreter imports, without importing it."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    path = str(Path(spec.origin).parent.resolve()) if spec is not None and spec.origin else ""
+    try:
+        version = importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    return version, path
+
+
+# What a JIT build's result depends on beyond DeepSpeed and torch: the compiler and its flags.
+BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "TORCH_CUDA_ARCH_LIST", "DS_ACCELERATOR", "CUDA_HOME")
+
+
+def extensions_key() -> str:
+    """The build cache's key: DeepSpeed's version and install path, torch's and Python's versions, the
+    compiler flags. Two environments with any of them different build (and keep) their own ops."""
+    import hashlib
+    import sys
+
+    import torch
+
+    parts = [*deepspeed_identity(), torch.__version__, sys.version.split()[0], sys.platform,
+             *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def extensions_root() -> Path:
+    """Where every environment's builds live: ``~/.cache/shardwise/torch_extensions`` (XDG_CACHE_HOME)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "shardwise" / "torch_extensions"
+
+
 def prepare_environment() -> None:
     """Set the environment DeepSpeed reads at import time (callers' own values win)."""
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "shardwise" / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root() / extensions_key()))
 
 
 def import_deepspeed() -> ModuleType:
@@ -92,6 +133,24 @@ def build_ops() -> list[str]:
     test's timeout includes minutes of compiling. Returns the ops now loaded; the async I/O op is
     skipped where Linux AIO is missing (NVMe offload is then refused by ``check_libaio``).
     """
+    prepare_environment()
+    builders = _compatible_builders()
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    with _build_guard([b.NAME for b in builders]):
+        for builder in builders:
+            built = _built(root, builder.NAME)
+            if not built:
+                print(f"shardwise: building DeepSpeed's {builder.NAME} op for this environment into {root} "
+                      f"({_last_build(builder.NAME)}); later runs reuse it", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            builder.load(verbose=False)
+            if not built:
+                _record_build(builder.NAME, time.perf_counter() - t0)
+    return [b.NAME for b in builders]
+
+
+def _compatible_builders() -> list:
+    """DeepSpeed's builders of ``JIT_OPS`` that this machine can build (async I/O only with Linux AIO)."""
     import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
@@ -102,10 +161,46 @@ def build_ops() -> list[str]:
             continue
         if builder.is_compatible(verbose=False):
             builders.append(builder)
-    with _build_guard([b.NAME for b in builders]):
-        for builder in builders:
-            builder.load(verbose=False)
-    return [b.NAME for b in builders]
+    return builders
+
+
+BUILD_TIMES = "build_times.json"  # op -> seconds its last build took (any environment), in extensions_root()
+
+
+def _built(root: Path, name: str) -> bool:
+    """Whether torch's JIT cache in ``root`` already holds op ``name``'s library."""
+    return any((root / name).glob(f"{name}*.so"))
+
+
+def _last_build(name: str) -> str:
+    import json
+
+    try:
+        seconds = json.loads((extensions_root() / BUILD_TIMES).read_text()).get(name)
+    except (OSError, ValueError, AttributeError):
+        seconds = None
+    if isinstance(seconds, (int, float)):
+        return f"its last build took {seconds:.0f} s"
+    return "a first build takes minutes"
+
+
+def _record_build(name: str, seconds: float) -> None:
+    import json
+
+    from shardwise.fsutil import atomic_write_json
+
+    path = extensions_root() / BUILD_TIMES
+    try:
+        times = json.loads(path.read_text())
+        times = times if isinstance(times, dict) else {}
+    except (OSError, ValueError):
+        times = {}
+    times[name] = round(seconds, 1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, times)
+    except OSError:
+        pass  # the next build says "a first build takes minutes" instead: nothing else depends on it
 
 
 def check_deepspeed_installed() -> None:

@@ -244,7 +244,10 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
     """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
     arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes.
     ``plain_ce``: the loss is the token-mean CE (``Workload.plain_token_ce``), else never chunked."""
-    return predict_run(spec, layout, precision=cfg.parallel.precision, seq=seq,
+    from shardwise.runtime.auto import resolve_precision
+
+    # "auto" as this machine's ranks resolve it (a run's own config is already resolved).
+    return predict_run(spec, layout, precision=resolve_precision(cfg.parallel.precision).value, seq=seq,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,

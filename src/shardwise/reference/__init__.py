@@ -1,7 +1,8 @@
 """Reference implementations for ``shardwise bench``: the loops users would write without shardwise.
 
-``torch-ddp`` (DistributedDataParallel), ``torch-fsdp2`` (per-block ``fully_shard``) and
-``accelerate`` (a plain Hugging Face Accelerate loop) train the same workload as shardwise's
+``torch-ddp`` (DistributedDataParallel), ``torch-fsdp2`` (per-block ``fully_shard``),
+``accelerate`` (a plain Hugging Face Accelerate loop) and ``fabric`` (a plain Lightning Fabric
+loop) train the same workload as shardwise's
 strategies -- the same model, data order, seed, optimizer, schedule and clipping -- but nothing of
 shardwise runs inside their step: each initialises its own process group, wraps the model itself
 and writes its loop out. shardwise code is used only around the loop, to build the workload from
@@ -22,9 +23,10 @@ from shardwise.errors import ConfigError
 # name -> module run by torchrun
 REFERENCES = {"torch-ddp": "shardwise.reference.torch_ddp",
               "torch-fsdp2": "shardwise.reference.torch_fsdp2",
-              "accelerate": "shardwise.reference.accelerate_loop"}
+              "accelerate": "shardwise.reference.accelerate_loop",
+              "fabric": "shardwise.reference.fabric_loop"}
 # shardwise strategy -> the plain loops it is compared with (overhead ratio in the bench table)
-PAIRS = {"ddp": ("torch-ddp", "accelerate"), "fsdp": ("torch-fsdp2",)}
+PAIRS = {"ddp": ("torch-ddp", "accelerate", "fabric"), "fsdp": ("torch-fsdp2",)}
 PRECISIONS = ("fp32", "bf16-mixed")
 
 
@@ -32,9 +34,13 @@ def is_reference(name: str) -> bool:
     return name in REFERENCES
 
 
+# reference -> (the library it needs, the shardwise extra that installs it)
+LIBRARIES = {"accelerate": ("accelerate", "accelerate"), "fabric": ("lightning_fabric", "fabric")}
+
+
 def installed(name: str) -> bool:
-    """Whether the library reference ``name`` needs is importable (only accelerate needs one)."""
-    return name != "accelerate" or importlib.util.find_spec("accelerate") is not None
+    """Whether the library reference ``name`` needs is importable (accelerate and fabric need one)."""
+    return name not in LIBRARIES or importlib.util.find_spec(LIBRARIES[name][0]) is not None
 
 
 def check_reference(name: str, cfg: RunConfig) -> None:
@@ -42,8 +48,9 @@ def check_reference(name: str, cfg: RunConfig) -> None:
     if name not in REFERENCES:
         raise ConfigError(f"unknown reference implementation {name!r}; valid: {', '.join(REFERENCES)}.")
     if not installed(name):
-        raise ConfigError("the 'accelerate' reference needs Hugging Face Accelerate: "
-                          "pip install 'shardwise[accelerate]' (or drop it from --strategies).")
+        library, extra = LIBRARIES[name]
+        raise ConfigError(f"the {name!r} reference needs the {library} package: "
+                          f"pip install 'shardwise[{extra}]' (or drop it from --strategies).")
     p = cfg.parallel
     unsupported = []
     if p.precision not in PRECISIONS:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.config import RunConfig, TrainConfig, load_config
+from shardwise.runtime.auto import compile_flag, peer_defaults
 
 
 def parse_args(impl: str, argv: list[str] | None = None) -> tuple[RunConfig, Path]:
@@ -41,7 +42,8 @@ def parse_args(impl: str, argv: list[str] | None = None) -> tuple[RunConfig, Pat
     p.add_argument("config", help="a resolved shardwise config.toml")
     p.add_argument("--out", required=True, help="run directory (summary.json is written there)")
     args = p.parse_args(argv)
-    return load_config(args.config), Path(args.out)
+    # "auto" settings run as a plain loop runs by default (fp32, eager): peers' defaults.
+    return peer_defaults(load_config(args.config)), Path(args.out)
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -56,7 +58,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def compile_blocks(model: nn.Module, t: Any) -> nn.Module:
     """With ``train.compile = true``, ``torch.compile`` each transformer block, as torchtitan does
     (before DDP/FSDP wrap them), so compiled shardwise runs meet compiled plain loops."""
-    if not getattr(t, "compile", False):
+    if compile_flag(getattr(t, "compile", "false")) != "true":
         return model
     from shardwise.parallel.fsdp import transformer_blocks
 

@@ -45,10 +45,11 @@ from shardwise.logs import LOGGER_NAME
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import clean_name
-from shardwise.parallel.compile import check_compile, compile_loss
+from shardwise.parallel.compile import check_compile, compile_loss, compile_refusal
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.registry import get_strategy
+from shardwise.runtime.auto import resolve_compile, resolve_precision
 from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.progress import ProgressBar
@@ -85,7 +86,7 @@ class Session:
                  grad_accum_steps: int = 1, seed: int = 1337,
                  parallel: ParallelConfig | None = None,
                  collective_timeout_s: float = 1800.0, launch_id: str | None = None,
-                 compile: bool = False, loss_chunks: int | str = "auto") -> None:
+                 compile: bool | str = "auto", loss_chunks: int | str = "auto", steps: int | None = None) -> None:
         options = parallel or ParallelConfig()
         # The caller's config is never modified: the arguments make a new one.
         if parallel is None or strategy != "auto":
@@ -97,8 +98,10 @@ class Session:
         if grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.options = options
-        # torch.compile each transformer block in prepare() (and the loss, see compile_loss).
-        self.compile = bool(compile)
+        # torch.compile each transformer block in prepare() (and the loss, see compile_loss); "auto"
+        # is resolved below, once the device and strategy are known (``steps``: the run's length,
+        # for its estimate; shardwise.runtime.auto).
+        self.compile = False
         # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
         from shardwise.loss import parse_loss_chunks
 
@@ -121,6 +124,11 @@ class Session:
         self.world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
+        # parallel.precision / train.compile = "auto": decided for this device (shardwise.runtime.auto).
+        precision_choice = resolve_precision(options.precision, self.device)
+        options = self.options = dataclasses.replace(options, precision=precision_choice.value)
+        if precision_choice.auto:
+            self.log(f"parallel.precision = 'auto' -> {precision_choice.value!r} ({precision_choice.reason})")
         # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
         # shard group, and the planner's intra-node links in the trainer's prediction.
         self.ranks_per_node = ranks_per_node(self.world_size, nproc=options.nproc,
@@ -129,6 +137,11 @@ class Session:
         self.layout: Layout = resolve_layout(options, self.world_size, ranks_per_node=self.ranks_per_node)
         self.strategy: Strategy = get_strategy(self.layout)
         check_precision(options.precision, self.device.type)
+        self.compile_choice = resolve_compile(compile, self.device, steps=steps,
+                                              unsupported=compile_refusal(self.strategy, options, self.device.type))
+        self.compile = bool(self.compile_choice.value)
+        if self.compile_choice.auto:
+            self.log(f"train.compile = 'auto' -> {str(self.compile).lower()} ({self.compile_choice.reason})")
         self.backend = self.strategy.process_group_backend(self.device)
         self.strategy_name = self.strategy.name
         self.grad_accum_steps = grad_accum_steps
@@ -166,6 +179,9 @@ class Session:
         # What an engine strategy (DeepSpeed) fills its "auto" values from, set before prepare():
         # micro_batch_size, weight_decay (the built-in trainer sets them; see parallel/deepspeed.py).
         self.engine_hints: dict[str, Any] = {}
+        # observe.step_phases.StepPhases once time_phases() was called: forward_backward, step and
+        # save mark their phases in it.
+        self.phases: Any = None
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -491,7 +507,8 @@ class Session:
         work under every strategy.
         """
         inputs, targets = self._cp_chunk(inputs, targets)
-        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn:
+        timed = self.phases.forward_backward() if self.phases is not None else contextlib.nullcontext()
+        with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn, timed:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
 
     @torch.no_grad()
@@ -550,8 +567,10 @@ class Session:
         fp16-mixed the loss scaler already skips steps with non-finite gradients (and lowers its
         scale), so only ``loss`` decides there.
         """
+        if self.phases is not None:
+            self.phases.start("optimizer")
         if self.strategy.owns_step:
-            return self._engine_step(optimizer, max_norm, skip_nonfinite, loss)
+            return self._phase_done("optimizer", self._engine_step(optimizer, max_norm, skip_nonfinite, loss))
         if self._scaler is not None:
             self._scaler.unscale_(optimizer)
         norm_t = self.clip_grad_norm(max_norm)
@@ -579,7 +598,29 @@ class Session:
         self.steps_taken += 1
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return self.last_grad_norm
+        return self._phase_done("optimizer", self.last_grad_norm)
+
+    def _phase_done(self, phase: str, result: Any) -> Any:
+        """Close ``phase`` in the step-phase timer (if any); return ``result``."""
+        if self.phases is not None:
+            self.phases.stop(phase)
+        return result
+
+    def time_phases(self) -> Any:
+        """Start timing this rank's step phases; return the ``observe.step_phases.StepPhases``.
+
+        Collective (it learns every rank's host name). Call after ``prepare``; then mark each step
+        with ``phases.begin_step()`` / ``phases.end_step(data_wait_s)``, and call ``phases.window()``
+        on every rank at each logging step: rank 0 gets the slowest rank and spread per phase, and a
+        line naming a consistently slow rank. The built-in trainer does all of this.
+        """
+        from shardwise.observe.step_phases import StepPhases
+
+        assert self.model is not None, "call session.prepare() first"
+        if self.phases is None:
+            self.phases = StepPhases(self.rank, self.world_size, self.device, is_distributed=self.is_distributed)
+            self.phases.attach(self.model)
+        return self.phases
 
     def _engine_step(self, optimizer: Any, max_norm: float, skip_nonfinite: bool,
                      loss: torch.Tensor | None) -> torch.Tensor:
@@ -709,6 +750,8 @@ class Session:
                   **self.checkpoint_pieces}
         if self._watchdog is not None:
             self._watchdog.beat(phase="checkpoint save")
+        if self.phases is not None:
+            self.phases.start("checkpoint")
         engine_io = self.strategy.checkpoint_io()
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
             sched_state = scheduler_state(scheduler) if scheduler is not None else None
@@ -716,7 +759,7 @@ class Session:
                                  scheduler_state=sched_state, keep_last=keep_last, on_written=on_written)
             if self._watchdog is not None:
                 self._watchdog.beat(phase="train")
-            return out
+            return self._phase_done("checkpoint", out)
         # Every piece's state is checked on every rank before any file is written (save_checkpoint).
         out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
                               world_size=self.world_size, keep_last=keep_last, on_written=on_written,
@@ -724,7 +767,7 @@ class Session:
                               job=self.launch_id, pieces=pieces)
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
-        return out
+        return self._phase_done("checkpoint", out)
 
     def load(self, path: str | os.PathLike, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, loader: ShardedLoader | None = None,

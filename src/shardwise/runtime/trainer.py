@@ -28,6 +28,7 @@ from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
+from shardwise.observe.step_phases import format_table as format_phase_table
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.optim.build import build_optimizer as build_named_optimizer
 from shardwise.optim.build import check_optimizer, optimizer_name
@@ -40,6 +41,7 @@ from shardwise.plan.predict import format_comparison, model_name, predict_for_sp
 from shardwise.plan.spec import from_module
 from shardwise.preference.step import build_objective
 from shardwise.runtime import ledger
+from shardwise.runtime.auto import job_key, record_run, resolved_config
 from shardwise.runtime.checkpoint import (
     latest_checkpoint,
     resume_source,
@@ -125,8 +127,10 @@ class Trainer:
         self.session = session or Session(
             parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
             collective_timeout_s=cfg.watchdog.collective_timeout_s, launch_id=launch_id,
-            compile=t.compile, loss_chunks=t.loss_chunks,
+            compile=t.compile, loss_chunks=t.loss_chunks, steps=t.steps,
         )
+        # What the session decided for "auto" precision/compile (runtime.auto) is what this run records.
+        self.cfg = cfg = resolved_config(cfg, self.session)
         # A node that rejoins a multi-node job after a node loss starts over at torchrun's restart
         # count 0 while the surviving nodes count on: the job's attempt is the largest, so every
         # rank decides the same way whether to resume.
@@ -352,7 +356,9 @@ class Trainer:
     def _loop(self, tokens_per_step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
         s, t, st, ck = self.session, self.cfg.train, self.state, self.cfg.checkpoint
         bar = s.progress(t.steps, desc="train", enabled=t.progress, initial=st.step)
-        batches = self.train_loader.forever()
+        # Every rank's step phases (observe.step_phases): gathered at logging steps, slow ranks named.
+        phases = s.time_phases()
+        batches = faults.slow_rank(self.train_loader.forever(), s.unwrap(self.model), s.rank)  # SHARDWISE_DEBUG_SLOW
         if rng is not None:
             # DataLoader draws its base seed from the global RNG when an epoch's iterator is
             # created. Mid-epoch, the uninterrupted run drew it before the save, so create the
@@ -370,17 +376,21 @@ class Trainer:
             # Only logging and checkpoint steps wait for the device: the loss, the non-finite
             # flag and the stop signal are settled there in one all-reduce (``_agree``). Other
             # steps only queue work, so the host runs ahead of the device.
+            phases.begin_step()
             t0 = time.perf_counter()
             self.data_wait_s = 0.0
             loss, grad_norm = self.train_step(batches, measure=log_step)
             if log_step or save_step:
+                phases.start("collective")  # the agreement waits for every rank's step
                 mean_loss, stop = self._agree(loss)
+                phases.stop("collective")
             else:  # one process needs no agreement: its own flag is the answer
                 stop = not s.is_distributed and self._stop_signal is not None
             # Record data counts real tokens (not padding) for tokens/s and MFU.
             self.meter.add_step(time.perf_counter() - t0, self.data_wait_s,
                                 tokens=self.real_tokens if self.workload.token_loss or self.objective else None)
             self.real_tokens = 0
+            phases.end_step(self.data_wait_s)
             self.hooks.step(st.step)
             if log_step:
                 st.last_train_loss = mean_loss
@@ -393,6 +403,9 @@ class Trainer:
                           "grad_norm": float(grad_norm), **window}
                 if t.nonfinite == "skip":
                     record["skipped_steps"] = self.skipped_steps
+                record.update(phases.window())  # every rank: one small gather
+                if "slow_rank_message" in record:
+                    s.log(f"step {st.step}: {record['slow_rank_message']}")
                 # [issue 20] MoE routing over the window (every rank: one small all-reduce); {} if dense.
                 moe = take_moe_stats(self.model)
                 record.update(moe)
@@ -436,6 +449,11 @@ class Trainer:
         # Per-rank bytes in parameters/gradients/optimizer state and peak (a collective), each
         # next to the planner's prediction for that rank.
         summary["memory"] = memory = ledger.collect(s, self.model, self.optimizer)
+        if s.is_main:
+            summary["step_phases"] = phases.summary()
+            s.log("step phases per rank (ms per step)\n" + format_phase_table(summary["step_phases"]))
+            # This job's measured step times: train.compile = "auto" decides from them next time.
+            record_run(job_key(self.cfg, s.device, s.world_size), s.compile, phases.host_step_s)
         predicted = {r.rank: r.to_dict() for r in self.prediction.ranks}
         for entry in memory["ranks"]:
             entry["predicted"] = predicted[entry["rank"]]
@@ -607,7 +625,7 @@ class Trainer:
             # peak_tflops_per_device, peak_source, devices (observe.throughput)
             **self.meter.summary(),
             "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
-            "compile": self.cfg.train.compile,
+            "compile": self.session.compile,
         }
 
     def sample(self) -> str | None:
