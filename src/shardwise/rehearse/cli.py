@@ -75,8 +75,8 @@ def check_fake_rehearsable(layout: Any) -> None:
     blocked = [FAKE_LIMITS[d] for d in FAKE_LIMITS if getattr(layout, d) > 1]
     if blocked:
         raise ConfigError("this layout cannot be rehearsed on fake tensors: " + "; ".join(blocked) + ". Rehearse "
-                          "the same run without that dimension (its other degrees unchanged) to check the rest, "
-                          "or play the rank on a real GPU with --device cuda (real tensors, fake collectives).")
+                          "the same run without that dimension (its other degrees unchanged) to check the rest; "
+                          "the planner's figures for that dimension stay unchecked by a rehearsal.")
 
 
 def rehearse(args: argparse.Namespace) -> dict[str, Any]:
