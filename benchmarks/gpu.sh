@@ -10,6 +10,7 @@
 #   3. NCCL: ddp and fsdp on 2 GPUs when there are 2 or more, else fsdp on 1 GPU (one NCCL rank)
 #   4. fsdp-offload: FSDP2 CPUOffloadPolicy with pinned host memory
 #   5. the profiler with a CUDA memory snapshot (the pickle pytorch.org/memory_viz opens)
+#   6. shardwise rehearse --device cuda: rank 0 of llama-3-8b on 8 GPUs (fsdp) played on this one GPU
 # and prints tokens/s, MFU, peak memory per rank for each. Every step runs even when an earlier one
 # fails; the script exits 1 if any step failed (each failure is named at the end), 77 when there is
 # no GPU at all (the automake "skipped" code: nothing was measured), 0 only when everything passed.
@@ -106,6 +107,26 @@ print(f'== memory snapshot: {len(s[\"segments\"])} segments, {sum(len(t) for t i
         FAILED+=("memory-snapshot")
     fi
 fi
+
+# --- one real GPU plays one rank of a bigger job (shardwise rehearse --device cuda) ---------------
+# Rank 0 of llama-3-8b trained with fsdp on 8 GPUs: real tensors on this GPU, fake collectives, so
+# max_memory_allocated and the step time are that rank's real ones (the planner's ground truth).
+# Time-boxed on its own (REHEARSE_TIMEOUT_S, default 240 s) so the whole script stays short.
+rehearse_one_gpu_rank() {
+    local name="rehearse-llama-3-8b-rank0-of-8" log="$OUT/rehearse-llama-3-8b-rank0-of-8.txt"
+    echo "gpu.sh: $name ..." >&2
+    if ! timeout "${REHEARSE_TIMEOUT_S:-240}" "$PY" -m shardwise rehearse hf-shakespeare --device cuda --ranks 0 \
+            --steps 3 --nproc 8 --strategy fsdp --set model.kind=hf --set model.hf_config=llama-3-8b \
+            --set model.overrides.block_size=8192 --set parallel.precision=bf16-mixed \
+            --set parallel.activation_checkpointing=full --set train.micro_batch_size=1 \
+            --set train.grad_accum_steps=2 --rank-timeout "${REHEARSE_TIMEOUT_S:-240}" | tee "$log"; then
+        echo "gpu.sh: FAILED: $name (see $log)" >&2
+        FAILED+=("$name")
+        return 1
+    fi
+    echo "== $name: $(grep '^verdict:' "$log")"
+}
+rehearse_one_gpu_rank
 
 if (( ${#FAILED[@]} )); then
     echo "gpu.sh: ${#FAILED[@]} step(s) FAILED: ${FAILED[*]}" >&2
