@@ -62,6 +62,10 @@ def _check_runs(report: dict) -> None:
             assert by_col[col]["within"], (rank["rank"], by_col[col])
         assert by_col["param_bytes"]["measured"] > 0 and by_col["optim_bytes"]["measured"] > 0
         assert any(c["dim"] != "?" for c in rank["collectives"]), rank["collectives"]
+        # DCP's save plan for this rank (nothing written) covers its parameters and optimizer state:
+        # the same bytes the tracker counts, less non-persistent buffers (2% as for model state).
+        state = by_col["param_bytes"]["measured"] + by_col["optim_bytes"]["measured"]
+        assert abs(rank["save_plan"]["tensor_bytes"] - state) <= 0.02 * state, (rank["save_plan"], state)
     assert report["verdict"].startswith(report["title"] + ": runs; rank ")
 
 
@@ -96,3 +100,14 @@ def test_scale_only_defect_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert cli.cmd_rehearse(args) == 2
     out = capsys.readouterr().out
     assert "refused on rank 0: planted defect: this model refuses world size 64 (> 8)." in out
+
+
+def test_rehearsal_of_a_pretrained_folder(tmp_path: Path) -> None:
+    """A pretrained folder's config.json is the architecture; its weights are never read (fake tensors)."""
+    from tests.helpers.hf import save_tiny
+
+    folder = save_tiny(tmp_path / "llama")
+    report = cli.rehearse(_args("hf-shakespeare", f'model.pretrained="{folder}"', 'model.hf_config=""',
+                                "model.overrides.block_size=16", "train.micro_batch_size=4",
+                                strategy="fsdp", nnodes=8))
+    _check_runs(report)

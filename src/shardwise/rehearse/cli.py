@@ -65,8 +65,8 @@ FAKE_LIMITS = {
           "delivers none",
     "ep": "expert parallel (parallel.ep > 1): the token dispatch sizes its all-to-all from the router's "
           "counts (bincount), whose output shape depends on values fake tensors do not have",
-    "cp": "context parallel (parallel.cp > 1): on fake tensors transformers builds an explicit causal mask "
-          "for the local chunk, which the context-parallel attention refuses",
+    "cp": "context parallel (parallel.cp > 1): transformers counts a fake tensor as tracing and then builds an "
+          "explicit causal mask for the local chunk, which the context-parallel attention refuses",
 }
 
 

@@ -98,6 +98,12 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {cu['device_name']}: max_memory_allocated {cu['max_memory_allocated'] / GIB:.2f} GiB, "
                          f"reserved {cu['max_memory_reserved'] / GIB:.2f} GiB, "
                          f"step {min(rank['step_s']):.3f} s")
+        plan = rank.get("save_plan") or {}
+        if "not_rehearsed" in plan:
+            lines.append(f"  checkpoint save plan: not rehearsed ({plan['not_rehearsed']})")
+        elif plan:
+            lines.append(f"  checkpoint save plan (DCP, this rank, nothing written): {plan['tensor_items']} tensor "
+                         f"chunk(s), {plan['tensor_bytes'] / MIB:.2f} MiB, {plan['other_items']} other item(s)")
         if rank["collectives"]:
             lines.append("  collectives in one step (op, mesh dimension, count, buffer MiB):")
             lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"

@@ -73,6 +73,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
 
     from shardwise.config import load_config
     from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes
+    from shardwise.rehearse.save_plan import local_save_plan
     from shardwise.runtime.session import Session
     from shardwise.runtime.trainer import build_optimizer
     from shardwise.workloads import build_workload
@@ -126,9 +127,14 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         memory = probe.result()
         with collectives:
             one_step()
+    try:
+        # Outside the fake mode: DCP computes each shard's offset from the mesh's real coordinates.
+        save_plan = local_save_plan(model, optimizer, rank=spec.rank, trainable_only=session.trainable_only)
+    except Exception as e:  # noqa: BLE001 - reported as not rehearsed, never as a number
+        save_plan = {"not_rehearsed": f"{type(e).__name__}: {str(e)[:300]}"}
     result: dict[str, Any] = {
         "rank": spec.rank, "device": spec.device, "coords": session.layout.coords(spec.rank),
-        "memory": memory, "modules": memory.pop("modules"), "collectives": collectives.result(),
+        "memory": memory, "modules": memory.pop("modules"), "save_plan": save_plan, "collectives": collectives.result(),
         "collective_steps": 1, "prepare_s": round(prepared_s, 3), "step_s": [round(s, 4) for s in step_s],
         "wall_s": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes(), "notes": notes,
     }
