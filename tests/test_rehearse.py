@@ -111,3 +111,34 @@ def test_rehearsal_of_a_pretrained_folder(tmp_path: Path) -> None:
                                 "model.overrides.block_size=16", "train.micro_batch_size=4",
                                 strategy="fsdp", nnodes=8))
     _check_runs(report)
+
+
+def test_plan_rehearse_plays_the_top_recommendation(capsys: pytest.CaptureFixture) -> None:
+    """``plan --rehearse``: the recommendation, run as its printed command would run it, at 64 ranks."""
+    from shardwise.cli import main
+
+    code = main(["plan", "--hf-config", "llama-tiny", "--gpus-per-node", "8", "--nodes", "8", "--seq", "128",
+                 "--pp", "1", "--cp", "1", "--rehearse", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = out[out.index("rehearsed (fake tensors"):]
+    assert " runs\n" in table and "on 8x8 h100-sxm" in table, table
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"device": "cuda"}, "--device cuda plays a rank on this machine's GPU"),
+    ({"gpu": "nope"}, "unknown GPU kind 'nope'"),
+    ({"strategy": "zero3-offload"}, "runs DeepSpeed's engine"),
+])
+def test_bad_rehearsals_are_refused_before_any_rank_starts(flags: dict, message: str) -> None:
+    import torch
+
+    if flags.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is allowed here")
+    args = _args("gpt-shakespeare", strategy=flags.get("strategy"), nnodes=1)
+    for key in ("device", "gpu"):
+        if key in flags:
+            setattr(args, key, flags[key])
+    with pytest.raises(ConfigError, match=message) as e:
+        cli.rehearse(args)
+    assert "\n" not in str(e.value)

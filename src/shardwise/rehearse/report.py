@@ -47,6 +47,11 @@ def _measured_peak(rank: dict[str, Any]) -> int:
     return int(cuda["max_memory_allocated"]) if cuda else int(rank["memory"]["peak"].get("peak_bytes", 0))
 
 
+def _size(nbytes: int) -> str:
+    """GiB for a real model's sizes, MiB below one GiB (a tiny test model's would print 0.00 GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
+
+
 def _verdict(title: str, outcome: str, ranks: list[dict[str, Any]], budget_gib: float | None) -> str:
     if outcome == "failed":
         r = next(r for r in ranks if "failed" in r)
@@ -57,9 +62,9 @@ def _verdict(title: str, outcome: str, ranks: list[dict[str, Any]], budget_gib: 
     top = max(ranks, key=_measured_peak)
     peak = _measured_peak(top)
     planned = next((c["predicted"] for c in top["comparison"] if c["column"] == "peak_bytes"), None)
-    text = f"{title}: runs; rank {top['rank']} peaks at {peak / GIB:.2f} GiB"
+    text = f"{title}: runs; rank {top['rank']} peaks at {_size(peak)}"
     if planned is not None:
-        text += f", planned {planned / GIB:.2f} GiB"
+        text += f", planned {_size(planned)}"
     if budget_gib is not None:
         fits = "fits" if peak <= budget_gib * GIB else "does NOT fit"
         text += f", {fits} the {budget_gib:.1f} GiB budget"

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +160,6 @@ def main(argv: list[str] | None = None) -> int:
                   "traceback": traceback.format_exc(limit=12)}
     Path(spec.result_path).write_text(json.dumps(result, default=str), encoding="utf-8")
     return 0
-
-
-def spec_json(spec: PlaySpec) -> str:
-    return json.dumps(asdict(spec))
 
 
 if __name__ == "__main__":
