@@ -103,6 +103,11 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {cu['device_name']}: max_memory_allocated {cu['max_memory_allocated'] / GIB:.2f} GiB, "
                          f"reserved {cu['max_memory_reserved'] / GIB:.2f} GiB, "
                          f"step {min(rank['step_s']):.3f} s")
+        if rank.get("modules"):
+            # Every ancestor of the module running at the peak shares its peak: name the deepest one.
+            top = max(m["peak_bytes"] for m in rank["modules"])
+            at_peak = max((m for m in rank["modules"] if m["peak_bytes"] == top), key=lambda m: m["module"].count("."))
+            lines.append(f"  the peak falls while {at_peak['module']} runs (per-module rows: --json)")
         plan = rank.get("save_plan") or {}
         if "not_rehearsed" in plan:
             lines.append(f"  checkpoint save plan: not rehearsed ({plan['not_rehearsed']})")
