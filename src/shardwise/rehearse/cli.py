@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and torch's fake process group: Session.prepare, several training steps, the memory of each "
         "played rank by kind next to the planner's prediction, the collectives of one step, and a verdict.")
     _add_run_options(p)
+    for action in p._actions:  # the rehearsed job's ranks per node, not this machine's
+        if action.dest == "nproc":
+            action.help = "ranks per node of the rehearsed job (default 8)"
     add_rehearse_options(p)
     p.set_defaults(func=cmd_rehearse)
 
