@@ -112,8 +112,8 @@ class CollectiveLog(TorchDispatchMode):
     """Every collective dispatched while active: its op, its group and its buffer's bytes.
 
     The op registry is CommDebugMode's (legacy and native functional collectives and the c10d
-    ops); its module tracker is left out because it loses its place in models whose forward
-    hooks see non-tensor outputs (transformers' ``ModelOutput``), which ends the run.
+    ops); its module tracker is left out: on a Hugging Face model under FSDP2 it raised an
+    IndexError in its forward hook (torch 2.13), which ended the run.
     """
 
     def __init__(self, group_names: dict[str, str]) -> None:
