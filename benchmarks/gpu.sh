@@ -16,6 +16,9 @@
 #                   and the two losses must agree)
 #   ring-kernel     ring attention's flash / memory-efficient kernels on one rank vs plain SDPA
 #   memory-snapshot the profiler's CUDA memory snapshot (the pickle pytorch.org/memory_viz opens)
+#   rehearse-8b     `shardwise rehearse --device cuda`: rank 0 of llama-3-8b on 8 GPUs (fsdp, bf16,
+#                   context 8192) played on this one GPU with real tensors and fake collectives: its
+#                   measured peak against the planner's (docs/rehearse.md)
 # Every `shardwise train` step reports the planner's predicted peak next to the measured one.
 # To add a step: write a function step_<name> (it may call train_step / py_step) and add
 # "<name> <box seconds>" to STEP_LIST; docs/performance.md adds the boxes up into the visit's length.
@@ -34,7 +37,7 @@ OUT="${1:-runs/gpu-bench}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PY" ]] || PY="$(command -v python3)"
 
-# name and time box (seconds on one H100). The boxes add up to 390 s; the machine's start-up and
+# name and time box (seconds on one H100). The boxes add up to 480 s; the machine's start-up and
 # this script's own overhead come on top (docs/performance.md).
 STEP_LIST=(
     "env 10"
@@ -44,6 +47,7 @@ STEP_LIST=(
     "varlen 45"
     "ring-kernel 20"
     "memory-snapshot 45"
+    "rehearse-8b 90"
 )
 
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)"
@@ -182,6 +186,16 @@ step_memory-snapshot() {
 r = {'step': 'memory-snapshot', 'segments': len(s['segments']), 'trace_entries': sum(len(t) for t in s['device_traces'])}; \
 print('== memory snapshot:', r); open(sys.argv[2], 'a').write(json.dumps(r) + '\n')" "$snap" "$SUMMARY" || return 1
     "$PY" -m shardwise profile "$OUT/memory-snapshot" --top 10
+}
+
+step_rehearse-8b() {
+    local what=(--set model.hf_config=llama-3-8b --set model.overrides.block_size=8192
+                --set parallel.precision=bf16-mixed --set parallel.activation_checkpointing=full --device cuda)
+    # The CPU check plays the same command's shape on the bundled tiny Llama (the 8B model's full
+    # size on fake CPU tensors takes minutes here and checks nothing more of this script).
+    (( CPU_MODE )) && what=(--set model.hf_config=llama-tiny --device cpu)
+    py_step rehearse-8b -m shardwise rehearse hf-shakespeare --ranks 0 --steps 3 --nproc 8 --strategy fsdp \
+        --set model.kind=hf --set train.micro_batch_size=1 --set train.grad_accum_steps=2 "${what[@]}"
 }
 
 # ------------------------------------------------------------------------------ run them, each in its box

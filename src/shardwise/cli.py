@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env_parser(sub)
     # Commands that live in their own modules; each exposes register(subparsers).
     for module in ("shardwise.plan.cli", "shardwise.verify", "shardwise.ckpt_cli", "shardwise.bench",
-                   "shardwise.observe.cli", "shardwise.slurm"):
+                   "shardwise.observe.cli", "shardwise.slurm", "shardwise.rehearse.cli"):
         _register_optional(module, sub)
     return parser
 

@@ -54,3 +54,15 @@ def build_mlp_not_on_meta(**kwargs) -> torch.nn.Module:
     if torch.empty(0).device.type == "meta":
         raise RuntimeError("this factory needs real tensors")
     return ResidualMLP(**kwargs)
+
+
+def build_mlp_refusing_at_scale(**kwargs) -> torch.nn.Module:
+    """A model.factory with a planted scale-only defect: a rule only a run above 8 ranks meets (the
+    preflight's meta build, which has no process group, and every small test run pass it)."""
+    import torch.distributed as dist
+
+    from shardwise.errors import ConfigError
+
+    if dist.is_initialized() and dist.get_world_size() > 8:
+        raise ConfigError(f"planted defect: this model refuses world size {dist.get_world_size()} (> 8).")
+    return ResidualMLP(**kwargs)

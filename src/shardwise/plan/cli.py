@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --pretrained: LoRA adapters of this rank on the frozen model (lora.rank)")
     f.add_argument("--lora-targets", nargs="+", default=(), metavar="NAME",
                    help="modules that get adapters (lora.targets; default: peft's for the model family)")
+    p.add_argument("--rehearse", nargs="?", type=int, const=1, default=0, metavar="K",
+                   help="rehearse the top K recommendations (default 1) at full size on this machine, on fake "
+                   "tensors, and print each one's measured peak beside the plan's (shardwise rehearse)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
     c.add_argument("--gpu-spec", metavar="FILE",
@@ -355,6 +358,16 @@ def format_table(plan: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the plan (table or JSON); 0 on success. ConfigError propagates to the main CLI (exit 2)."""
     plan = build_plan(args)
+    if getattr(args, "rehearse", 0):
+        # The top recommendations played at full size on this machine (shardwise.rehearse).
+        from shardwise.rehearse.plan import format_rows, rehearse_candidates
+
+        rows = rehearse_candidates(plan, args.rehearse)
+        if args.json:
+            print(json.dumps({**plan_to_dict(plan), "rehearsed": rows}, indent=2))
+        else:
+            print(format_table(plan) + "\n\n" + format_rows(rows))
+        return 0
     print(json.dumps(plan_to_dict(plan), indent=2) if args.json else format_table(plan))
     return 0
 

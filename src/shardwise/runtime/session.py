@@ -182,6 +182,10 @@ class Session:
         # observe.step_phases.StepPhases once time_phases() was called: forward_backward, step and
         # save mark their phases in it.
         self.phases: Any = None
+        # Set before prepare() by a caller that allocates a meta-built model's (shards of) tensors
+        # itself, as ``allocate(module, device)``; the recorded initialisation is then not replayed.
+        # The rehearsal (shardwise.rehearse) allocates fake tensors this way.
+        self.allocate: Callable[[nn.Module, torch.device], None] | None = None
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -282,6 +286,9 @@ class Session:
                     "model = session.build(factory), or pass a model with real tensors.")
             return None
         program = self._built[1]
+        if self.allocate is not None:
+            allocate, target = self.allocate, torch.device("cpu") if self.layout.offload else self.device
+            return lambda module: allocate(module, target)
         # Pretrained tensors are read from their files after the replay, which leaves them out.
         loaded = set(model.pretrained_tensors()) if hasattr(model, "pretrained_tensors") else set()
         # fsdp-offload keeps its shards in host memory.

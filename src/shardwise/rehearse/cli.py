@@ -1,0 +1,125 @@
+"""``shardwise rehearse``: the same arguments as ``train``, played at full size on this machine.
+
+The run is resolved exactly as ``train`` resolves it (``job.train.resolve_run``: config, flags,
+layout, preflight, meta model), its per-rank prediction is ``train --dry-run``'s, and the played
+ranks are ``rehearse.launch``'s processes. Nothing is written outside a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+# No rendezvous is started; multi-node flag checks want an endpoint, and the loopback one resolves.
+_NO_RENDEZVOUS = "127.0.0.1:29500"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``rehearse`` sub-command to the main CLI's sub-parsers."""
+    from shardwise.cli import _add_run_options
+
+    p = subparsers.add_parser(
+        "rehearse", help="play ranks of a run at its full size on this machine (fake devices and collectives) "
+        "and measure their memory against the plan",
+        description="Run the real runtime for chosen ranks of a job at its real world size, on fake tensors "
+        "and torch's fake process group: Session.prepare, several training steps, the memory of each "
+        "played rank by kind next to the planner's prediction, the collectives of one step, and a verdict.")
+    _add_run_options(p)
+    for action in p._actions:  # the rehearsed job's ranks per node, not this machine's
+        if action.dest == "nproc":
+            action.help = "ranks per node of the rehearsed job (default 8)"
+    add_rehearse_options(p)
+    p.set_defaults(func=cmd_rehearse)
+
+
+def add_rehearse_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes of the rehearsed job (default 1)")
+    p.add_argument("--gpu", default="h100-sxm", help="the target GPU kind: its memory budget (default h100-sxm)")
+    p.add_argument("--ranks", default="", metavar="R[,R|A-B...]",
+                   help="ranks to play (default: rank 0, the first rank of the last pipeline stage, the last rank)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: fake tensors (any machine); cuda: real tensors on this machine's GPU, fake collectives")
+    p.add_argument("--steps", type=int, default=3, metavar="N",
+                   help="optimizer steps per played rank (default 3; the last one counts collectives)")
+    p.add_argument("--jobs", type=int, default=1, metavar="J", help="played ranks at a time (default 1)")
+    p.add_argument("--rank-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds a played rank may take (default 900)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def title_of(run: Any, gpu_name: str, nnodes: int) -> str:
+    """e.g. ``llama-3-70b on 4x8 h100-sxm, fsdp tp=2``."""
+    from shardwise.plan.predict import model_name
+
+    layout = run.layout
+    degrees = " ".join(f"{n}={getattr(layout, n)}" for n in ("dp_replicate", "tp", "pp", "cp", "ep")
+                       if getattr(layout, n) > 1)
+    return (f"{model_name(run.config.model)} on {nnodes}x{run.nproc} {gpu_name}, {layout.strategy}"
+            f"{' ' + degrees if degrees else ''}")
+
+
+# What fake tensors and the fake process group cannot carry yet (found by trying, torch 2.13).
+FAKE_LIMITS = {
+    "pp": "pipeline parallel (parallel.pp > 1): torch's schedule learns each stage's input shapes by "
+          "point-to-point messages from its neighbours before the first step, and the fake process group "
+          "delivers none",
+    "ep": "expert parallel (parallel.ep > 1): the token dispatch sizes its all-to-all from the router's "
+          "counts (bincount), whose output shape depends on values fake tensors do not have",
+    "cp": "context parallel (parallel.cp > 1): transformers counts a fake tensor as tracing and then builds an "
+          "explicit causal mask for the local chunk, which the context-parallel attention refuses",
+}
+
+
+def check_fake_rehearsable(layout: Any) -> None:
+    """Refuse, in one paragraph, a layout that fake tensors cannot play (``FAKE_LIMITS``)."""
+    blocked = [FAKE_LIMITS[d] for d in FAKE_LIMITS if getattr(layout, d) > 1]
+    if blocked:
+        raise ConfigError("this layout cannot be rehearsed on fake tensors: " + "; ".join(blocked) + ". Rehearse "
+                          "the same run without that dimension (its other degrees unchanged) to check the rest; "
+                          "the planner's figures for that dimension stay unchecked by a rehearsal.")
+
+
+def rehearse(args: argparse.Namespace) -> dict[str, Any]:
+    """Resolve the run as ``train`` does, play its ranks and return the report (``report.build``)."""
+    from shardwise.config import to_toml
+    from shardwise.data.cache import read_only
+    from shardwise.job.train import dry_run_prediction, resolve_run
+    from shardwise.parallel.registry import get_strategy
+    from shardwise.plan.advice import Cluster
+    from shardwise.plan.presets import gpu
+    from shardwise.rehearse import launch, report
+
+    if args.nnodes < 1 or args.steps < 1 or args.jobs < 1:
+        raise ConfigError(f"--nnodes, --steps and --jobs must be >= 1, got {args.nnodes}, {args.steps}, {args.jobs}.")
+    launch.check_device(args.device)
+    target = gpu(args.gpu)
+    run_args = argparse.Namespace(recipe=args.recipe, overrides=list(args.overrides), strategy=args.strategy,
+                                  nproc=args.nproc or 8, nnodes=str(args.nnodes), node_rank=0,
+                                  rdzv_endpoint=_NO_RENDEZVOUS if args.nnodes > 1 else "", max_restarts=0, out=None)
+    with read_only():  # the rehearsal writes nothing outside its temporary folder
+        run = resolve_run(run_args)
+    if get_strategy(run.layout).owns_step:
+        raise ConfigError(f"strategy {run.layout.strategy} runs DeepSpeed's engine, which allocates real buffers "
+                          "and runs its own collectives outside torch's fake process group: it cannot be "
+                          "rehearsed. Rehearse the FSDP2 equivalent (fsdp, fsdp-offload) for the layout, or "
+                          "run it on its cluster.")
+    if args.device == "cpu":
+        check_fake_rehearsable(run.layout)
+    ranks = launch.parse_ranks(args.ranks, run.layout.world_size) if args.ranks else launch.default_ranks(run.layout)
+    prediction = dry_run_prediction(run)
+    results = launch.play(to_toml(run.config), world_size=run.layout.world_size, nproc=run.nproc, ranks=ranks,
+                          device=args.device, steps=args.steps, timeout_s=args.rank_timeout, jobs=args.jobs)
+    budget = Cluster(gpu=target, gpus_per_node=run.nproc, nodes=args.nnodes).usable_gib
+    return report.build(title=title_of(run, target.name, args.nnodes), prediction=prediction, results=results,
+                        budget_gib=budget, gpu_name=target.name, device=args.device)
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from shardwise.rehearse.report import format_text
+
+    result = rehearse(args)
+    print(json.dumps(result, indent=2, default=str) if args.json else format_text(result))
+    return {"runs": 0, "refused": 2}.get(result["outcome"], 1)

@@ -1,0 +1,76 @@
+"""A played rank's measured bytes next to the planner's prediction for the same rank.
+
+The prediction is ``train --dry-run``'s (``job.train.dry_run_prediction``), one ``RankPrediction``
+per rank. Each column is read where it is largest (``measure``): model state after the optimizer
+step, activations after the forward, the total at the peak, and transients as the peak less
+those (``transient_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Column -> (the moment it is read, the bound on |measured - predicted| / predicted). Model state
+# is exact arithmetic over tensor shapes (padding, stage split included), so it must agree closely;
+# activations and transients depend on which ops save what, which the planner models coarsely.
+BOUNDS: dict[str, tuple[str, float]] = {
+    "param_bytes": ("after_step", 0.02),
+    "grad_bytes": ("after_step", 0.02),
+    "optim_bytes": ("after_step", 0.02),
+    "activation_bytes": ("after_forward", 0.15),
+    "transient_bytes": ("derived", 0.15),
+    "peak_bytes": ("peak", 0.15),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    column: str
+    predicted: int
+    measured: int
+    bound: float
+
+    @property
+    def diff_pct(self) -> float | None:
+        """(measured - predicted) / predicted in percent; None when nothing was predicted."""
+        return None if self.predicted == 0 else 100.0 * (self.measured - self.predicted) / self.predicted
+
+    @property
+    def within(self) -> bool:
+        if self.predicted == 0:
+            return self.measured == 0
+        return abs(self.measured - self.predicted) <= self.bound * self.predicted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"column": self.column, "predicted": self.predicted, "measured": self.measured,
+                "diff_pct": None if self.diff_pct is None else round(self.diff_pct, 2),
+                "bound_pct": round(100 * self.bound, 1), "within": self.within}
+
+
+def compare_rank(prediction: Any, result: dict[str, Any]) -> list[Row]:
+    """The rows for one played rank (empty when the planner made no prediction for it)."""
+    by_rank = {r.rank: r for r in prediction.ranks} if prediction is not None else {}
+    predicted = by_rank.get(result["rank"])
+    if predicted is None or "memory" not in result:
+        return []
+    rows = []
+    for column, (moment, bound) in BOUNDS.items():
+        measured = transient_bytes(result["memory"]) if moment == "derived" else \
+            int(result["memory"].get(moment, {}).get(column, 0))
+        rows.append(Row(column, int(getattr(predicted, column)), measured, bound))
+    return rows
+
+
+def transient_bytes(memory: dict[str, Any]) -> int:
+    """What the peak holds beyond the model state and the activations saved at that moment.
+
+    The planner's peak is state + activations + transients, and its transients include gathered
+    (unsharded) parameters and the unsharded gradients of no_sync accumulation, which the tracker
+    files as parameters and gradients. So the measured transient is the peak minus the persistent
+    state (read after the optimizer step) minus the peak's own activations, not the tracker's
+    "Temp" kind alone.
+    """
+    peak, state = memory.get("peak", {}), memory.get("after_step", {})
+    persistent = sum(int(state.get(c, 0)) for c in ("param_bytes", "grad_bytes", "optim_bytes"))
+    return int(peak.get("peak_bytes", 0)) - persistent - int(peak.get("activation_bytes", 0))

@@ -1,0 +1,105 @@
+"""Start the played ranks: one process each (``python -m shardwise.rehearse.worker``), a few at a
+time, each with a time limit; collect their JSON results.
+
+A process per rank because a process group, a mesh and torch's global state belong to one rank:
+two played ranks in one process would share them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+from shardwise.rehearse.worker import DEVICES, PlaySpec
+
+
+def parse_ranks(text: str, world_size: int) -> list[int]:
+    """``--ranks``: comma-separated ranks (or ``a-b`` ranges), each in [0, world_size)."""
+    ranks: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        low, sep, high = part.partition("-")
+        try:
+            first, last = int(low), int(high) if sep else int(low)
+        except ValueError:
+            raise ConfigError(f"--ranks takes ranks and ranges separated by commas (e.g. 0,7,56-63), "
+                              f"got {text!r}.") from None
+        if not 0 <= first <= last < world_size:
+            raise ConfigError(f"--ranks {part!r} is outside this run's ranks 0..{world_size - 1} "
+                              f"(world size {world_size}).")
+        ranks.update(range(first, last + 1))
+    if not ranks:
+        raise ConfigError("--ranks is empty; name at least one rank, e.g. --ranks 0.")
+    return sorted(ranks)
+
+
+def default_ranks(layout: Any) -> list[int]:
+    """One rank of each distinct role: rank 0 (first pipeline stage, shard 0, every group's
+    first member), the first rank of the last pipeline stage (the head and loss), and the last
+    rank (the last shard of every sharded dimension, where FSDP's padding falls)."""
+    ranks = {0, layout.world_size - 1}
+    if layout.pp > 1:
+        ranks.add(next(r for r in range(layout.world_size) if layout.coords(r).get("pp") == layout.pp - 1))
+    return sorted(ranks)
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine cannot play ranks on."""
+    import torch
+
+    if device not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda plays a rank on this machine's GPU with real tensors, and this machine "
+                          "has none (or torch is a CPU build). Leave --device out to play ranks on fake cpu "
+                          "tensors, or run on a machine with a GPU.")
+
+
+def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], device: str = "cpu",
+         steps: int = 3, timeout_s: float = 600.0, jobs: int = 1) -> list[dict[str, Any]]:
+    """Run each of ``ranks`` as its own process; return their results in rank order."""
+    check_device(device)
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="shardwise-rehearse-") as tmp:
+        config_path = Path(tmp) / "config.toml"
+        config_path.write_text(config_toml, encoding="utf-8")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # fake cpu tensors even on a machine with GPUs
+        pending = list(ranks)
+        running: dict[int, tuple[subprocess.Popen, float, Path]] = {}
+        while pending or running:
+            while pending and len(running) < max(1, jobs):
+                rank = pending.pop(0)
+                spec = PlaySpec(str(config_path), rank, world_size, nproc, device, steps,
+                                str(Path(tmp) / f"rank{rank}.json"))
+                spec_path = Path(tmp) / f"spec{rank}.json"
+                spec_path.write_text(json.dumps(asdict(spec)), encoding="utf-8")
+                log = (Path(tmp) / f"rank{rank}.log").open("w", encoding="utf-8")
+                proc = subprocess.Popen([sys.executable, "-m", "shardwise.rehearse.worker", str(spec_path)],
+                                        env=env, stdout=log, stderr=subprocess.STDOUT)
+                log.close()
+                running[rank] = (proc, time.monotonic(), Path(spec.result_path))
+            time.sleep(0.05)
+            for rank, (proc, t0, result_path) in list(running.items()):
+                if proc.poll() is None and time.monotonic() - t0 < timeout_s:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    results[rank] = {"rank": rank, "failed": f"played rank {rank} ran past {timeout_s:.0f} s"}
+                elif result_path.is_file():
+                    results[rank] = json.loads(result_path.read_text(encoding="utf-8"))
+                else:
+                    tail = (Path(tmp) / f"rank{rank}.log").read_text(encoding="utf-8", errors="replace")[-2000:]
+                    results[rank] = {"rank": rank, "failed": f"played rank {rank} exited with code "
+                                     f"{proc.returncode} before writing its result", "traceback": tail}
+                del running[rank]
+    return [results[r] for r in ranks]

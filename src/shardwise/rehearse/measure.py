@@ -1,0 +1,172 @@
+"""What a played rank measures: memory by kind (torch's MemTracker), collectives (CommDebugMode's
+registry of collective ops), and its host's peak RSS.
+
+The memory kinds are read at three moments, because the planner's columns are not all at their
+largest at the same instant: the peak (the total's largest value, with its breakdown), after each
+optimizer step (parameters, gradients and optimizer state are all alive there: the zeroing comes
+after the step's hooks), and after each forward of the whole model (every saved activation of the
+micro-batch is alive there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# MemTracker's kinds (``_MemRefType`` values) -> the planner's ledger columns.
+KIND_TO_COLUMN = {
+    "Parameter": "param_bytes",
+    "Buffer": "param_bytes",
+    "Gradient": "grad_bytes",
+    "Optstate": "optim_bytes",
+    "Activation": "activation_bytes",
+    "Temp": "transient_bytes",
+    "Other": "transient_bytes",
+}
+TOTAL_KEY = "Total"
+
+
+def _columns(snapshot: dict[Any, dict[str, int]]) -> dict[str, int]:
+    """One device snapshot of MemTracker (bytes by kind) as the ledger's columns, plus the total."""
+    out: dict[str, int] = defaultdict(int)
+    for device_snap in snapshot.values():
+        for kind, nbytes in device_snap.items():
+            if kind == TOTAL_KEY:
+                out["peak_bytes"] += nbytes
+            elif kind in KIND_TO_COLUMN:
+                out[KIND_TO_COLUMN[kind]] += nbytes
+    return dict(out)
+
+
+class MemoryProbe:
+    """MemTracker over the model and optimizer, with the step and forward moments recorded."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.tracker = MemTracker()
+        self.tracker.track_external(model, optimizer)
+        self.after_step: dict[str, int] = {}
+        self.after_forward: dict[str, int] = {}
+        self.modules: dict[str, dict[str, int]] = {}
+        self._handles = [optimizer.register_step_post_hook(self._on_step),
+                         model.register_forward_hook(self._on_forward)]
+
+    def _largest(self, held: dict[str, int], now: dict[str, int]) -> None:
+        for key, value in now.items():
+            held[key] = max(held.get(key, 0), value)
+
+    def _on_step(self, *_: Any) -> None:
+        if self.tracker._depth:  # only while tracking (the collective-counting step is not)
+            self._largest(self.after_step, _columns(self.tracker.get_tracker_snapshot("current")))
+
+    def _on_forward(self, *_: Any) -> None:
+        if self.tracker._depth:
+            self._largest(self.after_forward, _columns(self.tracker.get_tracker_snapshot("current")))
+
+    def end_micro_batch(self) -> None:
+        """Keep each module's statistics of this forward/backward (the largest over micro-batches),
+        then clear them: MemTracker follows one forward/backward per module at a time."""
+        if not self.tracker._depth:
+            return
+        for stats in self.tracker.memory_tracking.values():
+            row = {"peak_bytes": int(sum(stats.local_peak.values())), "param_bytes": int(stats.parameter_mem),
+                   "buffer_bytes": int(stats.buffer_mem), "input_bytes": int(stats.input_mem),
+                   "output_bytes": int(stats.output_mem)}
+            held = self.modules.setdefault(stats.mod_fqn, row)
+            for key, value in row.items():
+                held[key] = max(held[key], value)
+        self.tracker.reset_mod_stats()
+
+    def result(self, top: int = 12) -> dict[str, Any]:
+        """Bytes by ledger column at the peak, after the optimizer step and after the forward; and
+        the ``top`` modules by their peak while they ran."""
+        for handle in self._handles:
+            handle.remove()
+        modules = sorted(({"module": name, **row} for name, row in self.modules.items()),
+                         key=lambda r: -r["peak_bytes"])[:top]
+        return {"peak": _columns(self.tracker.get_tracker_snapshot("peak")),
+                "after_step": self.after_step, "after_forward": self.after_forward, "modules": modules}
+
+
+def _buffer_bytes(x: Any) -> int:
+    """The largest tensor among a collective's arguments: its whole buffer (the gathered output of an
+    all-gather, the input of a reduce-scatter, the tensor of an all-reduce)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return max((_buffer_bytes(v) for v in x), default=0)
+    return 0
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every collective dispatched while active: its op, its group and its buffer's bytes.
+
+    The op registry is CommDebugMode's (legacy and native functional collectives and the c10d
+    ops); its module tracker is left out: on a Hugging Face model under FSDP2 it raised an
+    IndexError in its forward hook (torch 2.13), which ended the run.
+    """
+
+    def __init__(self, group_names: dict[str, str]) -> None:
+        super().__init__()
+        registry = CommDebugMode()
+        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+
+        self._ops = set(registry.comm_registry) | set(c10d_collective_ops)
+        self.group_names = group_names  # process-group name -> mesh dimension name
+        self.counts: dict[tuple[str, str], list[int]] = {}
+
+    def _group_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, str) and value in self.group_names:
+                return self.group_names[value]
+            if isinstance(value, torch.ScriptObject):  # a c10d op's ProcessGroup argument
+                with contextlib.suppress(Exception):
+                    value = dist.ProcessGroup.unbox(value)
+            name = getattr(value, "group_name", None)
+            if isinstance(name, str):
+                return self.group_names.get(name, name)
+        return "?"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor desugars into the collectives counted below
+        kwargs = kwargs or {}
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in self._ops:
+            key = (packet.__name__, self._group_of(args, kwargs))
+            entry = self.counts.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += _buffer_bytes(list(args))
+        return func(*args, **kwargs)
+
+    def result(self) -> list[dict[str, Any]]:
+        return [{"op": op, "dim": dim, "count": c, "bytes": b} for (op, dim), (c, b) in sorted(self.counts.items())]
+
+
+def group_names(mesh: Any) -> dict[str, str]:
+    """Process-group name -> mesh dimension name (1-d views of every dimension of ``mesh``)."""
+    out: dict[str, str] = {}
+    if mesh is None:
+        return out
+    for dim in mesh.mesh_dim_names or ():
+        try:
+            out[mesh.get_group(dim).group_name] = dim
+        except (RuntimeError, ValueError, KeyError):  # a dimension with no group of its own
+            continue
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

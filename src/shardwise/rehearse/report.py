@@ -1,0 +1,123 @@
+"""The rehearsal's report: per played rank, memory by kind next to the plan, the collectives of
+one step, time and host memory; and one verdict line for the whole run (text or ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.rehearse.compare import compare_rank
+
+GIB = 2**30
+MIB = 2**20
+
+# What playing a rank on fake ``cpu`` tensors does not see, printed with every such report.
+FAKE_CPU_LIMITS = (
+    "played on fake cpu tensors (this torch build has no CUDA; FSDP2 asks torch.cuda.current_device()): "
+    "every tensor has its real shape, dtype and bytes, but there is no caching allocator (no block "
+    "rounding or fragmentation), no CUDA context, NCCL buffers or kernel workspaces (cuBLAS, flash "
+    "attention), and attention runs the CPU's SDPA kernel, whose saved tensors can differ from the "
+    "CUDA kernels'. Wall times are the fake run's, not the GPU's."
+)
+UNMEASURED = (
+    "not rehearsed: the roofline compute time (torch's RuntimeEstimator needs a CUDA device's peak "
+    "figures) and the NCCL flight recorder; DeepSpeed strategies (their engine allocates real "
+    "buffers and runs its own collectives outside the fake backend)."
+)
+
+
+def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_gib: float | None,
+          gpu_name: str, device: str) -> dict[str, Any]:
+    """The report as data (what ``--json`` prints)."""
+    ranks = []
+    for result in results:
+        rows = compare_rank(prediction, result)
+        ranks.append({**result, "comparison": [r.to_dict() for r in rows]})
+    failed = [r for r in ranks if "failed" in r]
+    refused = [r for r in ranks if "refused" in r]
+    outcome = "failed" if failed else "refused" if refused else "runs"
+    notes = [FAKE_CPU_LIMITS] if device == "cpu" else []
+    notes.append(UNMEASURED)
+    return {"title": title, "outcome": outcome, "gpu": gpu_name, "budget_gib": budget_gib, "device": device,
+            "prediction": prediction.to_dict() if prediction is not None else None, "ranks": ranks,
+            "verdict": _verdict(title, outcome, ranks, budget_gib), "notes": notes}
+
+
+def _measured_peak(rank: dict[str, Any]) -> int:
+    cuda = rank.get("cuda")
+    return int(cuda["max_memory_allocated"]) if cuda else int(rank["memory"]["peak"].get("peak_bytes", 0))
+
+
+def _size(nbytes: int) -> str:
+    """GiB for a real model's sizes, MiB below one GiB (a tiny test model's would print 0.00 GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
+
+
+def _verdict(title: str, outcome: str, ranks: list[dict[str, Any]], budget_gib: float | None) -> str:
+    if outcome == "failed":
+        r = next(r for r in ranks if "failed" in r)
+        return f"{title}: the rehearsal failed on rank {r['rank']} ({r['failed']})"
+    if outcome == "refused":
+        r = next(r for r in ranks if "refused" in r)
+        return f"{title}: refused on rank {r['rank']}: {r['refused']}"
+    top = max(ranks, key=_measured_peak)
+    peak = _measured_peak(top)
+    planned = next((c["predicted"] for c in top["comparison"] if c["column"] == "peak_bytes"), None)
+    text = f"{title}: runs; rank {top['rank']} peaks at {_size(peak)}"
+    if planned is not None:
+        text += f", planned {_size(planned)}"
+    if budget_gib is not None:
+        fits = "fits" if peak <= budget_gib * GIB else "does NOT fit"
+        text += f", {fits} the {budget_gib:.1f} GiB budget"
+    return text
+
+
+def _cell(nbytes: int) -> str:
+    return f"{nbytes / MIB:12.2f}"
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    lines = [f"rehearsal of {report['title']} ({len(report['ranks'])} played rank(s), device {report['device']})"]
+    for rank in report["ranks"]:
+        if "refused" in rank:
+            lines += [f"rank {rank['rank']}: refused: {rank['refused']}"]
+            continue
+        if "failed" in rank:
+            lines += [f"rank {rank['rank']}: failed: {rank['failed']}"]
+            if rank.get("traceback"):
+                lines += ["  " + ln for ln in rank["traceback"].rstrip().splitlines()[-6:]]
+            continue
+        coords = ", ".join(f"{k}={v}" for k, v in rank["coords"].items())
+        lines.append(f"rank {rank['rank']} ({coords}): prepared in {rank['prepare_s']:.1f} s, "
+                     f"{len(rank['step_s'])} step(s) in {sum(rank['step_s']):.1f} s, "
+                     f"host peak RSS {rank['peak_rss_bytes'] / GIB:.2f} GiB")
+        if rank["comparison"]:
+            lines.append("  column              planned_MiB  measured_MiB     diff   bound")
+            for c in rank["comparison"]:
+                diff = "n/a" if c["diff_pct"] is None else f"{c['diff_pct']:+.1f}%"
+                mark = "" if c["within"] else "  OUTSIDE"
+                lines.append(f"  {c['column']:<18}{_cell(c['predicted'])}  {_cell(c['measured'])}  {diff:>7}"
+                             f"  {c['bound_pct']:>4.0f}%{mark}")
+        if rank.get("cuda"):
+            cu = rank["cuda"]
+            lines.append(f"  {cu['device_name']}: max_memory_allocated {cu['max_memory_allocated'] / GIB:.2f} GiB, "
+                         f"reserved {cu['max_memory_reserved'] / GIB:.2f} GiB, "
+                         f"step {min(rank['step_s']):.3f} s")
+        if rank.get("modules"):
+            # Every ancestor of the module running at the peak shares its peak: name the deepest one.
+            top = max(m["peak_bytes"] for m in rank["modules"])
+            at_peak = max((m for m in rank["modules"] if m["peak_bytes"] == top), key=lambda m: m["module"].count("."))
+            lines.append(f"  the peak falls while {at_peak['module']} runs (per-module rows: --json)")
+        plan = rank.get("save_plan") or {}
+        if "not_rehearsed" in plan:
+            lines.append(f"  checkpoint save plan: not rehearsed ({plan['not_rehearsed']})")
+        elif plan:
+            lines.append(f"  checkpoint save plan (DCP, this rank, nothing written): {plan['tensor_items']} tensor "
+                         f"chunk(s), {plan['tensor_bytes'] / MIB:.2f} MiB, {plan['other_items']} other item(s)")
+        if rank["collectives"]:
+            lines.append("  collectives in one step (op, mesh dimension, count, buffer MiB):")
+            lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"
+                      for c in rank["collectives"]]
+    lines.append(f"verdict: {report['verdict']}")
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""One played rank: rank r of N in torch's ``fake`` process group, through the real Session.
+
+Run as ``python -m shardwise.rehearse.worker SPEC.json`` (one process per played rank, started by
+``rehearse.launch``); writes its result as JSON to the path the spec names. The process group is
+initialised here, before the Session, which then finds it and builds its mesh on it. On ``cpu``
+every tensor is a FakeTensor (shapes, dtypes and devices, no storage); on ``cuda`` the rank holds
+real tensors on the real GPU and only the collectives are fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Played ranks on a CPU build hold fake ``cpu`` tensors: FSDP2's fully_shard asks
+# torch.cuda.current_device(), which a CPU build refuses, even for fake ``cuda`` tensors.
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class PlaySpec:
+    """What one played-rank process runs."""
+
+    config_path: str  # the resolved run's TOML
+    rank: int
+    world_size: int
+    nproc: int  # ranks per node of the rehearsed job
+    device: str  # "cpu": fake tensors; "cuda": real tensors on this machine's GPU
+    steps: int  # optimizer steps; all but the last are memory-tracked, the last counts collectives
+    result_path: str
+
+
+def _fake_group(rank: int, world_size: int, nproc: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # The Session reads the standard torchrun variables; LOCAL_RANK 0 picks this machine's one GPU.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE=str(nproc))
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def _allocator(device: str) -> tuple[Any, Any]:
+    """(the tensor mode the steps run in, the Session's ``allocate`` hook)."""
+    import torch
+
+    if device == "cuda":
+        # Real tensors, uninitialised: the values do not matter to memory or time.
+        return contextlib.nullcontext(), lambda module, target: module.to_empty(device=target)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Non-fake inputs: the batches come from the real data loader and are converted on entry.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def allocate(module: torch.nn.Module, target: torch.device) -> None:
+        with mode:
+            module.to_empty(device=target)
+
+    return mode, allocate
+
+
+def play_rank(spec: PlaySpec) -> dict[str, Any]:
+    """Prepare the model for this rank, run ``spec.steps`` real steps, and return the measurements."""
+    import torch
+
+    from shardwise.config import load_config
+    from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes
+    from shardwise.rehearse.save_plan import local_save_plan
+    from shardwise.runtime.session import Session
+    from shardwise.runtime.trainer import build_optimizer
+    from shardwise.workloads import build_workload
+
+    started = time.perf_counter()
+    _fake_group(spec.rank, spec.world_size, spec.nproc)
+    cfg = load_config(spec.config_path, [])
+    t = cfg.train
+    session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
+                      loss_chunks=t.loss_chunks)
+    notes: list[str] = []
+    mode, session.allocate = _allocator(spec.device)
+    workload = build_workload(cfg.model, cfg.data, cfg.lora)
+    if not workload.plain_token_ce:
+        session.loss_chunks = 0  # as the trainer: only the token-mean CE is chunked
+    model = session.build(workload.build_model, init="meta")
+    model, optimizer = session.prepare(model, build_optimizer(model, t, session.device))
+    notes += session.notes
+    prepared_s = time.perf_counter() - started
+    collate_fn = workload.collate_fn
+    if collate_fn is not None and session.layout.pp > 1:
+        from shardwise.parallel.pp import fixed_shape_collate
+
+        collate_fn = fixed_shape_collate(collate_fn)
+    # Drawn before the tensor mode is entered: the loader's sampler reads real values.
+    loader = iter(session.dataloader(workload.train_set, t.micro_batch_size, seed=t.seed, collate_fn=collate_fn))
+    batches = iter([next(loader) for _ in range(max(2, spec.steps) * t.grad_accum_steps)])
+    probe = MemoryProbe(model, optimizer)
+    collectives = CollectiveLog(group_names(session.mesh))
+    cuda = spec.device == "cuda"
+    step_s: list[float] = []
+
+    def one_step() -> None:
+        t0 = time.perf_counter()
+        for _ in range(t.grad_accum_steps):
+            x, y = next(batches)
+            session.forward_backward(model, session.to_device(x), y.to(session.device), workload.loss_fn)
+            probe.end_micro_batch()
+        # The ledger's gradient walk keys storages by data pointer, which fake tensors do not have.
+        session.step(optimizer, max_norm=t.grad_clip, measure_grad_bytes=False)
+        if cuda:
+            torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - t0)
+
+    with mode:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with probe.tracker:
+            for _ in range(max(1, spec.steps - 1)):
+                one_step()
+        memory = probe.result()
+        with collectives:
+            one_step()
+    try:
+        # Outside the fake mode: DCP computes each shard's offset from the mesh's real coordinates.
+        save_plan = local_save_plan(model, optimizer, rank=spec.rank, trainable_only=session.trainable_only)
+    except Exception as e:  # noqa: BLE001 - reported as not rehearsed, never as a number
+        save_plan = {"not_rehearsed": f"{type(e).__name__}: {str(e)[:300]}"}
+    result: dict[str, Any] = {
+        "rank": spec.rank, "device": spec.device, "coords": session.layout.coords(spec.rank),
+        "memory": memory, "modules": memory.pop("modules"), "save_plan": save_plan, "collectives": collectives.result(),
+        "collective_steps": 1, "prepare_s": round(prepared_s, 3), "step_s": [round(s, 4) for s in step_s],
+        "wall_s": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes(), "notes": notes,
+    }
+    if cuda:
+        result["cuda"] = {"max_memory_allocated": torch.cuda.max_memory_allocated(),
+                          "max_memory_reserved": torch.cuda.max_memory_reserved(),
+                          "device_name": torch.cuda.get_device_name()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardwise.errors import ShardwiseError
+
+    argv = sys.argv[1:] if argv is None else argv
+    spec = PlaySpec(**json.loads(Path(argv[0]).read_text(encoding="utf-8")))
+    try:
+        result = play_rank(spec)
+    except ShardwiseError as e:
+        # A rule the run breaks at this size: the same one-paragraph message a real launch prints.
+        result = {"rank": spec.rank, "refused": str(e), "kind": type(e).__name__}
+    except Exception as e:  # noqa: BLE001 - reported to the launcher, which prints it as a failure of this rank
+        result = {"rank": spec.rank, "failed": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc(limit=12)}
+    Path(spec.result_path).write_text(json.dumps(result, default=str), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
