@@ -38,9 +38,10 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
                    "on several nodes the first node to start chooses it and the others adopt it)")
     _add_node_options(p)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue from a checkpoint: alone, the latest one of the run in --out (whose "
-                   "config.toml is reused unless a recipe is given); or a checkpoint, checkpoints/ "
-                   "folder or run directory. Works across strategies and rank counts")
+                   help="continue from a checkpoint: alone, the latest one of the run in --out; or a "
+                   "checkpoint, checkpoints/ folder or run directory. The run's own config.toml is kept "
+                   "(a recipe named too does not replace it); change a setting with --set (changes are "
+                   "listed). Works across strategies and rank counts")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times when one fails or hangs; each restart "
                    "resumes from the latest checkpoint (set checkpoint.every to lose little work)")

@@ -98,14 +98,6 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     return ResolvedRun(cfg, checked, nproc, nnodes, out, nnodes_text if most != nnodes else "")
 
 
-def _use_run_config_for_resume(args: argparse.Namespace) -> None:
-    # `train --out RUN --resume` continues RUN as it was configured (plus any --set changes).
-    if args.resume is not None and args.recipe is None and args.out:
-        saved = Path(args.out) / "config.toml"
-        if saved.is_file():
-            args.recipe = str(saved)
-
-
 def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: bool) -> RunConfig:
     """Check the resume checkpoint before any rank starts (missing, damaged, other model shape).
 
@@ -244,7 +236,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     apply_scheduler_defaults(args)
     check_train_flags(args)
-    _use_run_config_for_resume(args)
+    from shardwise.job.resume_config import adopt_run_config
+
+    adopt_run_config(args)  # a resume continues the run's own config.toml
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
     if args.dry_run:
