@@ -275,7 +275,7 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
               max_token_id: int | None) -> tuple[Callable[[], nn.Module], str]:
     """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front."""
     from shardwise.models.hf import build_hf_model
-    from shardwise.models.hf_config import hf_family, load_hf_config_dict, resolve_hf_config
+    from shardwise.models.hf_config import hf_family, read_hf_config, resolve_hf_config
 
     config_src = mc.hf_config
     if mc.pretrained:
@@ -294,7 +294,7 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
                           "one, or a bundled name such as 'llama-tiny' or 'llama-3-8b') or model.pretrained (a "
                           "folder with config.json and safetensors weights).")
     kwargs = dict(mc.overrides)
-    config_vocab = load_hf_config_dict(config_src).get("vocab_size")
+    config_vocab = read_hf_config(config_src).get("vocab_size")
     # Shakespeare's characters or a tokenizer size the embedding only when the config's own
     # (often padded) vocabulary cannot hold the data's ids: a model's vocabulary is kept, so a
     # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as

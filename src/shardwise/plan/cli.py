@@ -56,8 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --pretrained: LoRA adapters of this rank on the frozen model (lora.rank)")
     f.add_argument("--lora-targets", nargs="+", default=(), metavar="NAME",
                    help="modules that get adapters (lora.targets; default: peft's for the model family)")
+    f.add_argument("--data", metavar="FILE",
+                   help="with --pretrained: the data the run trains on (data.path); chat or prompt/response "
+                   "records make the commands run the hf-sft recipe, text the hf-finetune one")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
+    c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm), or cpu: "
+                   "this machine's CPU ranks over gloo (its measured matmul rate, its memory shared by the ranks)")
     c.add_argument("--gpu-spec", metavar="FILE",
                    help="a TOML/JSON file describing a GPU not in the catalog (keys: "
                    f"{', '.join(presets.GPU_SPEC_KEYS)}; 'base' names a catalog GPU to start from)")
@@ -65,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the GPU's memory (e.g. 94 for an H100 NVL, 96 for H100 96GB HBM2e)")
     c.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
                    help="override the GPU's dense bf16 peak (e.g. a power-limited part)")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", "--nproc", type=int, default=None,
+                   help="GPUs (ranks) per node (default 8; with --gpu cpu: the ranks train would start here)")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--intra-link", help=f"intra-node link preset: {', '.join(presets.LINKS)}")
     c.add_argument("--inter-link", help="inter-node link preset (same names)")
@@ -80,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
-    w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
+    w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
     w.add_argument("--checkpoint",
                    help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
@@ -150,8 +155,11 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
 
     warnings: list[str] = []
     if args.pretrained is not None:
-        sets, warnings = finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets))
-        return args.recipe or finetune.FINETUNE_RECIPE, sets, warnings
+        return finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets), data=args.data,
+                                      recipe=args.recipe or "")
+    if args.data is not None:
+        raise ConfigError("--data names the records or text a fine-tune trains on: give the model folder with "
+                          "--pretrained DIR too.")
     if args.model is not None and model.family == "gpt":  # shardwise's own Shakespeare GPTs
         sets = ["model.kind=gpt", f"model.preset={model.name.removeprefix('gpt-')}"]
         if model.max_seq and seq != model.max_seq:
@@ -177,12 +185,55 @@ def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
     if args.gpu_spec and args.gpu:
         raise ConfigError("give either --gpu or --gpu-spec, not both (a spec file can start from a catalog "
                           "GPU with base = \"h100-sxm\").")
+    if is_cpu_target(args):
+        from shardwise.plan.cpu_target import cpu_target
+
+        return presets.customize_gpu(cpu_target(args.gpus_per_node), memory_gib=args.gpu_memory_gib,
+                                     tflops=args.gpu_tflops)
     base = presets.load_gpu_spec(args.gpu_spec) if args.gpu_spec else presets.gpu(args.gpu or "h100-sxm")
     return presets.customize_gpu(base, memory_gib=args.gpu_memory_gib, tflops=args.gpu_tflops)
 
 
+def is_cpu_target(args: argparse.Namespace) -> bool:
+    return (args.gpu or "").lower() == "cpu"
+
+
+def _resolve_target_defaults(args: argparse.Namespace) -> None:
+    """--gpus-per-node and --precision when left out: 8 GPUs and bf16, or on --gpu cpu the ranks
+    ``train`` starts here and fp32 (the CPU's fast path)."""
+    cpu = is_cpu_target(args)
+    if args.gpus_per_node is None:
+        from shardwise.device import default_nproc
+
+        args.gpus_per_node = default_nproc() if cpu else 8
+    if args.precision is None:
+        args.precision = "fp32" if cpu else "bf16"
+
+
+def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> None:
+    """Refuse, before planning, what ``train`` would refuse in every printed command: a sequence above
+    the model's positions, a pinned degree the model's family cannot use (``shardwise.families``)."""
+    from shardwise.families import FAMILIES
+
+    family = FAMILIES.get(model.family or "")
+    if family is None:
+        return
+    if family.hf and model.max_seq and seq > model.max_seq:
+        raise ConfigError(f"--seq {seq} exceeds the model's max_position_embeddings={model.max_seq}; train refuses "
+                          f"a longer sequence (model.overrides.block_size). Plan --seq {model.max_seq} or less.")
+    pinned = {"tp": (args.tp, family.tp_plan, "tensor parallel"), "pp": (args.pp, family.pp_split, "pipeline parallel"),
+              "cp": (args.cp, family.cp, "context parallel")}  # --ep: make_plan owns its checks
+    for flag, (degree, supported, what) in pinned.items():
+        if degree is not None and degree > 1 and not supported:
+            able = [n for n, f in FAMILIES.items() if getattr(f, {"tp": "tp_plan", "pp": "pp_split", "cp": "cp"}[flag])]
+            raise ConfigError(f"--{flag} {degree}: {what} does not run on the {model.family} family (model "
+                              f"{model.name}); families with {what}: {', '.join(able)}. Leave --{flag} out (or "
+                              f"--{flag} 1) to plan without it.")
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
+    _resolve_target_defaults(args)
     model = _spec_from_args(args)
     cluster = Cluster(
         gpu=gpu_from_args(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
@@ -193,6 +244,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.nvme_gbs is not None:
         offload.nvme_gbs_for(cluster.gpu.name, args.nvme_gbs)  # a clear error for a rate <= 0
     seq = args.seq or min(model.max_seq or 2048, 8192)
+    check_printable(args, model, seq)
     recipe, sets, target_warnings = run_target(args, model, seq)
     # What the user leaves out, the planner searches (per layout); what they give stays fixed.
     stages = schedule_info(args.pp_schedule).stages_per_rank  # "one", "two" (V) or "many" (searched)
@@ -275,11 +327,19 @@ def plan_to_dict(plan: Plan) -> dict:
     }
 
 
+def _param_count(n: int) -> str:
+    """7.000B, 124.4M, 190.3K: three significant digits or more in the unit that fits."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3f}{unit}" if unit == "B" else f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def format_table(plan: Plan) -> str:
     """The human-readable plan: header, one row per candidate, recommendation, commands."""
     s, c, w = plan.spec, plan.cluster, plan.workload
     lines = [
-        f"model {s.name}: {s.n_params / 1e9:.3f}B params"
+        f"model {s.name}: {_param_count(s.n_params)} params"
         + (f", {s.n_layers} layers, hidden {s.hidden}, {s.n_heads} heads ({s.kv_heads} kv), vocab {s.vocab}"
            if s.has_structure else ""),
         f"cluster: {c.nodes} x {c.gpus_per_node} x {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, "
