@@ -50,7 +50,7 @@ PLANS = [
     # bundled configs, the cpu target and GPUs
     ("--hf-config", "llama-tiny", "--gpu", "cpu"),
     ("--hf-config", "llama-tiny", "--gpu", "cpu", "--tp", "2"),
-    ("--hf-config", "llama-tiny", "--gpu", "cpu", "--cp", "2", "--seq", "256"),
+    ("--hf-config", "llama-tiny", "--gpu", "cpu", "--cp", "2", "--seq", "512"),  # positions raised: from scratch
     ("--hf-config", "llama-tiny", "--gpu", "cpu", "--pp", "2"),
     ("--hf-config", "gpt2-tiny", "--gpu", "cpu"),
     ("--hf-config", "mixtral-tiny", "--gpu", "cpu"),
@@ -96,14 +96,14 @@ def test_twenty_plans_print_commands_that_pass_train_dry_run(world, tmp_path, mo
 
 
 @pytest.mark.parametrize(("argv", "refusal"), [
-    (("--hf-config", "llama-tiny", "--seq", "8192"), r"--seq 8192 exceeds the model's max_position_embeddings=256"),
+    (("--pretrained", "{qwen}", "--seq", "8192"), r"--seq 8192 exceeds the model's max_position_embeddings=256"),
     (("--hf-config", "mixtral-tiny", "--cp", "2"), r"--cp 2: context parallel does not run on the mixtral family"),
     (("--hf-config", "llama-tiny", "--ep", "2"), r"no mixture-of-experts layers"),
     (("--hf-config", "llama-tiny", "--data", "x.jsonl"), r"--data .* --pretrained DIR"),
 ])
-def test_what_train_refuses_plan_refuses_by_name(argv, refusal):
+def test_what_train_refuses_plan_refuses_by_name(world, argv, refusal):
     with pytest.raises(ConfigError, match=refusal):
-        plan_cli.build_plan(plan_args(*argv))
+        plan_cli.build_plan(plan_args(*[a.format(**world) for a in argv]))
 
 
 def test_chat_records_given_to_hf_finetune_point_to_hf_sft(world, tmp_path, capsys, monkeypatch):

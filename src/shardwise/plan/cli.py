@@ -170,8 +170,12 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
         warnings.append(f"{model.name} has no bundled config.json, so no command is printed.")
         return "", (), warnings
     if config is not None:
-        return args.recipe or "hf-shakespeare", (
-            "model.kind=hf", f"model.hf_config={config}", f"model.overrides.block_size={seq}"), warnings
+        sets = ["model.kind=hf", f"model.hf_config={config}", f"model.overrides.block_size={seq}"]
+        if model.max_seq and seq > model.max_seq:
+            # From scratch, the positions are the user's to choose: train refuses a block_size above them.
+            positions = "n_positions" if model.family == "gpt2" else "max_position_embeddings"
+            sets.append(f"model.overrides.{positions}={seq}")
+        return args.recipe or "hf-shakespeare", tuple(sets), warnings
     if args.model_factory is not None:
         warnings.append("the printed commands train the factory's model on the recipe's data, whose sequence "
                         "length comes from model.overrides.block_size (default 128), not --seq; pass your own "
@@ -218,7 +222,8 @@ def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -
     family = FAMILIES.get(model.family or "")
     if family is None:
         return
-    if family.hf and model.max_seq and seq > model.max_seq:
+    if args.pretrained is not None and model.max_seq and seq > model.max_seq:
+        # (A model trained from scratch gets its positions raised in the command: run_target.)
         raise ConfigError(f"--seq {seq} exceeds the model's max_position_embeddings={model.max_seq}; train refuses "
                           f"a longer sequence (model.overrides.block_size). Plan --seq {model.max_seq} or less.")
     pinned = {"tp": (args.tp, family.tp_plan, "tensor parallel"), "pp": (args.pp, family.pp_split, "pipeline parallel"),
