@@ -119,3 +119,12 @@ def test_small_models_print_their_size_in_a_unit_that_shows_it():
     assert plan_cli._param_count(190_312) == "190.3K"
     assert plan_cli._param_count(124_439_808) == "124.4M"
     assert plan_cli._param_count(7_000_000_000) == "7.000B"
+
+
+def test_cp_on_a_family_without_it_is_refused_by_name_before_the_data_is_read(world, tmp_path, capsys):
+    code = main(["train", "hf-sft", "--set", f'model.pretrained="{world["moe"]}"', "--set",
+                 f'data.path="{tmp_path / "not-written-yet.jsonl"}"', "--set", "parallel.cp=2", "--nproc", "2",
+                 "--dry-run", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "qwen3_moe is not one of them. Set parallel.cp = 1" in err, err
+    assert "unpacked text" not in err and "not-written-yet" not in err  # no dead end; the data was not read

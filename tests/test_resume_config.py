@@ -77,8 +77,10 @@ def test_resume_from_a_checkpoint_path_trains_with_the_runs_settings(tmp_path, c
     quick = ["--set", "train.steps=2", "--set", "train.progress=false", "--set", "train.eval_every=0",
              "--set", "train.sample_tokens=0", "--set", "model.overrides={n_layer=1, n_embd=32, n_head=2}",
              "--set", "train.micro_batch_size=2", "--set", "train.eval_batches=1"]
-    assert main(["train", "--nproc", "1", *quick, "--set", "train.lr=1e-3", "--out", "run1"]) == 0
-    capsys.readouterr()
+    assert main(["train", "--nproc", "1", *quick, "--set", "train.lr=1e-3", "--set", "train.progress=true",
+                 "--out", "run1"]) == 0
+    err = capsys.readouterr().err
+    assert "loss=" in err and "val=nan" not in err  # the bar shows no val before the first evaluation
     # No recipe: the default GPT would not match the checkpoint (1 layer here); the run's config does.
     assert main(["train", "--resume", "run1/checkpoints/step-00000002", "--out", "run2", "--nproc", "1",
                  "--set", "train.steps=3"]) == 0

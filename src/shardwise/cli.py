@@ -30,13 +30,21 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from shardwise.recipe_info import recipes_help
+
     p = sub.add_parser("train", help="train a recipe or TOML config on one or many ranks",
                        description="Train a built-in recipe or a TOML config. Without arguments: "
-                       "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.")
+                       "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.",
+                       epilog=recipes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_options(p)
     p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>; "
                    "on several nodes the first node to start chooses it and the others adopt it)")
     _add_node_options(p)
+    from shardwise.habits import add_launch_habits
+
+    add_launch_habits(p)  # Accelerate's / torchrun's flags: aliases, or the shardwise spelling
+    p.add_argument("--show", action="store_true",
+                   help="print the resolved config (the recipe or TOML with every --set applied) as TOML and exit")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from a checkpoint: alone, the latest one of the run in --out; or a "
                    "checkpoint, checkpoints/ folder or run directory. The run's own config.toml is kept "

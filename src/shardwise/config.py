@@ -25,6 +25,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 from shardwise.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
+from shardwise.habits import other_tools_hint
 from shardwise.strategies import (  # modes live with the degrees (re-exported)
     AC_MODES,
     GRAD_SYNC_MODES,
@@ -506,7 +507,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         full = f"{prefix}{key}"
         if key not in fields:
             raise ConfigError(
-                f"unknown config key {full!r}.{did_you_mean(key, fields)} "
+                f"unknown config key {full!r}.{did_you_mean(key, fields)}{other_tools_hint(full)} "
                 f"Valid keys in [{prefix.rstrip('.') or 'top level'}]: {', '.join(fields)}."
             )
         tp = hints[key]
@@ -524,11 +525,16 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def load_config(recipe_or_path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load, override and validate a run config; raises ConfigError naming any bad key or value."""
+def load_config(recipe_or_path: str | None = None, overrides: list[str] | None = None, *,
+                check: bool = True) -> RunConfig:
+    """Load, override and validate a run config; raises ConfigError naming any bad key or value.
+
+    ``check=False``: keys and types only, not the rules between values (``train --show`` of a recipe
+    whose required paths are not set yet)."""
     raw = apply_overrides(load_raw(recipe_or_path), list(overrides or []))
     cfg = _build(RunConfig, raw, "")
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 

@@ -223,6 +223,24 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    """``train RECIPE --show``: the resolved config as TOML (nothing checked beyond the config itself)."""
+    from shardwise.config import load_config, to_toml
+
+    overrides = list(args.overrides)
+    if args.strategy:
+        overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
+    if args.nproc:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    cfg = load_config(args.recipe, overrides, check=False)
+    print(to_toml(cfg), end="")
+    try:
+        load_config(args.recipe, overrides)
+    except ConfigError as e:
+        print(f"# not runnable as it stands: {e}", file=sys.stderr)
+    return 0
+
+
 def run_train(args: argparse.Namespace) -> int:
     """``shardwise train``: resolve and check the run, lock its directory, start the ranks (or
     train in this process), and turn their outcome into an exit code."""
@@ -241,6 +259,8 @@ def run_train(args: argparse.Namespace) -> int:
     adopt_run_config(args)  # a resume continues the run's own config.toml
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
+    if getattr(args, "show", False):
+        return _show(args)
     if args.dry_run:
         from shardwise.data.cache import read_only
 

@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (give exactly one)")
     m.add_argument("--model", "--preset", dest="model", metavar="NAME",
                    help=f"built-in model: {', '.join(presets.MODEL_PRESETS)}")
-    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama/Mistral/Qwen2/GPT-2)")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, its folder or a bundled name "
+                   "(every family in shardwise.families)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="a function returning an nn.Module; called on the meta device")
     m.add_argument("--pretrained", metavar="DIR",
