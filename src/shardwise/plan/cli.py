@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a function returning an nn.Module; called on the meta device")
     m.add_argument("--pretrained", metavar="DIR",
                    help="a local Hugging Face model folder (config.json + safetensors) to fine-tune: the commands "
-                   "run the hf-finetune recipe on it")
+                   "run the hf-finetune recipe on it (hf-sft with --data FILE of chat or prompt/response records)")
     m.add_argument("--params", type=float, metavar="N", help="a bare parameter count (e.g. 7e9)")
     m.add_argument("--layers", type=int, help="with --params: number of blocks")
     m.add_argument("--hidden", type=int, help="with --params: hidden size")
