@@ -82,3 +82,9 @@ def test_every_family_and_recipe_is_in_the_docs():
     assert not missing, f"not named (in backticks) in README.md or docs/: {missing}"
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert all(f"`{r}`" in readme for r in builtin_recipes()), "the README's recipe list"
+
+
+def test_trl_max_seq_length_under_model_overrides_points_to_block_size(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", "model.overrides.max_seq_length=64", "--nproc", "1", "--dry-run"]) == 2
+    assert "max_seq_length is model.overrides.block_size" in capsys.readouterr().err

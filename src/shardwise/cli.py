@@ -33,7 +33,7 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     from shardwise.recipe_info import recipes_help
 
     p = sub.add_parser("train", help="train a recipe or TOML config on one or many ranks",
-                       description="Train a built-in recipe or a TOML config. Without arguments: "
+                       description="Train a built-in recipe or a TOML config. Without arguments:\n"
                        "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.",
                        epilog=recipes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_options(p)

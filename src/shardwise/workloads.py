@@ -116,7 +116,10 @@ def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
     values = {}
     for key, value in mc.overrides.items():
         if key not in types:
-            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)} "
+            from shardwise.habits import other_tools_hint
+
+            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)}"
+                              f"{other_tools_hint(f'model.overrides.{key}')} "
                               f"Valid: {', '.join(sorted(types))}.")
         values[key] = check_value(f"model.overrides.{key}", value, types[key], GPT_OVERRIDE_RULES.get(key))
     # The data's vocabulary, unless model.overrides.vocab_size sets it (e.g. nanoGPT's padded 50304).
