@@ -248,7 +248,8 @@ def plan_resume(args: argparse.Namespace, overrides: list[str], world_size: int 
 
 
 def adopt_run_config(args: argparse.Namespace) -> ResumePlan | None:
-    """``train --resume``: continue from the run's own config.toml and say what changes (stderr).
+    """``train --resume``: continue from the run's own config.toml; the plan's ``describe()`` is
+    printed once the run is admitted (a refusal stays one paragraph).
 
     ``--strategy`` joins the user's overrides here; without a saved config nothing changes.
     """
@@ -265,5 +266,4 @@ def adopt_run_config(args: argparse.Namespace) -> ResumePlan | None:
                   file=sys.stderr, flush=True)
         return None
     args.strategy = None  # now one of the overrides
-    print(plan.describe(), file=sys.stderr, flush=True)
     return plan

@@ -210,7 +210,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
                           "new, pass --resume OLD_RUN with another --out.")
 
 
-def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
+def _dry_run(run: ResolvedRun, args: argparse.Namespace, resumed: Any = None) -> int:
     """``train --dry-run``: every check a real launch makes (run directory and resume checkpoint
     included), then the layout and the memory prediction; nothing is written."""
     from shardwise.job.rundir import check_claim
@@ -218,6 +218,8 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
     check_claim(run.out, run.config, overwrite=args.overwrite, only_lock=True)
     cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
     state = check_claim(run.out, cfg, overwrite=args.overwrite)
+    if resumed is not None:
+        print(resumed.describe(), file=sys.stderr, flush=True)
     print(dry_run_report(dataclasses.replace(run, config=cfg)))
     print(f"run directory: {run.out} ({state})")
     return 0
@@ -256,7 +258,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_train_flags(args)
     from shardwise.job.resume_config import adopt_run_config
 
-    adopt_run_config(args)  # a resume continues the run's own config.toml
+    resumed = adopt_run_config(args)  # a resume continues the run's own config.toml
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
     if getattr(args, "show", False):
@@ -265,7 +267,7 @@ def run_train(args: argparse.Namespace) -> int:
         from shardwise.data.cache import read_only
 
         with read_only():  # "nothing was written": the data cache is only read
-            return _dry_run(resolve_run(args), args)
+            return _dry_run(resolve_run(args), args, resumed)
     run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
     launch_id = new_launch_id()
@@ -286,6 +288,8 @@ def run_train(args: argparse.Namespace) -> int:
         try:
             cfg = _preflight_resume(cfg, out, run.checked.meta_model, out_given=bool(args.out))
             admit_run(lock, cfg, overwrite=args.overwrite)
+            if resumed is not None and not lock.joined:
+                print(resumed.describe(), file=sys.stderr, flush=True)
             if not lock.joined:
                 clear_launch_reports(out)  # heartbeats and reports of earlier launches
                 try:
