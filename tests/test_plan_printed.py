@@ -1,4 +1,4 @@
-"""Printed commands run as printed: 20 plans over the bundled configs and pretrained folders (dense
+"""Printed commands run as printed: 21 plans over the bundled configs and pretrained folders (dense
 and MoE, text and chat data, the cpu target, pinned degrees), and every ``shardwise train`` command
 they print passes ``train --dry-run`` in this process. What ``train`` would refuse (a sequence
 above the model's positions, a pinned degree the family cannot use) ``plan`` refuses by name.
@@ -16,7 +16,15 @@ pytest.importorskip("transformers")
 from shardwise.cli import main  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.plan import cli as plan_cli  # noqa: E402
-from tests.helpers.sft import VOCAB, chat_records, instruct_records, save_qwen2, save_tokenizer, write_jsonl  # noqa: E402
+from tests.helpers.sft import (  # noqa: E402
+    VOCAB,
+    chat_records,
+    instruct_records,
+    save_gpt2,
+    save_qwen2,
+    save_tokenizer,
+    write_jsonl,
+)
 from tests.helpers.text import corpus_text  # noqa: E402
 from tests.test_plan_grid import plan_args  # noqa: E402
 
@@ -39,11 +47,13 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("plans")
     qwen = save_qwen2(root / "my-qwen")
     moe = _save_moe(root / "my-moe", "qwen3_moe")
+    gpt2 = save_gpt2(root / "my-gpt2")
     chat = write_jsonl(root / "chat.jsonl", chat_records(40))
     instruct = write_jsonl(root / "pairs.jsonl", instruct_records(40))
     text = root / "notes.txt"
     text.write_text(corpus_text(20000), encoding="utf-8")
-    return {"qwen": str(qwen), "moe": str(moe), "chat": str(chat), "instruct": str(instruct), "text": str(text)}
+    return {"qwen": str(qwen), "moe": str(moe), "gpt2": str(gpt2), "chat": str(chat), "instruct": str(instruct),
+            "text": str(text)}
 
 
 PLANS = [
@@ -69,13 +79,14 @@ PLANS = [
     ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{chat}", "--ep", "2"),
     ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{chat}", "--pp", "2"),
     ("--pretrained", "{moe}", "--gpu", "h100", "--gpus-per-node", "2", "--data", "{chat}"),
+    ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{text}", "--cp", "2"),  # long context, MoE, text
 ]
 
 
 def test_twenty_plans_print_commands_that_pass_train_dry_run(world, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))  # the data cache (a dry run only reads it)
-    assert len(PLANS) == 20
+    assert len(PLANS) >= 20
     for plan_argv in PLANS:
         argv = [a.format(**world) for a in plan_argv]
         plan = plan_cli.build_plan(plan_args(*argv))
@@ -97,9 +108,10 @@ def test_twenty_plans_print_commands_that_pass_train_dry_run(world, tmp_path, mo
 
 @pytest.mark.parametrize(("argv", "refusal"), [
     (("--pretrained", "{qwen}", "--seq", "8192"), r"--seq 8192 exceeds the model's max_position_embeddings=256"),
-    (("--hf-config", "mixtral-tiny", "--cp", "2"), r"--cp 2: context parallel does not run on the mixtral family"),
+    (("--hf-config", "gpt2-tiny", "--cp", "2"), r"--cp 2: context parallel does not run on the gpt2 family"),
     (("--hf-config", "llama-tiny", "--ep", "2"), r"no mixture-of-experts layers"),
     (("--hf-config", "llama-tiny", "--data", "x.jsonl"), r"--data .* --pretrained DIR"),
+    (("--pretrained", "{moe}", "--data", "{chat}", "--cp", "2"), r"--cp 2: .* mixture-of-experts model on chat"),
 ])
 def test_what_train_refuses_plan_refuses_by_name(world, argv, refusal):
     with pytest.raises(ConfigError, match=refusal):
@@ -122,9 +134,9 @@ def test_small_models_print_their_size_in_a_unit_that_shows_it():
 
 
 def test_cp_on_a_family_without_it_is_refused_by_name_before_the_data_is_read(world, tmp_path, capsys):
-    code = main(["train", "hf-sft", "--set", f'model.pretrained="{world["moe"]}"', "--set",
+    code = main(["train", "hf-sft", "--set", f'model.pretrained="{world["gpt2"]}"', "--set",
                  f'data.path="{tmp_path / "not-written-yet.jsonl"}"', "--set", "parallel.cp=2", "--nproc", "2",
                  "--dry-run", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2 and "qwen3_moe is not one of them. Set parallel.cp = 1" in err, err
+    assert code == 2 and "gpt2 is not one of them. Set parallel.cp = 1" in err, err
     assert "unpacked text" not in err and "not-written-yet" not in err  # no dead end; the data was not read

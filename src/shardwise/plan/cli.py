@@ -237,6 +237,15 @@ def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -
                               f"--{flag} 1) to plan without it.")
 
 
+def _trains_records(recipe: str, sets: tuple[str, ...]) -> bool:
+    """Whether the printed command trains on chat/instruct records (``families.RECORD_KINDS``)."""
+    from shardwise.config import load_raw, parse_override
+    from shardwise.families import RECORD_KINDS
+
+    given = dict(parse_override(s) for s in sets)
+    return given.get("data.kind", load_raw(recipe).get("data", {}).get("kind")) in RECORD_KINDS
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
     _resolve_target_defaults(args)
@@ -266,7 +275,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
-    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    cp = args.cp
+    if model.moe is not None and recipe and _trains_records(recipe, sets):
+        # train refuses cp for an MoE model on records (each chunk's routers would count padding).
+        if cp is not None and cp > 1:
+            raise ConfigError(f"--cp {cp}: context parallel does not run a mixture-of-experts model on chat or "
+                              f"prompt/response records (recipe {recipe}); its routers would count each chunk's "
+                              "padding. Plan without --cp, or on plain text.")
+        cp = 1
+    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep)
     plan.warnings[:0] = target_warnings
     return plan
 
