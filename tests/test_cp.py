@@ -1,6 +1,7 @@
 """Context parallel (parallel.cp, all-to-all and ring attention): losses and parameters equal to one
-process (fp32, 5 steps) for fsdp+cp at 2 and 4 ranks and fsdp+tp+cp at 4 ranks, on the built-in GPT
-and a tiny Hugging Face Llama with grouped kv heads; the layout's rules and refusals."""
+process (fp32, 5 steps) for fsdp+cp at 2 and 4 ranks (dp_shard=2 x cp=2 among them) and fsdp+tp+cp at
+4 ranks, on the built-in GPT and a tiny Hugging Face Llama with grouped kv heads; the layout's rules
+(dp_shard excludes cp, torchtitan's arithmetic) and refusals."""
 
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ def test_cp_equals_one_process_at_2_and_4_ranks() -> None:
     two = [("llama", "fsdp", {"cp": 2}), ("gpt", "ddp", {"cp": 2}), ("gpt", "fsdp", ring), ("llama", "fsdp", ring),
            ("mistral", "fsdp", {"cp": 2}), ("mistral", "fsdp", ring)]
     # Ring at cp=4 over the Llama's 2 kv heads (alltoall would repeat them): no head rule.
+    # torchtitan's spelling, dp_shard excluding cp: dp_shard=2 x cp=2 on 4 ranks (strategy 'auto').
     four = [("gpt", "fsdp", {"cp": 2}), ("llama", "fsdp+tp", {"cp": 2, "tp": 2}), ("llama", "fsdp", ring),
-            ("gpt", "fsdp+tp", {**ring, "tp": 2}), ("llama", "fsdp", {**ring, "cp": 4})]
+            ("gpt", "fsdp+tp", {**ring, "tp": 2}), ("llama", "fsdp", {**ring, "cp": 4}),
+            ("gpt", "auto", {"dp_shard": 2, "cp": 2})]
     got2 = run_distributed(_cases, 2, timeout_s=240, cases=two)
     got4 = run_distributed(_cases, 4, timeout_s=300, cases=four)
     assert [r[0]["dp"] for r in got2] == [(0, 1, 0), (0, 1, 1)]  # both ranks read the same sequences
@@ -96,6 +99,32 @@ def test_layout_cp_rules() -> None:
     pp = Layout("fsdp+pp", dp=2, pp=2, cp=2)  # cp x pp runs (tests/test_pp_packed.py)
     assert [pp.cp_rank(r) for r in range(4)] == [0, 1, 0, 1] and pp.dp_coords(1) == (0, 1)
     assert resolve_cp_impl("auto", "cpu") == "alltoall" and resolve_cp_impl("ring", "cpu") == "ring"
+
+
+@pytest.mark.parametrize("options, world, expect", [
+    # torchtitan's arithmetic: dp_replicate x dp_shard x cp x tp x pp = world size, dp_shard without cp.
+    (dict(dp_shard=2, cp=2), 4, ("fsdp", 1, 2, 2, 4)),
+    (dict(dp_shard=1, cp=2), 2, ("fsdp", 1, 1, 2, 2)),  # FSDP shards over dp_shard x cp
+    (dict(dp_replicate=2, dp_shard=2, cp=2), 8, ("hsdp", 2, 2, 2, 8)),
+    (dict(dp_shard=2, cp=2, tp=2), 8, ("fsdp+tp", 1, 2, 2, 4)),
+    (dict(dp_shard=2, cp=2, pp=2), 8, ("fsdp+pp", 1, 2, 2, 4)),
+    (dict(strategy="ddp", cp=2), 4, ("ddp", 2, 1, 2, 4)),
+    (dict(strategy="hsdp", hsdp_shard_size=4, cp=2), 8, ("hsdp", 2, 2, 2, 8)),
+])
+def test_dp_shard_excludes_cp(options: dict, world: int, expect: tuple) -> None:
+    layout = resolve_layout(ParallelConfig(**options), world)
+    got = (layout.strategy, layout.dp_replicate, layout.dp_shard, layout.cp, layout.dp)
+    assert got == expect
+    assert layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp * layout.pp == world
+    assert layout.shard == (layout.dp_shard * layout.cp if layout.sharding == "fsdp" else 1)
+
+
+def test_dp_shard_counting_cp_is_refused_with_what_changed() -> None:
+    # The old meaning (dp_shard counted the cp ranks): a product of 8 on 4 ranks, and the message says so.
+    with pytest.raises(ConfigError, match="dp_shard excludes cp .*divide its dp_shard by cp"):
+        resolve_layout(ParallelConfig(dp_shard=4, cp=2), 4)
+    with pytest.raises(ConfigError, match="cp=2 must divide hsdp's shard group of 3 ranks"):
+        resolve_layout(ParallelConfig(strategy="hsdp", hsdp_shard_size=3, cp=2), 6)
 
 
 def test_cp_refuses_heads_it_cannot_split() -> None:
@@ -145,3 +174,5 @@ def test_refused_before_any_rank_starts() -> None:
     with pytest.raises(ConfigError, match="train.loss_chunks = 4 cannot run here: tensor parallel"):
         check(2, "parallel.strategy=fsdp+tp", "parallel.tp=2", "train.loss_chunks=4")
     check(2, "parallel.strategy=fsdp", "parallel.cp=2")
+    with pytest.raises(ConfigError, match="train.compile does not run with context parallel"):
+        check(2, "parallel.strategy=fsdp", "parallel.cp=2", "train.compile=true")  # one owner: check_compile

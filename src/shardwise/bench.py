@@ -244,8 +244,8 @@ def build_args_for_test(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------ running
 def _parse_names(spec: str) -> tuple[list[str], list[str]]:
     """(names to run, notes); 'classic' expands, accelerate is skipped there when missing."""
-    from shardwise.parallel.registry import canonical_strategy
     from shardwise.reference import installed, is_reference
+    from shardwise.strategies import canonical_strategy
 
     names, notes = [], []
     for raw in (s.strip() for s in spec.split(",")):
@@ -278,8 +278,8 @@ def _train_sets(args: argparse.Namespace) -> list[str]:
 
 def _command(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], int]:
     """The command that runs ``name`` into ``run_dir``, and its rank count."""
-    from shardwise.parallel.registry import canonical_strategy
     from shardwise.reference import REFERENCES, is_reference
+    from shardwise.strategies import canonical_strategy
 
     if is_reference(name):
         from shardwise.launch import LaunchSpec, torchrun_command

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_version import CONFIG_VERSION, upgrade
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 from shardwise.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
 from shardwise.habits import other_tools_hint
@@ -362,6 +363,8 @@ class LogConfig:
 class RunConfig:
     name: str = setting("gpt-shakespeare", text="name")
     out_dir: str = setting("", text="path")  # default: runs/<name>-<strategy>-<timestamp>
+    # The meaning the file's keys have (shardwise.config_version): written into every run's config.toml.
+    config_version: int = setting(CONFIG_VERSION, ge=1, le=CONFIG_VERSION)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -531,7 +534,8 @@ def load_config(recipe_or_path: str | None = None, overrides: list[str] | None =
 
     ``check=False``: keys and types only, not the rules between values (``train --show`` of a recipe
     whose required paths are not set yet)."""
-    raw = apply_overrides(load_raw(recipe_or_path), list(overrides or []))
+    raw = upgrade(load_raw(recipe_or_path), repr(recipe_or_path or "gpt-shakespeare"))
+    raw = apply_overrides(raw, list(overrides or []))
     cfg = _build(RunConfig, raw, "")
     if check:
         validate(cfg)

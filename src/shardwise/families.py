@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_FAMILIES", "DATA_KINDS", "FAMILIES", "HF_FAMILIES", "LLAMA_LIKE",
            "MODEL_KINDS", "MOE_FAMILIES", "PACK_MODES", "PP_FAMILIES", "RECORD_KINDS", "TP_FAMILIES", "Family",
-           "packs"]
+           "no_stage_split", "no_tp_plan", "packs"]
 
 # What ``model.kind`` and ``data.kind`` may be (config validation reads them; ``shardwise.workloads``
 # builds each).
@@ -88,3 +88,15 @@ HF_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.hf)
 MOE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.moe)
 CP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.cp)
 CHUNKED_HEAD_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILIES.items() if f.plain_head)
+
+
+def no_tp_plan(what: str) -> str:
+    """Why tensor parallel cannot run ``what`` (a model described in words): the one wording."""
+    return (f"tensor parallel has plans for the built-in GPT and the Hugging Face families "
+            f"{', '.join(f for f in TP_FAMILIES if f != 'gpt')}; {what} has none")
+
+
+def no_stage_split(what: str) -> str:
+    """Why pipeline parallel cannot cut ``what`` (a model described in words) into stages: the one wording."""
+    return (f"pipeline parallel cuts the built-in GPT and the Hugging Face families "
+            f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')} into stages; {what} has no stage split")

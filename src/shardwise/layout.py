@@ -41,6 +41,12 @@ __all__ = ["Layout", "data_parallel_degree", "ranks_per_node", "resolve_layout",
            "stage_layer_ranges", "tp_indivisible"]
 
 
+def _runs_ep(info: StrategyInfo) -> bool:
+    """Whether expert parallel runs under strategy ``info``: FSDP2 kinds only (the DeepSpeed engine has
+    dp_kind "fsdp" too but never splits experts; offload is not wired)."""
+    return info.dp_kind == "fsdp" and info.impl in ("fsdp", "model-parallel") and not info.offload
+
+
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
     """Return the block indices of each stage: balanced, first and last ``fewer`` blocks lighter.
 
@@ -79,8 +85,9 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
 class Layout:
     """How the ranks of one run are arranged. Frozen; derive a variant with ``dataclasses.replace``.
 
-    ``dp`` is the whole data-parallel degree and ``shard`` the size of the group that shards model
-    state (``dp_shard``): ``dp_replicate = dp // shard`` groups replicate it. ddp and zero1 have
+    ``dp`` is the whole data dimension of the mesh (cp ranks included) and ``shard`` the size of the
+    group that shards model state, cp ranks included (``dp_shard x cp``, torchtitan's ``fsdp``
+    dim; ``dp_shard`` excludes cp): ``dp // shard`` groups replicate it. ddp and zero1 have
     shard 1 (zero1 shards only optimizer state, across all of ``dp``); zero2, fsdp, fsdp-offload
     and the fsdp compositions shard across all of ``dp``; hsdp across groups of ``shard`` ranks.
     ``shard=0`` and ``offload=None`` mean "what the strategy implies".
@@ -153,6 +160,11 @@ class Layout:
                               f"offload={self.offload} contradicts it.")
         set_(self, "offload", offload)
         self._check_ep()
+        if self.info.hybrid and self.cp > 1 and self.shard % self.cp:
+            raise ConfigError(
+                f"parallel.cp={self.cp} must divide hsdp's shard group of {self.shard} ranks "
+                "(parallel.hsdp_shard_size, cp ranks included): context-parallel ranks are consecutive "
+                "data-parallel ranks inside one shard group. Pick a shard group that is a multiple of cp.")
         if self.dp % self.cp:
             raise ConfigError(
                 f"parallel.cp={self.cp} must divide the data-parallel ranks ({self.dp}): context-parallel ranks "
@@ -180,14 +192,13 @@ class Layout:
             raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
         if ep == 1:
             return
-        # FSDP2 kinds only (the DeepSpeed engine has dp_kind "fsdp" too but never splits experts);
-        # under hsdp the expert groups are carved out of each shard group (parallel/ep.py).
-        if self.external is None and (self.info.dp_kind != "fsdp" or self.info.impl not in ("fsdp", "model-parallel")
-                                      or self.offload):
+        # Under hsdp the expert groups are carved out of each shard group (parallel/mesh.py).
+        if self.external is None and not _runs_ep(self.info):
+            names = [n for n, i in REGISTRY.items() if _runs_ep(i)]
             raise ConfigError(
-                f"parallel.ep={ep} (expert parallel) runs under strategy 'fsdp', 'hsdp' or 'fsdp+tp', not "
-                f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use "
-                "--strategy fsdp (or hsdp, fsdp+tp), or set parallel.ep = 1.")
+                f"parallel.ep={ep} (expert parallel) runs under the FSDP2 strategies {', '.join(names)}, not "
+                f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use one of "
+                "them, or set parallel.ep = 1.")
         if self.pp > 1:  # [issue 20] fsdp+pp with ep: every schedule but the zero-bubble ones
             refusal = ep_refusal(self.pp_schedule)
             if refusal:
@@ -195,8 +206,8 @@ class Layout:
         if self.shard % ep:
             divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
             raise ConfigError(
-                f"parallel.ep={ep} must divide the data-parallel shard degree {self.shard} (expert groups "
-                f"are made of dp ranks). Valid ep here: {', '.join(map(str, divisors))}.")
+                f"parallel.ep={ep} must divide the ranks that FSDP shards over, dp_shard x cp = {self.shard} "
+                f"(expert groups are made of those ranks). Valid ep here: {', '.join(map(str, divisors))}.")
 
     @property
     def ep_enabled(self) -> bool:
@@ -244,7 +255,7 @@ class Layout:
     # ------------------------------------------------------------------ degrees
     @property
     def world_size(self) -> int:
-        # ``dp`` is the whole data dimension of the mesh, cp ranks included (torchtitan flattens
+        # ``dp`` is the whole data dimension of the dense mesh, cp ranks included (torchtitan flattens
         # dp_shard x cp for FSDP the same way): dp_replicate x dp_shard x cp x tp x pp. ep is
         # borrowed from dp_shard x cp, not multiplied.
         return self.dp * self.tp * self.pp
@@ -256,11 +267,14 @@ class Layout:
 
     @property
     def dp_shard(self) -> int:
-        return self.shard
+        """Ranks that shard model state, cp excluded (torchtitan's ``dp_shard``): FSDP2 shards over
+        the ``shard = dp_shard x cp`` ranks of the dense mesh's data dim; 1 for ddp and zero1."""
+        return self.shard // self.cp if self.shard > 1 else 1
 
     @property
     def dp_replicate(self) -> int:
-        return self.dp // self.shard
+        """Replicas of the model state: dp_replicate x dp_shard x cp = ``dp``."""
+        return self.dp // (self.cp * self.dp_shard)
 
     @property
     def dp_enabled(self) -> bool:
@@ -295,8 +309,8 @@ class Layout:
         if self.info.hybrid:
             # FSDP2 reads a 2-D mesh as (replicate, shard). Shard groups are consecutive ranks, i.e.
             # one node when shard = ranks per node: the heavy all-gather/reduce-scatter stays on
-            # the fast intra-node links.
-            return self.dp_replicate, self.dp_shard
+            # the fast intra-node links. The shard dim holds the cp ranks too (dp_shard x cp).
+            return self.dp // self.shard, self.shard
         return (self.dp,)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -373,7 +387,8 @@ class Layout:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         lines = [
             f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",
-            f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}), "
+            f"  mesh {mesh}; dp {self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard}"
+            f"{f' x cp {self.cp}' if self.cp > 1 else ''}), "
             f"tp {self.tp}{' + sequence parallel' if self.sequence_parallel else ''}, pp {self.pp}"
             f"{f', cp {self.cp} ({cp_impl}: each rank holds 1/{self.cp} of every sequence)' if self.cp > 1 else ''}"
             f"{f', ep {self.ep} (groups of {self.ep} dp ranks split the experts)' if self.ep > 1 else ''}"
@@ -450,7 +465,8 @@ def _model_parallel_degrees(world_size: int, options: ParallelConfig, info: Stra
         raise ConfigError(
             f"dp x tp x pp must equal the world size: {degrees['dp']} x {degrees['tp']} x "
             f"{degrees['pp']} = {degrees['pp'] * degrees['dp'] * degrees['tp']}, but {world_size} ranks "
-            f"were launched. Change --nproc or the parallel.dp/tp/pp degrees.{hint}")
+            f"were launched. Change --nproc or the parallel.dp/tp/pp degrees.{hint}"
+            f"{_DP_SHARD_CHANGE if options.cp > 1 and options.dp_shard else ''}")
     # An active degree below 2 is Layout's to refuse (one owner for that rule).
     return degrees
 
@@ -493,17 +509,28 @@ def _from_degrees(options: ParallelConfig) -> ParallelConfig:
             "the data-parallel degree one way (dp_replicate x dp_shard, or dp for the tp/pp compositions).")
     name = canonical_strategy(options.strategy)
     if name == "auto":
-        name = strategy_for_degrees(r or 1, s or 1, options.tp, options.pp)
+        # FSDP shards over dp_shard x cp (torchtitan): dp_shard=1 cp=2 on 2 ranks is fsdp, not ddp.
+        name = strategy_for_degrees(r or 1, (s or 1) * options.cp, options.tp, options.pp)
     changes: dict[str, Any] = {"strategy": name}
     info = REGISTRY[name]
+    # dp_shard excludes cp (torchtitan's arithmetic): the mesh's data dim is replicate x shard x cp.
     if info.model_parallel:
-        changes["dp"] = (r or 1) * (s or 1)
+        changes["dp"] = (r or 1) * (s or 1) * options.cp
     if info.hybrid and s:
-        if options.hsdp_shard_size not in (0, s):
+        group = s * options.cp  # hsdp_shard_size counts ranks, cp ranks included
+        if options.hsdp_shard_size not in (0, group):
             raise ConfigError(f"parallel.hsdp_shard_size={options.hsdp_shard_size} and parallel.dp_shard={s} "
-                              "disagree: both size hsdp's shard groups; set one.")
-        changes["hsdp_shard_size"] = s
+                              f"x cp={options.cp} = {group} disagree: both size hsdp's shard groups; set one.")
+        changes["hsdp_shard_size"] = group
     return dataclasses.replace(options, **changes)
+
+
+# Said wherever a config's dp_shard and cp do not fit: the meaning changed once, and a config.toml
+# written before (shardwise.config_version) may still use the old one.
+_DP_SHARD_CHANGE = (
+    " Note: parallel.dp_shard excludes cp (torchtitan's meaning: dp_replicate x dp_shard x cp x tp x pp = "
+    "world size). A config.toml written before config_version 2 counted cp inside dp_shard: divide its "
+    "dp_shard by cp.")
 
 
 def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
@@ -516,7 +543,8 @@ def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
                 f"dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x cp={layout.cp} x "
                 f"tp={layout.tp} x pp={layout.pp}. The degrees must multiply to the world size, and a "
                 f"strategy name stands for one split ({layout.strategy!r}: {layout.info.description}); "
-                "leave parallel.strategy at 'auto' to let the degrees pick it, or change them.")
+                "leave parallel.strategy at 'auto' to let the degrees pick it, or change them."
+                f"{_DP_SHARD_CHANGE if layout.cp > 1 and options.dp_shard else ''}")
 
 
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,

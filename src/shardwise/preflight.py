@@ -33,6 +33,7 @@ class Preflight:
     strategy: Strategy
     workload: Workload
     meta_model: nn.Module | None
+    cp_impl: str = "alltoall"  # parallel.cp_impl as this machine resolves it (parallel.cp.resolve_cp_impl)
 
 
 def resolve_config(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = None
@@ -74,8 +75,6 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.parallel.cp import resolve_cp_impl
 
         cp_impl = resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
-        if cfg.train.compile:
-            raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet; unset one.")
     if cfg.train.compile:
         import torch
 
@@ -110,7 +109,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.loss import plan_chunked_head
 
         plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
-        # Mixture of experts: ep divides every layer's experts, no pp / sequence parallel (parallel/ep.py).
+        # Mixture of experts: ep divides every layer's experts (parallel/ep.py; the degree rules are the layout's).
         from shardwise.parallel.ep import check_moe_model
 
         check_moe_model(meta, layout)
@@ -134,7 +133,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
             layout = layout.with_blocks(len(blocks), blocks.path)
     # The strategy's own checks (DeepSpeed: installed, config fills, NVMe path usable).
     strategy.preflight(resolved, world_size, meta, ranks_per_node=ranks_per_node)
-    return Preflight(resolved, layout, strategy, workload, meta)
+    return Preflight(resolved, layout, strategy, workload, meta, cp_impl)
 
 
 def check_debug_collectives(cfg: RunConfig, world_size: int, cuda: bool | None = None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import PP_FAMILIES, TP_FAMILIES
+from shardwise.families import PP_FAMILIES, TP_FAMILIES, no_stage_split, no_tp_plan
 from shardwise.pp_schedules import PP_SCHEDULES  # the schedules and their rules have their own owner
 
 __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_SYNC_MODES", "MESH_ORDER",
@@ -94,11 +94,7 @@ class StrategyInfo:
         if self.supports(family):
             return ""
         what = family or "this (custom) model"
-        if "pp" in self.degrees:
-            return (f"pipeline parallel cuts the built-in GPT and the Hugging Face families "
-                    f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')} into stages; {what} has no stage split")
-        return (f"tensor parallel has plans for the built-in GPT and the Hugging Face families "
-                f"{', '.join(f for f in TP_FAMILIES if f != 'gpt')}; {what} has none")
+        return no_stage_split(what) if "pp" in self.degrees else no_tp_plan(what)
 
 
 _STRATEGIES = (

@@ -50,7 +50,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        # One thread per rank unless the test asks for more (env={"OMP_NUM_THREADS": "2"}: another
+        # blocking of the matmuls, so another reduction order, for the parity-under-noise check).
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
@@ -105,6 +107,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
     ``fn`` must be importable by the child (a module-level function). Raises DistributedTestError
     naming the first failing rank, or, after ``timeout_s``, with every rank's stack.
     """
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, timeout_s, collective_timeout_s, env, kwargs)
+        except DistributedTestError as e:
+            # free_port's port can be taken by another process before rank 0's store binds it (many
+            # test runs on one machine): that is the harness's race, not the test's failure; retry
+            # on a new port before any test code ran.
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, timeout_s: float, collective_timeout_s: float,
+              env: dict[str, str] | None, kwargs: dict) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="shardwise-stacks-")
@@ -211,10 +227,35 @@ def fixed_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int
 
 
 def lm_loss(logits: Any, targets: Any) -> Any:
-    """Next-token cross-entropy in float32 (logits ``(..., vocab)``, targets ``(...)``)."""
+    """Next-token cross-entropy in float32 at least (logits ``(..., vocab)``, targets ``(...)``);
+    float64 logits stay float64."""
+    import torch
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    logits = logits.flatten(0, -2)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: Any) -> Any:
+    """Build (and train) models in ``dtype`` inside the block; the previous default comes back after.
+
+    Parity tests run in float64: a strategy reorders reductions, and AdamW turns that rounding
+    noise on a gradient element near zero into a move of up to ``lr`` (its update is g / (|g| + eps)
+    per element, with eps = 1e-8). In float32 the noise (~1e-7 relative, ~1e-9..1e-8 absolute here)
+    is the size of eps, so such a move is O(lr) and a bound set above one CPU's measurement fails on
+    the next CPU; in float64 the noise is ~1e-16 relative, so the move is at most
+    ``lr * noise / eps`` ~ 1e-10 per step, and a bound of 1e-9 on parameters after a few steps holds on
+    any machine while a real defect (an O(lr) move, lr >= 1e-3) stays 10^6 times above it.
+    """
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def train_fixed_batches(session: Any, model: Any, optimizer: Any, batches: Any, *,

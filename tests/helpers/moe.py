@@ -11,14 +11,24 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.models.moe import take_moe_stats, with_aux_loss
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
-from shardwise.testing import fixed_batches, lm_loss, train_fixed_batches
+from shardwise.testing import default_dtype, fixed_batches, lm_loss, train_fixed_batches
 from tests.helpers.mp import full_params
 
 
 def moe_train(rank: int, world_size: int, strategy: str = "single", steps: int = 5, global_batch: int = 8,
               accum: int = 1, overrides: dict | None = None, clip: float = 1.0, ckpt_dir: str = "",
-              load_dir: str = "", start: int = 0, local_aux: bool = False, **options: object) -> dict:
-    """Train moe-nano on fixed batches (aux losses in the loss); report losses, params, MoE stats."""
+              load_dir: str = "", start: int = 0, local_aux: bool = False, dtype: torch.dtype = torch.float64,
+              **options: object) -> dict:
+    """Train moe-nano on fixed batches (aux losses in the loss) in ``dtype`` (float64 for parity:
+    see ``shardwise.testing.default_dtype``); report losses, params, MoE stats."""
+    with default_dtype(dtype):
+        return _moe_train(rank, world_size, strategy, steps, global_batch, accum, overrides, clip, ckpt_dir,
+                          load_dir, start, local_aux, **options)
+
+
+def _moe_train(rank: int, world_size: int, strategy: str, steps: int, global_batch: int, accum: int,
+               overrides: dict | None, clip: float, ckpt_dir: str, load_dir: str, start: int, local_aux: bool,
+               **options: object) -> dict:
     cfg = dataclasses.replace(GPT_PRESETS["moe-nano"], **(overrides or {}))
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), grad_accum_steps=accum,  # type: ignore[arg-type]
                       seed=0)

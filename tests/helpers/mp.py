@@ -10,7 +10,7 @@ from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.parallel.checkpointing import clean_name
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
-from shardwise.testing import fixed_batches, lm_loss, train_fixed_batches
+from shardwise.testing import default_dtype, fixed_batches, lm_loss, train_fixed_batches
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -25,60 +25,62 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 5,
              global_batch: int = 8, accum: int = 1, preset: str = "nano", clip: float = 1.0,
              evaluate: bool = False, overrides: dict | None = None, ckpt_dir: str = "",
-             compile: bool = False, mid_eval: bool = False, **options: object) -> dict:
-    """Train the GPT preset on fixed batches through session.forward_backward; report results.
+             compile: bool = False, mid_eval: bool = False, dtype: str = "float64", **options: object) -> dict:
+    """Train the GPT preset on fixed batches through session.forward_backward, the model in ``dtype``
+    (float64 for parity: see ``shardwise.testing.default_dtype``); report results.
 
     Every rank of one data-parallel replica reads the same slice of each global batch (TP ranks
     and pipeline stages share a batch); the slice is the replica's ``dp_rank``.
     """
-    cfg = GPT_PRESETS[preset]
-    if overrides:
-        import dataclasses
+    with default_dtype(getattr(torch, dtype)):
+        cfg = GPT_PRESETS[preset]
+        if overrides:
+            import dataclasses
 
-        cfg = dataclasses.replace(cfg, **overrides)
-    parallel = ParallelConfig(strategy=strategy, **options)  # type: ignore[arg-type]
-    if compile:
-        # A fresh dynamo cache per case: one process running several cases would otherwise pile
-        # guards of every strategy onto the same Block.forward code object.
-        torch._dynamo.reset()
-    session = Session(parallel=parallel, grad_accum_steps=accum, seed=0, compile=compile)
-    model = GPT(cfg)
-    # foreach=True: the multi-tensor kernels CUDA uses by default, which refuse mixed tensor kinds.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    model, opt = session.prepare(model, opt)
-    data = fixed_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
-    per_replica = global_batch // session.dp_size
-    params5: dict = {}
+            cfg = dataclasses.replace(cfg, **overrides)
+        parallel = ParallelConfig(strategy=strategy, **options)  # type: ignore[arg-type]
+        if compile:
+            # A fresh dynamo cache per case: one process running several cases would otherwise pile
+            # guards of every strategy onto the same Block.forward code object.
+            torch._dynamo.reset()
+        session = Session(parallel=parallel, grad_accum_steps=accum, seed=0, compile=compile)
+        model = GPT(cfg)
+        # foreach=True: the multi-tensor kernels CUDA uses by default, which refuse mixed tensor kinds.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+        model, opt = session.prepare(model, opt)
+        data = fixed_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
+        per_replica = global_batch // session.dp_size
+        params5: dict = {}
 
-    def snapshot(step: int) -> None:
-        if step == 4:  # the state after 5 steps, for runs that go on past it
-            params5.update(full_params(model))
-        if mid_eval:  # an evaluation between steps must not change what training does next
+        def snapshot(step: int) -> None:
+            if step == 4:  # the state after 5 steps, for runs that go on past it
+                params5.update(full_params(model))
+            if mid_eval:  # an evaluation between steps must not change what training does next
+                x = data[0, :per_replica]
+                session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss)
+
+        run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot,
+                                  loss_fn=session.compile_loss(lm_loss))
+        losses, norms = run["losses"], run["norms"]
+        if ckpt_dir:
+            from shardwise.runtime.checkpoint import save_checkpoint
+
+            save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name,
+                            world_size=world_size)
+        pipeline = getattr(session.strategy, "pipeline", None)
+        result = {"losses": losses, "norms": norms, "params": full_params(model), "params5": params5,
+                  "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
+                  "dp_rank": session.dp_rank, "layout_microbatches": session.layout.pp_microbatches,
+                  "run_microbatches": pipeline.n_microbatches if pipeline is not None else None,
+                  "compiled_blocks": sum(hasattr(m, "_orig_mod") for m in model.modules())}
+        if evaluate:
             x = data[0, :per_replica]
-            session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss)
-
-    run = train_fixed_batches(session, model, opt, data, max_norm=clip, after_step=snapshot,
-                              loss_fn=session.compile_loss(lm_loss))
-    losses, norms = run["losses"], run["norms"]
-    if ckpt_dir:
-        from shardwise.runtime.checkpoint import save_checkpoint
-
-        save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name,
-                        world_size=world_size)
-    pipeline = getattr(session.strategy, "pipeline", None)
-    result = {"losses": losses, "norms": norms, "params": full_params(model), "params5": params5,
-              "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
-              "dp_rank": session.dp_rank, "layout_microbatches": session.layout.pp_microbatches,
-              "run_microbatches": pipeline.n_microbatches if pipeline is not None else None,
-              "compiled_blocks": sum(hasattr(m, "_orig_mod") for m in model.modules())}
-    if evaluate:
-        x = data[0, :per_replica]
-        model.eval()
-        result["eval_loss"] = float(session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss))
-        # Evaluation must not leave FSDP units holding unsharded parameters.
-        result["param_bytes_after_eval"] = ledger.param_bytes(model)
-    session.close()
-    return result
+            model.eval()
+            result["eval_loss"] = float(session.eval_loss(model, x[:, :-1], x[:, 1:], lm_loss))
+            # Evaluation must not leave FSDP units holding unsharded parameters.
+            result["param_bytes_after_eval"] = ledger.param_bytes(model)
+        session.close()
+        return result
 
 
 def mp_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -99,12 +101,14 @@ def merged_params(ranks: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def hf_train(rank: int, world_size: int, strategy: str = "single", steps: int = 5,
-             global_batch: int = 4, seq: int = 16, **options: object) -> dict:
-    """Train the bundled llama-tiny HF model on fixed batches; return losses and full parameters."""
+             global_batch: int = 4, seq: int = 16, dtype: str = "float64", **options: object) -> dict:
+    """Train the bundled llama-tiny HF model (in ``dtype``, as ``mp_train``) on fixed batches; return
+    losses and full parameters."""
     from shardwise.models.hf import build_hf_model
 
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
-    model = build_hf_model("llama-tiny")
+    with default_dtype(getattr(torch, dtype)):
+        model = build_hf_model("llama-tiny")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = session.prepare(model, opt)
     data = fixed_batches(steps, global_batch, seq, 65)
@@ -115,13 +119,15 @@ def hf_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
 
 
 def ckpt_phase(rank: int, world_size: int, strategy: str, start: int, stop: int, ckpt_dir: str,
-               global_batch: int = 8, **options: object) -> dict:
-    """Train steps [start, stop) of the fixed batches, resuming from / saving to ``ckpt_dir``."""
+               global_batch: int = 8, dtype: str = "float64", **options: object) -> dict:
+    """Train steps [start, stop) of the fixed batches, resuming from / saving to ``ckpt_dir``, the
+    model in ``dtype`` (as ``mp_train``'s)."""
     from shardwise.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = GPT_PRESETS["nano"]
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]
-    model = GPT(cfg)
+    with default_dtype(getattr(torch, dtype)):
+        model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     model, opt = session.prepare(model, opt)
     if start:

@@ -12,7 +12,7 @@ from shardwise.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
-from shardwise.testing import fixed_batches, train_fixed_batches
+from shardwise.testing import default_dtype, fixed_batches, train_fixed_batches
 from shardwise.verify import full_state_dict
 from tests.helpers.dist import count_allreduces, per_step_counts
 
@@ -36,12 +36,22 @@ def count_reduce_scatters(calls: list[int]) -> Iterator[None]:
 def train(rank: int, world_size: int, strategy: str = "single", steps: int = 5, global_batch: int = 8,
           accum: int = 1, preset: str = "nano", precision: str = "fp32", ac: str = "none",
           ac_every: int = 2, wrap: str = "block", hsdp_shard_size: int = 0, lr: float = 1e-3,
-          count_comms: bool = False, overrides: dict | None = None, grad_sync: str = "step") -> dict:
+          count_comms: bool = False, overrides: dict | None = None, grad_sync: str = "step",
+          dtype: str = "float32") -> dict:
     """Train a GPT preset with AdamW on fixed batches; this rank reads its slice of each global batch.
 
     Returns per-step global losses, the final full parameters (on every rank), this rank's ledger
-    entry and, with ``count_comms``, the gradient collectives issued per optimizer step.
+    entry and, with ``count_comms``, the gradient collectives issued per optimizer step. ``dtype``
+    is the model's (float64 for parity: see ``shardwise.testing.default_dtype``).
     """
+    with default_dtype(getattr(torch, dtype)):
+        return _train(rank, world_size, strategy, steps, global_batch, accum, preset, precision, ac, ac_every,
+                      wrap, hsdp_shard_size, lr, count_comms, overrides, grad_sync)
+
+
+def _train(rank: int, world_size: int, strategy: str, steps: int, global_batch: int, accum: int, preset: str,
+           precision: str, ac: str, ac_every: int, wrap: str, hsdp_shard_size: int, lr: float,
+           count_comms: bool, overrides: dict | None, grad_sync: str) -> dict:
     cfg = GPT_PRESETS[preset]
     if overrides:
         import dataclasses

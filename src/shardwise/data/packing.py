@@ -20,7 +20,6 @@ from), so a row's documents attend only to themselves and positions restart at e
 from __future__ import annotations
 
 import bisect
-from typing import Any
 
 import numpy as np
 import torch
@@ -129,7 +128,3 @@ def documents_of(x: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tens
     first[starts] = idx[starts]
     first = torch.cummax(first, 0).values  # where each token's document started
     return doc_ids, idx - first
-
-
-def rows_of(data: Any) -> RowSequences | None:
-    return data if isinstance(data, RowSequences) else None

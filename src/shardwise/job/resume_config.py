@@ -160,6 +160,7 @@ def plan_resume(args: argparse.Namespace, overrides: list[str], world_size: int 
     untouched) when the checkpoint has no run directory with a ``config.toml``.
     """
     from shardwise.config import from_dict, load_raw, to_dict
+    from shardwise.config_version import upgrade
     from shardwise.device import default_nproc
     from shardwise.preflight import resolve_config
 
@@ -167,7 +168,7 @@ def plan_resume(args: argparse.Namespace, overrides: list[str], world_size: int 
     if saved_path is None:
         return None
     try:
-        saved_raw = tomllib.loads(saved_path.read_text(encoding="utf-8"))
+        saved_raw = upgrade(tomllib.loads(saved_path.read_text(encoding="utf-8")), str(saved_path))
         saved_cfg = from_dict(copy.deepcopy(saved_raw))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ShardwiseError) as e:
         raise ConfigError(f"--resume: the run's configuration {saved_path} cannot be read ({e}); pass the "

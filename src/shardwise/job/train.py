@@ -142,21 +142,13 @@ def dry_run_prediction(run: ResolvedRun) -> Any:
                              plain_ce=run.checked.workload.plain_token_ce)
 
 
-def _cp_impl(impl: str) -> str:
-    import torch
-
-    from shardwise.parallel.cp import resolve_cp_impl
-
-    return resolve_cp_impl(impl, "cuda" if torch.cuda.is_available() else "cpu")
-
-
 def dry_run_report(run: ResolvedRun, what: str = "train") -> str:
     """What ``--dry-run`` prints: the resolved run, its layout and the planner's per-rank memory."""
     cfg, layout, checked = run.config, run.layout, run.checked
     nodes = f" ({run.nnodes_range or run.nnodes} nodes x {run.nproc})" if run.multi_node else ""
     lines = [f"dry run of `shardwise {what}`: every check passed; no rank was started, nothing was written.",
              f"run: {cfg.name}, {layout.world_size} rank(s){nodes}, run directory {run.out}",
-             layout.describe(_cp_impl(cfg.parallel.cp_impl))]
+             layout.describe(checked.cp_impl)]
     model = checked.meta_model
     if model is None:
         lines.append("memory: no prediction (the model factory cannot build on the meta device; "

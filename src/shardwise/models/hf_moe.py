@@ -75,7 +75,7 @@ class HFMoELayer:
         self.recorder = recorder
         self.reset_stats()
 
-    # Set by parallel.ep.attach_moe. One group for every block of a model, kept by the recorder:
+    # Set by parallel.ep.route_moe. One group for every block of a model, kept by the recorder:
     # pipeline stages read it there (parallel/pp_hf_moe.py), whichever blocks they hold.
     @property
     def stats_group(self) -> Any:

@@ -7,7 +7,7 @@ without the model knowing (``shardwise.parallel.ep``):
   number per expert. Expert parallelism wraps exactly this call (torchtitan's ``distribute_module``
   input/output hooks): tokens go to the rank holding their expert and come back in the same order.
 * ``MoE.stats_group``: the process group over which the router's token counts are summed for the
-  load-balancing loss (None: this process alone). Set by ``parallel.ep.attach_moe``.
+  load-balancing loss (None: this process alone). Set by ``parallel.ep.route_moe``.
 
 Under pipeline parallel a forward hook (``parallel/moe_pp.py``) takes each forward's aux loss out
 of ``_pending`` and attaches it to the layer's output (Megatron's aux-loss auto-scaler), and
@@ -71,6 +71,12 @@ _pending: list[torch.Tensor] = []
 _MAX_PENDING = 4096
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or kept in its own dtype where that is wider (float64 runs stay float64:
+    the parity tests compare in float64, where a cast to float32 would bring its rounding back)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _in_backward() -> bool:
     # Activation checkpointing re-runs forward inside backward: that recomputation must not add its
     # aux loss (or its counts) a second time.
@@ -93,7 +99,7 @@ def pop_aux_loss() -> torch.Tensor | None:
     """The sum of the aux losses recorded since the last call (None when none), and forget them."""
     if not _pending:
         return None
-    total = torch.stack([t.float() for t in _pending]).sum()
+    total = torch.stack([at_least_fp32(t) for t in _pending]).sum()
     _pending.clear()
     return total
 
@@ -174,7 +180,7 @@ class MoE(nn.Module):
         self.shared = (SharedExperts(cfg.n_embd, cfg.expert_hidden * cfg.moe_shared_experts, cfg.bias)
                        if cfg.moe_shared_experts else None)
         self.drop = nn.Dropout(cfg.dropout)
-        self.stats_group: Any = None  # set from outside (parallel.ep.attach_moe); None: this process
+        self.stats_group: Any = None  # set from outside (parallel.ep.route_moe); None: this process
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -188,7 +194,7 @@ class MoE(nn.Module):
         """``x`` (..., D); ``real``: which of its tokens are real (the aux losses skip padding), or None."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.router(x).float()
+        logits = at_least_fp32(self.router(x))
         probs = logits.softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
         if self.norm_topk:
@@ -234,7 +240,7 @@ class MoE(nn.Module):
         weight = (ranks * self.top_k / global_counts.sum().clamp(min=1).double()).to(probs.dtype)
         aux = logits.new_zeros(())
         if self.aux_coef > 0:
-            f = global_counts.float() / global_counts.sum().clamp(min=1)
+            f = global_counts.to(probs.dtype) / global_counts.sum().clamp(min=1)
             prob_sum = (probs if keep is None else probs * keep.unsqueeze(-1)).sum(dim=0)
             aux = aux + self.aux_coef * self.n_experts * (f * prob_sum).sum() * weight
         z = logits.new_zeros(())

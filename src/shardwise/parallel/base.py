@@ -13,7 +13,6 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.device import backend_for
 from shardwise.layout import Layout
-from shardwise.parallel.parallelize import parallelize
 from shardwise.strategies import StrategyInfo
 
 
@@ -32,11 +31,20 @@ class ParallelContext:
     device: torch.device
     options: ParallelConfig
     layout: Layout
-    mesh: object | None = None  # torch DeviceMesh of ``layout.mesh_shape``, built by the Session
+    mesh: object | None = None  # the dense view of ``meshes``: torch DeviceMesh of ``layout.mesh_shape``
     materialize: Callable[[nn.Module], None] | None = None
     # torch.compile each transformer block after activation checkpointing, before DDP/FSDP
     # (``parallel/compile.py``), in ``parallelize``'s order.
     compile: bool = False
+    # The mesh owner (``parallel/mesh.py``): every view and group a dimension uses; None on one process.
+    meshes: Any = None
+    # Context parallel: where ``chunk_batch`` leaves each batch's whole-sequence mask (parallel.cp.CPState).
+    cp_state: Any = None
+
+    @property
+    def expert_mesh(self) -> Any:
+        """The expert-FSDP view when experts are split (``parallel.ep > 1``), else None."""
+        return self.meshes.expert_fsdp if self.layout.ep > 1 and self.meshes is not None else None
 
 
 class Strategy:
@@ -64,10 +72,6 @@ class Strategy:
     @property
     def description(self) -> str:
         return self.info.description
-
-    def apply(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
-        """Return the model to train, parallelised in the one order (``parallel/parallelize.py``)."""
-        return parallelize(model, self, ctx)
 
     # The steps ``parallelize`` runs, in its order; a strategy overrides the ones it has.
     def split(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:

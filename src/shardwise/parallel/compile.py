@@ -60,6 +60,9 @@ def check_compile_toolchain(device_type: str) -> None:
 def check_compile(strategy: Strategy, options: ParallelConfig, device_type: str) -> None:
     """Raise ConfigError when ``train.compile`` cannot run under ``strategy`` with ``options``, or on
     this machine (``device_type``)."""
+    if strategy.layout.cp > 1:
+        raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet: the all-to-all "
+                          "attention is routed by a TorchFunctionMode. Unset one of them.")
     reason = strategy.compile_unsupported(options)
     if reason:
         raise ConfigError(f"train.compile = true cannot run under strategy {strategy.name!r}: {reason}. "

@@ -126,7 +126,7 @@ class ModelParallelStrategy(Strategy):
         # pruning so that every rank of an MoE model has one, whichever layers its stages hold.
         self.moe_aux = attach_pp_aux(model, ctx.mesh["pp"].get_group())  # type: ignore[index]
         model = prune_to_stages(model, self._stage_ids, self._ranges)
-        self.ties = StageTies.plan(model, ties, layout, self._stage_ids, ctx.mesh)
+        self.ties = StageTies.plan(model, ties, layout, self._stage_ids, ctx.meshes)
         if ctx.materialize is None:  # a meta-device model is allocated in wrap(), stages only
             model = model.to(ctx.device)
         return model
@@ -176,7 +176,7 @@ class ModelParallelStrategy(Strategy):
         if self.dp_kind == "fsdp":
             # Applied even when dp == 1, so mixed precision comes from the same policy everywhere.
             # One FSDP unit per transformer block plus the root, as under plain fsdp.
-            return apply_fsdp(module, dp_mesh, ctx.options, ep_layout=ctx.layout)
+            return apply_fsdp(module, dp_mesh, ctx.options, expert_mesh=ctx.expert_mesh)
         if self.dp_kind == "ddp" and self.layout.dp > 1:
             from torch.nn.parallel import DistributedDataParallel
 

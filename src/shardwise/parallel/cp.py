@@ -72,7 +72,7 @@ from torch.overrides import TorchFunctionMode
 from shardwise.errors import ConfigError
 from shardwise.models.masking import attention_mask_4d, split_inputs
 
-__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_groups", "cp_multiple",
+__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_multiple",
            "gather_heads",
            "pad_to_multiple", "resolve_cp_impl", "scatter_heads", "split_sequence"]
 
@@ -442,8 +442,10 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
         # The GPT indexes its table with arange(chunk) (1-D); this rank's tokens sit elsewhere in the
         # sequence. Explicit (B, chunk) position_ids are already this chunk's slice of the whole
         # sequence's positions (chunk_batch) and pass unchanged.
+        # prepend: ahead of tensor parallel's input hook (it turns the positions into a DTensor).
         pos_emb.register_forward_pre_hook(
-            lambda m, args: (global_positions(args[0].numel(), args[0].device),) if args[0].dim() == 1 else None)
+            lambda m, args: (global_positions(args[0].numel(), args[0].device),) if args[0].dim() == 1 else None,
+            prepend=True)
     if hasattr(model, "hf"):
         def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if kwargs.get("position_ids") is None:
@@ -451,7 +453,7 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
                 kwargs["position_ids"] = global_positions(ids.shape[1], ids.device).unsqueeze(0)
             return args, kwargs
 
-        model.hf.register_forward_pre_hook(positions, with_kwargs=True)
+        model.hf.register_forward_pre_hook(positions, with_kwargs=True, prepend=True)
     return model
 
 
@@ -515,21 +517,3 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
         positions = torch.arange(seq, device=ids.device).expand(ids.shape[0], seq)
     state.mask = attention_mask_4d(extra)
     return {"input_ids": cut(ids), "position_ids": cut(positions)}, cut(targets)
-
-
-def cp_groups(layout: Any, rank: int) -> tuple[Any, int]:
-    """(this rank's cp process group, its rank in it); every rank creates every group (same order)."""
-    cp = layout.cp
-    members: dict[tuple, list[int]] = {}
-    for r in range(layout.world_size):
-        c = layout.coords(r)
-        dp_index = c.get("dp", r) if layout.info.model_parallel else r
-        key = (c.get("pp", 0), dp_index // cp, c.get("tp", 0))
-        members.setdefault(key, []).append(r)
-    mine = None
-    for key in sorted(members):
-        group = dist.new_group(sorted(members[key]))
-        if rank in members[key]:
-            mine = (group, sorted(members[key]).index(rank))
-    assert mine is not None
-    return mine

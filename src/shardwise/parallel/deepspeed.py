@@ -255,8 +255,3 @@ def _quiet_deepspeed() -> Any:
         yield
     finally:
         log.setLevel(level)
-
-
-def is_deepspeed(strategy: Strategy) -> bool:
-    return isinstance(strategy, DeepSpeedStrategy)
-

@@ -1,12 +1,13 @@
 """Expert parallelism (``parallel.ep``) for mixture-of-experts models, composed torchtitan's way.
 
-EP ranks are borrowed from the data-parallel shard ranks: the ``dp`` ranks are viewed as a
-``(dp_shard_mod_ep, ep)`` grid with ``ep`` innermost (consecutive ranks, the fastest link, carry the
-token all-to-alls). Inside one EP group each rank holds ``n_experts / ep`` experts of every MoE
-layer (a ``Shard(0)`` DTensor on the ``ep`` mesh dim, so checkpoints keep the global expert
-tensors and DCP reshards them to any other EP degree); FSDP2 then shards those experts over the
-``dp_shard_mod_ep`` ranks that hold the same experts. Dense parameters are sharded as before.
-Under hsdp the EP groups are carved out of each shard group and the experts, like the dense
+EP ranks are borrowed from the data-parallel shard ranks (dp_shard x cp): the mesh owner's
+``sparse`` view (``parallel/mesh.py``) lays them out as an ``(efsdp, ep)`` grid with ``ep``
+innermost (consecutive ranks, the fastest link, carry the token all-to-alls). Inside one EP group
+each rank holds ``n_experts / ep`` experts of every MoE layer (a ``Shard(0)`` DTensor on the ``ep``
+mesh dim, so checkpoints keep the global expert tensors and DCP reshards them to any other EP
+degree); FSDP2 then shards those experts over the ``efsdp`` ranks that hold the same experts.
+Dense parameters are sharded as before. Under hsdp the EP groups are carved out of each
+shard group and the experts, like the dense
 parameters, are replicated across the ``dp_replicate`` groups (a 2-D HSDP mesh for the experts).
 
 Dispatch (per MoE layer, forward): every rank sorts its tokens by expert (``models/moe.py``), the
@@ -18,7 +19,7 @@ forward hooks on the experts module (``distribute_module``'s input/output functi
 ``ExpertParallel``), so the model code is unchanged.
 
 Gradients: an expert's gradient is the sum over the tokens of its whole EP group (the all-to-all's
-backward brings each rank's share home), then FSDP reduce-scatters over ``dp_shard_mod_ep`` ranks.
+backward brings each rank's share home), then FSDP reduce-scatters over the ``efsdp`` ranks.
 (hsdp: and all-reduces over the ``dp_replicate`` groups). FSDP would divide by those ``dp / ep``
 ranks; dividing by the full ``dp`` instead (``set_gradient_divide_factor``) gives (1/dp) sum over
 every rank's loss, the same mean as the dense parameters.
@@ -35,7 +36,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
 
-__all__ = ["ExpertDispatcher", "apply_ep", "attach_moe", "check_moe_model", "ep_mesh"]
+__all__ = ["ExpertDispatcher", "apply_ep", "check_moe_model", "route_moe", "shard_experts"]
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
@@ -48,7 +49,7 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError when ``model``'s mixture-of-experts layers do not fit ``layout``.
 
     The one owner of the MoE/EP rules that need only the model's shape (a meta model works):
-    preflight calls it before any rank starts, ``attach_moe`` on every rank (for models that cannot
+    preflight calls it before any rank starts, ``parallelize`` on every rank (for models that cannot
     be built on meta). The degree rules that need no model (ep divides the dp shard ranks, FSDP
     kinds only) are the layout's (``Layout._check_ep``).
     """
@@ -67,45 +68,35 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
         counts = {name: int(layer.n_experts) for name, layer in layers}
         bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
         if bad is not None:
-            valid = sorted(set.intersection(*(set(ep_candidates(layout.dp_shard, n)) for n in counts.values())))
+            valid = sorted(set.intersection(*(set(ep_candidates(layout.shard, n)) for n in counts.values())))
             raise ConfigError(
                 f"parallel.ep={layout.ep} does not divide the number of experts of MoE layer {bad[0]!r} "
                 f"({bad[1]}): each rank of an expert group holds n_experts / ep whole experts. Valid ep "
-                f"for this model on {layout.dp_shard} data-parallel shard rank(s): {', '.join(map(str, valid))} "
+                f"for this model on {layout.shard} data-parallel shard rank(s): {', '.join(map(str, valid))} "
                 "(1: no expert parallel).")
 
 
-def attach_moe(model: nn.Module, layout: Layout, mesh: Any) -> None:
-    """Point every MoE layer's load-balancing statistics at the data-parallel group.
+def route_moe(model: nn.Module, layout: Layout, meshes: Any) -> None:
+    """The expert-parallel step of the one order (``parallel/parallelize.py``), in place.
 
-    Called by the Session before the strategy applies itself. The routers' token counts are summed
-    over all ranks that hold different tokens of the global batch (the dp ranks; TP ranks share
-    theirs), so the aux loss is the one-process loss over the global batch (see models/moe.py).
-    The shape checks are ``check_moe_model``'s (run here too: not every model reaches preflight).
+    Points every MoE layer's load-balancing statistics at the data-parallel group: the routers'
+    token counts are summed over all ranks that hold different tokens of the global batch (the dp
+    ranks; TP ranks share theirs), so the aux loss is the one-process loss over the global batch
+    (see models/moe.py). With ``layout.ep > 1`` it then splits the experts (``apply_ep``); the data
+    parallel step shards them over the expert-FSDP view (``shard_experts``).
     """
-    check_moe_model(model, layout)
     layers = _moe_layers(model)
     if not layers:
         return
     group = None
-    if layout.dp > 1 and mesh is not None:
-        names = mesh.mesh_dim_names or ()
-        group = mesh["dp"].get_group() if "dp" in names and len(names) > 1 else dist.group.WORLD
+    if layout.dp > 1 and meshes is not None:
+        dense = meshes.dense
+        names = dense.mesh_dim_names or ()
+        group = dense["dp"].get_group() if "dp" in names and len(names) > 1 else dist.group.WORLD
     for _, layer in layers:
         layer.stats_group = group
-
-
-def ep_mesh(layout: Layout, device_type: str) -> Any:
-    """The mesh that places experts: ``(pp, dp_replicate, dp_shard_mod_ep, ep, tp)``, row-major.
-
-    Its flattened ``(dp_replicate, dp_shard_mod_ep, ep)`` index is each rank's dp index in the
-    Session's mesh (hsdp: replicate x shard, shard groups consecutive), so EP groups are made of
-    data-parallel ranks of one shard group and TP groups are untouched.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (layout.pp, layout.dp_replicate, layout.dp_shard_mod_ep, layout.ep, layout.tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
+    if layout.ep > 1:
+        apply_ep(model, layout, meshes.ep)
 
 
 class ExpertDispatcher:
@@ -152,25 +143,16 @@ class ExpertDispatcher:
         return all_to_all_single_autograd(output[back], send_splits, recv_splits, self.group)
 
 
-def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs: dict[str, Any]) -> None:
-    """Split every MoE layer's experts over ``layout.ep`` ranks and FSDP-shard them over the rest.
-
-    Run before the dense FSDP wrapping (blocks, then the root), which then skips the experts.
-    ``fsdp_kwargs``: the mixed-precision and offload policies the dense units get.
-    """
-    from torch.distributed.fsdp import fully_shard
+def apply_ep(model: nn.Module, layout: Layout, ep_mesh: Any) -> None:
+    """Split every MoE layer's experts over the ``ep_mesh`` ranks (a ``Shard(0)`` DTensor) and install
+    the token dispatch around them; ``shard_experts`` then FSDP-shards them over the rest."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = ep_mesh(layout, device.type)
-    ep_dim, shard_dim = mesh["ep"], mesh["dp_mod_ep"]
-    # hsdp: each expert is sharded over its shard group's dp_mod_ep ranks and replicated across
-    # the groups (FSDP2 reads a 2-D mesh as HSDP), as the dense parameters are.
-    fsdp_dim = mesh["dp_replicate", "dp_mod_ep"] if layout.dp_replicate > 1 else shard_dim
-    group = ep_dim.get_group()
+    group = ep_mesh.get_group()
     for _, layer in _moe_layers(model):
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            dt = distribute_tensor(param.data, ep_dim, [Shard(0)])
+            dt = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         dispatcher = ExpertDispatcher(layer.n_experts, layout.ep, group)
         if isinstance(layer, nn.Module):
@@ -179,13 +161,27 @@ def apply_ep(model: nn.Module, layout: Layout, device: torch.device, fsdp_kwargs
         else:
             _hf_expert_parallel(experts, layer.top_k, dispatcher)
         experts.ep_dispatcher = dispatcher
-        fully_shard(experts, **{**fsdp_kwargs, "mesh": fsdp_dim})
+
+
+def shard_experts(model: nn.Module, expert_mesh: Any, dp: int, fsdp_kwargs: dict[str, Any]) -> None:
+    """FSDP2-shard every expert-parallel experts module of ``model`` over ``expert_mesh`` (its own
+    units, before the dense ones, which then skip them); ``dp``: the data-parallel ranks whose mean
+    the gradients are; ``fsdp_kwargs``: the dense units' mixed-precision and offload policies."""
+    from torch.distributed.fsdp import fully_shard
+
+    for _, layer in _moe_layers(model):
+        experts = layer.experts
+        if getattr(experts, "ep_dispatcher", None) is None:
+            continue
+        fully_shard(experts, **{**fsdp_kwargs, "mesh": expert_mesh})
         # Each expert's gradient already sums its EP group's tokens: average over all dp ranks.
-        experts.set_gradient_divide_factor(float(layout.dp))
-        if shard_dim.size() > 1 and dist.get_backend(shard_dim.get_group()) == "gloo":
-            # A custom divisor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide.
-            # (With one shard rank FSDP divides on its copy and HSDP's all-reduce is a plain sum.)
-            experts.set_force_sum_reduction_for_comms(True)
+        # FSDP2 divides by its own group (the expert mesh's ranks); the hook, which runs on the
+        # reduced gradient, divides by the rest (dp / that = ep). Not set_gradient_divide_factor:
+        # torch 2.13 divides twice with it on a one-rank shard group whenever the reduce dtype is
+        # neither float32 nor bfloat16 (a float64 or float16 model: its pre/post factor and the
+        # one-rank copy's division both apply), and a custom divisor is a PREMUL_SUM that gloo lacks.
+        rest = float(dp) / expert_mesh.size()
+        experts.set_all_reduce_hook(lambda grad, d=rest: grad.div_(d))
 
 
 def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispatcher) -> None:

@@ -67,12 +67,13 @@ def wrap_units(model: nn.Module, wrap: str | int) -> list[list[nn.Module]]:
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = None, *,
-               reshard_after_forward: bool = True, offload: bool = False, ep_layout: Any = None) -> nn.Module:
+               reshard_after_forward: bool = True, offload: bool = False, expert_mesh: Any = None) -> nn.Module:
     """Return ``model`` sharded in place with FSDP2 over ``mesh`` (1-D: FSDP; 2-D: HSDP).
 
     Reusable by compositions (``fsdp+tp`` passes the data-parallel sub-mesh of its mesh). From
     ``options`` it reads ``wrap`` (the unit size) and ``precision`` (the MixedPrecisionPolicy);
     ``reshard_after_forward=False`` gives ZeRO-2, ``offload=True`` keeps shards on the CPU.
+    ``expert_mesh``: the mesh owner's expert-FSDP view, when the expert-parallel step split experts.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -84,11 +85,12 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = Non
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     else:
         common["offload_policy"] = OffloadPolicy()
-    if ep_layout is not None and ep_layout.ep > 1:
-        from shardwise.parallel.ep import apply_ep
+    if expert_mesh is not None:
+        from shardwise.parallel.ep import shard_experts
 
         # Experts first (split over the ep ranks, sharded over the rest): the units below skip them.
-        apply_ep(model, ep_layout, torch.device(mesh.device_type), common)
+        # Their gradients are the mean over every data-parallel rank of this (dense) mesh.
+        shard_experts(model, expert_mesh, mesh.size(), common)
     units = wrap_units(model, options.wrap)
     # torchtitan's order: the embeddings, each block (or group), the final norm + output head, then
     # the root. With the embeddings and the head as units of their own, FSDP gathers (and
@@ -156,7 +158,7 @@ class FSDPStrategy(Strategy):
     def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         model = apply_fsdp(model, ctx.mesh, ctx.options,
                            reshard_after_forward=self.reshard_after_forward, offload=self.offload,
-                           ep_layout=ctx.layout)
+                           expert_mesh=ctx.expert_mesh)
         # A meta-device model is sharded first, then each rank allocates and fills its 1/N shards.
         self.materialize(model, ctx)
         return model

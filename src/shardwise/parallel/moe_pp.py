@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.models.moe import at_least_fp32
+
 __all__ = ["AuxLossAutoScaler", "StageAux", "attach_pp_aux"]
 
 
@@ -114,7 +116,7 @@ class StageAux:
         over the pipeline ranks); forget them."""
         total = torch.stack(self._values).sum() if self._values else torch.zeros((), device=device)
         self._values.clear()
-        total = total.float().to(device)
+        total = at_least_fp32(total).to(device)
         dist.all_reduce(total, group=self.pp_group)
         return total / n_microbatches
 

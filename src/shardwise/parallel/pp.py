@@ -70,8 +70,8 @@ def n_pipeline_blocks(model: nn.Module) -> int:
 
 def check_pp_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
+    from shardwise.families import no_stage_split
     from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family
-    from shardwise.parallel.registry import PP_FAMILIES
 
     if not _is_gpt(model):
         if not hf_pp_family(model):
@@ -80,9 +80,8 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
             family = model_family(model)
             what = f"the Hugging Face {family} model" if family else type(model).__name__
             raise ConfigError(
-                f"pipeline parallel has a stage split for the built-in GPT and the Hugging Face families "
-                f"{', '.join(f for f in PP_FAMILIES if f != 'gpt')}; {what} has no stage split. Use tensor parallel "
-                "or a data-parallel/sharded strategy (ddp, fsdp) for this model.")
+                f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
+                "this model.")
         check_hf_pp_model(model)
     from shardwise.parallel.pp_ties import check_stage_ties
 
@@ -361,10 +360,11 @@ class Pipeline:
         if self.has_last:
             # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
             # calls on placeholder tensors while it infers shapes on the first step), unscaled.
-            loss = torch.stack([local_value(t.detach()).float() for t in losses])
+            # Summed in float64 (exact for float32 values; a float64 run's loss is not rounded).
+            loss = torch.stack([local_value(t.detach()).double() for t in losses])
             loss = (loss.sum() if summed else loss.mean()) / self._scale
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=ids.device)
+            loss = torch.zeros((), dtype=torch.float64, device=ids.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 

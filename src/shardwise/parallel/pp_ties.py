@@ -89,7 +89,7 @@ class StageTies:
 
     @classmethod
     def plan(cls, union: nn.Module, groups: list[list[str]], layout: Layout, stage_ids: list[int],
-             mesh: Any) -> StageTies:
+             meshes: Any) -> StageTies:
         """After ``prune_to_stages``: find the tied names this rank kept only some of, and make the
         2-rank groups (collective: every rank calls this, with the same ``groups``)."""
         empty = cls(union, [], {}, None, -1)
@@ -112,16 +112,8 @@ class StageTies:
             names += kept
             if 0 not in stage_ids:
                 copies.update(dict.fromkeys(kept, group[0]))
-        # One 2-rank group per (dp, tp) coordinate, created on every rank in the same order.
-        ranks = mesh.mesh  # global ranks laid out as (pp, dp, tp)
-        group, src = None, -1
-        me = dist.get_rank()
-        for d in range(ranks.shape[1]):
-            for t in range(ranks.shape[2]):
-                pair = [int(ranks[first, d, t]), int(ranks[last, d, t])]
-                made = dist.new_group(pair)
-                if me in pair:
-                    group, src = made, pair[0]
+        # One 2-rank group per (dp, tp) coordinate, from the mesh owner (collective: every rank asks).
+        group, src = meshes.stage_pair_group(first, last)
         if copies:
             _COPIES[union] = copies
         return cls(union, names, copies, group, src) if names else empty

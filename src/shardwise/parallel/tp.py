@@ -19,25 +19,20 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardwise.errors import ConfigError
-from shardwise.families import LLAMA_LIKE, TP_FAMILIES
+from shardwise.families import LLAMA_LIKE, no_tp_plan
 from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
-from shardwise.parallel.blocks import tp_plan_family
+from shardwise.parallel.blocks import model_family, tp_plan_family
 from shardwise.parallel.ties import retie, tied_groups
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
-__all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value", "model_family",
+__all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value",
            "split_mixed_param_groups", "tp_loss_context", "tp_shape_sizes", "total_grad_norm"]
-
-
-def model_family(model: nn.Module) -> str:
-    """Return the plan family of ``model`` ("gpt", "llama") or "" when no plan exists for it."""
-    return tp_plan_family(model)
 
 
 def tp_shape_sizes(model: nn.Module) -> dict[str, int]:
     """Return the sizes tensor parallel must divide (heads, KV heads, hidden, MLP width)."""
-    family = model_family(model)
+    family = tp_plan_family(model)
     if family == "gpt":
         c = model.config  # type: ignore[union-attr]
         return {"n_head": c.n_head, "n_embd": c.n_embd, "mlp hidden (4 x n_embd)": 4 * c.n_embd}
@@ -60,16 +55,12 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
     """Raise ConfigError unless ``model`` has a TP plan and ``tp`` divides every sharded size."""
     if tp == 1:
         return
-    if not model_family(model):
-        from shardwise.parallel.blocks import model_family as family_of
-
-        family = family_of(model)
+    if not tp_plan_family(model):
+        family = model_family(model)
         what = f"the {family} model" if family else type(model).__name__
         raise ConfigError(
-            f"tensor parallel has no plan for {what}: plans exist for the built-in GPT and the Hugging Face "
-            f"families {', '.join(f for f in TP_FAMILIES if f != 'gpt')}. Use a data-parallel or sharded "
-            "strategy (ddp, fsdp, hsdp) or pipeline parallel for this model."
-        )
+            f"{no_tp_plan(what)}. Use a data-parallel or sharded strategy (ddp, fsdp, hsdp) or pipeline parallel "
+            "for this model.")
     bad = tp_indivisible(tp, tp_shape_sizes(model))
     if bad:
         sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -95,7 +86,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     Parts set to ``None`` (a pipeline stage that does not own the embeddings or the head) are
     skipped, so the same call works on every pipeline stage.
     """
-    family = model_family(model)
+    family = tp_plan_family(model)
     plan: TPPlan = PLANS[family](sequence_parallel)
     if family == "gpt2":
         from shardwise.parallel.tp_gpt2 import split_qkv
@@ -183,7 +174,10 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     norms are summed over ``pp_group`` last.
     """
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-    squares = torch.zeros((), dtype=torch.float32, device=device)
+    # float32 at least; a float64 run's norm stays float64 (its clip factor must not be rounded).
+    dtype = torch.promote_types(next((p.grad.dtype for p in params if p.grad is not None), torch.float32),
+                                torch.float32)
+    squares = torch.zeros((), dtype=dtype, device=device)
     # On a 2-D (dp, tp) mesh DTensor reduces the partial norm with one all-reduce per mesh dim and
     # logs a warning about it each step; the result is exact, and it is one scalar, so stay quiet.
     redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -192,7 +186,7 @@ def total_grad_norm(params: list[torch.Tensor], pp_group: Any = None) -> torch.T
     try:
         for group in _grad_groups(params):
             norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-            squares = squares + local_value(norm).float().to(device) ** 2
+            squares = squares + local_value(norm).to(device, dtype) ** 2
     finally:
         redistribute_log.setLevel(level)
     if pp_group is not None:

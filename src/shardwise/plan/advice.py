@@ -11,7 +11,6 @@ from typing import Any
 from shardwise.config import PP_SCHEDULES, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
-from shardwise.parallel.registry import REGISTRY, StrategyInfo
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.cp import CP_IMPLS
 from shardwise.plan.memory import (
@@ -29,6 +28,7 @@ from shardwise.plan.moe import ep_degrees
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 from shardwise.pp_schedules import tied_weights_refusal
+from shardwise.strategies import REGISTRY, StrategyInfo
 
 GIB = 1024**3
 LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)
@@ -490,28 +490,6 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     return Candidate(layout, accum, mem, time, mem.total <= budget and host_fits, budget, host_fits, note,
                      grad_sync, work.checkpoint, work.micro_batch, cluster.gpu.memory_gib * GIB, chunked,
                      layout_cp_impl(spec, layout, work))
-
-
-def evaluate_best_sync(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
-                       calib: Calibration | None = None) -> Candidate:
-    """``evaluate``, and for a sharded layout whose step-wise sync does not fit under accumulation,
-    the same layout reducing every micro-batch (``parallel.grad_sync = "microbatch"``).
-
-    Skipping the sync until the last micro-batch (the runtime's default) makes FSDP/ZeRO-2 hold a
-    whole unsharded fp32 gradient between micro-batches; for big models that alone exceeds the GPU,
-    while a reduce-scatter per micro-batch keeps gradients sharded at the cost of more traffic.
-    """
-    cand = evaluate(spec, cluster, work, layout, calib)
-    if (cand.fits or work.grad_sync != "step" or cand.grad_accum < 2 or layout.pp > 1
-            or layout.sharding not in ("zero2", "fsdp")):
-        return cand
-    per_microbatch = evaluate(spec, cluster, work, layout, calib, grad_sync="microbatch")
-    if not per_microbatch.fits:
-        return cand
-    per_microbatch.note = "; ".join(filter(None, [
-        per_microbatch.note, f"reduce-scatters every micro-batch: syncing once per step would hold the whole "
-        f"unsharded gradient ({cand.memory.total / GIB:.1f} GiB in total)"]))
-    return per_microbatch
 
 
 # Planner precision (how bytes are stored) -> the trainer's parallel.precision setting.

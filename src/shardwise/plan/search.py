@@ -222,8 +222,8 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
            calib: Calibration | None = None, cp: int | None = None,
            ep: int | None = None) -> tuple[list[Candidate], list[str]]:
     """One candidate per layout (its best settings), best first; and the layouts left out, with why."""
-    from shardwise.parallel.registry import REGISTRY
     from shardwise.plan.advice import candidate_layouts, evaluate, layout_key, replicas
+    from shardwise.strategies import REGISTRY
 
     order = {name: i for i, name in enumerate(REGISTRY)}
     global_batch, micro_batches = micro_batch_choices(work, cluster)

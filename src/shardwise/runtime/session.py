@@ -109,6 +109,8 @@ class Session:
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
+        if dist.is_initialized():  # the caller's process group (any backend, e.g. the "fake" one) wins
+            self.rank = dist.get_rank()
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
             from shardwise.job import lifeline
@@ -116,7 +118,7 @@ class Session:
             lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
             logs.configure(self.rank)
-        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.device = select_device(self.local_rank)
         # Ranks per node (torchrun's LOCAL_WORLD_SIZE; the layout owns the rule): HSDP's default
@@ -178,24 +180,21 @@ class Session:
                 device_id=self.device if self.device.type == "cuda" else None, **group_args,
             )
             self._owns_group = True
-        self.mesh = self._build_mesh()
-        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
-                                   compile=self.compile)
+        # Every mesh and process group of the run, built once by the one owner (parallel/mesh.py).
+        self.meshes = self._build_meshes()
+        self.mesh = self.meshes.dense if self.meshes is not None else None
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
-        # Context parallel (h21): this rank's group of cp ranks and which sequence chunk it holds.
-        self.cp_group: Any = None
+        # Context parallel: which sequence chunk this rank holds (the layout's coordinate) and how.
         self.cp_state: Any = None  # parallel.cp.CPState: the whole-sequence mask of the batch being run
         self.cp_impl = "alltoall"  # parallel.cp_impl resolved (parallel.cp.resolve_cp_impl)
         self.cp_rank = self.layout.cp_rank(self.rank)
         if self.layout.cp > 1:
-            from shardwise.parallel.cp import CPState, cp_groups, resolve_cp_impl
+            from shardwise.parallel.cp import CPState, resolve_cp_impl
 
             self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
             self.cp_state = CPState(self.cp_impl)
-            if self.compile:
-                raise ConfigError("train.compile does not run with context parallel (parallel.cp > 1) yet: the "
-                                  "all-to-all attention is routed by a TorchFunctionMode. Unset one of them.")
-            self.cp_group, self.cp_rank = cp_groups(self.layout, self.rank)
+        self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
+                                   compile=self.compile, meshes=self.meshes, cp_state=self.cp_state)
         # Same seed on every rank: models initialise identically, so replicas start in sync.
         self.seed = seed
         seed_everything(seed)
@@ -215,13 +214,12 @@ class Session:
         """True under fp16-mixed: a loss scaler skips steps whose gradients overflow (by design)."""
         return self._scaler is not None
 
-    def _build_mesh(self) -> Any:
+    def _build_meshes(self) -> Any:
         if self.world_size == 1 and not dist.is_initialized():
             return None
-        from torch.distributed.device_mesh import init_device_mesh
+        from shardwise.parallel.mesh import build_meshes
 
-        return init_device_mesh(self.device.type, self.layout.mesh_shape,
-                                mesh_dim_names=self.layout.mesh_dim_names)
+        return build_meshes(self.layout, self.device.type)
 
     # ------------------------------------------------------------------ build
     def build(self, factory: Callable[[], nn.Module], *, init: str = "meta") -> nn.Module:
@@ -339,22 +337,15 @@ class Session:
             # bf16-true: parameters, gradients and optimizer state all live in bfloat16. ``to``
             # converts in place, so an optimizer built on these parameters still points at them.
             model = model.to(storage_dtype(self.options.precision))
-        # Module patches that change no parameter, installed on the whole model first (they name the
-        # plain modules, like the TP plan): MoE routing groups, the chunked loss head, CP attention.
+        # The chunked loss head replaces the model's head on the whole, plain model (it changes no
+        # parameter; a pipeline's last stage keeps it).
         from shardwise.loss import install_chunked_head
-        from shardwise.parallel.ep import attach_moe
 
-        attach_moe(model, self.layout, self.mesh)  # MoE aux-loss group; ep checks
         self.loss_plan = install_chunked_head(model, self.loss_chunks, tp=self.layout.tp, pp=self.layout.pp)
         if self.loss_plan.enabled:
             self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
                               f"{self.loss_chunks}); the whole logits tensor is never built")
-        if self.layout.cp > 1:
-            from shardwise.parallel.cp import apply_cp, check_cp_model
-
-            check_cp_model(model, self.layout.cp, self.layout.tp, self.cp_impl)
-            apply_cp(model, self.cp_group, self.cp_rank, self.layout.cp, self.cp_state)
-        # The one parallelize order (parallel/parallelize.py): split -> TP -> AC -> compile -> DP.
+        # The one parallelize order (parallel/parallelize.py): split -> TP -> CP -> EP -> AC -> compile -> DP.
         from shardwise.parallel.checkpointing import clean_name
         from shardwise.parallel.ties import check_ties, tied_groups
 
