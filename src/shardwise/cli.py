@@ -30,17 +30,26 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from shardwise.recipe_info import recipes_help
+
     p = sub.add_parser("train", help="train a recipe or TOML config on one or many ranks",
-                       description="Train a built-in recipe or a TOML config. Without arguments: "
-                       "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.")
+                       description="Train a built-in recipe or a TOML config. Without arguments:\n"
+                       "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.",
+                       epilog=recipes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_options(p)
     p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>; "
                    "on several nodes the first node to start chooses it and the others adopt it)")
     _add_node_options(p)
+    from shardwise.habits import add_launch_habits
+
+    add_launch_habits(p)  # Accelerate's / torchrun's flags: aliases, or the shardwise spelling
+    p.add_argument("--show", action="store_true",
+                   help="print the resolved config (the recipe or TOML with every --set applied) as TOML and exit")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue from a checkpoint: alone, the latest one of the run in --out (whose "
-                   "config.toml is reused unless a recipe is given); or a checkpoint, checkpoints/ "
-                   "folder or run directory. Works across strategies and rank counts")
+                   help="continue from a checkpoint: alone, the latest one of the run in --out; or a "
+                   "checkpoint, checkpoints/ folder or run directory. The run's own config.toml is kept "
+                   "(a recipe named too does not replace it); change a setting with --set (changes are "
+                   "listed). Works across strategies and rank counts")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times when one fails or hangs; each restart "
                    "resumes from the latest checkpoint (set checkpoint.every to lose little work)")

@@ -72,10 +72,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # ``models/hf_moe.py``. Their attention (and any dense MLP) takes the Llama TP plan; the MoE
     # blocks' routers and experts stay whole on every TP rank (``parallel/tp.py``). Their stages are
     # the Llama family's (``parallel/pp_hf.py``), carrying the routers' all-layer sums for
-    # transformers' aux loss (``parallel/pp_hf_moe.py``).
-    Family("mixtral", moe=True, tp_plan=True, pp_split=True),
+    # transformers' aux loss (``parallel/pp_hf_moe.py``). Context parallel runs on Mixtral and
+    # Qwen3-MoE (their attention is Llama's; the routers' counts are summed over the data dimension,
+    # cp ranks included: tests/test_cp_moe.py); Qwen2-MoE and OLMoE are not tested with it yet.
+    Family("mixtral", moe=True, tp_plan=True, pp_split=True, cp=True),
     Family("qwen2_moe", moe=True, tp_plan=True, pp_split=True),
-    Family("qwen3_moe", moe=True, tp_plan=True, pp_split=True),
+    Family("qwen3_moe", moe=True, tp_plan=True, pp_split=True, cp=True),
     Family("olmoe", moe=True, tp_plan=True, pp_split=True),
 )}
 

@@ -85,6 +85,18 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.parallel.compile import check_compile
 
         check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
+    if layout.cp > 1 and cfg.model.kind == "hf":
+        # A rule that needs no data is checked before the data is read (and tokenised).
+        from shardwise.models.hf_config import hf_family
+        from shardwise.parallel.cp import check_cp_family
+
+        source = cfg.model.pretrained or cfg.model.hf_config
+        try:
+            family = hf_family(source) if source else ""
+        except ConfigError:
+            family = ""  # the workload's own checks word a bad config
+        if family:
+            check_cp_family(family, layout.cp)
     if workload is None:
         # Building the datasets reports a missing or malformed data file here, once.
         workload = build_workload(cfg.model, cfg.data, cfg.lora, cfg.preference)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: `shardwise plan` regist
     from torch import nn
 
 # precision -> (loss atol, loss rtol, parameter atol): a step passes when
+# The degrees the verify table and verify.json name (Layout.to_dict's keys).
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 # |strategy - reference| <= atol + rtol * |reference| (torch.allclose's rule), the final weights
 # when max |difference| <= parameter atol.
 # fp32: only summation order differs (gradient reduction, sharded norms): typically 1e-7..1e-6 on
@@ -65,6 +67,12 @@ class VerifyReport:
     loss_rtol: float
     param_tol: float
     missing_params: list[str] = field(default_factory=list)
+    degrees: dict[str, int] = field(default_factory=dict)  # the strategy run's layout (Layout.to_dict)
+
+    def layout_text(self) -> str:
+        """'fsdp (dp_shard=2, ep=2)': the strategy and the degrees above 1 that were in force."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.degrees.items() if isinstance(v, int) and v > 1)
+        return f"{self.strategy} ({shown})" if shown else self.strategy
 
     @property
     def loss_diffs(self) -> list[float]:
@@ -83,7 +91,7 @@ class VerifyReport:
 
     def table(self) -> str:
         """The per-step table and the verdict, as printed by ``shardwise verify``."""
-        lines = [f"verify: {self.strategy} on {self.world_size} rank(s) vs single process, "
+        lines = [f"verify: {self.layout_text()} on {self.world_size} rank(s) vs single process, "
                  f"precision {self.precision}",
                  f"{'step':>4}  {'reference':>12}  {'strategy':>12}  {'|diff|':>10}"]
         for i, (a, b, d) in enumerate(zip(self.reference_losses, self.strategy_losses, self.loss_diffs)):
@@ -116,7 +124,8 @@ class VerifyReport:
                 "rounding; a lower train.lr keeps low-precision runs closer.")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "world_size": self.world_size, "precision": self.precision,
+        return {"strategy": self.strategy, "world_size": self.world_size, "degrees": self.degrees,
+                "precision": self.precision,
                 "reference_losses": self.reference_losses, "strategy_losses": self.strategy_losses,
                 "loss_diffs": self.loss_diffs, "max_param_diff": self.max_param_diff,
                 "worst_param": self.worst_param, "loss_atol": self.loss_atol,
@@ -194,7 +203,8 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         # MoE aux losses are per pipeline micro-batch (parallel/moe_pp.py): the reference splits too.
         split = layout.pp_microbatches if layout.pp > 1 and moe_layers(trainer.model) else 1
         result = {"losses": losses, "params": params, "dp_size": session.dp_size, "split": split,
-                  "world_size": session.world_size, "strategy": session.strategy_name}
+                  "world_size": session.world_size, "strategy": session.strategy_name,
+                  "degrees": {k: v for k, v in layout.to_dict().items() if k in DEGREES}}
         return result if session.is_main else None
     finally:
         session.close()
@@ -269,6 +279,7 @@ def compare(reference: dict[str, Any], candidate: dict[str, Any], precision: str
         loss_atol=loss_atol if loss_tol is None else loss_tol,
         loss_rtol=loss_rtol if loss_tol is None else 0.0,
         param_tol=default_param_tol if param_tol is None else param_tol, missing_params=missing,
+        degrees=dict(candidate.get("degrees", {})),
     )
 
 

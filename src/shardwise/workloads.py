@@ -116,7 +116,10 @@ def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
     values = {}
     for key, value in mc.overrides.items():
         if key not in types:
-            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)} "
+            from shardwise.habits import other_tools_hint
+
+            raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)}"
+                              f"{other_tools_hint(f'model.overrides.{key}')} "
                               f"Valid: {', '.join(sorted(types))}.")
         values[key] = check_value(f"model.overrides.{key}", value, types[key], GPT_OVERRIDE_RULES.get(key))
     # The data's vocabulary, unless model.overrides.vocab_size sets it (e.g. nanoGPT's padded 50304).
@@ -290,7 +293,7 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
               max_token_id: int | None) -> tuple[Callable[[], nn.Module], str]:
     """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front."""
     from shardwise.models.hf import build_hf_model
-    from shardwise.models.hf_config import hf_family, load_hf_config_dict, resolve_hf_config
+    from shardwise.models.hf_config import hf_family, read_hf_config, resolve_hf_config
 
     config_src = mc.hf_config
     if mc.pretrained:
@@ -309,7 +312,7 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
                           "one, or a bundled name such as 'llama-tiny' or 'llama-3-8b') or model.pretrained (a "
                           "folder with config.json and safetensors weights).")
     kwargs = dict(mc.overrides)
-    config_vocab = load_hf_config_dict(config_src).get("vocab_size")
+    config_vocab = read_hf_config(config_src).get("vocab_size")
     # Shakespeare's characters or a tokenizer size the embedding only when the config's own
     # (often padded) vocabulary cannot hold the data's ids: a model's vocabulary is kept, so a
     # pretrained embedding keeps its shape and a named architecture (llama-3-70b) is built as

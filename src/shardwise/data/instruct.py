@@ -49,7 +49,15 @@ import numpy as np
 
 from shardwise.config import DataConfig
 from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
-from shardwise.data.records import Record, hf_disk_splits, is_hf_disk, read_records, record_files
+from shardwise.data.records import (
+    PROMPT_FIELDS,
+    RESPONSE_FIELDS,
+    Record,
+    hf_disk_splits,
+    is_hf_disk,
+    read_records,
+    record_files,
+)
 from shardwise.data.template_spans import assistant_spans, has_generation_markers, trained_tokens
 from shardwise.data.tokenizer import EOS_CANDIDATES, tokenizer_fingerprint
 from shardwise.errors import ConfigError
@@ -57,8 +65,6 @@ from shardwise.fsutil import atomic_write_json, fsync_dir
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
-PROMPT_FIELDS = ("prompt", "instruction", "question")
-RESPONSE_FIELDS = ("response", "completion", "output", "answer")
 CACHE_FORMAT = 2  # 2: template spans by sentinel rendering, {% generation %} markers, BOS of plain records
 _VAL_SEED = 1234  # the record split's own seed: independent of train.seed, so changing it keeps the split
 

@@ -19,6 +19,9 @@ RECORD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 Record = tuple[str, dict[str, Any]]
+# The fields an instruct record's prompt and response may sit in (the first present is used).
+PROMPT_FIELDS = ("prompt", "instruction", "question")
+RESPONSE_FIELDS = ("response", "completion", "output", "answer")
 # A tiny chat dataset shipped in the package (64 short records: capitals, sums, synonyms, ...), for
 # the README's instruction-tuning example and the tests; in a clone it is src/shardwise/data/samples/.
 SAMPLE_CHAT = Path(__file__).resolve().parent / "samples" / "chat.jsonl"
@@ -168,3 +171,25 @@ def read_records(path: Path, key: str, split: str = "train") -> list[Record]:
     if not out:
         raise ConfigError(f"{key} {str(path)!r} holds no records.")
     return out
+
+
+def record_kind(record: Any, messages_field: str = "messages") -> str | None:
+    """The ``data.kind`` a record is written for: "chat" (a list of turns), "instruct" (a prompt and a
+    response field), or None (anything else, e.g. plain text)."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get(messages_field), list):
+        return "chat"
+    if any(f in record for f in PROMPT_FIELDS) and any(f in record for f in RESPONSE_FIELDS):
+        return "instruct"
+    return None
+
+
+def kind_hint(record: Any) -> str:
+    """' These are chat records: ...' for a record that the hf-sft recipe trains on, else ''."""
+    kind = record_kind(record)
+    if kind is None:
+        return ""
+    extra = "" if kind == "chat" else " --set data.kind=instruct"
+    return (f" These look like {kind} records: train them with the hf-sft recipe (shardwise train hf-sft "
+            f"--set model.pretrained=DIR --set data.path=FILE{extra}), which trains on the responses.")

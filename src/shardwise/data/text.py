@@ -128,8 +128,10 @@ def _jsonl_documents(file: Path, text_field: str) -> Iterator[str]:
                                   f"object with a {text_field!r} field.")
             if text_field not in record:
                 keys = ", ".join(sorted(map(str, record))[:10]) or "none"
+                from shardwise.data.records import kind_hint
+
                 raise ConfigError(f"{str(file)!r} line {number} has no {text_field!r} field (its fields: "
-                                  f"{keys}); set data.text_field to the field holding the text.")
+                                  f"{keys}); set data.text_field to the field holding the text.{kind_hint(record)}")
             text = record[text_field]
             if not isinstance(text, str):
                 raise ConfigError(f"{str(file)!r} line {number}: field {text_field!r} is a "

@@ -108,14 +108,6 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
                        auto_notes=(*auto_notes, *compile_notes))
 
 
-def _use_run_config_for_resume(args: argparse.Namespace) -> None:
-    # `train --out RUN --resume` continues RUN as it was configured (plus any --set changes).
-    if args.resume is not None and args.recipe is None and args.out:
-        saved = Path(args.out) / "config.toml"
-        if saved.is_file():
-            args.recipe = str(saved)
-
-
 def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: bool) -> RunConfig:
     """Check the resume checkpoint before any rank starts (missing, damaged, other model shape).
 
@@ -220,7 +212,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
                           "new, pass --resume OLD_RUN with another --out.")
 
 
-def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
+def _dry_run(run: ResolvedRun, args: argparse.Namespace, resumed: Any = None) -> int:
     """``train --dry-run``: every check a real launch makes (run directory and resume checkpoint
     included), then the layout and the memory prediction; nothing is written."""
     from shardwise.job.rundir import check_claim
@@ -228,8 +220,28 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace) -> int:
     check_claim(run.out, run.config, overwrite=args.overwrite, only_lock=True)
     cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
     state = check_claim(run.out, cfg, overwrite=args.overwrite)
+    if resumed is not None:
+        print(resumed.describe(), file=sys.stderr, flush=True)
     print(dry_run_report(dataclasses.replace(run, config=cfg)))
     print(f"run directory: {run.out} ({state})")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    """``train RECIPE --show``: the resolved config as TOML (nothing checked beyond the config itself)."""
+    from shardwise.config import load_config, to_toml
+
+    overrides = list(args.overrides)
+    if args.strategy:
+        overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
+    if args.nproc:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    cfg = load_config(args.recipe, overrides, check=False)
+    print(to_toml(cfg), end="")
+    try:
+        load_config(args.recipe, overrides)
+    except ConfigError as e:
+        print(f"# not runnable as it stands: {e}", file=sys.stderr)
     return 0
 
 
@@ -246,14 +258,18 @@ def run_train(args: argparse.Namespace) -> int:
 
     apply_scheduler_defaults(args)
     check_train_flags(args)
-    _use_run_config_for_resume(args)
+    from shardwise.job.resume_config import adopt_run_config
+
+    resumed = adopt_run_config(args)  # a resume continues the run's own config.toml
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
+    if getattr(args, "show", False):
+        return _show(args)
     if args.dry_run:
         from shardwise.data.cache import read_only
 
         with read_only():  # "nothing was written": the data cache is only read
-            return _dry_run(resolve_run(args), args)
+            return _dry_run(resolve_run(args), args, resumed)
     run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
     for note in run.auto_notes:
@@ -276,6 +292,8 @@ def run_train(args: argparse.Namespace) -> int:
         try:
             cfg = _preflight_resume(cfg, out, run.checked.meta_model, out_given=bool(args.out))
             admit_run(lock, cfg, overwrite=args.overwrite)
+            if resumed is not None and not lock.joined:
+                print(resumed.describe(), file=sys.stderr, flush=True)
             if not lock.joined:
                 clear_launch_reports(out)  # heartbeats and reports of earlier launches
                 try:

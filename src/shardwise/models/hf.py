@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError, did_you_mean
+from shardwise.habits import other_tools_hint
 from shardwise.models import varlen
 from shardwise.models.hf_config import (
     SEQ_LEN_KEYS,
@@ -140,7 +141,8 @@ def _config_kwargs(transformers: Any, raw: dict[str, Any], model_type: str,
     for key in overrides:
         if key not in valid:
             raise ConfigError(f"unknown model.overrides key {key!r} for a {model_type} config."
-                              f"{did_you_mean(key, valid)} Valid: {', '.join(sorted(valid))}.")
+                              f"{did_you_mean(key, valid)}{other_tools_hint(f'model.overrides.{key}')} "
+                              f"Valid: {', '.join(sorted(valid))}.")
     # Dropout draws random masks that differ between a 1-rank and an N-rank run, which would break
     # the parity tests; the tiny workloads do not need it. An explicit override still wins.
     no_dropout = {k: 0.0 for k, v in defaults.items()

@@ -20,6 +20,17 @@ SUPPORTED_FAMILIES = HF_FAMILIES  # the one family list: shardwise.families
 # Overrides that size the data, not the model (see ``workloads.block_size_of``); checked against
 # the model's position limit, then dropped.
 SEQ_LEN_KEYS = ("block_size", "seq_len")
+# Every spelling transformers writes for one config attribute of the supported families (the
+# families' ``attribute_map``s: GPT-2's n_embd/n_layer/n_head/n_positions; Mixtral and Qwen3-MoE
+# save ``num_local_experts``, Qwen2-MoE and OLMoE ``num_experts``). The first name is the one
+# shardwise reads; tests/test_hf_folders.py checks the table against the installed transformers.
+KEY_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size", "n_embd"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer"),
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "num_experts": ("num_experts", "num_local_experts"),
+}
 
 
 def bundled_config_dir() -> Path:
@@ -60,6 +71,25 @@ def load_hf_config_dict(config_path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"model.hf_config: {str(p)!r} holds a JSON {type(raw).__name__}, not an object.")
     return raw
+
+
+def with_canonical_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` plus each ``KEY_SPELLINGS`` attribute under its first name, whichever spelling the
+    file used (a new dict; the file's own keys are kept)."""
+    out = dict(raw)
+    for name, spellings in KEY_SPELLINGS.items():
+        if name not in out:
+            for spelling in spellings[1:]:
+                if spelling in out:
+                    out[name] = out[spelling]
+                    break
+    return out
+
+
+def read_hf_config(config_path: str | Path) -> dict[str, Any]:
+    """The config.json named by ``config_path`` (a file, a model folder or a bundled name) with every
+    attribute under shardwise's name (``with_canonical_keys``): what ``train`` and ``plan`` both read."""
+    return with_canonical_keys(load_hf_config_dict(config_path))
 
 
 def hf_family(config_path: str | Path) -> str:

@@ -283,7 +283,8 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
 
     A collective when the layers have a ``stats_group``: call it on every rank.
 
-    Tokens per expert are global routing slots (every data-parallel rank's tokens, k per token):
+    Tokens per expert are global routing slots (every data-parallel rank's tokens, k per token),
+    summed over the window (every micro-batch of every step since the last call):
     ``moe/tokens_per_expert_{min,mean,max}`` over all experts of all layers, the same per layer
     (``moe/<layer>/...``), ``moe/max_over_mean`` (1.0 is perfect balance), the mean aux and z
     losses per layer and micro-batch, and ``moe/dropped_tokens`` (0: dispatch is dropless).

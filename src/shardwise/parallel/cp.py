@@ -353,20 +353,32 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def check_cp_family(family: str, cp: int) -> None:
+    """ConfigError unless context parallel runs on ``family`` (``shardwise.families``); needs no model,
+    so a run is refused before its data is read."""
+    from shardwise.families import CP_FAMILIES, MOE_FAMILIES
+
+    if cp == 1 or family in CP_FAMILIES:
+        return
+    other = (" Its experts split with expert parallel (parallel.ep), and tp, pp and fsdp run on it."
+             if family in MOE_FAMILIES else "")
+    raise ConfigError(
+        f"context parallel (parallel.cp={cp}) runs the model families {', '.join(CP_FAMILIES)} (sdpa "
+        f"attention); {family} is not one of them. Set parallel.cp = 1.{other}")
+
+
 def check_cp_model(model: nn.Module, cp: int, tp: int = 1, impl: str = "alltoall") -> None:
     """ConfigError unless ``model`` is one context parallel can run (known attention; under alltoall,
     heads divisible by cp: the ring keeps every head on every rank and has no such rule)."""
     if cp == 1:
         return
-    from shardwise.families import CP_FAMILIES
     from shardwise.parallel.blocks import model_family
     from shardwise.parallel.tp import tp_shape_sizes
 
     family = model_family(model)
-    if not _attention_modules(model) or family not in CP_FAMILIES:
-        raise ConfigError(
-            f"context parallel (parallel.cp={cp}) runs the model families {', '.join(CP_FAMILIES)} (sdpa "
-            f"attention); {family or type(model).__name__} is not one of them. Set parallel.cp = 1.")
+    check_cp_family(family or type(model).__name__, cp)
+    if not _attention_modules(model):
+        check_cp_family(type(model).__name__, cp)
     sizes = tp_shape_sizes(model)
     heads = sizes.get("n_head") or sizes["num_attention_heads"]
     if impl != "ring" and (heads // tp) % cp:

@@ -42,12 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (give exactly one)")
     m.add_argument("--model", "--preset", dest="model", metavar="NAME",
                    help=f"built-in model: {', '.join(presets.MODEL_PRESETS)}")
-    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama/Mistral/Qwen2/GPT-2)")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, its folder or a bundled name "
+                   "(every family in shardwise.families)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="a function returning an nn.Module; called on the meta device")
     m.add_argument("--pretrained", metavar="DIR",
                    help="a local Hugging Face model folder (config.json + safetensors) to fine-tune: the commands "
-                   "run the hf-finetune recipe on it")
+                   "run the hf-finetune recipe on it (hf-sft with --data FILE of chat or prompt/response records)")
     m.add_argument("--params", type=float, metavar="N", help="a bare parameter count (e.g. 7e9)")
     m.add_argument("--layers", type=int, help="with --params: number of blocks")
     m.add_argument("--hidden", type=int, help="with --params: hidden size")
@@ -61,8 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rehearse", nargs="?", type=int, const=1, default=0, metavar="K",
                    help="rehearse the top K recommendations (default 1) at full size on this machine, on fake "
                    "tensors, and print each one's measured peak beside the plan's (shardwise rehearse)")
+    f.add_argument("--data", metavar="FILE",
+                   help="with --pretrained: the data the run trains on (data.path); chat or prompt/response "
+                   "records make the commands run the hf-sft recipe, text the hf-finetune one")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm)")
+    c.add_argument("--gpu", default=None, help=f"GPU kind: {', '.join(presets.GPUS)} (default h100-sxm), or cpu: "
+                   "this machine's CPU ranks over gloo (its measured matmul rate, its memory shared by the ranks)")
     c.add_argument("--gpu-spec", metavar="FILE",
                    help="a TOML/JSON file describing a GPU not in the catalog (keys: "
                    f"{', '.join(presets.GPU_SPEC_KEYS)}; 'base' names a catalog GPU to start from)")
@@ -70,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the GPU's memory (e.g. 94 for an H100 NVL, 96 for H100 96GB HBM2e)")
     c.add_argument("--gpu-tflops", type=float, metavar="TFLOPS",
                    help="override the GPU's dense bf16 peak (e.g. a power-limited part)")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", "--nproc", type=int, default=None,
+                   help="GPUs (ranks) per node (default 8; with --gpu cpu: the ranks train would start here)")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--intra-link", help=f"intra-node link preset: {', '.join(presets.LINKS)}")
     c.add_argument("--inter-link", help="inter-node link preset (same names)")
@@ -85,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
-    w.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
+    w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
     w.add_argument("--checkpoint",
                    help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
@@ -161,8 +167,11 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
 
     warnings: list[str] = []
     if args.pretrained is not None:
-        sets, warnings = finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets))
-        return args.recipe or finetune.FINETUNE_RECIPE, sets, warnings
+        return finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets), data=args.data,
+                                      recipe=args.recipe or "")
+    if args.data is not None:
+        raise ConfigError("--data names the records or text a fine-tune trains on: give the model folder with "
+                          "--pretrained DIR too.")
     if args.model is not None and model.family == "gpt":  # shardwise's own Shakespeare GPTs
         sets = ["model.kind=gpt", f"model.preset={model.name.removeprefix('gpt-')}"]
         if model.max_seq and seq != model.max_seq:
@@ -173,8 +182,12 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
         warnings.append(f"{model.name} has no bundled config.json, so no command is printed.")
         return "", (), warnings
     if config is not None:
-        return args.recipe or "hf-shakespeare", (
-            "model.kind=hf", f"model.hf_config={config}", f"model.overrides.block_size={seq}"), warnings
+        sets = ["model.kind=hf", f"model.hf_config={config}", f"model.overrides.block_size={seq}"]
+        if model.max_seq and seq > model.max_seq:
+            # From scratch, the positions are the user's to choose: train refuses a block_size above them.
+            positions = "n_positions" if model.family == "gpt2" else "max_position_embeddings"
+            sets.append(f"model.overrides.{positions}={seq}")
+        return args.recipe or "hf-shakespeare", tuple(sets), warnings
     if args.model_factory is not None:
         warnings.append("the printed commands train the factory's model on the recipe's data, whose sequence "
                         "length comes from model.overrides.block_size (default 128), not --seq; pass your own "
@@ -188,12 +201,65 @@ def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
     if args.gpu_spec and args.gpu:
         raise ConfigError("give either --gpu or --gpu-spec, not both (a spec file can start from a catalog "
                           "GPU with base = \"h100-sxm\").")
+    if is_cpu_target(args):
+        from shardwise.plan.cpu_target import cpu_target
+
+        return presets.customize_gpu(cpu_target(args.gpus_per_node), memory_gib=args.gpu_memory_gib,
+                                     tflops=args.gpu_tflops)
     base = presets.load_gpu_spec(args.gpu_spec) if args.gpu_spec else presets.gpu(args.gpu or "h100-sxm")
     return presets.customize_gpu(base, memory_gib=args.gpu_memory_gib, tflops=args.gpu_tflops)
 
 
+def is_cpu_target(args: argparse.Namespace) -> bool:
+    return (args.gpu or "").lower() == "cpu"
+
+
+def _resolve_target_defaults(args: argparse.Namespace) -> None:
+    """--gpus-per-node and --precision when left out: 8 GPUs and bf16, or on --gpu cpu the ranks
+    ``train`` starts here and fp32 (the CPU's fast path)."""
+    cpu = is_cpu_target(args)
+    if args.gpus_per_node is None:
+        from shardwise.device import default_nproc
+
+        args.gpus_per_node = default_nproc() if cpu else 8
+    if args.precision is None:
+        args.precision = "fp32" if cpu else "bf16"
+
+
+def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> None:
+    """Refuse, before planning, what ``train`` would refuse in every printed command: a sequence above
+    the model's positions, a pinned degree the model's family cannot use (``shardwise.families``)."""
+    from shardwise.families import FAMILIES
+
+    family = FAMILIES.get(model.family or "")
+    if family is None:
+        return
+    if args.pretrained is not None and model.max_seq and seq > model.max_seq:
+        # (A model trained from scratch gets its positions raised in the command: run_target.)
+        raise ConfigError(f"--seq {seq} exceeds the model's max_position_embeddings={model.max_seq}; train refuses "
+                          f"a longer sequence (model.overrides.block_size). Plan --seq {model.max_seq} or less.")
+    pinned = {"tp": (args.tp, family.tp_plan, "tensor parallel"), "pp": (args.pp, family.pp_split, "pipeline parallel"),
+              "cp": (args.cp, family.cp, "context parallel")}  # --ep: make_plan owns its checks
+    for flag, (degree, supported, what) in pinned.items():
+        if degree is not None and degree > 1 and not supported:
+            able = [n for n, f in FAMILIES.items() if getattr(f, {"tp": "tp_plan", "pp": "pp_split", "cp": "cp"}[flag])]
+            raise ConfigError(f"--{flag} {degree}: {what} does not run on the {model.family} family (model "
+                              f"{model.name}); families with {what}: {', '.join(able)}. Leave --{flag} out (or "
+                              f"--{flag} 1) to plan without it.")
+
+
+def _trains_records(recipe: str, sets: tuple[str, ...]) -> bool:
+    """Whether the printed command trains on chat/instruct records (``families.RECORD_KINDS``)."""
+    from shardwise.config import load_raw, parse_override
+    from shardwise.families import RECORD_KINDS
+
+    given = dict(parse_override(s) for s in sets)
+    return given.get("data.kind", load_raw(recipe).get("data", {}).get("kind")) in RECORD_KINDS
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     """Parse the namespace into a Plan (raises ConfigError for user mistakes)."""
+    _resolve_target_defaults(args)
     model = _spec_from_args(args)
     cluster = Cluster(
         gpu=gpu_from_args(args), gpus_per_node=args.gpus_per_node, nodes=args.nodes,
@@ -204,6 +270,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.nvme_gbs is not None:
         offload.nvme_gbs_for(cluster.gpu.name, args.nvme_gbs)  # a clear error for a rate <= 0
     seq = args.seq or min(model.max_seq or 2048, 8192)
+    check_printable(args, model, seq)
     recipe, sets, target_warnings = run_target(args, model, seq)
     # The stack's properties (plan/stacks.py); a grad_sync it implies counts as given.
     kernels, stack_sync = stack_settings(args.stack, args.stack_set)
@@ -223,7 +290,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl)
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
-    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    cp = args.cp
+    if model.moe is not None and recipe and _trains_records(recipe, sets):
+        # train refuses cp for an MoE model on records (each chunk's routers would count padding).
+        if cp is not None and cp > 1:
+            raise ConfigError(f"--cp {cp}: context parallel does not run a mixture-of-experts model on chat or "
+                              f"prompt/response records (recipe {recipe}); its routers would count each chunk's "
+                              "padding. Plan without --cp, or on plain text.")
+        cp = 1
+    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep)
     plan.warnings[:0] = target_warnings
     return plan
 
@@ -292,11 +367,19 @@ def plan_to_dict(plan: Plan) -> dict:
     }
 
 
+def _param_count(n: int) -> str:
+    """7.000B, 124.4M, 190.3K: three significant digits or more in the unit that fits."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3f}{unit}" if unit == "B" else f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def format_table(plan: Plan) -> str:
     """The human-readable plan: header, one row per candidate, recommendation, commands."""
     s, c, w = plan.spec, plan.cluster, plan.workload
     lines = [
-        f"model {s.name}: {s.n_params / 1e9:.3f}B params"
+        f"model {s.name}: {_param_count(s.n_params)} params"
         + (f", {s.n_layers} layers, hidden {s.hidden}, {s.n_heads} heads ({s.kv_heads} kv), vocab {s.vocab}"
            if s.has_structure else ""),
         f"cluster: {c.nodes} x {c.gpus_per_node} x {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, "

@@ -5,9 +5,10 @@ the model exactly as ``train`` does (``build_hf_model(pretrained=..., lora=...)`
 device, so the adapters' shapes, the frozen base (no gradient, no optimizer state) and the blocks
 FSDP wraps are the runtime's own: the predicted bytes are the ledger's.
 
-The printed command is the ``hf-finetune`` recipe with ``model.pretrained`` set to the folder; the
-only placeholders are what the planner cannot know: ``$DATA`` (the text to train on) and, when the
-folder carries no tokenizer, ``$TOKENIZER``.
+The printed command is the ``hf-finetune`` recipe with ``model.pretrained`` set to the folder, or
+``hf-sft`` when ``--data FILE`` holds chat or prompt/response records; the only placeholders are
+what the planner cannot know: ``$DATA`` (the data, without ``--data``) and, when the folder carries
+no tokenizer, ``$TOKENIZER``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 
 from shardwise.config import toml_string
 from shardwise.errors import ConfigError
+from shardwise.families import RECORD_KINDS
 from shardwise.plan.spec import ModelSpec, from_hf_config
 
 FINETUNE_RECIPE = "hf-finetune"
+SFT_RECIPE = "hf-sft"  # chat / prompt-response records
 DATA_PLACEHOLDER = "$DATA"
 TOKENIZER_PLACEHOLDER = "$TOKENIZER"
 PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER)
@@ -64,23 +67,66 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
-def finetune_sets(path: str, seq: int, lora_rank: int = 0,
-                  lora_targets: tuple[str, ...] = ()) -> tuple[tuple[str, ...], list[str]]:
-    """(``--set`` overrides that make ``hf-finetune`` fine-tune the folder, warnings)."""
+def data_kind(path: str) -> str:
+    """What ``train`` would read from ``path``: "chat" or "instruct" records (the first record
+    decides, ``data.records.record_kind``), else "text"."""
+    import json
+
+    from shardwise.data.records import RECORD_SUFFIXES, is_hf_disk, read_records, record_kind
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--data {path!r} does not exist; pass the file or folder the run will train on.")
+    if p.is_file() and p.suffix.lower() == ".jsonl":
+        with open(p, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    try:
+                        return record_kind(json.loads(raw)) or "text"
+                    except (ValueError, RecursionError):
+                        return "text"
+        return "text"
+    if is_hf_disk(p) or (p.is_file() and p.suffix.lower() in RECORD_SUFFIXES):
+        records = read_records(p, "--data")
+        return record_kind(records[0][1]) or "text"
+    return "text"
+
+
+def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[str, ...] = (),
+                  data: str | None = None, recipe: str = "") -> tuple[str, tuple[str, ...], list[str]]:
+    """(the recipe, ``--set`` overrides that make it fine-tune the folder, warnings).
+
+    ``data``: the file the run trains on: its records choose ``hf-sft`` (chat / instruct records)
+    or ``hf-finetune`` (text); without it the recipe is ``recipe`` or hf-finetune and the data ``$DATA``.
+    """
     folder = folder_of(path)
+    kind = data_kind(data) if data else ""
+    if not recipe:
+        recipe = SFT_RECIPE if kind in RECORD_KINDS else FINETUNE_RECIPE
     sets = [f"model.pretrained={toml_string(str(folder.resolve()))}", f"model.overrides.block_size={seq}"]
     if lora_rank:
         sets.append(f"lora.rank={lora_rank}")
         if lora_targets:
             sets.append("lora.targets=[" + ", ".join(toml_string(t) for t in lora_targets) + "]")
-    sets.append(f"data.path={DATA_PLACEHOLDER}")
-    warnings = [f"the commands train on {DATA_PLACEHOLDER}: set it to your text (a .txt/.md/.jsonl file or a "
-                "folder of them) before running them."]
+    warnings = []
+    if data:
+        sets.append(f"data.path={toml_string(str(Path(data).resolve()))}")
+        if kind == "instruct":
+            sets.append("data.kind=instruct")
+        if kind in RECORD_KINDS and recipe == FINETUNE_RECIPE:
+            warnings.append(f"{data} holds {kind} records, which {FINETUNE_RECIPE} reads as text; the "
+                            f"{SFT_RECIPE} recipe trains on them (drop --recipe).")
+    else:
+        sets.append(f"data.path={DATA_PLACEHOLDER}")
+        what = ("your chat records (a .jsonl of {\"messages\": [...]})" if recipe == SFT_RECIPE else
+                "your text (a .txt/.md/.jsonl file or a folder of them)")
+        warnings.append(f"the commands train on {DATA_PLACEHOLDER}: set it to {what} before running them, or "
+                        "give the planner --data FILE (chat or prompt/response records choose the hf-sft recipe).")
     if not has_tokenizer(folder):
         sets.append(f"data.tokenizer={TOKENIZER_PLACEHOLDER}")
         warnings.append(f"{folder} holds no tokenizer: set {TOKENIZER_PLACEHOLDER} to the tokenizer the model "
                         "was trained with (a save_pretrained folder or a tokenizer.json).")
-    return tuple(sets), warnings
+    return recipe, tuple(sets), warnings
 
 
 def shell_word(setting: str) -> str:

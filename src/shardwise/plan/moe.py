@@ -128,11 +128,13 @@ def moe_of_gpt(cfg: Any) -> MoEInfo | None:
 def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
                    n_experts: int, top_k: int, moe_ffn: int, head_dim: int | None = None,
                    shared_ffn: int = 0, max_seq: int = 4096, tied: bool = False, family: str = "mixtral",
-                   qk_norm: bool = False) -> ModelSpec:
+                   qk_norm: bool = False, qkv_bias: bool = False, qk_norm_full: bool = False) -> ModelSpec:
     """A Mixtral / Qwen-MoE-style spec: Llama attention, every block's MLP an MoE of SwiGLU experts.
 
     Expert tensors are the fused 3-D ones transformers 5.x stores (``mlp.experts.gate_up_proj``
     ``(E, 2f, h)``, ``mlp.experts.down_proj`` ``(E, h, f)``) plus the router ``mlp.gate.weight``.
+    ``shared_ffn``: Qwen2-MoE's shared expert and its (1, h) gate; ``qk_norm_full``: OLMoE's q/k
+    norms over all heads (Qwen3-MoE's are per head).
     """
     import dataclasses
 
@@ -140,7 +142,7 @@ def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_
 
     base = from_llama_like(name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, ffn_hidden=moe_ffn,
                            vocab=vocab, n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq=max_seq,
-                           tied=tied, family=family)
+                           tied=tied, family=family, qkv_bias=qkv_bias)
     params = []
     for p in base.params:
         if ".mlp." not in p.name:
@@ -156,10 +158,12 @@ def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_
             params += [ParamInfo(pre + f"shared_expert.{n}.weight", s, p.unit) for n, s in
                        (("gate_proj", (shared_ffn, hidden)), ("up_proj", (shared_ffn, hidden)),
                         ("down_proj", (hidden, shared_ffn)))]
+            params.append(ParamInfo(pre + "shared_expert_gate.weight", (1, hidden), p.unit))
         if qk_norm:
             hd = head_dim or hidden // n_heads
-            params += [ParamInfo(pre.replace("mlp.", "self_attn.") + f"{n}.weight", (hd,), p.unit)
-                       for n in ("q_norm", "k_norm")]
+            widths = (n_heads * hd, base.n_kv_heads * hd) if qk_norm_full else (hd, hd)
+            params += [ParamInfo(pre.replace("mlp.", "self_attn.") + f"{n}.weight", (w,), p.unit)
+                       for n, w in zip(("q_norm", "k_norm"), widths)]
     info = MoEInfo(n_experts=n_experts, top_k=top_k, n_moe_layers=n_layers,
                    params_per_expert=3 * hidden * moe_ffn, hidden=hidden)
     return dataclasses.replace(base, n_params=sum(p.numel for p in params), params=tuple(params), moe=info)

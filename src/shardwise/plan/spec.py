@@ -7,7 +7,6 @@ FSDP2 do; with a bare parameter count it falls back to an even split and says so
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -252,75 +251,71 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
 # HF config.json
 
 
-# The Hugging Face MoE families whose config.json the planner reads (qwen2_moe's shared experts and
-# olmoe's full-width q/k norms are not counted yet), and every family it plans.
-_MOE_READ = ("mixtral", "qwen3_moe")
-_PLANNED_HF = tuple(f for f in HF_FAMILIES if f not in MOE_FAMILIES or f in _MOE_READ)
-
-
 def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
-    """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``)."""
+    """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``), in any
+    key spelling transformers writes (``models.hf_config.with_canonical_keys``)."""
+    from shardwise.models.hf_config import with_canonical_keys
+
+    cfg = with_canonical_keys(cfg)
     model_type = str(cfg.get("model_type", "")).lower()
+    try:
+        return _spec_of(cfg, model_type, name)
+    except KeyError as e:
+        raise ConfigError(f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
+
+
+def _spec_of(cfg: dict[str, Any], model_type: str, name: str) -> ModelSpec:
     if model_type in LLAMA_LIKE or (not model_type and "hidden_size" in cfg):
-        try:
-            return from_llama_like(
-                name,
-                n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], n_heads=cfg["num_attention_heads"],
-                ffn_hidden=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                n_kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
-                max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 has q/k/v biases and no o_proj bias; Llama exposes both switches.
-                qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-                o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
-                family=model_type or "llama", qk_norm=model_type == "qwen3",
-            )
-        except KeyError as e:
-            raise ConfigError(
-                f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
-    if model_type in _MOE_READ:  # Hugging Face MoE (plan/moe.py)
+        return from_llama_like(
+            name,
+            n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], n_heads=cfg["num_attention_heads"],
+            ffn_hidden=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+            n_kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+            max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases and no o_proj bias; Llama exposes both switches.
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+            family=model_type or "llama", qk_norm=model_type == "qwen3",
+        )
+    if model_type in MOE_FAMILIES:  # Hugging Face MoE (plan/moe.py)
         from shardwise.plan.moe import moe_llama_spec
 
-        try:
-            return moe_llama_spec(
-                name, n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
-                head_dim=cfg.get("head_dim"), vocab=cfg["vocab_size"],
-                n_experts=cfg["num_local_experts" if model_type == "mixtral" else "num_experts"],
-                top_k=cfg["num_experts_per_tok"],
-                moe_ffn=cfg["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"],
-                max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
-                family=model_type, qk_norm=model_type == "qwen3_moe")
-        except KeyError as e:
-            raise ConfigError(
-                f"{name}: config.json of model_type {model_type!r} lacks the key {e.args[0]!r}.") from None
+        dense = cfg.get("mlp_only_layers") or []
+        if dense or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
+            raise ConfigError(f"{name}: config.json makes some layers dense (mlp_only_layers={dense}, "
+                              f"decoder_sparse_step={cfg.get('decoder_sparse_step')}); the planner counts "
+                              "models whose every layer is a mixture of experts. Use --model-factory "
+                              "module:function to count it on the meta device.")
+        qkv_bias = bool(cfg.get("qkv_bias", True) if model_type == "qwen2_moe" else cfg.get("attention_bias", False))
+        return moe_llama_spec(
+            name, n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+            n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"), vocab=cfg["vocab_size"], n_experts=cfg["num_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            moe_ffn=cfg["intermediate_size" if model_type in ("mixtral", "olmoe") else "moe_intermediate_size"],
+            shared_ffn=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
+            max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
+            family=model_type, qk_norm=model_type in ("qwen3_moe", "olmoe"), qkv_bias=qkv_bias,
+            qk_norm_full=model_type == "olmoe")
     if model_type == "gpt2":
-        return from_gpt2_like(name, n_layers=cfg.get("n_layer", 12), hidden=cfg.get("n_embd", 768),
-                              n_heads=cfg.get("n_head", 12), vocab=cfg.get("vocab_size", 50257),
-                              n_positions=cfg.get("n_positions", 1024), ffn_hidden=cfg.get("n_inner"))
+        return from_gpt2_like(name, n_layers=cfg.get("num_hidden_layers", 12), hidden=cfg.get("hidden_size", 768),
+                              n_heads=cfg.get("num_attention_heads", 12), vocab=cfg.get("vocab_size", 50257),
+                              n_positions=cfg.get("max_position_embeddings", 1024), ffn_hidden=cfg.get("n_inner"))
     raise ConfigError(f"{name}: model_type {model_type or '(missing)'!r} is not supported by the planner; "
-                      f"supported: {', '.join(_PLANNED_HF)}. Use --model-factory module:function to count "
+                      f"supported: {', '.join(HF_FAMILIES)}. Use --model-factory module:function to count "
                       "any nn.Module on the meta device, or --params N for a bare count.")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
-    """Spec from a ``config.json`` path (or a directory holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.exists():
-        from shardwise.models.hf_config import bundled_config_dir, bundled_configs
+    """Spec from a ``config.json`` path, a folder holding one, or a bundled name (as ``model.hf_config``)."""
+    from shardwise.models.hf_config import read_hf_config, resolve_hf_config
 
-        # A bundled name ("llama-tiny", "llama-3-70b") means the same here as in model.hf_config.
-        if str(path).removesuffix(".json") in bundled_configs():
-            p = bundled_config_dir() / f"{str(path).removesuffix('.json')}.json"
-    if not p.is_file():
-        raise ConfigError(f"--hf-config: no file at {str(p)!r}; pass a config.json or the folder holding it.")
     try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--hf-config: cannot read {str(p)!r} as JSON ({e}).") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"--hf-config: {str(p)!r} is not a JSON object.")
+        p = resolve_hf_config(path)
+    except ConfigError:
+        raise ConfigError(f"--hf-config: no file at {str(path)!r}; pass a config.json, the folder holding it, "
+                          "or a bundled name.") from None
+    cfg = read_hf_config(p)
     bundled = p.parent.name == "hf_configs" and p.stem != "config"
     return from_hf_config_dict(cfg, name=p.stem if bundled else p.parent.name or p.name)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -426,7 +427,9 @@ class Trainer:
                 self.run_dir.log_metrics({"step": st.step, "val_loss": st.last_val_loss, **extra})
                 if not last:
                     s.log(f"step {st.step}: val_loss {st.last_val_loss:.4f}")
-            bar.update(1, loss=st.last_train_loss, val=st.last_val_loss)
+            # No val= before the first evaluation (a NaN there reads as a diverged run).
+            bar.update(1, loss=st.last_train_loss,
+                       **({} if math.isnan(st.last_val_loss) else {"val": st.last_val_loss}))
             s.heartbeat(st.step, "train")
             if stop:
                 s.log(f"interrupted by signal {self._stop_signal or 'on another rank'}: saving a "
