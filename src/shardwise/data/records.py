@@ -174,10 +174,13 @@ def read_records(path: Path, key: str, split: str = "train") -> list[Record]:
 
 
 def record_kind(record: Any, messages_field: str = "messages") -> str | None:
-    """The ``data.kind`` a record is written for: "chat" (a list of turns), "instruct" (a prompt and a
-    response field), or None (anything else, e.g. plain text)."""
+    """The ``data.kind`` a record is written for: "preference" (a chosen and a rejected answer), "chat"
+    (a list of turns), "instruct" (a prompt and a response field), or None (anything else, e.g. plain
+    text)."""
     if not isinstance(record, dict):
         return None
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if isinstance(record.get(messages_field), list):
         return "chat"
     if any(f in record for f in PROMPT_FIELDS) and any(f in record for f in RESPONSE_FIELDS):
@@ -190,6 +193,9 @@ def kind_hint(record: Any) -> str:
     kind = record_kind(record)
     if kind is None:
         return ""
+    if kind == "preference":
+        return (" These look like preference records (chosen / rejected answers): train them with the hf-dpo "
+                "recipe (shardwise train hf-dpo --set model.pretrained=DIR --set data.path=FILE).")
     extra = "" if kind == "chat" else " --set data.kind=instruct"
     return (f" These look like {kind} records: train them with the hf-sft recipe (shardwise train hf-sft "
             f"--set model.pretrained=DIR --set data.path=FILE{extra}), which trains on the responses.")

@@ -26,6 +26,7 @@ from shardwise.plan.memory import (
     precision,
 )
 from shardwise.plan.moe import ep_degrees
+from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link
 from shardwise.plan.spec import ModelSpec
 from shardwise.pp_schedules import tied_weights_refusal
@@ -124,10 +125,18 @@ class Workload:
     # parallel.cp_impl the cp candidates run with (plan/cp.py cp_impl_for): auto is the runtime's
     # (the all-to-all), and the ring where the heads refuse the all-to-all a cp degree.
     cp_impl: str = "auto"
+    # The training objective (plan/preference.py): "lm" (next-token loss) or "dpo", where micro_batch
+    # and global_batch count pairs (2 sequences each) and ``dpo_reference`` is how the reference is held.
+    objective: str = "lm"
+    dpo_reference: str = "copy"
 
     def __post_init__(self) -> None:
         if self.cp_impl not in CP_IMPLS:
             raise unknown_choice("--cp-impl", self.cp_impl, CP_IMPLS)
+        if self.objective not in OBJECTIVES:
+            raise unknown_choice("--objective", self.objective, OBJECTIVES)
+        if self.dpo_reference not in REFERENCES:
+            raise unknown_choice("--dpo-reference", self.dpo_reference, REFERENCES)
         for key, value in (("--seq", self.seq), ("--micro-batch", self.micro_batch)):
             if value < 1:
                 raise ConfigError(f"{key} must be a positive integer, got {value}.")
@@ -386,6 +395,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if spec.tied_embeddings and (why := tied_weights_refusal(layout)):
                     errors.append(ConfigError(why))  # the runtime's rule (parallel/pp_ties.py)
                     continue
+                if work.objective == "dpo" and (why := dpo_layout_refusal(layout, owns_step=False)):
+                    errors.append(ConfigError(why))  # the DPO step's rule (plan/preference.py)
+                    continue
                 layouts.append(layout)
             if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
@@ -516,14 +528,22 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     prec, state_prec = stored_precisions(work, layout)
     accum, note = _grad_accum(work, replicas(layout), cluster.world)
     chunked = loss_chunked(spec, layout, work)
-    mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
-                           state_prec=state_prec,
-                           checkpoint=work.checkpoint, grad_accum=accum, gpus_per_node=cluster.gpus_per_node,
-                           attention=work.attention, every=work.ac_every, grad_sync=grad_sync,
-                           fragmentation=calib.fragmentation,
-                           kernels=dataclasses.replace(work.kernels, loss="chunked") if chunked else work.kernels,
-                           loss_chunks=work.loss_chunks)
-    time = predict_step_time(spec, cluster, work, layout, calib, grad_sync)
+    options = dict(state_prec=state_prec, checkpoint=work.checkpoint, grad_accum=accum,
+                   gpus_per_node=cluster.gpus_per_node, attention=work.attention, every=work.ac_every,
+                   grad_sync=grad_sync, fragmentation=calib.fragmentation,
+                   kernels=dataclasses.replace(work.kernels, loss="chunked") if chunked else work.kernels,
+                   loss_chunks=work.loss_chunks)
+    if work.objective == "dpo":
+        mem = dpo_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch_pairs=work.micro_batch,
+                            reference=work.dpo_reference, **options)
+        sequences = dataclasses.replace(work, micro_batch=2 * work.micro_batch, objective="lm",
+                                        global_batch=2 * work.global_batch if work.global_batch else None)
+        time = dpo_step_time(predict_step_time(spec, cluster, sequences, layout, calib, grad_sync),
+                             work.dpo_reference)
+    else:
+        mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
+                               **options)
+        time = predict_step_time(spec, cluster, work, layout, calib, grad_sync)
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders

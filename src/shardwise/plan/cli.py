@@ -24,6 +24,7 @@ from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
+from shardwise.plan.preference import reference_for
 from shardwise.plan.search import device_gib, gib, searched, tps
 from shardwise.plan.stacks import stack_settings
 from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
@@ -93,6 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
+    w.add_argument("--objective", choices=("lm", "dpo"), default=None,
+                   help="lm (next-token loss) or dpo (preference tuning of a --pretrained folder: the batch sizes "
+                   "count pairs, two sequences each, and the reference model is planned; default: dpo when --data "
+                   "holds preference records, else lm)")
+    w.add_argument("--dpo-reference", choices=("copy", "adapters", "precomputed"), default=None,
+                   help="with --objective dpo: how the reference is held (default: adapters with --lora, else a "
+                   "frozen copy sharded like the policy; precomputed: its log-probs scored once before training)")
     w.add_argument("--checkpoint",
                    help=f"activation checkpointing: {', '.join(CHECKPOINT_MODES)} "
                    "(as parallel.activation_checkpointing; default: searched per layout)")
@@ -166,9 +174,16 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
     from shardwise.models.hf_config import bundled_configs
 
     warnings: list[str] = []
+    if args.objective == "dpo" and args.pretrained is None:
+        raise ConfigError("--objective dpo plans preference tuning of a pretrained model: give its folder with "
+                          "--pretrained DIR (an SFT export, for instance).")
     if args.pretrained is not None:
-        return finetune.finetune_sets(args.pretrained, seq, args.lora, tuple(args.lora_targets), data=args.data,
-                                      recipe=args.recipe or "")
+        recipe, sets, warnings = finetune.finetune_sets(
+            args.pretrained, seq, args.lora, tuple(args.lora_targets), data=args.data,
+            recipe=args.recipe or (finetune.DPO_RECIPE if args.objective == "dpo" else ""))
+        if dpo_objective(args, recipe) and args.dpo_reference == "precomputed":
+            sets += ("preference.precompute_reference=true",)
+        return recipe, sets, warnings
     if args.data is not None:
         raise ConfigError("--data names the records or text a fine-tune trains on: give the model folder with "
                           "--pretrained DIR too.")
@@ -194,6 +209,11 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
                         "recipe with --recipe to train on your data.")
         return args.recipe or "gpt-shakespeare", ("model.kind=custom", f"model.factory={args.model_factory}"), warnings
     return "", (), warnings
+
+
+def dpo_objective(args: argparse.Namespace, recipe: str) -> bool:
+    """Whether the plan is for DPO: --objective dpo, or (left out) the hf-dpo recipe the data chose."""
+    return args.objective == "dpo" or (args.objective is None and recipe == finetune.DPO_RECIPE)
 
 
 def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
@@ -287,7 +307,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
                     extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
-                    loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl)
+                    loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl,
+                    objective="dpo" if dpo_objective(args, recipe) else "lm",
+                    dpo_reference=args.dpo_reference or reference_for(args.lora, precompute=False))
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
     cp = args.cp
@@ -317,7 +339,8 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
                        micro_batch_size=micro_batch_size, grad_accum_steps=accum_steps,
                        activation_checkpointing=c.checkpoint, ac_every=w.ac_every, grad_sync=c.grad_sync,
                        ranks_per_node=plan.cluster.gpus_per_node,
-                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks, optimizer=w.optimizer)
+                       loss_chunks="auto" if w.loss_chunks is None else w.loss_chunks, optimizer=w.optimizer,
+                       dpo_reference=w.dpo_reference if w.objective == "dpo" else None)
 
 
 def _per_rank(pred: RunPrediction) -> list[dict]:
@@ -390,8 +413,16 @@ def format_table(plan: Plan) -> str:
            if w.search else "nothing searched")
         + ("" if "micro_batch" in w.search else f"; micro-batch {w.micro_batch}")
         + ("" if "checkpoint" in w.search else f"; checkpointing {w.checkpoint}"),
-        "",
     ]
+    if w.objective == "dpo":
+        lines.append(f"objective: dpo (micro-batches count pairs, 2 sequences each; reference: {w.dpo_reference}"
+                     + {"copy": ", a frozen copy sharded like the policy in the params column, its forward in "
+                                "the compute column",
+                        "adapters": ": the model with its LoRA adapters off, no copy; its forward in the compute "
+                                    "column",
+                        "precomputed": ": log-probs scored once before training, on the host"}[w.dpo_reference]
+                     + ")")
+    lines.append("")
     head = ["strategy", "ckpt", "mb", "accum", "sync", "params", "grads", "optim", "master", "activ", "transient",
             "frag", "total", "verdict", "step s", "compute", "comm", "bubble", "tok/s/GPU", "MFU"]
     rows = [head]

@@ -22,6 +22,7 @@ from shardwise.plan.spec import ModelSpec, from_hf_config
 
 FINETUNE_RECIPE = "hf-finetune"
 SFT_RECIPE = "hf-sft"  # chat / prompt-response records
+DPO_RECIPE = "hf-dpo"  # preference records (prompt, chosen, rejected)
 DATA_PLACEHOLDER = "$DATA"
 TOKENIZER_PLACEHOLDER = "$TOKENIZER"
 PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER)
@@ -102,7 +103,7 @@ def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[s
     folder = folder_of(path)
     kind = data_kind(data) if data else ""
     if not recipe:
-        recipe = SFT_RECIPE if kind in RECORD_KINDS else FINETUNE_RECIPE
+        recipe = DPO_RECIPE if kind == "preference" else SFT_RECIPE if kind in RECORD_KINDS else FINETUNE_RECIPE
     sets = [f"model.pretrained={toml_string(str(folder.resolve()))}", f"model.overrides.block_size={seq}"]
     if lora_rank:
         sets.append(f"lora.rank={lora_rank}")
@@ -116,12 +117,18 @@ def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[s
         if kind in RECORD_KINDS and recipe == FINETUNE_RECIPE:
             warnings.append(f"{data} holds {kind} records, which {FINETUNE_RECIPE} reads as text; the "
                             f"{SFT_RECIPE} recipe trains on them (drop --recipe).")
+        if (kind == "preference") != (recipe == DPO_RECIPE):
+            warnings.append(f"{data} holds {kind} records and the recipe is {recipe}: the {DPO_RECIPE} recipe "
+                            "trains on preference records (prompt, chosen, rejected), and only on them.")
     else:
         sets.append(f"data.path={DATA_PLACEHOLDER}")
         what = ("your chat records (a .jsonl of {\"messages\": [...]})" if recipe == SFT_RECIPE else
+                "your preference records (a .jsonl of {\"prompt\", \"chosen\", \"rejected\"})"
+                if recipe == DPO_RECIPE else
                 "your text (a .txt/.md/.jsonl file or a folder of them)")
         warnings.append(f"the commands train on {DATA_PLACEHOLDER}: set it to {what} before running them, or "
-                        "give the planner --data FILE (chat or prompt/response records choose the hf-sft recipe).")
+                        "give the planner --data FILE (chat or prompt/response records choose the hf-sft recipe, "
+                        "preference records hf-dpo).")
     if not has_tokenizer(folder):
         sets.append(f"data.tokenizer={TOKENIZER_PLACEHOLDER}")
         warnings.append(f"{folder} holds no tokenizer: set {TOKENIZER_PLACEHOLDER} to the tokenizer the model "

@@ -182,9 +182,12 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
                 grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
                 grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0,
-                optimizer: str = "adamw") -> RunPrediction:
+                optimizer: str = "adamw", dpo_reference: str | None = None) -> RunPrediction:
     """Predict every rank's bytes for ``spec`` trained under ``layout`` with ``optimizer`` (the
     trainer's ``[optimizer]``; under bf16-true only AdamW's state is predicted in bfloat16).
+    ``dpo_reference``: a DPO run's reference (``plan.preference.REFERENCES``; None: not DPO): a
+    micro-batch of pairs is twice as many sequences, and a frozen copy's bytes are noted per rank
+    (the ledger's ``reference_bytes``, beside the params column).
 
     ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
     tokens per sample (1 for images: activations are then not modelled); ``loss_chunks`` is
@@ -201,6 +204,8 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     micro_batch = max(1, micro_batch_size // layout.pp_microbatches) if layout.pp > 1 else micro_batch_size
     micro_batches = grad_accum_steps * (layout.pp_microbatches if layout.pp > 1 else 1)
     notes: list[str] = []
+    if dpo_reference is not None:  # chosen and rejected of every pair in one forward (plan/preference.py)
+        micro_batch *= 2
     checkpoint = activation_checkpointing
     if not spec.has_structure:
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
@@ -232,6 +237,12 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
             ranks.append(RankPrediction(rank, 0, 0, 0, act, transient, *state))
         else:
             ranks.append(RankPrediction(rank, *state, act, transient))
+    if dpo_reference == "copy":
+        copy = max(sb.params for sb in states.values())
+        notes.append(f"DPO reference: a frozen copy sharded like the policy, {copy / 2**20:.1f} MiB per rank at most "
+                     "beside the params column (the ledger's reference_bytes)")
+    elif dpo_reference is not None:
+        notes.append(f"DPO reference: {dpo_reference} (no copy on the device)")
     if layout.offload:
         where = "on NVMe (parallel.nvme_path)" if layout.strategy == "zero3-nvme" else "in host memory"
         notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
@@ -244,6 +255,7 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
     """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
     arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes.
     ``plain_ce``: the loss is the token-mean CE (``Workload.plain_token_ce``), else never chunked."""
+    from shardwise.plan.preference import reference_for
     from shardwise.runtime.auto import resolve_precision
 
     # "auto" as this machine's ranks resolve it (a run's own config is already resolved).
@@ -253,6 +265,8 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
                        ac_every=cfg.parallel.ac_every, grad_sync=cfg.parallel.grad_sync,
                        loss_chunks=getattr(cfg.train, "loss_chunks", 0) if plain_ce else 0,
                        optimizer=cfg.optimizer.name if hasattr(cfg, "optimizer") else "adamw",
+                       dpo_reference=reference_for(cfg.lora.rank, cfg.preference.precompute_reference)
+                       if getattr(cfg.train, "objective", "lm") == "dpo" else None,
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
                                                                             nproc=cfg.parallel.nproc))
 

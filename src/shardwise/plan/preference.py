@@ -8,8 +8,13 @@
   (LoRA): nothing, the base is the reference with the adapters off; ``precomputed``: two float64
   log-probs per pair on the host, nothing on the device.
 
-``dpo_breakdown`` is the language-model breakdown at ``2B`` sequences plus the reference's bytes;
-``plan --objective dpo`` can call it where it calls ``memory_breakdown``.
+* **Time.** The policy's forward and backward run on ``2B`` sequences; a live reference (``copy`` or
+  ``adapters``) adds one forward of them without gradients, a third of a forward + backward's FLOPs
+  (forward 1, backward 2), so the compute term grows by 1/3; ``precomputed`` adds nothing per step.
+
+``dpo_breakdown`` is the language-model breakdown at ``2B`` sequences plus the reference's bytes and
+``dpo_step_time`` the step time of ``2B`` sequences with the reference's forward; ``plan --objective
+dpo`` (``plan/advice.evaluate``) uses both for every layout it searches.
 """
 
 from __future__ import annotations
@@ -17,11 +22,35 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardwise.config import OBJECTIVES
 from shardwise.errors import ConfigError
+from shardwise.plan.cost import StepTime
 from shardwise.plan.memory import MemoryBreakdown, memory_breakdown
+
+REFERENCE_FORWARD_SHARE = 1 / 3  # a forward without gradients against a forward + backward
 
 REFERENCES = ("copy", "adapters", "precomputed")
 PRECOMPUTED_BYTES_PER_PAIR = 16  # chosen and rejected log-probs, float64
+
+
+__all__ = ["OBJECTIVES", "REFERENCES", "dpo_breakdown", "dpo_layout_refusal", "dpo_step_time", "reference_for"]
+
+
+def dpo_layout_refusal(layout: Any, owns_step: bool) -> str | None:
+    """Why the DPO step cannot run under ``layout`` yet (None where it can): the one rule, asked by the
+    runtime before launch and on every rank (``preference.step.check_layout``) and by the planner's
+    search (a layout it would refuse is never recommended)."""
+    missing = [what for what, on in (
+        ("pipeline parallel (parallel.pp > 1; its schedule cuts a batch's rows apart, separating a pair's "
+         "chosen and rejected rows)", layout.pp > 1),
+        ("context parallel (parallel.cp > 1; each rank would score a chunk of every answer)", layout.cp > 1),
+        ("expert parallel (parallel.ep > 1)", layout.ep > 1),
+        (f"the {layout.strategy} engine (it owns the step)", owns_step),
+    ) if on]
+    if not missing:
+        return None
+    return ("train.objective = 'dpo' does not run under " + "; nor under ".join(missing) + " yet. It runs "
+            "under single, ddp, zero1, fsdp and tensor parallel (tp, fsdp+tp); set the strategy to one of them.")
 
 
 def reference_for(lora_rank: int, precompute: bool) -> str:
@@ -39,3 +68,12 @@ def dpo_breakdown(spec: Any, layout: Any, prec: Any, optimizer: str, *, seq: int
     extra_params = base.params if reference == "copy" else 0
     host = PRECOMPUTED_BYTES_PER_PAIR * pairs if reference == "precomputed" else 0
     return dataclasses.replace(base, params=base.params + extra_params, host_bytes=base.host_bytes + host)
+
+
+def dpo_step_time(base: StepTime, reference: str) -> StepTime:
+    """``base``: the step time of the doubled sequences (2 per pair); with a live reference its forward
+    is added to the compute term (``REFERENCE_FORWARD_SHARE`` of it), with precomputed log-probs nothing."""
+    if reference not in REFERENCES:
+        raise ConfigError(f"unknown DPO reference {reference!r}; allowed: {', '.join(REFERENCES)}.")
+    share = 0.0 if reference == "precomputed" else REFERENCE_FORWARD_SHARE
+    return dataclasses.replace(base, compute_s=base.compute_s * (1 + share))

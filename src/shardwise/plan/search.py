@@ -338,11 +338,15 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             " Leave --checkpoint and --micro-batch out to let the planner search them;")
         warnings.append("nothing fits, not even tight (above the device's memory) at every setting searched."
                         f"{open_knobs} try a shorter --seq, more GPUs, or a GPU with more memory.")
-        # The decision table's last row: ZeRO-3 with CPU / NVMe offload (plan.offload owns the math).
-        from shardwise.plan.offload import offload_advice
+        if work.objective == "dpo":  # plan.preference.dpo_layout_refusal: engines that own the step
+            warnings.append("no offload row either: the offload layouts are DeepSpeed's engines, which own the "
+                            "step, and train.objective = 'dpo' does not run under them yet.")
+        else:
+            # The decision table's last row: ZeRO-3 with CPU / NVMe offload (plan.offload owns the math).
+            from shardwise.plan.offload import offload_advice
 
-        offload, commands, line = offload_advice(spec, cluster, work, cands)
-        warnings.append(line)
+            offload, commands, line = offload_advice(spec, cluster, work, cands)
+            warnings.append(line)
     elif not work.recipe:
         warnings.append(f"{spec.name} is not a model shardwise can build, so no command is printed: plan a "
                         "preset (--model), a config.json (--hf-config) or a factory (--model-factory) for "

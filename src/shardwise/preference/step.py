@@ -20,7 +20,7 @@ import torch
 
 from shardwise.errors import ConfigError
 from shardwise.models.masking import real_token_count
-from shardwise.plan.preference import reference_for
+from shardwise.plan.preference import dpo_layout_refusal, reference_for
 from shardwise.preference import reference as refs
 from shardwise.preference.objective import answer_logps, pair_logps, preference_losses
 from shardwise.runtime.collective import gather
@@ -31,18 +31,10 @@ _SLOTS = 7
 
 def check_layout(layout: Any, strategy: Any) -> None:
     """ConfigError where the DPO step cannot run under this layout yet (preflight asks before launch;
-    every rank asks again)."""
-    missing = [what for what, on in (
-        ("pipeline parallel (parallel.pp > 1; its schedule cuts a batch's rows apart, separating a pair's "
-         "chosen and rejected rows)", layout.pp > 1),
-        ("context parallel (parallel.cp > 1; each rank would score a chunk of every answer)", layout.cp > 1),
-        ("expert parallel (parallel.ep > 1)", layout.ep > 1),
-        (f"the {layout.strategy} engine (it owns the step)", strategy.owns_step),
-    ) if on]
-    if missing:
-        raise ConfigError("train.objective = 'dpo' does not run under " + "; nor under ".join(missing) + " yet. "
-                          "It runs under single, ddp, zero1, fsdp and tensor parallel (tp, fsdp+tp); set the "
-                          "strategy to one of them.")
+    every rank asks again; the rule is ``plan.preference.dpo_layout_refusal``'s)."""
+    why = dpo_layout_refusal(layout, strategy.owns_step)
+    if why:
+        raise ConfigError(why)
 
 
 class PreferenceStep:
