@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import RunConfig, TrainConfig
-from shardwise.errors import CheckpointError, NonFiniteError
+from shardwise.errors import CheckpointError, NonFiniteError, count_of
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
@@ -491,7 +491,7 @@ class Trainer:
         for note in loaded.notes:
             s.log(note)
         s.log(f"resumed from {loaded.path} at step {loaded.step} (saved by "
-              f"{loaded.manifest['strategy']} on {loaded.manifest['world_size']} ranks; "
+              f"{loaded.manifest['strategy']} on {count_of(loaded.manifest['world_size'], 'rank')}; "
               f"loaded in {load_s:.2f}s)")
         return loaded.rng
 

@@ -100,6 +100,7 @@ class SaveHandle:
         self.stats = stats  # blocked_s, wait_s, staging_s, bytes, write_s, mib_per_s (see BackgroundWriter)
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self.reported = False  # its error was raised to someone already (raised once, not at every wait)
 
     def done(self) -> bool:
         """Whether the background write has finished (published or failed)."""
@@ -114,6 +115,7 @@ class SaveHandle:
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"checkpoint {self.path.name} is still being written after {timeout_s:.0f}s")
         if self._error is not None:
+            self.reported = True
             raise self._error
         return self.path
 
@@ -177,7 +179,8 @@ class BackgroundWriter:
                 self.waits += 1
                 self.wait_s += waited
                 handle.stats["waited_for_s"] = waited
-        handle.wait(0)
+        if not handle.reported:
+            handle.wait(0)
         return handle
 
     def save(self, prep: PreparedSave, *, blocked_since: float, wait_s: float = 0.0) -> SaveHandle:
@@ -202,7 +205,7 @@ class BackgroundWriter:
                 upload = dcp.async_save(prep.payload, storage_writer=writer, process_group=group,
                                         async_stager=stager, no_dist=not distributed())
         except (OSError, CheckpointException) as e:
-            upload, failure = None, describe_io_failure(e, rank)
+            upload, failure = None, describe_io_failure(e, rank, prep.partial)
         else:
             failure = None
         now = time.perf_counter()
@@ -219,7 +222,7 @@ class BackgroundWriter:
                     try:
                         upload.result()
                     except (OSError, CheckpointException) as e:
-                        failure = describe_io_failure(e, rank)
+                        failure = describe_io_failure(e, rank, prep.partial)
                 path = finish_save(prep, failure, group=group)
                 written = sum(p.stat().st_size for p in path.glob(f"__{rank}_*.distcp"))
                 write_s = time.perf_counter() - started

@@ -163,7 +163,7 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
             dcp.save(prep.payload, storage_writer=faults.storage_writer(prep.partial, step, global_rank()),
                      no_dist=not distributed())
     except (OSError, CheckpointException) as e:
-        failure = describe_io_failure(e, global_rank())
+        failure = describe_io_failure(e, global_rank(), prep.partial)
     return finish_save(prep, failure)
 
 
@@ -189,7 +189,7 @@ def finish_save(prep: PreparedSave, failure: str | None, group: Any = None) -> P
             if prep.on_written is not None:
                 prep.on_written(partial)
         except (OSError, CheckpointException) as e:
-            failure = describe_io_failure(e, rank)
+            failure = describe_io_failure(e, rank, partial)
     gathered = gather({"files": mine, "shapes": tensor_shapes(prep.payload["model"]), "error": failure},
                       group=group)
     errors = [item["error"] for item in gathered if item.get("error")]
@@ -218,8 +218,18 @@ def finish_save(prep: PreparedSave, failure: str | None, group: Any = None) -> P
     return final
 
 
-def describe_io_failure(error: BaseException, rank: int) -> str:
-    """'rank R: <the OS error>' for a failed write; DCP's CheckpointException is unwrapped."""
+# Below this much free space, a write that failed without an OS error (torch.save's zip writer
+# reports a short write as "[enforce fail at inline_container.cc] unexpected pos") failed because
+# the disk is full: no shard write is smaller than this.
+FULL_DISK_FREE_BYTES = 1 << 20
+
+
+def describe_io_failure(error: BaseException, rank: int, where: Path | None = None) -> str:
+    """'rank R: <the OS error>' for a failed write; DCP's CheckpointException is unwrapped.
+
+    ``where``: the directory written into; an error that is not an OSError (torch.save's short
+    write) is reported as the full disk it is when that file system has (almost) no space left.
+    """
     for_rank = rank
     if isinstance(error, CheckpointException):
         # {rank: (exception, traceback)}: the first rank's own exception says what happened.
@@ -227,13 +237,21 @@ def describe_io_failure(error: BaseException, rank: int) -> str:
             error, for_rank = exc, failed_rank
             if isinstance(exc, OSError):
                 break
+    if not isinstance(error, OSError) and where is not None and _free_bytes(where) < FULL_DISK_FREE_BYTES:
+        error = faults.disk_full(where)
     if isinstance(error, OSError):
-        where = f" ({error.filename})" if error.filename else ""
-        text = f"[Errno {error.errno}] {error.strerror}{where}" if error.errno else str(error)
+        name = f" ({error.filename})" if error.filename else ""
+        text = f"[Errno {error.errno}] {error.strerror}{name}" if error.errno else str(error)
     else:
         text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     return f"rank {for_rank}: {text}"
 
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return FULL_DISK_FREE_BYTES  # unknown: not called full
 
 def latest_name(root: Path) -> str:
     """What ``root/latest`` names ('' when unreadable)."""
