@@ -110,7 +110,8 @@ def test_short_write_on_a_full_disk_is_called_a_full_disk(tmp_path, monkeypatch)
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=0))
-    assert describe_io_failure(error, 0, tmp_path) == f"rank 0: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({tmp_path})"
+    full = f"rank 0: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({tmp_path})"
+    assert describe_io_failure(error, 0, tmp_path) == full
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10 << 30))
     assert describe_io_failure(error, 1, tmp_path).startswith("rank 1: RuntimeError: [enforce fail")
 
