@@ -194,3 +194,23 @@ def test_hang_message_gives_each_ranks_age(tmp_path):
         "rank": 1, "attempt": 0, "step": 3, "phase": "train", "seconds_since_progress": 21.4,
         "timeout_s": 20, "where": "x.py:1 in f", "silent_ranks": []}))
     assert "rank 1 at step 3 (train, last progress 21s before) in x.py:1" in describe_hang(tmp_path)
+
+
+# ------------------------------------------------------------------------- 2 ranks, one spawn
+def test_async_checkpoints_resume_bit_exactly_under_several_strategies(tmp_path):
+    """ddp, fsdp, pipeline stages and expert parallel (MoE under fsdp, ep=2) on 2 gloo ranks: a run
+    resumed from a checkpoint that was written in the background equals the uninterrupted run."""
+    from shardwise.testing import run_distributed
+    from tests.helpers.ckpt import async_resume_cases, small_text
+
+    cases = [("ddp", ["parallel.strategy=ddp"]), ("fsdp", ["parallel.strategy=fsdp"]),
+             ("pp", ["parallel.strategy=pp", "parallel.pp=2", "parallel.pp_microbatches=2"]),
+             ("ep", ["parallel.strategy=fsdp", "parallel.ep=2", "model.preset=moe-nano"])]
+    result = run_distributed(async_resume_cases, 2, timeout_s=900, cases=cases, data=str(small_text(tmp_path)),
+                             root=str(tmp_path))[0]
+    for name, _ in cases:
+        want, got = result[name]["losses"]
+        assert sorted(want) == list(range(1, 7)) and sorted(got) == [5, 6], name
+        assert {s: got[s] for s in (5, 6)} == {s: want[s] for s in (5, 6)}, name  # bit for bit
+        assert result[name]["same_weights"], name
+        assert result[name]["summary"]["background_saves"] == 1, (name, result[name]["summary"])  # step 6
