@@ -200,7 +200,8 @@ class BackgroundWriter:
         stats: dict[str, Any] = {"step": prep.step, "wait_s": wait_s}
         handle = SaveHandle(prep, stats)
         try:
-            with single_process_ok():
+            # Named in profiler traces: the part of a save the training step waits for.
+            with single_process_ok(), torch.profiler.record_function("shardwise: checkpoint staging"):
                 writer = faults.storage_writer(prep.partial, prep.step, rank)
                 upload = dcp.async_save(prep.payload, storage_writer=writer, process_group=group,
                                         async_stager=stager, no_dist=not distributed())
