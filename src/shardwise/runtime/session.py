@@ -768,7 +768,7 @@ class Session:
     def set_checkpoint_mode(self, mode: str) -> str | None:
         """Set how save() writes by default: "sync", "async", "async-pinned" or "auto"; return a note.
 
-        Raises CheckpointError for an asynchronous mode under an engine that writes its own files
+        Raises ConfigError for an asynchronous mode under an engine that writes its own files
         (DeepSpeed). See ``runtime.checkpoint.background.resolve_mode``.
         """
         from shardwise.runtime.checkpoint.background import resolve_mode
@@ -776,6 +776,9 @@ class Session:
         engine = self.strategy_name if self.strategy.checkpoint_io() is not None else None
         self.checkpoint_mode, note = resolve_mode(mode, self.device.type, engine)
         self._pinned_staging = mode == "async-pinned"
+        if self._ckpt_writer is not None:
+            self.wait_checkpoint()
+            self._ckpt_writer.set_pinned(self._pinned_staging)
         return note
 
     def _background_writer(self) -> Any:

@@ -163,6 +163,15 @@ class BackgroundWriter:
                                                         use_non_blocking_copy=self.pinned))
         return self._stager
 
+    def set_pinned(self, pinned: bool) -> None:
+        """Stage into pinned memory (CUDA only) from the next save on; the buffers are made anew."""
+        pinned = pinned and torch.cuda.is_available()
+        if pinned != self.pinned and self._stager is not None:
+            assert self.inflight is None, "wait_previous() first: the stager's buffers are in use"
+            self._stager.close()
+            self._stager = None
+        self.pinned = pinned
+
     def wait_previous(self) -> SaveHandle | None:
         """Wait for the save in flight, if any, and return it (its error is raised by ``wait``)."""
         handle = self.inflight
