@@ -39,7 +39,7 @@ CASES = [
     ("negative workers", ["--set", "data.num_workers=-1"], "data.num_workers must be between 0 and 256"),
     ("binary TOML", ["{d}/binary.toml"], "is not UTF-8 text"),
     ("non-UTF-8 TOML", ["{d}/latin1.toml"], "is not UTF-8 text"),
-    ("--out is a file", ["--out", "{d}/a-file"], "is an existing file, not a directory"),
+    ("--out is a file", ["--out", "{d}/a-file"], "is a regular file, not a directory"),
     ("--out under /proc", ["--out", "/proc/self/no/such/run"], "cannot create the run directory"),
     ("--out not encodable", ["--out", "{d}/run-\udcff"], "--out is not valid UTF-8 text"),
     ("GPT override unknown key", ["--set", "model.overrides={n_hed=3}"], "unknown model.overrides key 'n_hed'"),

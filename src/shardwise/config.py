@@ -53,6 +53,8 @@ PRECISION_ALIASES = (
 )
 TOKEN_DTYPES = ("uint16", "uint32")  # element types of flat .bin token files
 INIT_MODES = ("meta", "eager")  # how model.init builds the model (see ModelConfig.init)
+# How checkpoints are written (CheckpointConfig.mode; runtime.checkpoint.background resolves "auto").
+CHECKPOINT_MODES = ("auto", "sync", "async", "async-pinned")
 ATTENTION_MODES = ("mask", "varlen")  # how a Hugging Face model attends within packed documents (ModelConfig)
 TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("", "offline", "online", "disabled")
@@ -346,6 +348,10 @@ class CheckpointConfig:
     keep_last: int = setting(2, gt=0, le=10**6)
     resume: str = setting("", text="path")  # "", "latest", "auto" or a path
     at_end: bool = True
+    # sync: the step waits for the whole write; async: the step waits only while the state is
+    # copied to host memory, the write goes on in the background (async-pinned: into pinned
+    # memory on CUDA); auto: async, except under DeepSpeed (sync). See docs/checkpoints.md.
+    mode: str = setting("auto", choices=CHECKPOINT_MODES, label="checkpoint.mode")
 
 
 @dataclass(frozen=True)

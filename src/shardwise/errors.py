@@ -50,6 +50,11 @@ def plural(noun: str) -> str:
     return noun + "s"
 
 
+def count_of(n: int, noun: str) -> str:
+    """'1 rank', '2 ranks': ``n`` and ``noun`` in the number it needs."""
+    return f"{n} {noun if n == 1 else plural(noun)}"
+
+
 def unknown_choice(kind: str, name: str, choices: Iterable[str],
                    aliases: Iterable[tuple[str, str]] = ()) -> ConfigError:
     """Build the standard 'unknown X' error that lists every valid choice.

@@ -9,8 +9,10 @@ frequent status files (heartbeats) skip the fsync.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,31 @@ def default_file_mode(path: str | os.PathLike) -> None:
     os.umask(umask)
     with contextlib.suppress(OSError):
         os.chmod(path, 0o666 & ~umask)
+
+
+def real_path(path: str | os.PathLike) -> Path:
+    """``path`` with its symbolic links resolved, never raising for a link loop.
+
+    ``Path.resolve`` raises ``RuntimeError("Symlink loop")`` on Python 3.11 (``OSError`` later);
+    ``os.path.realpath`` leaves a loop unresolved, and ``what_is`` then names it.
+    """
+    return Path(os.path.realpath(path))
+
+
+def what_is(path: str | os.PathLike) -> str:
+    """What is at ``path``, as the end of a sentence ("does not exist", "is a FIFO (named pipe)", ...)."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link that leads back to itself (a loop of links)"
+        if os.path.islink(path):
+            return f"is a symbolic link to {os.readlink(path)!r}, which does not exist"
+        if e.errno == errno.ENOENT:
+            return "does not exist"
+        return f"cannot be read ({e.strerror or e})"
+    kinds = [(stat.S_ISDIR, "is a folder"), (stat.S_ISREG, "is a regular file"),
+             (stat.S_ISFIFO, "is a FIFO (named pipe), not a file"),
+             (stat.S_ISCHR, "is a character device, not a file"), (stat.S_ISBLK, "is a block device, not a file"),
+             (stat.S_ISSOCK, "is a socket, not a file")]
+    return next((text for test, text in kinds if test(info.st_mode)), "is not a regular file or folder")

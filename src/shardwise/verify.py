@@ -332,7 +332,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "2e-2 + 2e-2, 1e-1).",
     )
     p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE_OR_TOML")
-    p.add_argument("--strategy", required=True, help="the strategy to verify, e.g. fsdp, zero2, hsdp")
+    p.add_argument("--strategy", default=None,
+                   help="the strategy to verify, e.g. fsdp, zero2, hsdp (with --resume: the config's by default)")
     p.add_argument("--nproc", type=int, default=2, help="ranks for the strategy run (default 2)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps to compare (default 5)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -343,6 +344,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="check the strategy run (layout, meta-device model) and print its layout and "
                    "per-rank memory prediction without starting any rank")
+    p.add_argument("--resume", action="store_true",
+                   help="instead: check that a run interrupted twice (SIGTERM, then SIGINT) and resumed equals "
+                   "the uninterrupted run, step by step and in its final weights (runs `shardwise train`)")
+    p.add_argument("--resume-nproc", type=int, default=None, metavar="M",
+                   help="with --resume: run the last resumed part on M ranks (then close, not bit for bit)")
     p.set_defaults(func=cmd_verify)
 
 
@@ -358,6 +364,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for flag, tol in (("--loss-tol", args.loss_tol), ("--param-tol", args.param_tol)):
         if tol is not None and not (math.isfinite(tol) and tol >= 0):
             raise ConfigError(f"{flag} must be a finite number >= 0, got {tol}.")
+    if args.resume:
+        return _cmd_verify_resume(args)
+    if not args.strategy:
+        raise ConfigError("shardwise verify needs --strategy (the strategy to check against one process), "
+                          "or --resume (check that an interrupted and resumed run equals an uninterrupted one).")
     cfg = load_config(args.recipe, [*verify_overrides(args.overrides), f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     from shardwise.data.cache import read_only
@@ -386,6 +397,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         param_tol=args.param_tol)
     finally:
         lock.release()
+    print(report.table())
+    return 0 if report.passed else 1
+
+
+def _cmd_verify_resume(args: argparse.Namespace) -> int:
+    from shardwise.config import load_config
+    from shardwise.preflight import check_run
+    from shardwise.verify_resume import verify_resume
+
+    if args.resume_nproc is not None and not 1 <= args.resume_nproc <= 4096:
+        raise ConfigError(f"--resume-nproc must be at least 1 (and at most 4096), got {args.resume_nproc}.")
+    overrides = list(args.overrides) + ([f"parallel.strategy={args.strategy}"] if args.strategy else [])
+    cfg = load_config(args.recipe, overrides)
+    checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)  # refused here, before any run
+    out = Path(args.out or f"runs/verify-resume-{checked.layout.strategy.replace('+', '_')}")
+    report = verify_resume(args.recipe, overrides, strategy=None, nproc=args.nproc, steps=args.steps,
+                           out=out, resume_nproc=args.resume_nproc, precision=cfg.parallel.precision)
+    (out / "verify-resume.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     print(report.table())
     return 0 if report.passed else 1
 

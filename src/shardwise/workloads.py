@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from shardwise.config import DataConfig, LoraConfig, ModelConfig, PreferenceConfig, Rule, check_value
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
 from shardwise.families import DATA_KINDS, MODEL_KINDS, RECORD_KINDS
+from shardwise.fsutil import real_path
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -301,8 +302,8 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
 
         # Reads only config.json and the safetensors headers: a bad folder fails before any rank.
         folder = inspect_pretrained(mc.pretrained)
-        own = (folder.path / "config.json").resolve()
-        if mc.hf_config and resolve_hf_config(mc.hf_config).resolve() != own:
+        own = real_path(folder.path / "config.json")
+        if mc.hf_config and real_path(resolve_hf_config(mc.hf_config)) != own:
             raise ConfigError(
                 f"model.hf_config = {mc.hf_config!r} and model.pretrained = {mc.pretrained!r} name different "
                 "configs; a pretrained model is built from its own config.json. Leave model.hf_config empty.")

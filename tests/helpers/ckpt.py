@@ -77,3 +77,30 @@ def train_rank(rank: int, world_size: int, overrides: list[str], out: str) -> di
     summary = trainer.run()
     trainer.session.close()
     return {"steps": summary["steps"], "resumed_from": summary["resumed_from"]}
+
+
+def async_resume_cases(rank: int, world_size: int, cases: list[tuple[str, list[str]]], data: str,
+                       root: str) -> dict:
+    """For each case (name, overrides): train 6 steps with async checkpoints every 2 (training goes
+    on while each is written), then resume a second run from the step-4 checkpoint; return both
+    runs' per-step losses and final weights (rank 0), for a bit-exact comparison."""
+    import torch
+
+    from shardwise.runtime.checkpoint import read_full_model_state
+    from shardwise.runtime.trainer import Trainer
+
+    out: dict = {}
+    for name, extra in cases:
+        base = [*fast_overrides(Path(data), steps=6, every=2), "checkpoint.mode=async", "checkpoint.keep_last=5",
+                *extra]
+        a, b = Path(root) / name / "a", Path(root) / name / "b"
+        for run_dir, more in ((a, []), (b, [f'checkpoint.resume="{a / "checkpoints" / "step-00000004"}"'])):
+            trainer = Trainer(load_config(None, [*base, *more]), run_dir)
+            summary = trainer.run()
+            trainer.session.close()
+        if rank == 0:
+            weights = [read_full_model_state(d / "checkpoints")[0] for d in (a, b)]
+            out[name] = {"losses": [losses(a), losses(b)], "summary": summary["checkpoint_io"],
+                         "same_weights": all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+                         and weights[0].keys() == weights[1].keys()}
+    return out

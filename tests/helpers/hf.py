@@ -91,7 +91,9 @@ def hf_case(rank: int, world_size: int, folder: str, strategy: str, steps: int =
     data = fixed_batches(steps, global_batch, seq, VOCAB)
     losses = train_fixed_batches(session, model, opt, data)["losses"]
     if ckpt_dir:
-        session.save(ckpt_dir, model, opt, step=steps)
+        # Written in the background while the parameters are gathered below (the session's close
+        # waits for it): every strategy these cases cover resumes from an asynchronous save.
+        session.save(ckpt_dir, model, opt, step=steps, async_=True)
     result = {"losses": losses, "params": full_params(model), "in_optimizer": in_optimizer,
               "param_bytes": ledger.param_bytes(model), "grad_bytes": session.last_grad_bytes,
               "optim_bytes": ledger.optimizer_bytes(opt), "notes": list(session.notes),

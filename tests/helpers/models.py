@@ -66,3 +66,26 @@ def build_mlp_refusing_at_scale(**kwargs) -> torch.nn.Module:
     if dist.is_initialized() and dist.get_world_size() > 8:
         raise ConfigError(f"planted defect: this model refuses world size {dist.get_world_size()} (> 8).")
     return ResidualMLP(**kwargs)
+
+
+class ForgetfulDataset(torch.utils.data.Dataset):
+    """A planted defect for ``verify --resume``: what item i holds depends on how many items this
+    process has read, so a resumed process (which starts counting at 0) reads other data than the
+    uninterrupted run from the first step after the resume on."""
+
+    def __init__(self, base: torch.utils.data.Dataset) -> None:
+        self.base = base
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):  # noqa: ANN204
+        self.reads += 1
+        return self.base[(i + self.reads) % len(self.base)]
+
+
+def build_forgetful_blobs() -> tuple:
+    """data.factory whose training set does not resume where it stopped (see ForgetfulDataset)."""
+    train, val = build_blobs()
+    return ForgetfulDataset(train), val

@@ -61,7 +61,7 @@ from shardwise.data.records import (
 from shardwise.data.template_spans import assistant_spans, has_generation_markers, trained_tokens
 from shardwise.data.tokenizer import EOS_CANDIDATES, tokenizer_fingerprint
 from shardwise.errors import ConfigError
-from shardwise.fsutil import atomic_write_json, fsync_dir
+from shardwise.fsutil import atomic_write_json, fsync_dir, what_is
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
@@ -98,8 +98,8 @@ def load_hf_tokenizer(path_str: str, chat_template: str = "") -> Any:
         raise ConfigError("data.kind = 'chat'/'instruct' needs data.tokenizer (a local tokenizer folder, e.g. the "
                           "pretrained model folder, or a tokenizer.json); with model.pretrained it defaults to it.")
     path = Path(path_str).expanduser()
-    if not path.exists():
-        raise ConfigError(f"data.tokenizer {str(path)!r} does not exist; point it at a local tokenizer folder "
+    if not path.is_file() and not path.is_dir():
+        raise ConfigError(f"data.tokenizer {str(path)!r} {what_is(path)}; point it at a local tokenizer folder "
                           "(what save_pretrained writes) or a tokenizer.json file.")
     try:
         import transformers

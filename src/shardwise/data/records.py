@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import what_is
 
 RECORD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -36,8 +37,8 @@ def record_files(path: Path, key: str) -> list[Path]:
     """The record files ``key`` names (a file, or a folder's record files in sorted order)."""
     if path.is_file():
         return [path]
-    if not path.exists():
-        raise ConfigError(f"{key} {str(path)!r} does not exist; point it at a JSONL/JSON/CSV/Parquet file of "
+    if not path.is_dir():
+        raise ConfigError(f"{key} {str(path)!r} {what_is(path)}; point it at a JSONL/JSON/CSV/Parquet file of "
                           "records, a folder of them, or a Hugging Face datasets folder (save_to_disk).")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in RECORD_SUFFIXES
                    and not any(part.startswith(".") for part in p.relative_to(path).parts)

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import what_is
 
 
 def bundled_text_path() -> Path:
@@ -60,7 +61,7 @@ def load_shakespeare(path: str, block_size: int, val_fraction: float
     file = Path(path) if path else bundled_text_path()
     if not file.is_file():
         raise ConfigError(
-            f"data file {str(file)!r} does not exist. Set data.path to a text file, or leave it "
+            f"data file {str(file)!r} {what_is(file)}. Set data.path to a text file, or leave it "
             "empty to use the Tiny Shakespeare copy bundled with shardwise."
         )
     try:

@@ -34,7 +34,7 @@ from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, f
 from shardwise.data.tokenizer import NEEDS_TOKENIZER, TextTokenizer, load_tokenizer, tokenizer_fingerprint
 from shardwise.data.tokens import LMData, TokenFile, pack
 from shardwise.errors import ConfigError
-from shardwise.fsutil import atomic_write_json, fsync_dir
+from shardwise.fsutil import atomic_write_json, fsync_dir, what_is
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -47,8 +47,8 @@ def find_text_files(path: Path, key: str) -> list[Path]:
     """The text/JSONL files ``key`` (``data.path``/``data.val_path``) names; ConfigError if none."""
     if path.is_file():
         return [path]
-    if not path.exists():
-        raise ConfigError(f"{key} {str(path)!r} does not exist; point it at a text or JSONL file, or a "
+    if not path.is_dir():
+        raise ConfigError(f"{key} {str(path)!r} {what_is(path)}; point it at a text or JSONL file, or a "
                           "folder of them.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import what_is
 
 # Special tokens that end a document, by tokenizer family, tried in order when the tokenizer does
 # not declare an eos_token (a bare tokenizer.json never does).
@@ -34,7 +35,7 @@ def tokenizer_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise ConfigError(f"data.tokenizer {str(path)!r} does not exist; point it at a local tokenizer "
+        raise ConfigError(f"data.tokenizer {str(path)!r} {what_is(path)}; point it at a local tokenizer "
                           "folder (what save_pretrained writes) or a tokenizer.json file.")
     files = sorted(p for p in path.iterdir() if p.is_file() and (
         p.name.startswith(_TOKENIZER_FILE_PREFIXES) or p.suffix in _TOKENIZER_FILE_SUFFIXES))

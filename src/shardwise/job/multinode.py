@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import real_path
 
 # Scheduler job ids, in the order they are looked up; each is set on every node of an allocation.
 SCHEDULER_JOB_IDS = (("SLURM_JOB_ID", "Slurm"), ("PBS_JOBID", "PBS"), ("LSB_JOBID", "LSF"))
@@ -181,7 +182,7 @@ def agree(endpoint: str, rdzv_id: str, proposal: Path, launch_id: str,
                 "addresses, reachable from every node, and the port free)."
             ) from None
     key = f"shardwise/{rdzv_id}"
-    proposed = str(proposal.resolve())
+    proposed = str(real_path(proposal))
     # The first launcher to arrive decides; the others (and a node rejoining later) read it.
     first = store.add(f"{key}/arrivals", 1) == 1
     if first:

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardwise.config import RunConfig, check_text, to_toml
 from shardwise.errors import ConfigError
-from shardwise.fsutil import atomic_write_text
+from shardwise.fsutil import atomic_write_text, real_path, what_is
 from shardwise.job.runlock import GUARD_FILE, LOCK_FILE, RunLock
 
 # What makes a directory "hold a run": any of these written by an earlier job.
@@ -45,8 +45,8 @@ def check_out_dir(out: str | os.PathLike, flag: str = "--out") -> Path:
     text = os.fspath(out)
     check_text(flag, text, kind="path")
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {text!r} is an existing file, not a directory; choose a directory "
+    if os.path.lexists(path) and not path.is_dir():
+        raise ConfigError(f"{flag} {text!r} {what_is(path)}, not a directory; choose a directory "
                           "for the run (it is created if missing).")
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
 
 
 def _inside(path: str, directory: Path) -> bool:
-    return Path(path).resolve().is_relative_to(directory.resolve())
+    return real_path(path).is_relative_to(real_path(directory))
 
 
 def lock_run_dir(out: str | os.PathLike, job_id: str, command: str = "shardwise train") -> RunLock:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.fsutil import real_path
 
 if TYPE_CHECKING:
     from shardwise.config import RunConfig
@@ -136,7 +137,7 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
         raise
     if ck.resume not in ("latest", "auto"):
         # Every rank and every restart loads this very checkpoint.
-        return replace_in(cfg, **{"checkpoint.resume": str(path.resolve())})
+        return replace_in(cfg, **{"checkpoint.resume": str(real_path(path))})
     return cfg
 
 

@@ -290,6 +290,12 @@ def hang_reports(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
+def _age(report: dict[str, Any]) -> str:
+    """', last progress Ns before' for a hang report that records its age ('' when it does not)."""
+    age = report.get("seconds_since_progress")
+    return f", last progress {age:.0f}s before" if isinstance(age, (int, float)) else ""
+
+
 def describe_hang(run_dir: str | os.PathLike) -> str | None:
     """One paragraph naming the stuck ranks, their step/phase and where; None when no hang."""
     reports = [r for r in hang_reports(run_dir) if isinstance(r, dict) and isinstance(r.get("attempt", 0), int)]
@@ -297,7 +303,8 @@ def describe_hang(run_dir: str | os.PathLike) -> str | None:
         return None
     latest = max(r.get("attempt", 0) for r in reports)
     reports = [r for r in reports if r.get("attempt", 0) == latest]
-    parts = [f"rank {r.get('rank')} at step {r.get('step')} ({r.get('phase')}) in {r.get('where')}" for r in reports]
+    parts = [f"rank {r.get('rank')} at step {r.get('step')} ({r.get('phase')}{_age(r)}) in {r.get('where')}"
+             for r in reports]
     timeout = reports[0].get("timeout_s")
     timeout = f"{timeout:g}" if isinstance(timeout, (int, float)) else "?"
     silent: dict[Any, dict[str, Any]] = {}

@@ -20,11 +20,12 @@ import stat
 from pathlib import Path
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import real_path, what_is
 
 
 def hf_cache_blobs(folder: Path) -> Path | None:
     """``<repo>/blobs`` when ``folder`` is a Hugging Face cache snapshot ``<repo>/snapshots/<rev>``."""
-    real = folder.resolve()
+    real = real_path(folder)
     if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
         return real.parent.parent / "blobs"
     return None
@@ -51,8 +52,11 @@ def confined_file(folder: Path, name: object, what: str) -> Path:
         raise ConfigError(f"cannot read {name!r} in the pretrained folder {str(folder)!r}: "
                           f"{e.strerror or e}.") from None
     if stat.S_ISLNK(info.st_mode):
-        target = path.resolve()
-        inside = [folder.resolve(), *filter(None, [hf_cache_blobs(folder)])]
+        if "loop" in what_is(path):
+            raise ConfigError(f"{name!r} in the pretrained folder {str(folder)!r} {what_is(path)}; weight "
+                              "files must be regular files.")
+        target = real_path(path)
+        inside = [real_path(folder), *filter(None, [hf_cache_blobs(folder)])]
         if not any(target.is_relative_to(root) for root in inside):
             raise ConfigError(f"{name!r} in the pretrained folder {str(folder)!r} is a symbolic link to "
                               f"{str(target)!r}, outside the folder; a model folder may only read its own "

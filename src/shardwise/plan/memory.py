@@ -157,6 +157,19 @@ class StateBytes:
         return self.params + self.grads + self.optimizer + self.master
 
 
+def staging_host_bytes(state: StateBytes, checkpoint_mode: str = "async") -> int:
+    """Host bytes a rank keeps for asynchronous checkpoint staging (0 for ``sync``).
+
+    DCP's stager copies every tensor of the checkpointed state into a host buffer of the same
+    size and keeps it for the next save (runtime.checkpoint.background): this rank's parameters,
+    optimizer state and fp32 master copy — not its gradients, which are not saved. When it does
+    not fit beside the run in host memory, recommend ``checkpoint.mode = "sync"``.
+    """
+    if checkpoint_mode == "sync":
+        return 0
+    return state.params + state.optimizer + state.master
+
+
 def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo]:
     """Parameters one rank holds before data-parallel sharding: its pipeline stage, its TP slice."""
     params = list(spec.params)

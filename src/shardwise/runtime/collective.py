@@ -31,17 +31,21 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
     if distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, on every rank (a one-item list without a process group)."""
+def gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, on every rank (a one-item list without a process group).
+
+    ``group``: a process group over all ranks other than the default one (a background
+    checkpoint write gathers on its own group while training uses the default).
+    """
     if not distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

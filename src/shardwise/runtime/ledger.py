@@ -87,7 +87,9 @@ def rank_ledger(session: Any, model: nn.Module, optimizer: torch.optim.Optimizer
     peak, source = peak_bytes(session.device)
     return {"rank": session.rank, "coords": session.layout.coords(session.rank), "param_bytes": param_bytes(model),
             "grad_bytes": int(session.last_grad_bytes), "optim_bytes": optimizer_bytes(optimizer),
-            "peak_bytes": peak, "peak_source": source}
+            "peak_bytes": peak, "peak_source": source,
+            # Host memory kept by asynchronous checkpoint staging (runtime.checkpoint.background).
+            "staging_bytes": int(session.checkpoint_stats["staging_bytes"])}
 
 
 def collect(session: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

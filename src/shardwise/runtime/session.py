@@ -28,7 +28,9 @@ import datetime
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +104,7 @@ class Session:
         # is resolved below, once the device and strategy are known (``steps``: the run's length,
         # for its estimate; shardwise.runtime.auto).
         self.compile = False
+        self._collective_timeout_s = collective_timeout_s
         # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
         from shardwise.loss import parse_loss_chunks
 
@@ -186,6 +189,14 @@ class Session:
         # itself, as ``allocate(module, device)``; the recorded initialisation is then not replayed.
         # The rehearsal (shardwise.rehearse) allocates fake tensors this way.
         self.allocate: Callable[[nn.Module, torch.device], None] | None = None
+        # How save() writes by default ("sync" or "async"/"async-pinned": staged, then written in
+        # the background; see set_checkpoint_mode), the background writer once used, and how
+        # long the last save() blocked the caller (seconds: waiting for the previous save,
+        # taking the state and staging it; the whole write when synchronous).
+        self.checkpoint_mode = "sync"
+        self._ckpt_writer: Any = None
+        self._pinned_staging = False
+        self.last_save_blocked_s = 0.0
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -730,7 +741,7 @@ class Session:
              optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
              state: dict[str, Any] | None = None, loader: ShardedLoader | None = None,
              scheduler: Any = None, keep_last: int = 0,
-             on_written: Callable[[Any], None] | None = None) -> Any:
+             on_written: Callable[[Any], None] | None = None, async_: bool | None = None) -> Any:
         """Write a sharded checkpoint of ``step`` under the checkpoints root ``path``; return its dir.
 
         Collective (call on every rank). Saves model, optimizer, the loader's position, the LR
@@ -740,9 +751,20 @@ class Session:
         Defaults cover what the session prepared: the model and optimizer
         prepare() returned, the training loader (the first ``dataloader()`` not made with
         ``shuffle=False``) and, for ``step``, the number of ``step()`` calls so far.
+
+        ``async_`` (default: ``checkpoint_mode``): stage the state into host memory, return at
+        once with a ``SaveHandle`` (``wait()`` gives the path once published) and write in the
+        background (runtime.checkpoint.background). A save first waits for one in flight and
+        raises its CheckpointError if it failed.
         """
         from shardwise.runtime.checkpoint import save_checkpoint
         from shardwise.runtime.checkpoint.pieces import standard_pieces
+        from shardwise.runtime.checkpoint.save import prepare_save
+
+        t0 = time.perf_counter()
+        self.wait_checkpoint()
+        wait_s = time.perf_counter() - t0
+        use_async = self.checkpoint_mode != "sync" if async_ is None else bool(async_)
 
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
@@ -761,6 +783,8 @@ class Session:
             self.phases.start("checkpoint")
         engine_io = self.strategy.checkpoint_io()
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
+            if async_:
+                self.set_checkpoint_mode("async")  # refused by name
             sched_state = scheduler_state(scheduler) if scheduler is not None else None
             out = engine_io.save(self, path, model, optimizer, step=step, state=state, loader=loader,
                                  scheduler_state=sched_state, keep_last=keep_last, on_written=on_written)
@@ -768,13 +792,67 @@ class Session:
                 self._watchdog.beat(phase="train")
             return self._phase_done("checkpoint", out)
         # Every piece's state is checked on every rank before any file is written (save_checkpoint).
-        out = save_checkpoint(path, model, optimizer, step=step, strategy=self.strategy_name,
-                              world_size=self.world_size, keep_last=keep_last, on_written=on_written,
-                              trainable_only=self.trainable_only, export=self._export_info(model),
-                              job=self.launch_id, pieces=pieces)
+        args = dict(step=step, strategy=self.strategy_name, world_size=self.world_size, keep_last=keep_last,
+                    on_written=on_written, trainable_only=self.trainable_only, export=self._export_info(model),
+                    job=self.launch_id, pieces=pieces)
+        if use_async:
+            handle = self._background_writer().save(prepare_save(path, model, optimizer, **args),
+                                                    blocked_since=t0, wait_s=wait_s)
+            out: Any = handle
+        else:
+            out = save_checkpoint(path, model, optimizer, **args)
+        self.last_save_blocked_s = time.perf_counter() - t0
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")
         return self._phase_done("checkpoint", out)
+
+    def set_checkpoint_mode(self, mode: str) -> str | None:
+        """Set how save() writes by default: "sync", "async", "async-pinned" or "auto"; return a note.
+
+        Raises ConfigError for an asynchronous mode under an engine that writes its own files
+        (DeepSpeed). See ``runtime.checkpoint.background.resolve_mode``.
+        """
+        from shardwise.runtime.checkpoint.background import resolve_mode
+
+        engine = self.strategy_name if self.strategy.checkpoint_io() is not None else None
+        self.checkpoint_mode, note = resolve_mode(mode, self.device.type, engine)
+        self._pinned_staging = mode == "async-pinned"
+        if self._ckpt_writer is not None:
+            self.wait_checkpoint()
+            self._ckpt_writer.set_pinned(self._pinned_staging)
+        return note
+
+    def _background_writer(self) -> Any:
+        from shardwise.runtime.checkpoint.background import BackgroundWriter
+
+        if self._ckpt_writer is None:
+            self._ckpt_writer = BackgroundWriter(pinned=self._pinned_staging,
+                                                 timeout_s=self._collective_timeout_s, log=self.log)
+        return self._ckpt_writer
+
+    def wait_checkpoint(self) -> Path | None:
+        """Wait for the checkpoint being written in the background, if any; return its path.
+
+        Collective in effect (every rank's write finishes together). Raises that save's
+        CheckpointError when it failed: nothing was published and ``latest`` still names the
+        previous checkpoint.
+        """
+        if self._ckpt_writer is None:
+            return None
+        handle = self._ckpt_writer.wait_previous()
+        return handle.path if handle is not None else None
+
+    @property
+    def background_saves(self) -> list[dict[str, Any]]:
+        """Every finished background save: step, blocked_s, staging_s, write_s, bytes, mib_per_s."""
+        return self._ckpt_writer.completed if self._ckpt_writer is not None else []
+
+    @property
+    def checkpoint_stats(self) -> dict[str, Any]:
+        """Background saves so far: count, blocked/write seconds, bytes, waits, staging buffer bytes."""
+        from shardwise.runtime.checkpoint.background import summarize
+
+        return summarize(self._ckpt_writer, self.checkpoint_mode)
 
     def load(self, path: str | os.PathLike, model: nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None, *, loader: ShardedLoader | None = None,
@@ -837,6 +915,12 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        # Ordered shutdown: the background checkpoint writer finishes (its threads use the process
+        # groups), then the groups are destroyed, then the interpreter may exit.
+        if self._ckpt_writer is not None:
+            from shardwise.runtime.checkpoint.background import close_writer
+
+            close_writer(self._ckpt_writer, self.log)  # kept: checkpoint_stats still reads it
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

@@ -24,7 +24,7 @@ from torch import nn
 
 from shardwise import logs
 from shardwise.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
-from shardwise.errors import CheckpointError, NonFiniteError
+from shardwise.errors import CheckpointError, NonFiniteError, count_of
 from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
@@ -121,6 +121,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self._stop_signal: int | None = None
         self._saved_step = -1
+        self._ckpt_logged = 0  # background saves already in metrics.jsonl
         self._watchdog: Any = None
         self.data_wait_s = 0.0  # time this step waited on the data loader (train_step adds to it)
         self.real_tokens: Any = 0  # real (non-padding) tokens of the global batch this step (token_loss data)
@@ -174,6 +175,11 @@ class Trainer:
                                                                                   cfg.optimizer))
         for note in self.session.notes:
             self.session.log(note)
+        # checkpoint.mode: a save blocks the step only while it is staged (runtime.checkpoint.background).
+        mode_note = self.session.set_checkpoint_mode(cfg.checkpoint.mode)
+        if mode_note:
+            self.session.log(mode_note)
+        self.save_blocked_s: list[float] = []  # every save's blocked time, sync or not
         self.session.log(f"model ready in {time.perf_counter() - t0:.2f}s (model.init = {cfg.model.init!r}"
                          f"{', pretrained: ' + cfg.model.pretrained if cfg.model.pretrained else ''}"
                          f"{f', LoRA rank {cfg.lora.rank}' if cfg.lora.rank else ''})")
@@ -444,6 +450,7 @@ class Trainer:
         self.check_finite()
         if not interrupted and ck.at_end and self._saved_step != st.step:
             self.save_checkpoint()
+        self.finish_checkpoints()
         s.heartbeat(st.step, "finish")
         wall_s = time.perf_counter() - wall0
         summary = self.summary(wall_s)
@@ -529,7 +536,7 @@ class Trainer:
         for note in loaded.notes:
             s.log(note)
         s.log(f"resumed from {loaded.path} at step {loaded.step} (saved by "
-              f"{loaded.manifest['strategy']} on {loaded.manifest['world_size']} ranks; "
+              f"{loaded.manifest['strategy']} on {count_of(loaded.manifest['world_size'], 'rank')}; "
               f"loaded in {load_s:.2f}s)")
         return loaded.rng
 
@@ -547,12 +554,35 @@ class Trainer:
         self.check_finite()
         self._check_weights_finite()
         t0 = time.perf_counter()
-        path = s.save(self.run_dir.checkpoints, self.model, self.optimizer, step=st.step,
+        out = s.save(self.run_dir.checkpoints, self.model, self.optimizer, step=st.step,
                       state=state, loader=self.train_loader, keep_last=self.cfg.checkpoint.keep_last,
-                      on_written=self._fault_in_checkpoint)
+                      on_written=lambda partial, step=st.step: self._fault_in_checkpoint(step))
         self._saved_step = st.step
-        s.log(f"checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
-        return path
+        self.save_blocked_s.append(s.last_save_blocked_s)
+        self._log_checkpoint_metrics()  # the previous background save finished inside save()
+        if isinstance(out, Path):
+            s.log(f"checkpoint {out} ({time.perf_counter() - t0:.2f}s)")
+            self.run_dir.log_metrics({"step": st.step, "checkpoint_blocked_s": s.last_save_blocked_s})
+            return out
+        s.log(f"checkpoint {out.path.name}: staged in {s.last_save_blocked_s:.2f}s, writing in the background")
+        return out.path
+
+    def finish_checkpoints(self) -> None:
+        """Wait for the checkpoint being written in the background (raises its CheckpointError)."""
+        path = self.session.wait_checkpoint()
+        if path is not None:
+            self.session.log(f"checkpoint {path} published")
+        self._log_checkpoint_metrics()
+
+    def _log_checkpoint_metrics(self) -> None:
+        """One metrics.jsonl record per finished background save (rank 0's shard files)."""
+        for stats in self.session.background_saves[self._ckpt_logged:]:
+            self.run_dir.log_metrics({
+                "step": stats["step"], "checkpoint_blocked_s": stats["blocked_s"],
+                "checkpoint_write_s": stats["write_s"], "checkpoint_bytes": stats["bytes"],
+                "checkpoint_mib_per_s": stats["mib_per_s"],
+                "checkpoint_waited_for_s": stats.get("waited_for_s", 0.0)})
+            self._ckpt_logged += 1
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         # SIGTERM (schedulers, torchrun) and SIGINT (Ctrl-C) finish the current step, save and
@@ -599,9 +629,10 @@ class Trainer:
         return ThroughputMeter(tokens_per_step=tokens_per_step, flops_per_token=self.flops_per_token,
                                devices=s.world_size, peak=peak)
 
-    def _fault_active(self, rank: int, step: int) -> bool:
+    def _fault_active(self, rank: int, step: int, at_step: int | None = None) -> bool:
         d = self.cfg.debug
-        return (rank == self.session.rank and step == self.state.step and step > 0
+        at_step = self.state.step if at_step is None else at_step
+        return (rank == self.session.rank and step == at_step and step > 0
                 and (self.attempt == 0 or d.every_attempt))
 
     def _inject_faults(self) -> None:
@@ -613,9 +644,11 @@ class Trainer:
                 time.sleep(3600)
         faults.signal_after_step(self.state.step, self.session.rank)  # SHARDWISE_DEBUG_SIGNAL (tests)
 
-    def _fault_in_checkpoint(self, partial: Path) -> None:
+    def _fault_in_checkpoint(self, saved_step: int) -> None:
+        # Runs on the writing thread, after this rank's files of ``saved_step`` are on disk: with a
+        # background write, training may already be past that step.
         d = self.cfg.debug
-        if d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step):
+        if d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step, saved_step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
@@ -629,6 +662,10 @@ class Trainer:
             **self.meter.summary(),
             "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
             "compile": self.session.compile,
+            # Time each save blocked training, and the background writes (runtime.checkpoint.background).
+            "checkpoint_io": {**s.checkpoint_stats, "saves": len(self.save_blocked_s),
+                           "blocked_s_total": sum(self.save_blocked_s),
+                           "blocked_s_max": max(self.save_blocked_s, default=0.0)},
         }
 
     def sample(self) -> str | None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from shardwise.errors import CheckpointError
+from shardwise.errors import CheckpointError, count_of
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,
@@ -175,7 +175,7 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
         for name, piece in rank_pieces.items():
             _restore(piece, name, extra.get(name), path, loaded)
     else:
-        loaded.notes.append(f"saved on {manifest['world_size']} ranks, loaded on {world_size}: "
+        loaded.notes.append(f"saved on {count_of(manifest['world_size'], 'rank')}, loaded on {world_size}: "
                             "model, optimizer and data position are continued; per-rank RNG streams "
                             "(dropout) start afresh")
         for name, piece in rank_pieces.items():

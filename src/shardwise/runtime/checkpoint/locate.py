@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from shardwise.errors import CheckpointError
+from shardwise.fsutil import what_is
 from shardwise.job.identity import same_process_alive
 from shardwise.job.rundir import CHECKPOINTS_DIR
 from shardwise.runtime.checkpoint.manifest import (
@@ -83,7 +84,7 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     """Return the checkpoint directory meant by ``source``: a checkpoint, a checkpoints root or a run dir."""
     p = Path(source)
     if not p.exists():
-        raise CheckpointError(f"no checkpoint to resume: {str(p)!r} does not exist.")
+        raise CheckpointError(f"no checkpoint to resume: {str(p)!r} {what_is(p)}.")
     if (p / MANIFEST).is_file():
         if p.is_symlink():
             raise CheckpointError(f"{p} is a symbolic link; shardwise reads a checkpoint only from a real "

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,78 @@ def partial_dir_name(step: int, job: str) -> str:
     return f"{PARTIAL_PREFIX}{step_dir_name(step)}.{hashlib.sha256(job.encode()).hexdigest()[:12]}"
 
 
+@dataclass
+class PreparedSave:
+    """A save whose state has been taken and whose partial directory exists; nothing written yet.
+
+    ``payload`` goes to DCP (synchronously, or staged and written in the background by
+    ``checkpoint.background``); ``finish_save`` then checksums, gathers and publishes.
+    """
+
+    root: Path
+    partial: Path
+    step: int
+    job: str
+    payload: dict[str, Any]
+    job_state: dict[str, Any]
+    rank_state: dict[str, Any]
+    strategy: str
+    world_size: int
+    keep_last: int
+    trainable_only: bool
+    export: dict[str, Any] | None
+    on_written: Callable[[Path], None] | None
+
+    @property
+    def final(self) -> Path:
+        return self.root / step_dir_name(self.step)
+
+
+def prepare_save(root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 *, step: int, strategy: str, world_size: int, state: dict[str, Any] | None = None,
+                 loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
+                 keep_last: int = 0, on_written: Callable[[Path], None] | None = None,
+                 trainable_only: bool = False, export: dict[str, Any] | None = None,
+                 job: str | None = None, pieces: dict[str, Piece] | None = None) -> PreparedSave:
+    """Take every piece's state and create the partial directory (collective); see ``save_checkpoint``."""
+    if pieces is None:
+        pieces = standard_pieces(model, optimizer, loader=loader, state=state, scaler=scaler,
+                                 trainable_only=trainable_only)
+        if scheduler_state is not None:
+            pieces["scheduler"] = JsonPiece(scheduler_state)
+    tensor_pieces, manifest_pieces, rank_pieces = split_pieces(pieces)
+    # Every piece's state is taken on every rank before anything is written: a piece that refuses
+    # (state that is not JSON data) raises on every rank alike and leaves no partial directory.
+    payload: dict[str, Any] = {name: piece.state_dict() for name, piece in tensor_pieces.items()}
+    job_state = {name: piece.state_dict() for name, piece in manifest_pieces.items()}
+    # The per-rank pieces (RNG streams, scaler) are taken now too: a background write must
+    # record the state of the step it saves, not of a later one.
+    rank_state = {name: piece.state_dict() for name, piece in rank_pieces.items()}
+    root = Path(root)
+    rank = global_rank()
+    job = job or launch_id()
+    partial = root / partial_dir_name(step, job)
+    setup_error: str | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # this job's own, left by a save that was killed; never reused
+                shutil.rmtree(partial)
+            partial.mkdir()
+            atomic_write_text(partial / PARTIAL_OWNER, json.dumps({**process_record(), "job": job}))
+        except OSError as e:
+            setup_error = describe_io_failure(e, rank)
+            shutil.rmtree(partial, ignore_errors=True)
+    # Rank 0's job names the directory (ranks on other hosts may derive other launch ids).
+    where, setup_error = gather((str(partial), setup_error) if rank == 0 else None)[0]
+    if setup_error:
+        raise save_failed(root, step, [setup_error])
+    return PreparedSave(root=root, partial=Path(where), step=step, job=job, payload=payload,
+                        job_state=job_state, rank_state=rank_state, strategy=strategy,
+                        world_size=world_size, keep_last=keep_last, trainable_only=trainable_only,
+                        export=export, on_written=on_written)
+
+
 def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, step: int, strategy: str, world_size: int, state: dict[str, Any] | None = None,
                     loader: Any = None, scaler: Any = None, scheduler_state: dict[str, Any] | None = None,
@@ -78,87 +151,85 @@ def save_checkpoint(root: str | os.PathLike, model: nn.Module, optimizer: torch.
     parameters out (LoRA: the base comes from model.pretrained); ``export`` is what
     ``ckpt export --format hf/peft`` needs to write the model back (JSON data, rank 0's is kept).
     ``job`` names the job (default: ``identity.launch_id()``); only checkpoints of the same job are
-    ever rotated away.
+    ever rotated away. The background (asynchronous) form is ``checkpoint.background``.
     """
-    if pieces is None:
-        pieces = standard_pieces(model, optimizer, loader=loader, state=state, scaler=scaler,
-                                 trainable_only=trainable_only)
-        if scheduler_state is not None:
-            pieces["scheduler"] = JsonPiece(scheduler_state)
-    tensor_pieces, manifest_pieces, rank_pieces = split_pieces(pieces)
-    # Every piece's state is taken on every rank before anything is written: a piece that refuses
-    # (state that is not JSON data) raises on every rank alike and leaves no partial directory.
-    payload: dict[str, Any] = {name: piece.state_dict() for name, piece in tensor_pieces.items()}
-    job_state = {name: piece.state_dict() for name, piece in manifest_pieces.items()}
-    root = Path(root)
-    rank = global_rank()
-    job = job or launch_id()
-    name = step_dir_name(step)
-    partial = root / partial_dir_name(step, job)
-    setup_error: str | None = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # this job's own, left by a save that was killed; never reused
-                shutil.rmtree(partial)
-            partial.mkdir()
-            atomic_write_text(partial / PARTIAL_OWNER, json.dumps({**process_record(), "job": job}))
-        except OSError as e:
-            setup_error = describe_io_failure(e, rank)
-            shutil.rmtree(partial, ignore_errors=True)
-    # Rank 0's job names the directory (ranks on other hosts may derive other launch ids).
-    where, setup_error = gather((str(partial), setup_error) if rank == 0 else None)[0]
-    if setup_error:
-        raise save_failed(root, step, [setup_error])
-    partial = Path(where)
-
-    # A full disk (or any I/O error) on any rank must not leave the others waiting, a partial
-    # directory filling the disk, or 'latest' moved: every rank reports its outcome in the gather
-    # below, and all raise the same CheckpointError once rank 0 has removed the partial save.
+    prep = prepare_save(root, model, optimizer, step=step, strategy=strategy, world_size=world_size,
+                        state=state, loader=loader, scaler=scaler, scheduler_state=scheduler_state,
+                        keep_last=keep_last, on_written=on_written, trainable_only=trainable_only,
+                        export=export, job=job, pieces=pieces)
     failure: str | None = None
-    mine: dict[str, Any] = {}
     try:
         with single_process_ok():
-            dcp.save(payload, storage_writer=faults.storage_writer(partial, step, rank),
+            dcp.save(prep.payload, storage_writer=faults.storage_writer(prep.partial, step, global_rank()),
                      no_dist=not distributed())
-        extra = {"rank": rank, **{name: piece.state_dict() for name, piece in rank_pieces.items()}}
-        rank_file = partial / f"rng-rank{rank}.json"
-        atomic_write_text(rank_file, json.dumps(extra), durable=True)
-        # Each rank checksums what it wrote (in parallel); rank 0 assembles the manifest.
-        mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                for p in [rank_file, *partial.glob(f"__{rank}_*.distcp")]}
-        if on_written is not None:
-            on_written(partial)
     except (OSError, CheckpointException) as e:
-        failure = describe_io_failure(e, rank)
-    gathered = gather({"files": mine, "shapes": tensor_shapes(payload["model"]), "error": failure})
+        failure = describe_io_failure(e, global_rank(), prep.partial)
+    return finish_save(prep, failure)
+
+
+def finish_save(prep: PreparedSave, failure: str | None, group: Any = None) -> Path:
+    """Checksum this rank's files, gather every rank's outcome and publish (rank 0); return the path.
+
+    Collective over ``group`` (default: the world group; a background write uses its own group so
+    that training's collectives are not interleaved with it). ``failure``: this rank's write
+    error, if any. A full disk (or any I/O error) on any rank must not leave the others waiting, a
+    partial directory filling the disk, or 'latest' moved: every rank reports its outcome in the
+    gather below, and all raise the same CheckpointError once rank 0 has removed the partial save.
+    """
+    rank = global_rank()
+    partial = prep.partial
+    mine: dict[str, Any] = {}
+    if failure is None:
+        try:
+            rank_file = partial / f"rng-rank{rank}.json"
+            atomic_write_text(rank_file, json.dumps({"rank": rank, **prep.rank_state}), durable=True)
+            # Each rank checksums what it wrote (in parallel); rank 0 assembles the manifest.
+            mine = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                    for p in [rank_file, *partial.glob(f"__{rank}_*.distcp")]}
+            if prep.on_written is not None:
+                prep.on_written(partial)
+        except (OSError, CheckpointException) as e:
+            failure = describe_io_failure(e, rank, partial)
+    gathered = gather({"files": mine, "shapes": tensor_shapes(prep.payload["model"]), "error": failure},
+                      group=group)
     errors = [item["error"] for item in gathered if item.get("error")]
     if errors:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        barrier()
-        raise save_failed(root, step, errors)
+        barrier(group)
+        raise save_failed(prep.root, prep.step, errors)
 
-    final = root / name
+    final = prep.final
     published: str | None = None
     if rank == 0:
         try:
-            _write_manifest_and_publish(root, partial, final, job, gathered, step=step, strategy=strategy,
-                                        world_size=world_size, has_optimizer="optim" in payload,
-                                        job_state=job_state, trainable_only=trainable_only, export=export)
-            rotate(root, keep_last, job)
+            _write_manifest_and_publish(prep.root, partial, final, prep.job, gathered, step=prep.step,
+                                        strategy=prep.strategy, world_size=prep.world_size,
+                                        has_optimizer="optim" in prep.payload, job_state=prep.job_state,
+                                        trainable_only=prep.trainable_only, export=prep.export)
+            rotate(prep.root, prep.keep_last, prep.job)
         except OSError as e:
             published = describe_io_failure(e, rank)
             shutil.rmtree(partial, ignore_errors=True)
     # Instead of a barrier: every rank learns whether rank 0 could publish.
-    published = gather(published)[0]
+    published = gather(published, group=group)[0]
     if published:
-        raise save_failed(root, step, [published])
+        raise save_failed(prep.root, prep.step, [published])
     return final
 
 
-def describe_io_failure(error: BaseException, rank: int) -> str:
-    """'rank R: <the OS error>' for a failed write; DCP's CheckpointException is unwrapped."""
+# Below this much free space, a write that failed without an OS error (torch.save's zip writer
+# reports a short write as "[enforce fail at inline_container.cc] unexpected pos") failed because
+# the disk is full: no shard write is smaller than this.
+FULL_DISK_FREE_BYTES = 1 << 20
+
+
+def describe_io_failure(error: BaseException, rank: int, where: Path | None = None) -> str:
+    """'rank R: <the OS error>' for a failed write; DCP's CheckpointException is unwrapped.
+
+    ``where``: the directory written into; an error that is not an OSError (torch.save's short
+    write) is reported as the full disk it is when that file system has (almost) no space left.
+    """
     for_rank = rank
     if isinstance(error, CheckpointException):
         # {rank: (exception, traceback)}: the first rank's own exception says what happened.
@@ -166,13 +237,21 @@ def describe_io_failure(error: BaseException, rank: int) -> str:
             error, for_rank = exc, failed_rank
             if isinstance(exc, OSError):
                 break
+    if not isinstance(error, OSError) and where is not None and _free_bytes(where) < FULL_DISK_FREE_BYTES:
+        error = faults.disk_full(where)
     if isinstance(error, OSError):
-        where = f" ({error.filename})" if error.filename else ""
-        text = f"[Errno {error.errno}] {error.strerror}{where}" if error.errno else str(error)
+        name = f" ({error.filename})" if error.filename else ""
+        text = f"[Errno {error.errno}] {error.strerror}{name}" if error.errno else str(error)
     else:
         text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     return f"rank {for_rank}: {text}"
 
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return FULL_DISK_FREE_BYTES  # unknown: not called full
 
 def latest_name(root: Path) -> str:
     """What ``root/latest`` names ('' when unreadable)."""
