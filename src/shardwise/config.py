@@ -193,7 +193,7 @@ class DataConfig:
     # tokens: element type of .bin files (nanoGPT: uint16)
     token_dtype: str = setting("uint16", choices=TOKEN_DTYPES, label="data.token_dtype")
     cache_dir: str = setting("", text="path")  # text/tokens: the tokenised-data cache ("": ~/.cache/shardwise)
-    # --- chat/instruct records (issue 19; see shardwise.data.instruct) ---
+    # --- chat/instruct records (see shardwise.data.instruct) ---
     # Record fields; "" = the first present of prompt/instruction/question and response/completion/output/answer.
     prompt_field: str = setting("", text="word")
     response_field: str = setting("", text="word")
@@ -322,7 +322,7 @@ class ParallelConfig:
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
     # "microbatch" (FSDP/ZeRO-2 keep gradients sharded between micro-batches; for big models).
     grad_sync: str = setting("step", choices=GRAD_SYNC_MODES, label="parallel.grad_sync mode")
-    # DeepSpeed kinds (issue 23, parallel/deepspeed.py): zero3-nvme's swap directory, and the
+    # DeepSpeed kinds (parallel/deepspeed.py): zero3-nvme's swap directory, and the
     # user's ds_config.json for strategy "deepspeed" ("auto" values filled from this config).
     nvme_path: str = setting("", text="path")
     deepspeed_config: str = setting("", text="path")
@@ -848,7 +848,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 # Recipes that fine-tune a pretrained folder: without model.pretrained they would silently train
-# a randomly initialised model from scratch (issue 24), so they refuse to start instead.
+# a randomly initialised model from scratch, so they refuse to start instead.
 PRETRAINED_RECIPES = ("hf-finetune", "hf-sft", "hf-dpo")
 
 

@@ -199,7 +199,7 @@ class Layout:
                 f"parallel.ep={ep} (expert parallel) runs under the FSDP2 strategies {', '.join(names)}, not "
                 f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use one of "
                 "them, or set parallel.ep = 1.")
-        if self.pp > 1:  # [issue 20] fsdp+pp with ep: every schedule but the zero-bubble ones
+        if self.pp > 1:  # fsdp+pp with ep: every schedule but the zero-bubble ones
             refusal = ep_refusal(self.pp_schedule)
             if refusal:
                 raise ConfigError(refusal + ".")

@@ -115,7 +115,7 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
 
 
 def ep_refusal(schedule: str) -> str | None:
-    """Why expert parallel (``parallel.ep > 1``) cannot run under ``schedule`` (None when it can). [issue 20]"""
+    """Why expert parallel (``parallel.ep > 1``) cannot run under ``schedule`` (None when it can)."""
     if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].zero_bubble:
         return (f"expert parallel (parallel.ep > 1) does not train correctly under the zero-bubble pipeline "
                 f"schedule {schedule!r} yet: its split backward (input-gradient pass, then a deferred "

@@ -109,7 +109,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         # Heads divisible by tp, no more stages than layers...; without a meta model the same
         # check still runs on every rank in ``Session.prepare``.
         strategy.check_model(meta)
-        # h21: the chunked loss and context parallel refuse what they cannot run before launch.
+        # The chunked loss and context parallel refuse what they cannot run before launch.
         from shardwise.loss import plan_chunked_head
 
         plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
@@ -121,7 +121,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
             from shardwise.models.moe import moe_layers
 
             if moe_layers(meta):
-                # [issue 20] The routers' aux losses count real tokens only (models/moe.py); a cp rank's
+                # The routers' aux losses count real tokens only (models/moe.py); a cp rank's
                 # model gets its chunk's token ids and positions without the padding mask.
                 raise ConfigError(
                     "a mixture-of-experts model on records or packed rows does not run with context parallel "

@@ -373,7 +373,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
     from shardwise.data.cache import read_only
 
-    # --dry-run writes nothing: the data cache is only read (issue 17).
+    # --dry-run writes nothing: the data cache is only read.
     with read_only() if args.dry_run else contextlib.nullcontext():
         checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
     out = Path(args.out or f"runs/verify-{checked.layout.strategy.replace('+', '_')}")

@@ -271,7 +271,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
             build = with_varlen(build)
         from shardwise.families import MOE_FAMILIES
 
-        if family in MOE_FAMILIES:  # [issue 20, h20b] Hugging Face MoE (models/hf_moe.py)
+        if family in MOE_FAMILIES:  # Hugging Face MoE (models/hf_moe.py)
             from shardwise.models.moe import with_aux_loss
 
             loss_fn = with_aux_loss(cross_entropy_loss)

@@ -19,7 +19,7 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True
-    # Mixture of experts (issue 20; ``shardwise.models.moe``). n_experts = 0: every block dense.
+    # Mixture of experts (``shardwise.models.moe``). n_experts = 0: every block dense.
     n_experts: int = 0
     moe_top_k: int = 2  # experts per token (softmax top-k router)
     moe_every: int = 1  # every k-th block is MoE (blocks k-1, 2k-1, ...); 1: all of them

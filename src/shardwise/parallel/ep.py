@@ -185,7 +185,7 @@ def shard_experts(model: nn.Module, expert_mesh: Any, dp: int, fsdp_kwargs: dict
 
 
 def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispatcher) -> None:
-    """Expert parallel for transformers' fused experts module (``models/hf_moe.py``). [issue 20, h20b]
+    """Expert parallel for transformers' fused experts module (``models/hf_moe.py``).
 
     transformers' own forward picks ``gate_up_proj[e]`` for global expert ids, which a ``Shard(0)``
     DTensor cannot serve, so the module's forward is replaced (on this instance, from outside) by

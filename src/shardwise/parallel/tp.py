@@ -100,7 +100,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     blocks = _get(model, plan.blocks_path)
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
         # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
-        # [issue 20] An MoE block has no dense MLP: its router and experts stay whole on every TP
+        # An MoE block has no dense MLP: its router and experts stay whole on every TP
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = dict(plan.block)
         if is_moe_layer(_get(block, "mlp")):

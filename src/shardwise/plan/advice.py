@@ -348,7 +348,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
         dp = data_parallel_degree(world, tp=t, pp=p)
         quiet = (c > 1 and cp is None) or (x > 1 and ep is None)  # the search's own extras
         for info in REGISTRY.values():
-            if not info.planned:  # DeepSpeed kinds: plan/offload.py (issue 23), added by the search
+            if not info.planned:  # DeepSpeed kinds: plan/offload.py, added by the search
                 continue
             if ("tp" in info.degrees) != (t > 1) or ("pp" in info.degrees) != (p > 1):
                 continue

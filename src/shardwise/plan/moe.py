@@ -1,4 +1,4 @@
-"""Planner arithmetic for mixture-of-experts models and expert parallelism (issue 20). No torch.
+"""Planner arithmetic for mixture-of-experts models and expert parallelism. No torch.
 
 What MoE changes in the plan:
 
@@ -15,7 +15,7 @@ What MoE changes in the plan:
   rank's tokens (``tokens x top_k x hidden`` elements; the ``(ep-1)/ep`` that leave the rank), and
   backward the same again: 4 all-to-alls per layer per micro-batch (``all_to_all_s``).
 
-``ep_candidates`` lists the EP degrees a world admits, for the planner's search (h24's).
+``ep_candidates`` lists the EP degrees a world admits, for the planner's search.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Planner math for the offload engines (zero3-offload, zero3-nvme; fsdp-offload shares the host part).
 
 Where the state lives per node, and what moving it costs per optimizer step. Torch-free, like the
-rest of ``shardwise.plan``. h24's search asks ``offload_candidates`` for the rows to add when
+rest of ``shardwise.plan``. The search asks ``offload_candidates`` for the rows to add when
 nothing fits on the GPUs of one node (the decision table's last row).
 
 Per parameter, fp32 AdamW (bytes): the fp32 weight 4, its gradient 4, two moments 8. Under

@@ -67,7 +67,7 @@ class ModelSpec:
     # Exact per-parameter shapes in module registration order (ZeRO-1's greedy partition depends on
     # the order of equal-sized tensors). Empty for a bare parameter count.
     params: tuple[ParamInfo, ...] = field(default=(), repr=False)
-    # [issue 20] Mixture of experts: a ``plan.moe.MoEInfo`` (experts, top-k, ...); None when dense.
+    # Mixture of experts: a ``plan.moe.MoEInfo`` (experts, top-k, ...); None when dense.
     moe: Any = field(default=None, repr=False)
 
     @property

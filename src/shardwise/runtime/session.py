@@ -159,7 +159,7 @@ class Session:
         # More pieces every save()/load() includes, by name (runtime.checkpoint.pieces): one entry
         # adds something to the checkpoint, e.g. ``session.checkpoint_pieces["ema"] = EmaPiece(ema)``.
         self.checkpoint_pieces: dict[str, Any] = {}
-        # What save()/load() cover by default (issue 17): the optimizer prepare() returned, the
+        # What save()/load() cover by default: the optimizer prepare() returned, the
         # training loader (the first dataloader() not made with shuffle=False) and the number of
         # step() calls (restored by load()).
         self.optimizer: torch.optim.Optimizer | None = None
@@ -571,7 +571,7 @@ class Session:
 
         Nothing here waits for the device (except what the options below say): the norm stays a
         tensor, so a loop that does not log this step queues its work and moves on. Call
-        ``float(norm)`` when you log it; that is a host-device sync. (Before issue 10 this returned
+        ``float(norm)`` when you log it; that is a host-device sync. (Earlier versions returned
         a float, i.e. synchronised every step.)
 
         ``measure_grad_bytes``: record the gradients' bytes for the memory ledger

@@ -413,7 +413,7 @@ class Trainer:
                 record.update(phases.window())  # every rank: one small gather
                 if "slow_rank_message" in record:
                     s.log(f"step {st.step}: {record['slow_rank_message']}")
-                # [issue 20] MoE routing over the window (every rank: one small all-reduce); {} if dense.
+                # MoE routing over the window (every rank: one small all-reduce); {} if dense.
                 moe = take_moe_stats(self.model)
                 record.update(moe)
                 if self.objective is not None:  # global DPO means over the window (a collective)
@@ -674,7 +674,7 @@ class Trainer:
         if not n or self.workload.sample_text is None:
             return None
         reason = self.session.strategy.generation_unsupported()
-        if self.session.layout.cp > 1:  # h21: attention expects 1/cp of a sequence per rank
+        if self.session.layout.cp > 1:  # attention expects 1/cp of a sequence per rank
             reason = "context parallel (parallel.cp > 1) runs attention on sequence chunks"
         if reason:
             self.session.log(f"skipping the text sample under {self.session.strategy_name}: {reason}.")
