@@ -11,6 +11,7 @@ from shardwise.config import parse_loss_chunks
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.plan import finetune, offload, presets, spec
 from shardwise.plan.advice import (
+    GIB,
     RUNTIME_RESERVE_GIB,
     TRAIN_PRECISION,
     Candidate,
@@ -461,12 +462,33 @@ def format_table(plan: Plan) -> str:
     if plan.recommended and (pred := run_prediction(plan)) is not None:
         lines += ["per rank as the run stores it (train --dry-run's prediction, checked against its memory "
                   "ledger):", *("  " + row for row in pred.table().splitlines())]
+        lines.append(staging_line(pred, c, plan.recommended.memory.host_bytes))
     lines += [f"  not {x}" for x in plan.rejected]
     lines += [f"  not offered {x}" for x in plan.skipped]
     if plan.commands:
         lines += ["", "run it:", *(f"  {cmd}" for cmd in plan.commands)]
     lines += [f"warning: {x}" for x in plan.warnings]
     return "\n".join(lines)
+
+
+def staging_line(pred: RunPrediction, cluster: Cluster, offload_host_bytes: int) -> str:
+    """What the run's asynchronous checkpoints (``checkpoint.mode``'s default) hold in host memory: each
+    rank's stored state once more (plan.memory.staging_host_bytes), and whether that fits beside the
+    run on a node (80 % of its host RAM, as the offload check); where not, the sync mode."""
+    from shardwise.plan.memory import StateBytes, staging_host_bytes
+
+    per_rank = max(staging_host_bytes(StateBytes(params=r.param_bytes + r.host_param_bytes,
+                                                 optimizer=r.optim_bytes + r.host_optim_bytes))
+                   for r in pred.ranks)
+    node = per_rank * cluster.gpus_per_node
+    host = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
+    line = (f"checkpoints: written in the background by default (checkpoint.mode = auto), staging "
+            f"{gib(per_rank)} GiB of host memory per rank, {gib(node)} GiB per node")
+    if node + offload_host_bytes > 0.8 * host:
+        return (line + f": that does not fit beside the run in the node's {host / GIB:.0f} GiB of host memory "
+                "(--host-ram-gib); add --set checkpoint.mode=sync to the command (each save then blocks until "
+                "written)")
+    return line + f", within the node's {host / GIB:.0f} GiB of host memory"
 
 
 def run(args: argparse.Namespace) -> int:
