@@ -170,4 +170,5 @@ def test_verify_passes_for_the_other_compositions(strategy, nproc, degrees, tmp_
         argv += ["--set", d]
     proc = run_command(argv, env=cli_env, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"verify: {strategy} on {nproc} rank(s)" in proc.stdout and "PASS" in proc.stdout
+    header = proc.stdout.splitlines()[0]  # 'verify: fsdp+pp (dp_shard=2, pp=2) on 4 rank(s) vs ...'
+    assert header.startswith(f"verify: {strategy} (") and f") on {nproc} rank(s)" in header and "PASS" in proc.stdout

@@ -78,7 +78,8 @@ def test_verify_zero3_offload_and_nvme_and_hf_export(tmp_path, cli_env):
     for strategy, proc in procs.items():
         out = proc.communicate(timeout=420)[0]
         assert proc.returncode == 0, out
-        assert f"verify: {strategy} on 2 rank(s)" in out and out.strip().splitlines()[-1] == "PASS", out
+        assert f"verify: {strategy} (" in out and ") on 2 rank(s)" in out, out  # the degrees in force are named
+        assert out.strip().splitlines()[-1] == "PASS", out
     hf_out = hf.communicate(timeout=420)[0]
     assert hf.returncode == 0, hf_out
     _hf_export_loads_with_equal_logits(tmp_path, hf_run, pretrained, cli_env)

@@ -41,7 +41,7 @@ def test_verify_custom_model_under_fsdp(tmp_path, cli_env):
                        "--out", str(tmp_path / "out")], cli_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("verify: fsdp on 2 rank(s)")
+    assert lines[0].startswith("verify: fsdp (dp_shard=2) on 2 rank(s)")  # the degrees in force are named
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "2", "3", "4"]
     assert all(float(r[3]) <= 1e-4 for r in rows)

@@ -273,8 +273,6 @@ def run_train(args: argparse.Namespace) -> int:
             return _dry_run(resolve_run(args), args, resumed)
     run = resolve_run(args)
     nproc, out, cfg = run.nproc, run.out, run.config
-    for note in run.auto_notes:
-        print(f"shardwise: {note}", file=sys.stderr, flush=True)
     launch_id = new_launch_id()
     agreement, rdzv_id = None, ""
     if run.multi_node:
@@ -293,6 +291,9 @@ def run_train(args: argparse.Namespace) -> int:
         try:
             cfg = _preflight_resume(cfg, out, run.checked.meta_model, out_given=bool(args.out))
             admit_run(lock, cfg, overwrite=args.overwrite)
+            # What "auto" became, once the run is accepted (a refused run's message comes alone).
+            for note in run.auto_notes:
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
             if resumed is not None and not lock.joined:
                 print(resumed.describe(), file=sys.stderr, flush=True)
             if not lock.joined:
