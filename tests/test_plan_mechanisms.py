@@ -90,9 +90,14 @@ def test_ep_memory_per_stage_holds_its_own_experts(mixtral):
 
 def test_moe_with_context_parallel_and_ep_above_dp_are_refused_by_name(mixtral):
     cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=2)
+    # Mixtral's attention splits over cp (the runtime runs it, families.CP_FAMILIES): planned.
     plan = make_plan(mixtral, cluster, Workload(seq=8192, micro_batch=1, search=("checkpoint",)), cp=2)
+    assert plan.candidates and all(c.layout.cp == 2 for c in plan.candidates)
+    # A MoE family the runtime does not split over cp (Qwen2-MoE: untested there) is refused by name.
+    qwen2_moe = dataclasses.replace(mixtral, family="qwen2_moe")
+    plan = make_plan(qwen2_moe, cluster, Workload(seq=8192, micro_batch=1, search=("checkpoint",)), cp=2)
     assert not plan.candidates
-    assert any(line.startswith("cp2: context parallel does not run the mixture-of-experts mixtral") for line in
+    assert any(line.startswith("cp2: context parallel does not run the mixture-of-experts qwen2_moe") for line in
                plan.skipped), plan.skipped
     # No command for other degrees than those asked for (no offload row), and the warning says why.
     assert plan.recommended is None and not plan.commands and not plan.offload

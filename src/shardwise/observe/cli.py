@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from shardwise.errors import ConfigError
-from shardwise.observe.step_phases import format_table
+from shardwise.observe.phase_table import format_table
 
 _RANK_RE = re.compile(r"rank(\d+)\.pt\.trace\.json(\.gz)?$")
 

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PHASES = ("data", "forward", "backward", "collective", "optimizer", "checkpoint")
+from shardwise.observe.phase_table import PHASES, format_table  # noqa: F401 - re-exported
+
 # The phases a rank can be slow in; "collective" is where the other ranks then wait.
 OWN_PHASES = ("data", "forward", "backward", "optimizer", "checkpoint")
 SLOW_FRACTION = 0.2  # excess over the others' median, as a fraction of the median step time
@@ -328,19 +329,3 @@ class StepPhases:
             row["other_s"] = per[-1] - sum(per[:len(PHASES)])  # time in no phase (loop overhead)
             rows.append(row)
         return {"phases": list(PHASES), "ranks": rows, "slow_ranks": self.named}
-
-
-def format_table(table: dict[str, Any]) -> str:
-    """The per-rank phase table as text (``shardwise profile RUN``), milliseconds per step."""
-    phases = list(table.get("phases", PHASES))
-    head = ["rank", "host", "steps", "step ms", *(f"{p} ms" for p in phases), "other ms"]
-    lines = ["  ".join(f"{h:>10}" for h in head)]
-    for row in table.get("ranks", []):
-        cells = [str(row["rank"]), str(row["host"])[:10], str(row["steps"]), f"{row['step_s'] * 1e3:.1f}",
-                 *(f"{row[f'{p}_s'] * 1e3:.1f}" for p in phases), f"{row['other_s'] * 1e3:.1f}"]
-        lines.append("  ".join(f"{c:>10}" for c in cells))
-    for named in table.get("slow_ranks", []):
-        lines.append(f"slow: {named['message']}")
-    if not table.get("slow_ranks"):
-        lines.append("no rank was consistently slower than the others")
-    return "\n".join(lines)

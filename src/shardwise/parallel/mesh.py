@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from shardwise.layout import Layout
 
-__all__ = ["Meshes", "build_meshes", "flat_group"]
+__all__ = ["Meshes", "background_io_group", "build_meshes", "flat_group"]
 
 
 @dataclass
@@ -120,3 +120,12 @@ def flat_group(mesh: Any, dims: tuple[str, ...], purpose: str) -> Any:
     """The process group over several named dims of a view (e.g. the dims a DTensor is sharded on:
     Muon gathers a matrix over them), flattened once: torch keeps a flattened mesh by its name."""
     return mesh[dims]._flatten("_".join((purpose, *dims))).get_group()
+
+
+def background_io_group(timeout_s: float) -> Any:
+    """A gloo group over every rank for work done beside training (the background checkpoint writer's
+    planning and publish gathers): its collectives never interleave with training's on the default
+    group, and on CUDA it is the CPU backend DCP's async_save needs. Collective: every rank calls it."""
+    import datetime
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -239,10 +239,12 @@ def _resolve_target_defaults(args: argparse.Namespace) -> None:
     """--gpus-per-node and --precision when left out: 8 GPUs and bf16, or on --gpu cpu the ranks
     ``train`` starts here and fp32 (the CPU's fast path)."""
     cpu = is_cpu_target(args)
-    if args.gpus_per_node is None:
-        from shardwise.device import default_nproc
+    if args.gpus_per_node is None and not cpu:
+        args.gpus_per_node = 8
+    elif args.gpus_per_node is None:
+        from shardwise.device import default_nproc  # torch: only a plan for this machine's CPUs asks
 
-        args.gpus_per_node = default_nproc() if cpu else 8
+        args.gpus_per_node = default_nproc()
     if args.precision is None:
         args.precision = "fp32" if cpu else "bf16"
 

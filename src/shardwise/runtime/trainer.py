@@ -29,7 +29,7 @@ from shardwise.job import faults
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
-from shardwise.observe.step_phases import format_table as format_phase_table
+from shardwise.observe.phase_table import format_table as format_phase_table
 from shardwise.observe.throughput import Peak, ThroughputMeter, device_peak
 from shardwise.optim.build import build_optimizer as build_named_optimizer
 from shardwise.optim.build import check_optimizer, optimizer_name
@@ -306,6 +306,10 @@ class Trainer:
                                         "refusing to save them")
 
     def _nonfinite_error(self, what: str, why: str) -> NonFiniteError:
+        # Every rank gets here together: let a checkpoint still being written in the background be
+        # published first, so the message names the last good one (a failed write publishes nothing).
+        with contextlib.suppress(CheckpointError):
+            self.session.wait_checkpoint()
         latest = None
         if self.session.is_main:
             with contextlib.suppress(CheckpointError):  # a damaged pointer: say nothing about it

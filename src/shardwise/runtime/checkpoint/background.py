@@ -24,7 +24,6 @@ removes the last published checkpoint while a newer one is being written.
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 import warnings
@@ -33,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.config import CHECKPOINT_MODES
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.job import faults
+from shardwise.parallel.mesh import background_io_group
 from shardwise.runtime.checkpoint.save import PreparedSave, describe_io_failure, finish_save
 from shardwise.runtime.checkpoint.state import single_process_ok
 from shardwise.runtime.collective import distributed
@@ -145,7 +144,7 @@ class BackgroundWriter:
         # DCP's planning and the publish gathers, so they never interleave with training's
         # collectives on the default group. On CUDA it is also the CPU backend async_save needs.
         if self._group is None and distributed():
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._group = background_io_group(self.timeout_s)
         elif not distributed():
             # One process: DCP warns from its writer thread that it "assumes" one process, outside
             # any catch_warnings of this thread (single_process_ok), so the filter is process-wide.
