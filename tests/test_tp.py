@@ -94,7 +94,7 @@ def test_tp_degree_must_divide_heads_and_hidden():
     check_tp_model(model, 3)
     with pytest.raises(ConfigError, match="n_head=6.*not divisible by 4"):
         check_tp_model(model, 4)
-    with pytest.raises(ConfigError, match="no plan for Sequential"):
+    with pytest.raises(ConfigError, match="Sequential has none"):
         check_tp_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
     with pytest.raises(ConfigError, match="parallel.pp=2 is set"):
         resolve_layout(ParallelConfig(strategy="tp", pp=2), 2)

@@ -404,6 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_verify_resume(args: argparse.Namespace) -> int:
     from shardwise.config import load_config
     from shardwise.preflight import check_run
+    from shardwise.runtime.auto import resolve_precision
     from shardwise.verify_resume import verify_resume
 
     if args.resume_nproc is not None and not 1 <= args.resume_nproc <= 4096:
@@ -413,7 +414,8 @@ def _cmd_verify_resume(args: argparse.Namespace) -> int:
     checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)  # refused here, before any run
     out = Path(args.out or f"runs/verify-resume-{checked.layout.strategy.replace('+', '_')}")
     report = verify_resume(args.recipe, overrides, strategy=None, nproc=args.nproc, steps=args.steps,
-                           out=out, resume_nproc=args.resume_nproc, precision=cfg.parallel.precision)
+                           out=out, resume_nproc=args.resume_nproc,
+                           precision=resolve_precision(cfg.parallel.precision).value)  # "auto" as the runs decide
     (out / "verify-resume.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     print(report.table())
     return 0 if report.passed else 1
