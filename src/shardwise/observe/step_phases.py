@@ -20,7 +20,8 @@ synchronises anyway): no phase mark adds a host sync. Data and checkpoint stay h
 Every logging step the ranks' sums over the window are gathered (one ``all_gather`` of a few
 floats). Rank 0 records the slowest rank and the spread per phase in ``metrics.jsonl`` (and the
 trackers), and names a rank that is slower than the others in one phase (not ``collective``: that is
-where the others wait for it) by more than ``SLOW_FRACTION`` of the median step, and at least
+where the others wait for it) by more than ``SLOW_FRACTION`` of the median step (and
+``SLOW_MIN_EXCESS_S``), and at least
 ``SLOW_RATIO`` times the others' median, in ``SLOW_WINDOWS`` logging windows in a row, in one line:
 "rank 3 on node-b spends 41% of its step waiting for data; the others 4%". ``summary()`` is the
 per-rank table of the whole run (summary.json ``step_phases``; ``shardwise profile RUN`` prints it).
@@ -46,6 +47,9 @@ from shardwise.observe.phase_table import PHASES, format_table  # noqa: F401 - r
 OWN_PHASES = ("data", "forward", "backward", "optimizer", "checkpoint")
 SLOW_FRACTION = 0.2  # excess over the others' median, as a fraction of the median step time
 SLOW_RATIO = 1.5  # and the slow rank's phase at least this many times the others' median
+# and at least this many seconds per step: on steps of a few milliseconds the operating system's
+# scheduling alone moves a phase by that much (a rank 5 ms slower on a 25 ms step is not a finding).
+SLOW_MIN_EXCESS_S = 0.05
 SLOW_WINDOWS = 2  # logging windows in a row before the rank is named
 DOING = {"data": "waiting for data", "forward": "in the forward pass", "backward": "in the backward pass",
          "optimizer": "in the optimizer step", "checkpoint": "saving checkpoints"}
@@ -308,7 +312,8 @@ class StepPhases:
                 others = [col[k] for k in range(n) if k != r]
                 typical = statistics.median(others)
                 excess = col[r] - typical
-                slow = excess >= SLOW_FRACTION * median_step and col[r] >= SLOW_RATIO * typical
+                slow = (excess >= max(SLOW_FRACTION * median_step, SLOW_MIN_EXCESS_S)
+                        and col[r] >= SLOW_RATIO * typical)
                 if slow and (best is None or excess > best[0]):
                     share_others = statistics.median(col[k] / max(step[k], 1e-12) for k in range(n) if k != r)
                     best = (excess, r, phase, col[r] / max(step[r], 1e-12), share_others)
