@@ -25,7 +25,7 @@ from shardwise.plan.cost import flops_per_token
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
-from shardwise.plan.preference import reference_for
+from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
 from shardwise.plan.search import device_gib, gib, searched, tps
 from shardwise.plan.stacks import stack_settings
 from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
@@ -95,11 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
-    w.add_argument("--objective", choices=("lm", "dpo"), default=None,
+    w.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="lm (next-token loss) or dpo (preference tuning of a --pretrained folder: the batch sizes "
                    "count pairs, two sequences each, and the reference model is planned; default: dpo when --data "
                    "holds preference records, else lm)")
-    w.add_argument("--dpo-reference", choices=("copy", "adapters", "precomputed"), default=None,
+    w.add_argument("--dpo-reference", choices=REFERENCES, default=None,
                    help="with --objective dpo: how the reference is held (default: adapters with --lora, else a "
                    "frozen copy sharded like the policy; precomputed: its log-probs scored once before training)")
     w.add_argument("--checkpoint",
