@@ -104,7 +104,10 @@ def test_dpo_kill_and_resume_is_bit_exact(inputs, cli_env):
     tmp, model, data = inputs
     args = ["train", "hf-dpo", "--nproc", "2", "--strategy", "fsdp"]
     for o in [*dpo_overrides(model, data, "fsdp"), "train.steps=5", "checkpoint.every=2", "train.log_every=1",
-              "train.eval_every=5", "train.grad_accum_steps=2"]:
+              "train.eval_every=5", "train.grad_accum_steps=2",
+              # The kill at step 3 must find step 2's checkpoint published: a background write
+              # (checkpoint.mode = auto) may still be going when the rank dies.
+              "checkpoint.mode=sync"]:
         args += ["--set", o]
     ref_dir, run_dir = tmp / "resume-ref", tmp / "resume-run"
     # The reference and the run that gets killed after step 3 run side by side.

@@ -30,9 +30,7 @@ def _run(rank: int, out: str, slow: str) -> dict:
         os.environ.pop(SLOW_ENV, None)
     cfg = load_config(None, [
         "model.preset=nano", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
-        # 32 rows a step: steps of ~0.1 s rather than ~20 ms, whose 1-2 ms of Python outside any phase
-        # is not what the 5 % sum check is about (a real step is longer still).
-        "train.eval_batches=1", "train.micro_batch_size=32", "train.sample_tokens=0", "train.progress=false",
+        "train.eval_batches=1", "train.micro_batch_size=8", "train.sample_tokens=0", "train.progress=false",
         "parallel.strategy=ddp", "checkpoint.at_end=false", "checkpoint.every=3", "log.level=warning"])
     trainer = Trainer(cfg, out)
     records: list[dict] = []
@@ -67,11 +65,14 @@ def test_a_planted_slow_rank_is_named_with_its_phase(tmp_path, world_size, slow_
     for (phase, slow), result in zip(plans, main, strict=True):
         table = result["summary"]
         assert [row["rank"] for row in table["ranks"]] == list(range(world_size))
-        _check_sums(table)
         named = _named(result)
         if not slow:
             assert named == [] and table["slow_ranks"] == [], format_table(table)
             continue
+        # The 5 % sum check runs where every rank's step is at least DELAY_S long (the planted runs,
+        # on any machine): the loop's ~1 ms of Python outside any phase is 5 % of a 20 ms step, and
+        # how short the unplanted step is depends only on how fast the machine is.
+        _check_sums(table)
         # Named on the second logging window (step 2: windows [1], [2]) and never anyone else.
         assert named and named[0][0] <= 2 * LOG_EVERY, (phase, named, format_table(table))
         assert {(r, p) for _, r, p in named} == {(slow_rank, phase)}, (phase, named)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shardwise.job.watchdog import HANG_EXIT_CODE, describe_hang
+from shardwise.job.watchdog import HANG_EXIT_CODE, Watchdog, describe_hang
 from tests.helpers.ckpt import cli_args, fast_overrides, run_cli, small_text
 
 TIMEOUT_S = 3
@@ -180,3 +180,18 @@ def test_a_long_text_sample_after_the_final_save_is_not_a_hang(tmp_path, cli_env
     proc = run_cli(["train", "--nproc", "1", "--out", str(out), *cli_args(overrides)], cli_env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--- sample ---" in proc.stdout and not (out / "hang-rank0.json").exists()
+
+
+def test_the_first_step_has_its_own_allowance(tmp_path):
+    """A first step that compiles for longer than timeout_s is not a hang; a later silence is, and the
+    report names the setting that was exceeded."""
+    w = Watchdog(tmp_path, rank=0, timeout_s=2.0, poll_s=0.05, first_step_timeout_s=60.0, launch_id="L")
+    assert (w.deadline_s, w.deadline_setting) == (60.0, "watchdog.first_step_timeout_s")
+    w.beat(0, "resume")
+    assert w.deadline_s == 60.0  # loading a checkpoint is before the first step too
+    w.beat(1, "train")
+    assert (w.deadline_s, w.deadline_setting) == (2.0, "watchdog.timeout_s")
+    w.beat(phase="eval")
+    assert w.deadline_s == 2.0  # once past the first step, for good
+    same = Watchdog(tmp_path, rank=0, timeout_s=900.0, first_step_timeout_s=60.0)
+    assert (same.deadline_s, same.deadline_setting) == (900.0, "watchdog.timeout_s")  # never shorter

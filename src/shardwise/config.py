@@ -68,6 +68,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")  # shardwise.logs.LEVELS
 MAX_STEPS = 10**9
 MAX_RANKS = 2**16
 WEEK_S = 7 * 86400.0
+# The watchdog's allowance for a rank's first optimizer step (compile, communicators, allocator).
+FIRST_STEP_TIMEOUT_S = 1800.0
 MAX_SEED = 2**32 - 1
 
 
@@ -358,6 +360,9 @@ class CheckpointConfig:
 class WatchdogConfig:
     # A rank with no progress for this long is declared hung.
     timeout_s: float = setting(600.0, ge=1.0, le=WEEK_S)
+    # ... except before a rank's first optimizer step after a start or a resume (loading the
+    # checkpoint, compiling, building communicators), which may take this long (at least timeout_s).
+    first_step_timeout_s: float = setting(FIRST_STEP_TIMEOUT_S, ge=1.0, le=WEEK_S)
     collective_timeout_s: float = setting(1800.0, ge=1.0, le=WEEK_S)
     # Opt-in: TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's check that every rank calls the same
     # collective with matching shapes (a mismatch raises instead of hanging; slower).

@@ -94,10 +94,15 @@ class Watchdog:
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, timeout_s: float,
                  attempt: int = 0, poll_s: float | None = None, grace_s: float | None = None,
-                 launch_id: str | None = None) -> None:
+                 launch_id: str | None = None, first_step_timeout_s: float | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.timeout_s = float(timeout_s)
+        # Until the first optimizer step is done (the first beat in phase "train"), a rank may be
+        # silent this long: that step compiles (train.compile), builds the communicators and warms
+        # the allocator, which on a large model takes minutes longer than any later step.
+        self.first_step_timeout_s = max(self.timeout_s, float(first_step_timeout_s or 0.0))
+        self._first_step_done = False
         self.attempt = attempt
         self.launch_id = launch_id or launch_id_from_env()
         self._me = process_record()  # host, pid, start time, boot id: computed once
@@ -138,6 +143,21 @@ class Watchdog:
             self.step = step
         if phase is not None:
             self.phase = phase
+            if phase == "train":
+                self._first_step_done = True
+
+    @property
+    def deadline_s(self) -> float:
+        """How long this rank may now go without progress: ``timeout_s``, or
+        ``first_step_timeout_s`` before its first optimizer step."""
+        return self.timeout_s if self._first_step_done else self.first_step_timeout_s
+
+    @property
+    def deadline_setting(self) -> str:
+        """The setting that holds ``deadline_s`` (named in the hang report)."""
+        if self._first_step_done or self.first_step_timeout_s == self.timeout_s:
+            return "watchdog.timeout_s"
+        return "watchdog.first_step_timeout_s"
 
     def stop(self) -> None:
         """Disarm: no more checks, no backstop, SIGUSR1 back to its default."""
@@ -155,7 +175,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ thread
     def _arm_backstop(self) -> None:
-        remaining = self.timeout_s + self.grace_s - (time.monotonic() - self._last)
+        remaining = self.deadline_s + self.grace_s - (time.monotonic() - self._last)
         faulthandler.dump_traceback_later(max(remaining, 0.1), repeat=False, file=self._stack_file,
                                           exit=True)
 
@@ -163,7 +183,7 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             stale_s = time.monotonic() - self._last
             self._write_heartbeat(stale_s)
-            if stale_s > self.timeout_s:
+            if stale_s > self.deadline_s:
                 self._fire(stale_s)
                 return
             self._arm_backstop()
@@ -181,7 +201,7 @@ class Watchdog:
         where = self._main_thread_frame()
         f = self._stack_file
         f.write(f"\n=== rank {self.rank} (pid {os.getpid()}, attempt {self.attempt}): no progress for "
-                f"{stale_s:.1f}s (timeout {self.timeout_s:g}s) at step {self.step}, phase "
+                f"{stale_s:.1f}s ({self.deadline_setting} {self.deadline_s:g}s) at step {self.step}, phase "
                 f"{self.phase!r}; {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
@@ -190,7 +210,8 @@ class Watchdog:
         atomic_write_json(self.run_dir / f"hang-rank{self.rank}.json", {
             "rank": self.rank, "pid": os.getpid(), "attempt": self.attempt, "step": self.step,
             "phase": self.phase, "seconds_since_progress": round(stale_s, 1),
-            "timeout_s": self.timeout_s, "where": where, "stack_file": str(self.stack_path),
+            "timeout_s": self.deadline_s, "setting": self.deadline_setting, "where": where,
+            "stack_file": str(self.stack_path),
             "silent_ranks": [{k: v for k, v in peer.items() if k != "record"} for peer in silent],
         })
         self._signal_peers()
@@ -325,5 +346,7 @@ def describe_hang(run_dir: str | os.PathLike) -> str | None:
         who = ""
         stacks = (f"Every rank's Python stack is in {Path(run_dir) / 'stacks'}. A rank waiting inside a "
                   "collective is usually waiting for another rank that never reached it.")
-    return (f"training hung: no progress for more than {timeout}s (watchdog.timeout_s) on "
+    setting = reports[0].get("setting")
+    setting = setting if setting in ("watchdog.timeout_s", "watchdog.first_step_timeout_s") else "watchdog.timeout_s"
+    return (f"training hung: no progress for more than {timeout}s ({setting}) on "
             f"{'; '.join(parts)}.{who} {stacks}")

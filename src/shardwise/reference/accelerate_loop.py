@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             record.val_loss = common.evaluate(model, val, t.eval_batches, device)
 
     record.write(out, record.summary())
+    common.finish(model, destroy=False)  # end_training destroys the group
     accelerator.end_training()
     return 0
 

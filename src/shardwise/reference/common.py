@@ -55,6 +55,32 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def finish(model: nn.Module, *, destroy: bool = True) -> None:
+    """End a reference loop's distributed part: drop every DDP Reducer, then the process group.
+
+    DDP's C++ Reducer (and its Logger) hold the process group. Left to interpreter exit, the group's
+    destructor joins gloo's worker threads with the GIL held and the process deadlocks or aborts
+    ("terminate called without an active exception"; pytorch/pytorch#56297): the same release as
+    ``Session._release_reducers``. ``destroy=False`` where the framework destroys the group itself
+    (Accelerate's ``end_training``).
+    """
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Framework wrappers (Fabric's module, Accelerate's) are not always nn.Module parents of the
+    # DDP object: look through their usual attributes too.
+    seen: list[Any] = [model, getattr(model, "module", None), getattr(model, "_forward_module", None)]
+    for top in [m for m in seen if isinstance(m, nn.Module)]:
+        for module in top.modules():
+            if isinstance(module, DistributedDataParallel):
+                for attr in ("reducer", "logger"):
+                    module.__dict__.pop(attr, None)
+    gc.collect()
+    if destroy and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def compile_blocks(model: nn.Module, t: Any) -> nn.Module:
     """With ``train.compile = true``, ``torch.compile`` each transformer block, as torchtitan does
     (before DDP/FSDP wrap them), so compiled shardwise runs meet compiled plain loops."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import math
 import sys
 import time
@@ -69,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             record.val_loss = common.evaluate(model, val, t.eval_batches, device)
 
     record.write(out, record.summary())
-    # Drop DDP's Reducer (and the Logger holding it) before the group: freed later, at interpreter
-    # exit with the GIL held, it would be the group's last holder and deadlock joining gloo's
-    # threads (pytorch/pytorch#56297; Session._release_reducers does the same).
-    for attr in ("reducer", "logger"):
-        model.__dict__.pop(attr, None)
-    gc.collect()
-    dist.destroy_process_group()
+    common.finish(model)
     return 0
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import logs
-from shardwise.config import ParallelConfig
+from shardwise.config import FIRST_STEP_TIMEOUT_S, ParallelConfig
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.job.identity import launch_id as launch_id_from_env
@@ -891,17 +891,20 @@ class Session:
         return info() if callable(info) else None
 
     # ------------------------------------------------------------------ hang detection
-    def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0) -> Any:
+    def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0,
+              first_step_timeout_s: float = FIRST_STEP_TIMEOUT_S) -> Any:
         """Start this rank's hang watchdog (see job.watchdog) and return it.
 
         ``step()``, ``eval_loss()`` and ``save()`` count as progress; call ``heartbeat()`` in
-        other long phases of your own loop.
+        other long phases of your own loop. Before the first ``step()`` a rank may be silent for
+        ``first_step_timeout_s`` (at least ``timeout_s``): that step compiles and warms up.
         """
         from shardwise.job.watchdog import Watchdog
 
         if self._watchdog is None:
             self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt,
-                                      launch_id=self.launch_id).start()
+                                      launch_id=self.launch_id,
+                                      first_step_timeout_s=first_step_timeout_s).start()
         return self._watchdog
 
     def heartbeat(self, step: int | None = None, phase: str | None = None) -> None:

@@ -349,7 +349,8 @@ class Trainer:
         s.log(f"strategy={s.strategy_name} world_size={s.world_size} device={s.device} "
               f"global_batch={self.global_batch} "
               f"steps={t.steps} out={self.run_dir.path}\n{s.layout.describe(s.cp_impl)}")
-        self._watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt)
+        self._watchdog = s.watch(self.run_dir.path, self.cfg.watchdog.timeout_s, attempt=self.attempt,
+                                 first_step_timeout_s=self.cfg.watchdog.first_step_timeout_s)
         self._watchdog.beat(st.step, "resume")
         old_handlers = self._install_signal_handlers()
         try:
