@@ -27,3 +27,43 @@ def cli_env():
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+# ``scripts/test`` runs the suite as two concurrent shards (most tests wait on process start-up and
+# rendezvous, leaving cores idle), then the ``serial`` tests alone: SHARDWISE_TEST_SHARD="i/n" keeps
+# shard i's test files. Files go whole (their module fixtures are built once) to the lightest shard,
+# heaviest first, by the seconds each file took in a full run (tests/shard_weights.json; a file it
+# does not list counts as the median). The weights only balance the shards: every test runs.
+SHARD_WEIGHTS = Path(__file__).with_name("shard_weights.json")
+
+
+def _shard_of_files(files: list[str], count: int) -> dict[str, int]:
+    import json
+    import statistics
+
+    weights = json.loads(SHARD_WEIGHTS.read_text()) if SHARD_WEIGHTS.exists() else {}
+    typical = statistics.median(weights.values()) if weights else 1.0
+    loads = [0.0] * count
+    out: dict[str, int] = {}
+    for name in sorted(files, key=lambda f: (-weights.get(f, typical), f)):
+        shard = loads.index(min(loads))
+        out[name] = shard
+        loads[shard] += weights.get(name, typical)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    spec = os.environ.get("SHARDWISE_TEST_SHARD", "")
+    if not spec:
+        return
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"SHARDWISE_TEST_SHARD must be 'i/n' with 0 <= i < n, got {spec!r}") from None
+    shard = _shard_of_files(sorted({item.path.name for item in items}), count)
+    keep = [item for item in items if shard[item.path.name] == index]
+    dropped = [item for item in items if shard[item.path.name] != index]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep

@@ -130,6 +130,7 @@ STOP_TIMEOUT_S = 6
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # reported within STOP_TIMEOUT_S + 10 s of wall clock
 def test_a_stopped_rank_is_reported_within_the_timeout_and_named(tmp_path, cli_env):
     data = small_text(tmp_path)
     out = tmp_path / "run"

@@ -176,6 +176,7 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["plan", *argv])
 
 
+@pytest.mark.serial  # a wall-clock bound: not beside another shard's ranks
 def test_cli_json_and_table(capsys):
     t0 = time.perf_counter()
     assert _args("--model", "llama-3-8b", "--seq", "8192", "--json").func(

@@ -19,6 +19,10 @@ from shardwise.observe.step_phases import PHASES, StepPhases, format_table
 from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed
 
+# A planted 0.25 s delay against the others' step, and a run that must name nobody: measured alone,
+# not beside another shard's ranks (scripts/test runs ``serial`` tests after the shards).
+pytestmark = pytest.mark.serial
+
 STEPS, LOG_EVERY = 6, 2  # logging windows end at steps 1, 2, 4, 6
 DELAY_S = 0.25
 
