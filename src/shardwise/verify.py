@@ -445,4 +445,6 @@ def _worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(_worker_main(sys.argv[1:]))  # no interpreter teardown after the work is done (job/exit.py)

@@ -211,4 +211,6 @@ def _report_failure(out: str | None, rank: int, message: str, exit_code: int = 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(main())  # no interpreter teardown after the work is done (job/exit.py)

@@ -11,7 +11,6 @@ process per optimizer step unless the batches are split).
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import torch
@@ -77,4 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(main())  # no interpreter teardown after the work is done (job/exit.py)

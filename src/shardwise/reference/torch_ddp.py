@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import sys
 import time
 
 import torch
@@ -73,4 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(main())  # no interpreter teardown after the work is done (job/exit.py)

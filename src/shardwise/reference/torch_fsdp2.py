@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import gc
 import math
-import sys
 import time
 
 import torch
@@ -88,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(main())  # no interpreter teardown after the work is done (job/exit.py)

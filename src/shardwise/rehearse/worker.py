@@ -163,4 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from shardwise.job.exit import exit_rank
+
+    exit_rank(main())  # no interpreter teardown after the work is done (job/exit.py)
