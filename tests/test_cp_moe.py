@@ -130,3 +130,18 @@ def test_a_chunks_padding_is_left_out_of_the_routers_balance() -> None:
         assert sum(int(p.sum()) for p in pieces) == int(whole.sum())  # every real token, on one rank
         plain, _ = chunk_batch(x, y, 0, 2, CPState(impl))
         assert "real_tokens" not in plain  # a pipeline's stages take no such input
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_the_moe_families_without_cp_are_refused_by_name(family: str) -> None:
+    """Qwen2-MoE and OLMoE have no cp proof here: one refusal that names the family and what does run,
+    with no dead-end suggestion (no "train on unpacked text")."""
+    from shardwise.errors import ConfigError
+    from shardwise.families import MOE_FAMILIES
+    from shardwise.parallel.cp import check_cp_family
+
+    assert family in MOE_FAMILIES
+    with pytest.raises(ConfigError) as refused:
+        check_cp_family(family, 2)
+    text = str(refused.value)
+    assert f"{family} is not one of them" in text and "parallel.ep" in text and "unpacked" not in text
