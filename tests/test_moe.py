@@ -284,20 +284,25 @@ def test_dry_run_refuses_ep_the_model_cannot_split(capsys, argv, message):
     assert "dry run" not in out.out
 
 
-def test_dry_run_refuses_moe_on_records_under_context_parallel(tmp_path, capsys):
-    """MoE on chat records runs under fsdp/ep/tp, not cp: a cp rank's routers cannot leave the padding out."""
+def test_dry_run_of_moe_on_records_under_context_parallel(tmp_path, capsys):
+    """MoE on chat records runs under cp (each chunk carries its real tokens for the routers), but not
+    under cp and pp together: a stage has no place for them, and that is refused by name."""
     pytest.importorskip("transformers")
     from shardwise.cli import main
     from tests.helpers.sft import chat_records, save_tokenizer, write_jsonl
 
     tok = save_tokenizer(tmp_path / "tok")
     chat = write_jsonl(tmp_path / "chat.jsonl", chat_records(12))
-    code = main(["train", "gpt-shakespeare", "--dry-run", "--strategy", "fsdp", "--nproc", "2",
-                 "--set", "parallel.cp=2", "--set", "model.preset=moe-nano", "--set", "data.kind=chat",
-                 "--set", f"data.path={chat}", "--set", f"data.tokenizer={tok}",
-                 "--set", "model.overrides.block_size=128", "--set", f"data.cache_dir={tmp_path / 'cache'}"])
+    common = ["train", "gpt-shakespeare", "--dry-run",
+              "--set", "parallel.cp=2", "--set", "model.preset=moe-nano", "--set", "data.kind=chat",
+              "--set", f"data.path={chat}", "--set", f"data.tokenizer={tok}",
+              "--set", "model.overrides.block_size=128", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main([*common, "--strategy", "fsdp", "--nproc", "2"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    code = main([*common, "--strategy", "fsdp+pp", "--nproc", "4", "--set", "parallel.pp=2"])
     err = capsys.readouterr().err
-    assert code == 2 and "does not run with context parallel" in err and "Traceback" not in err, err
+    assert code == 2 and "does not run with context parallel and pipeline parallel" in err, err
+    assert "Traceback" not in err
 
 
 def test_verify_moe_under_pipeline_parallel_splits_the_reference(tmp_path, cli_env):

@@ -80,6 +80,7 @@ PLANS = [
     ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{chat}", "--pp", "2"),
     ("--pretrained", "{moe}", "--gpu", "h100", "--gpus-per-node", "2", "--data", "{chat}"),
     ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{text}", "--cp", "2"),  # long context, MoE, text
+    ("--pretrained", "{moe}", "--gpu", "cpu", "--data", "{chat}", "--cp", "2", "--ep", "2"),  # ... and chat
 ]
 
 
@@ -111,7 +112,8 @@ def test_twenty_plans_print_commands_that_pass_train_dry_run(world, tmp_path, mo
     (("--hf-config", "gpt2-tiny", "--cp", "2"), r"--cp 2: context parallel does not run on the gpt2 family"),
     (("--hf-config", "llama-tiny", "--ep", "2"), r"no mixture-of-experts layers"),
     (("--hf-config", "llama-tiny", "--data", "x.jsonl"), r"--data .* --pretrained DIR"),
-    (("--pretrained", "{moe}", "--data", "{chat}", "--cp", "2"), r"--cp 2: .* mixture-of-experts model on chat"),
+    (("--pretrained", "{moe}", "--data", "{chat}", "--cp", "2", "--pp", "2"),
+     r"--cp 2 with --pp 2: .* mixture-of-experts model on chat"),
 ])
 def test_what_train_refuses_plan_refuses_by_name(world, argv, refusal):
     with pytest.raises(ConfigError, match=refusal):

@@ -57,6 +57,11 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
                                                  f'data.tokenizer="{model}"', recipe="gpt-shakespeare")
     cases["fsdp-ep2-qwen2moe-chat-packed"] = _cfg(tmp_path, moe_folder, chat, "chat", "fsdp", *moe,
                                                   "model.overrides.output_router_logits=true")
+    # The built-in MoE GPT again, with context parallel: each rank trains on half of every packed row,
+    # and its routers leave the padding of that half out (the chunk's real_tokens, parallel/cp.py).
+    cases["fsdp-cp2-ep2-moe-gpt-chat-packed"] = _cfg(tmp_path, "", chat, "chat", "fsdp", *moe, "parallel.cp=2",
+                                                     'model.preset="moe-nano"', f'data.tokenizer="{model}"',
+                                                     recipe="gpt-shakespeare")
     # The same folder under pp=2 (1F1B, 4 micro-batches of one packed row): the routers' sums cross
     # the stage boundary and the last stage adds transformers' all-layers aux loss (weighted 0.5)
     # beside the token-sum cross-entropy (parallel/pp_hf_moe.py); the reference accumulates the
@@ -72,7 +77,9 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
     except ImportError:
         pass
     def reference(name: str, cfg):  # a pipeline run is one replica of 4 micro-batches (verify's split)
-        return reference_config(cfg, 1, split=4) if name.startswith("pp-") else reference_config(cfg, 2)
+        if name.startswith("pp-"):
+            return reference_config(cfg, 1, split=4)
+        return reference_config(cfg, 2 // cfg.parallel.cp)  # the cp ranks of a row are one replica
 
     refs = {name: run_steps(reference(name, cfg), STEPS, tmp_path / f"ref-{name}") for name, cfg in cases.items()}
     records = chat_records(10, seed=4)

@@ -117,17 +117,18 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.parallel.ep import check_moe_model
 
         check_moe_model(meta, layout)
-        if layout.cp > 1 and workload.token_loss:
+        if layout.cp > 1 and layout.pp > 1 and workload.token_loss:
             from shardwise.models.moe import moe_layers
 
             if moe_layers(meta):
-                # The routers' aux losses count real tokens only (models/moe.py); a cp rank's
-                # model gets its chunk's token ids and positions without the padding mask.
+                # The routers' aux losses count real tokens only (models/moe.py). Without a pipeline
+                # a cp rank's chunk carries its real tokens (parallel.cp.chunk_batch); a pipeline
+                # stage takes its side inputs by name and has no place for them yet.
                 raise ConfigError(
                     "a mixture-of-experts model on records or packed rows does not run with context parallel "
-                    "(parallel.cp > 1) yet: each cp rank's routers would count the rows' padding in the "
-                    "load-balancing loss, which one process leaves out. Set parallel.cp = 1 (ep, tp and "
-                    "fsdp/hsdp all work on this data), or train on unpacked text.")
+                    "and pipeline parallel together (parallel.cp > 1 and parallel.pp > 1) yet: each stage's "
+                    "routers would count the rows' padding in the load-balancing loss, which one process "
+                    "leaves out. Drop one of the two: cp with ep/tp/fsdp, or pp without cp, both run on this data.")
         if layout.cp > 1:
             from shardwise.parallel.cp import check_cp_model
 

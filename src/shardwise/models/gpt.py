@@ -123,7 +123,8 @@ class GPT(nn.Module):
         ``position_ids``/``doc_ids``/``attention_mask`` (packed or padded rows, see models.masking)."""
         idx, extra = split_inputs(idx)
         mask = attention_mask_4d(extra) if extra else None
-        real = real_token_mask(extra) if mask is not None and self.config.n_experts else None
+        # Padding to leave out of the routers' balance: with a mask, or (a cp chunk) ``real_tokens``.
+        real = real_token_mask(extra) if self.config.n_experts else None
         # A pipeline stage without the embeddings receives hidden states instead of token ids.
         if self.tok_emb is not None:
             seq = idx.shape[1]
@@ -139,7 +140,7 @@ class GPT(nn.Module):
         else:
             h = idx
         for block in self.blocks.values():
-            h = block(h) if mask is None else block(h, mask) if real is None else block(h, mask, real)
+            h = block(h) if mask is None and real is None else block(h, mask) if real is None else block(h, mask, real)
         if self.ln_f is not None:
             h = self.ln_f(h)
         if self.lm_head is not None:

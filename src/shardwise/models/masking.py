@@ -11,10 +11,12 @@ A batch's inputs are either a ``(B, T)`` tensor of token ids or a mapping with t
   document. Absent: one document per row.
 * ``attention_mask`` ``(B, T)`` 0/1: Hugging Face's padding mask (1 = a real token) for rows that
   hold one record each, right-padded. Absent: every token is real.
+* ``real_tokens`` ``(B, T)`` bool: which tokens are real, for the mixture-of-experts routers' load
+  balancing (``real_token_mask``) where neither key above is given; it implies no attention mask.
 
 Under context parallel, ``shardwise.parallel.cp.chunk_batch`` builds the whole sequence's mask with
 ``attention_mask_4d`` from these keys before the sequence is cut; the model gets its chunk of
-``input_ids`` and ``position_ids`` only.
+``input_ids`` and ``position_ids``, and of ``real_tokens`` where the batch has padding.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-INPUT_KEYS = ("input_ids", "position_ids", "doc_ids", "attention_mask")
+INPUT_KEYS = ("input_ids", "position_ids", "doc_ids", "attention_mask", "real_tokens")
 
 
 def split_inputs(inputs: torch.Tensor | Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -97,12 +99,15 @@ def hf_document_masks(config: Any, extra: Mapping[str, torch.Tensor]) -> Any:
 
 def real_token_mask(extra: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The ``(B, T)`` boolean mask of real (non-padding) tokens from a batch's side inputs, or None
-    when every token is real: ``doc_ids >= 0``, else the 2-D ``attention_mask``. (A mixture-of-
-    experts router balances over the real tokens only, ``models/moe.py``.)"""
+    when every token is real: ``doc_ids >= 0``, else the 2-D ``attention_mask``, else ``real_tokens``
+    (a cp rank's chunk). (A mixture-of-experts router balances over the real tokens only,
+    ``models/moe.py``.)"""
     if "doc_ids" in extra:
         return extra["doc_ids"] >= 0
     if "attention_mask" in extra:
         return extra["attention_mask"].bool()
+    if "real_tokens" in extra:
+        return extra["real_tokens"].bool()
     return None
 
 

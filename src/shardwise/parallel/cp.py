@@ -70,7 +70,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.errors import ConfigError
-from shardwise.models.masking import attention_mask_4d, split_inputs
+from shardwise.models.masking import attention_mask_4d, real_token_mask, split_inputs
 
 __all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_multiple",
            "gather_heads",
@@ -489,7 +489,7 @@ def pad_to_multiple(inputs: dict[str, torch.Tensor], targets: torch.Tensor,
 
 
 def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
-                state: CPState, *, positions: bool = False) -> tuple[Any, torch.Tensor]:
+                state: CPState, *, positions: bool = False, real_tokens: bool = False) -> tuple[Any, torch.Tensor]:
     """This rank's chunk of one batch, and the whole-sequence mask into ``state`` (see module docstring).
 
     ``inputs``: a ``(B, T)`` tensor of token ids, or a mapping with the keys of ``models.masking``
@@ -500,6 +500,10 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     ``positions=True``: a tensor of token ids also comes back as such a mapping, with the chunk's
     global positions. A pipeline's later stages need them (they see hidden states, not where the
     chunk sits in the sequence, and the rotary positions of a Hugging Face stage are its inputs).
+
+    ``real_tokens=True``: the chunk of a batch with padding also holds ``real_tokens``, which of its
+    tokens are real (``models.masking``): a mixture-of-experts model's routers leave the padding out
+    of their load balancing, as one process does with the whole batch's ``doc_ids``/``attention_mask``.
     """
     cut = lambda t: split_sequence(t, cp_rank, cp, state.impl)  # noqa: E731
     if isinstance(inputs, torch.Tensor):
@@ -516,4 +520,8 @@ def chunk_batch(inputs: Any, targets: torch.Tensor, cp_rank: int, cp: int,
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(ids.shape[0], seq)
     state.mask = attention_mask_4d(extra)
-    return {"input_ids": cut(ids), "position_ids": cut(positions)}, cut(targets)
+    chunk = {"input_ids": cut(ids), "position_ids": cut(positions)}
+    real = real_token_mask(extra) if real_tokens else None
+    if real is not None:
+        chunk["real_tokens"] = cut(real)
+    return chunk, cut(targets)

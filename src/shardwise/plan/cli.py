@@ -315,15 +315,19 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     dpo_reference=args.dpo_reference or reference_for(args.lora, precompute=False))
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
-    cp = args.cp
+    cp, pp = args.cp, args.pp
     if model.moe is not None and recipe and _trains_records(recipe, sets):
-        # train refuses cp for an MoE model on records (each chunk's routers would count padding).
+        # train runs cp for an MoE model on records without a pipeline only (preflight: a stage has no
+        # place for its chunk's real tokens, which the routers' balance needs).
+        if cp is not None and cp > 1 and pp is not None and pp > 1:
+            raise ConfigError(f"--cp {cp} with --pp {pp}: context parallel and pipeline parallel together do not "
+                              f"run a mixture-of-experts model on chat or prompt/response records (recipe {recipe}); "
+                              "each stage's routers would count the rows' padding. Pin one of the two.")
         if cp is not None and cp > 1:
-            raise ConfigError(f"--cp {cp}: context parallel does not run a mixture-of-experts model on chat or "
-                              f"prompt/response records (recipe {recipe}); its routers would count each chunk's "
-                              "padding. Plan without --cp, or on plain text.")
-        cp = 1
-    plan = make_plan(model, cluster, work, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep)
+            pp = 1
+        elif cp is None:
+            cp = 1  # proposed only when asked for (--cp): the pipeline is the planner's other way
+    plan = make_plan(model, cluster, work, tp=args.tp, pp=pp, cp=cp, ep=args.ep)
     plan.warnings[:0] = target_warnings
     return plan
 

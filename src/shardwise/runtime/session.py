@@ -546,8 +546,10 @@ class Session:
             return inputs, targets
         from shardwise.parallel.cp import chunk_batch
 
+        # A pipeline's stages take their side inputs by name (parallel/pp_hf.py): the chunk's real
+        # tokens go to the MoE routers without one (preflight refuses MoE + cp + pp on padded rows).
         return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state,
-                           positions=self.layout.pp > 1)
+                           positions=self.layout.pp > 1, real_tokens=self.layout.pp == 1)
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
