@@ -248,3 +248,29 @@ def test_muon_state_saved_under_fsdp_loads_in_one_process(tmp_path):
     loaded = muon_save_or_load(0, 1, strategy="single", ckpt_dir=str(tmp_path), load=True)
     assert saved and set(saved) == set(loaded)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_the_planner_recommends_adafactor_where_adamw_fits_nowhere_on_the_device():
+    """llama-3-8b on one H100: AdamW's state fits only offloaded to host memory (1% MFU); with no
+    --optimizer the plan is Adafactor's on the device, says why, and its command trains Adafactor.
+    Named optimizers are kept, and their commands name them."""
+    import argparse
+
+    from shardwise.plan import cli as plan_cli
+
+    def plan(*argv: str):
+        parser = argparse.ArgumentParser()
+        plan_cli.register(parser.add_subparsers())
+        return plan_cli.build_plan(parser.parse_args(["plan", "--model", "llama-3-8b", "--gpu", "h100",
+                                                      "--gpus-per-node", "1", "--seq", "2048", *argv]))
+
+    auto = plan()
+    assert auto.workload.optimizer == "adafactor" and not auto.recommended.layout.offload
+    assert auto.warnings[0].startswith("AdamW does not fit on h100-sxm at any on-device layout")
+    assert "--set optimizer.name=adafactor" in auto.commands[0]
+    assert all(not c.layout.offload for c in auto.candidates)  # adafactor's state stays on the device
+    adamw = plan("--optimizer", "adamw")
+    assert adamw.workload.optimizer == "adamw" and adamw.recommended.layout.offload
+    assert "optimizer.name" not in adamw.commands[0]
+    muon = plan("--optimizer", "muon", "--gpus-per-node", "8")
+    assert muon.workload.optimizer == "muon" and "--set optimizer.name=muon" in muon.commands[0]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardwise.config import OptimizerConfig, TrainConfig
-from shardwise.errors import ConfigError
+from shardwise.optim.rules import check_optimizer  # noqa: F401 - re-exported (the trainer asks here)
 from shardwise.runtime.optim import adamw_implementation
 
 
@@ -96,25 +96,3 @@ def optimizer_name(optimizer: Any) -> str:
         if kind is cls:
             return name
     return kind.__name__
-
-
-def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
-    """Raise ConfigError where the optimizer cannot run on the layout's parameters.
-
-    Muon and Adafactor reduce over whole matrices (Muon gathers each to an owner rank, Adafactor
-    all-reduces its row/column statistics: optim/adafactor.py), which needs the parameters on the
-    device: not under offload or a DeepSpeed engine.
-    """
-    engine = layout.info.impl in ("deepspeed", "zero3-offload", "zero3-nvme")
-    if o.name == "adafactor" and (layout.info.offload or engine):
-        raise ConfigError(
-            f"optimizer 'adafactor' does not run under strategy {layout.strategy!r}: its step all-reduces each "
-            "sharded matrix's row/column statistics, which host-memory (or NVMe) state cannot do with the "
-            "device's collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than "
-            "matrices. Use adafactor under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")
-    if o.name == "muon" and (layout.info.offload or engine):
-        raise ConfigError(
-            f"optimizer 'muon' does not run under strategy {layout.strategy!r}: its state and step live in host "
-            "memory (or on NVMe), where Muon's gather of each matrix to its owner rank cannot use the device's "
-            "collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than matrices. "
-            "Use muon under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")
