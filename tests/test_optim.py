@@ -85,9 +85,34 @@ def test_muon_groups_follow_its_authors():
     assert all(n.endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")) or n in
                ("tok_emb.weight", "pos_emb.weight", "lm_head.weight") for n in rest)
     assert opt.param_groups[0]["lr_ratio"] == pytest.approx(0.02 / TrainConfig().lr)
-    for name, cls in (("adamw", torch.optim.AdamW), ("adafactor", torch.optim.Adafactor),
-                      ("sgd", torch.optim.SGD)):
+    from shardwise.optim.adafactor import Adafactor
+
+    for name, cls in (("adamw", torch.optim.AdamW), ("adafactor", Adafactor), ("sgd", torch.optim.SGD)):
         assert type(build_optimizer(model, TrainConfig(), OptimizerConfig(name=name))) is cls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adafactor_in_one_process_equals_torch_adafactor_bit_for_bit(dtype):
+    """shardwise's Adafactor is torch's single-tensor rule (out of place where torch squares in place):
+    on plain tensors the same parameters and the same state, bit for bit, with weight decay, on
+    matrices, vectors and a 3-D stack."""
+    from shardwise.optim.adafactor import Adafactor
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(6, 5), (7,), (2, 3, 4)]
+    start = [torch.randn(s, dtype=dtype, generator=gen) for s in shapes]
+    ours, ref = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    opts = [cls([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:]}], lr=1e-2, **kw)
+            for cls, ps, kw in ((Adafactor, ours, {}), (torch.optim.Adafactor, ref, {"foreach": False}))]
+    for _ in range(5):
+        for a, b in zip(ours, ref, strict=True):
+            a.grad = torch.randn(a.shape, dtype=dtype, generator=gen)
+            b.grad = a.grad.clone()
+        for opt in opts:
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+    mine, theirs = (o.state_dict()["state"] for o in opts)
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
 
 
 def test_muon_in_one_process_equals_torch_muon_bit_for_bit():
@@ -144,6 +169,8 @@ CASES_2 = {
     # Adafactor divides its rounding noise by the noise's own RMS (eps1 ~ 1e-30 in float64), so its
     # update's sign, O(lr), is noise in either run; AdamW's eps = 1e-8 damps the same noise.
     "train-ddp-adafactor": dict(strategy="ddp", mode="train", optimizer="adafactor", overrides={"bias": False}),
+    # Sharded Adafactor (optim/adafactor.py): the column statistics and the RMS norms all-reduced.
+    "train-fsdp-adafactor": dict(strategy="fsdp", mode="train", optimizer="adafactor", overrides={"bias": False}),
     "train-fsdp-sgd": dict(strategy="fsdp", mode="train", optimizer="sgd"),
 }
 CASES_4 = {
@@ -151,6 +178,10 @@ CASES_4 = {
     "fsdp+tp+pp": dict(strategy="fsdp+tp+pp", tp=2, pp=2), "hsdp": dict(strategy="hsdp", hsdp_shard_size=2),
     "ep": dict(strategy="fsdp", ep=2, preset="moe-nano"), "ep4": dict(strategy="fsdp", ep=4, preset="moe-nano"),
     "train-fsdp+tp-muon": dict(strategy="fsdp+tp", tp=2, mode="train"),
+    "train-fsdp+tp-adafactor": dict(strategy="fsdp+tp", tp=2, mode="train", optimizer="adafactor",
+                                    overrides={"bias": False}),
+    "train-ep-adafactor": dict(strategy="fsdp", ep=2, preset="moe-nano", mode="train", optimizer="adafactor",
+                               overrides={"bias": False}),
 }
 
 
@@ -186,8 +217,7 @@ def test_muon_under_sharding_equals_one_process(world, cases):
 
 
 # --------------------------------------------------------------------------- planner vs ledger
-PLAN_CASES = [dict(strategy=s, optimizer=o) for s in ("ddp", "fsdp") for o in OPTIMIZER_NAMES
-              if not (o == "adafactor" and s == "fsdp")] + [
+PLAN_CASES = [dict(strategy=s, optimizer=o) for s in ("ddp", "fsdp") for o in OPTIMIZER_NAMES] + [
     dict(strategy="zero1", optimizer="muon"), dict(strategy="fsdp", optimizer="muon", preset="moe-nano", ep=2)]
 
 
@@ -199,14 +229,15 @@ def test_planner_optimizer_bytes_equal_the_ledgers():
             assert abs(predicted - measured) <= 0.01 * measured, (case, rank, measured, predicted)
 
 
-def test_adafactor_on_sharded_parameters_is_refused_with_a_message():
+def test_adafactor_shards_and_is_refused_only_where_its_state_is_off_the_device():
     from shardwise.config import ParallelConfig
     from shardwise.layout import resolve_layout
     from shardwise.optim.build import check_optimizer
 
-    check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="ddp"), 2))
-    with pytest.raises(ConfigError, match="Adafactor.*DTensor"):
-        check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="fsdp"), 2))
+    for strategy in ("ddp", "zero2", "fsdp", "hsdp"):
+        check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy=strategy), 4))
+    with pytest.raises(ConfigError, match="adafactor.*host"):
+        check_optimizer(OptimizerConfig(name="adafactor"), resolve_layout(ParallelConfig(strategy="fsdp-offload"), 2))
     with pytest.raises(ConfigError, match="muon.*host"):
         check_optimizer(OptimizerConfig(name="muon"), resolve_layout(ParallelConfig(strategy="fsdp-offload"), 2))
 
@@ -217,3 +248,29 @@ def test_muon_state_saved_under_fsdp_loads_in_one_process(tmp_path):
     loaded = muon_save_or_load(0, 1, strategy="single", ckpt_dir=str(tmp_path), load=True)
     assert saved and set(saved) == set(loaded)
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_the_planner_recommends_adafactor_where_adamw_fits_nowhere_on_the_device():
+    """llama-3-8b on one H100: AdamW's state fits only offloaded to host memory (1% MFU); with no
+    --optimizer the plan is Adafactor's on the device, says why, and its command trains Adafactor.
+    Named optimizers are kept, and their commands name them."""
+    import argparse
+
+    from shardwise.plan import cli as plan_cli
+
+    def plan(*argv: str):
+        parser = argparse.ArgumentParser()
+        plan_cli.register(parser.add_subparsers())
+        return plan_cli.build_plan(parser.parse_args(["plan", "--model", "llama-3-8b", "--gpu", "h100",
+                                                      "--gpus-per-node", "1", "--seq", "2048", *argv]))
+
+    auto = plan()
+    assert auto.workload.optimizer == "adafactor" and not auto.recommended.layout.offload
+    assert auto.warnings[0].startswith("AdamW does not fit on h100-sxm at any on-device layout")
+    assert "--set optimizer.name=adafactor" in auto.commands[0]
+    assert all(not c.layout.offload for c in auto.candidates)  # adafactor's state stays on the device
+    adamw = plan("--optimizer", "adamw")
+    assert adamw.workload.optimizer == "adamw" and adamw.recommended.layout.offload
+    assert "optimizer.name" not in adamw.commands[0]
+    muon = plan("--optimizer", "muon", "--gpus-per-node", "8")
+    assert muon.workload.optimizer == "muon" and "--set optimizer.name=muon" in muon.commands[0]

@@ -134,13 +134,13 @@ def test_llama3_70b_on_4x8_h100_at_8k_is_planned_and_runs_as_printed():
 def test_what_the_user_fixes_stays_fixed():
     plan = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--nodes", "2", "--checkpoint", "selective",
                                          "--micro-batch", "2", "--grad-sync", "microbatch", "--global-batch", "64"))
-    assert plan.workload.search == ()
+    assert plan.workload.search == ("optimizer",)  # no --optimizer: Adafactor only where AdamW fits nowhere
     assert all((c.checkpoint, c.micro_batch) == ("selective", 2) for c in plan.candidates)
     assert all(c.grad_sync == "microbatch" for c in plan.candidates)
     assert "--set parallel.grad_sync=microbatch" in plan.commands[0]
     # Only the checkpointing fixed: micro-batch and sync are still searched.
     part = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--checkpoint", "full", "--global-batch", "64"))
-    assert part.workload.search == ("micro_batch", "grad_sync")
+    assert part.workload.search == ("micro_batch", "grad_sync", "optimizer")
     assert {c.checkpoint for c in part.candidates} == {"full"} and len({c.micro_batch for c in part.candidates}) > 1
     table = plan_cli.format_table(part)
     assert "searched per layout: micro-batch, grad-sync" in table and "checkpointing full" in table
@@ -204,4 +204,4 @@ def test_degree_sets_are_one_list_and_searchable_settings_are_named():
     assert all(6 % (s["tp"] * s["pp"]) == 0 for s in sets)
     assert SEARCHABLE == ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
     with pytest.raises(Exception, match="cannot search"):
-        Workload(seq=128, search=("optimizer",))
+        Workload(seq=128, search=("precision",))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardwise.config import OptimizerConfig, TrainConfig
-from shardwise.errors import ConfigError
+from shardwise.optim.rules import check_optimizer  # noqa: F401 - re-exported (the trainer asks here)
 from shardwise.runtime.optim import adamw_implementation
 
 
@@ -75,7 +75,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimizerConfig | None 
 
         return MuonAdamW(groups, lr=t.lr, betas=t.betas, eps=o.eps, **adamw_implementation(device))
     if o.name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=t.lr, beta2_decay=o.adafactor_beta2_decay, foreach=True)
+        from shardwise.optim.adafactor import Adafactor
+
+        return Adafactor(groups, lr=t.lr, beta2_decay=o.adafactor_beta2_decay)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=o.momentum, nesterov=o.nesterov, foreach=True)
     raise ValueError(f"unknown optimizer {o.name!r}")  # config validation names the choices first
@@ -87,31 +89,10 @@ def optimizer_name(optimizer: Any) -> str:
     kind = type(inner)
     if kind.__name__ == "MuonAdamW":
         return "muon"
+    if issubclass(kind, torch.optim.Adafactor):  # torch's, or shardwise's sharding-aware one
+        return "adafactor"
     for name, cls in (("adamw", torch.optim.AdamW), ("adafactor", torch.optim.Adafactor),
                       ("sgd", torch.optim.SGD)):
         if kind is cls:
             return name
     return kind.__name__
-
-
-def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
-    """Raise ConfigError where the optimizer cannot run on the layout's parameters.
-
-    torch.optim.Adafactor (torch 2.13) squares its row/column norms in place, which DTensor refuses
-    on a sharded parameter (``_NormPartial`` placement): it runs where parameters are whole tensors.
-    Muon needs matrices on the device: not under offload or a DeepSpeed engine.
-    """
-    sharded = layout.sharding in ("zero2", "fsdp") or layout.tp > 1 or layout.ep > 1
-    if o.name == "adafactor" and sharded:
-        raise ConfigError(
-            f"optimizer 'adafactor' does not run under strategy {layout.strategy!r}: torch.optim.Adafactor "
-            "(torch 2.13) squares its row/column norms in place, which DTensor refuses on sharded parameters "
-            "(FSDP2, zero2, tensor or expert parallel). Use it under single, ddp, zero1 or a ddp+pp layout, or "
-            "pick adamw, muon or sgd (all shard).")
-    engine = layout.info.impl in ("deepspeed", "zero3-offload", "zero3-nvme")
-    if o.name == "muon" and (layout.info.offload or engine):
-        raise ConfigError(
-            f"optimizer 'muon' does not run under strategy {layout.strategy!r}: its state and step live in host "
-            "memory (or on NVMe), where Muon's gather of each matrix to its owner rank cannot use the device's "
-            "collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than matrices. "
-            "Use muon under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")

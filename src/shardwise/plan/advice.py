@@ -8,9 +8,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.config import PP_SCHEDULES, ParallelConfig
+from shardwise.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
+from shardwise.optim.rules import check_optimizer
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.cp import CP_IMPLS
 from shardwise.plan.memory import (
@@ -110,7 +111,8 @@ class Workload:
     recipe: str = ""
     extra_sets: tuple[str, ...] = ()
     # Settings the planner searches per layout instead of taking the value above
-    # (search.SEARCHABLE; the CLI leaves open what the user did not give).
+    # (search.SEARCHABLE; the CLI leaves open what the user did not give), and "optimizer" where the
+    # user named none (search.FALLBACKS: Adafactor where AdamW fits nowhere).
     search: tuple[str, ...] = ()
     # torch.compile each block (train.compile): printed in the commands (its speed-up is not yet
     # part of the cost model; docs/planner.md).
@@ -161,12 +163,13 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
-        from shardwise.plan.search import SEARCHABLE
+        from shardwise.plan.search import FALLBACKS, SEARCHABLE
         from shardwise.pp_schedules import schedule_info
 
-        unknown = set(self.search) - set(SEARCHABLE)
+        unknown = set(self.search) - set(SEARCHABLE) - set(FALLBACKS)
         if unknown:
-            raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches {', '.join(SEARCHABLE)}.")
+            raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches "
+                              f"{', '.join(SEARCHABLE + FALLBACKS)}.")
         multi = schedule_info(self.pp_schedule).multi_stage
         if multi != (self.pp_stages_per_rank > 1):
             raise ConfigError(
@@ -398,6 +401,11 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if work.objective == "dpo" and (why := dpo_layout_refusal(layout, owns_step=False)):
                     errors.append(ConfigError(why))  # the DPO step's rule (plan/preference.py)
                     continue
+                try:  # the optimizer's rule (optim/build.py: Muon and Adafactor need the state on the device)
+                    check_optimizer(OptimizerConfig(name=work.optimizer), layout)
+                except ConfigError as e:
+                    errors.append(e)
+                    continue
                 layouts.append(layout)
             if errors and not quiet and not any(layout_key(lay) == (info.name, t, p, c, x) for lay in layouts):
                 skipped.append(f"{label}: {errors[0]}")
@@ -600,6 +608,8 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
         sets.append("train.compile=true")
     if work.loss_chunks != LOSS_CHUNKS_DEFAULT:  # the runtime's default (auto) goes unsaid
         sets.append(f"train.loss_chunks={work.loss_chunks}")
+    if work.optimizer != "adamw":  # the runtime's default goes unsaid; the planned state is this one's
+        sets.append(f"optimizer.name={work.optimizer}")
     return sets
 
 

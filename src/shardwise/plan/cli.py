@@ -94,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
     w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
-    w.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZERS)} (default adamw)")
+    w.add_argument("--optimizer", default=None,
+                   help=f"{', '.join(OPTIMIZERS)} (default adamw; where AdamW fits at no layout, the plan "
+                   "says so and plans adafactor, unless --optimizer is given)")
     w.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="lm (next-token loss) or dpo (preference tuning of a --pretrained folder: the batch sizes "
                    "count pairs, two sequences each, and the reference model is planned; default: dpo when --data "
@@ -303,9 +305,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     stages = schedule_info(args.pp_schedule).stages_per_rank  # "one", "two" (V) or "many" (searched)
     search = tuple(knob for knob, given in (
         ("checkpoint", args.checkpoint), ("micro_batch", args.micro_batch), ("grad_sync", args.grad_sync),
-        ("pp_stages_per_rank", args.pp_stages_per_rank if stages == "many" else 1)) if given is None)
+        ("pp_stages_per_rank", args.pp_stages_per_rank if stages == "many" else 1),
+        ("optimizer", args.optimizer)) if given is None)
     work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch, kernels=kernels,
-                    grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer,
+                    grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer or "adamw",
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,

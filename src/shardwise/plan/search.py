@@ -10,6 +10,9 @@ Two lists own what the planner explores, so a new dimension plugs into one place
 * :data:`SEARCHABLE` — the runtime settings searched per layout when the user does not fix them
   (activation checkpointing, micro-batch, gradient-sync mode, stages per rank of an interleaved
   pipeline). What the user fixes stays fixed: ``Workload.search`` names only the open ones.
+* :data:`FALLBACKS` — settings tried only when nothing fits: the optimizer (when the user named
+  none, AdamW's two fp32 moments give way to Adafactor's factored state, ``FALLBACK_OPTIMIZER``,
+  before the offload row; the plan says that this changes the optimizer).
 
 Ranking (:func:`rank_key`, :func:`tier`): among the *usable* layouts -- those that fit the budget
 and those ``tight`` (over the budget, within the device) that still leave the runtime reserve free
@@ -42,6 +45,8 @@ GIB = 1024**3
 
 # Settings the planner searches per layout unless the user fixes them (Workload.search).
 SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
+FALLBACKS = ("optimizer",)
+FALLBACK_OPTIMIZER = "adafactor"  # no first moment, factored second: ~0 B/param of state against AdamW's 8
 # Order = fewer moving parts first (ties between equally fast, equally small settings).
 CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "full")
 MAX_SEARCHED_MICRO_BATCH = 16
@@ -320,6 +325,23 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
         warnings.append(f"--seq {work.seq} exceeds {spec.name}'s {spec.max_seq} learned positions.")
     cands, skipped = search(spec, cluster, work, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)
     best = cands[0] if cands and cands[0].verdict != "no" else None  # ranked: search.rank_key
+    # AdamW fits nowhere on the devices (nothing fits, or only with its state in host memory) and the
+    # user named no optimizer: Adafactor's factored state, where that fits on the devices.
+    if (cands and "optimizer" in work.search and work.optimizer == "adamw"
+            and (best is None or best.layout.offload)):
+        lighter = dataclasses.replace(work, optimizer=FALLBACK_OPTIMIZER,
+                                      search=tuple(k for k in work.search if k != "optimizer"))
+        alt = make_plan(spec, cluster, lighter, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)
+        if alt.recommended is not None and not alt.recommended.layout.offload:
+            on_gpu = [c.memory.total for c in cands if not c.layout.offload]
+            least = f" (the smallest needs {gib(min(on_gpu))} GiB of the device's " \
+                    f"{device_gib(cluster.gpu.memory_gib)} GiB)" if on_gpu else ""
+            alt.warnings.insert(0, (
+                f"AdamW does not fit on {cluster.gpu.name} at any on-device layout searched{least}: this plan is "
+                f"for Adafactor (optimizer.name = {FALLBACK_OPTIMIZER}: factored second moments, no first moment; "
+                "another optimizer than AdamW, with other dynamics). --optimizer adamw plans AdamW, with its "
+                "state offloaded to host memory as its way to fit."))
+            return alt
     if best is not None and best.verdict == "tight":
         warnings.append(
             f"{best.name} is recommended but tight (the fastest usable layout): "
@@ -341,6 +363,9 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
         if work.objective == "dpo":  # plan.preference.dpo_layout_refusal: engines that own the step
             warnings.append("no offload row either: the offload layouts are DeepSpeed's engines, which own the "
                             "step, and train.objective = 'dpo' does not run under them yet.")
+        elif work.optimizer in ("muon", "adafactor"):  # optim.rules.check_optimizer: state on the device
+            warnings.append(f"no offload row either: optimizer {work.optimizer!r} does not run with its state in "
+                            "host memory (the offload layouts); --optimizer adamw plans one.")
         else:
             # The decision table's last row: ZeRO-3 with CPU / NVMe offload (plan.offload owns the math).
             from shardwise.plan.offload import offload_advice
