@@ -30,10 +30,11 @@ def cli_env():
 
 
 # ``scripts/test`` runs the suite as two concurrent shards (most tests wait on process start-up and
-# rendezvous, leaving cores idle), then the ``serial`` tests alone: SHARDWISE_TEST_SHARD="i/n" keeps
-# shard i's test files. Files go whole (their module fixtures are built once) to the lightest shard,
-# heaviest first, by the seconds each file took in a full run (tests/shard_weights.json; a file it
-# does not list counts as the median). The weights only balance the shards: every test runs.
+# rendezvous, leaving cores idle), then the ``serial`` and ``deepspeed_ops`` tests alone:
+# SHARDWISE_TEST_SHARD="i/n" keeps shard i's test files. Files go whole (their module fixtures are
+# built once) to the lightest shard, heaviest first, by the seconds each file took in a sharded run
+# (tests/shard_weights.json, rewritten by scripts/shard-weights; a file it does not list counts as
+# the median). The weights only balance the shards: every test runs.
 SHARD_WEIGHTS = Path(__file__).with_name("shard_weights.json")
 
 
@@ -52,6 +53,7 @@ def _shard_of_files(files: list[str], count: int) -> dict[str, int]:
     return out
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: only files with tests left count
 def pytest_collection_modifyitems(config, items):
     spec = os.environ.get("SHARDWISE_TEST_SHARD", "")
     if not spec:

@@ -17,7 +17,8 @@ from shardwise.parallel.deepspeed_setup import LIBAIO_HEADER
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.slow
+# deepspeed_ops: scripts/test runs these after DeepSpeed's ops are built (beside the shards).
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed_ops]
 needs_libaio = pytest.mark.skipif(not __import__("os").path.exists(LIBAIO_HEADER),
                                   reason="NVMe offload needs libaio-dev (scripts/bootstrap installs it)")
 

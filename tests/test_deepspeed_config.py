@@ -186,6 +186,7 @@ def test_plan_recommends_offload_when_nothing_fits_and_its_command_passes_dry_ru
     assert "every check passed" in capsys.readouterr().out
 
 
+@pytest.mark.deepspeed_ops  # plants a lock in the real op cache: never beside scripts/test's background build
 def test_a_killed_build_leaves_no_lock_that_hangs_the_next_run():
     """torch waits forever on the ``lock`` a killed JIT build leaves in the op's folder; the next
     run's build_ops (under shardwise's flock, which dies with its holder) clears it and loads."""
