@@ -334,3 +334,18 @@ def test_parity_holds_under_another_reduction_order(reference):
     ranks = run_distributed(moe_cases, 2, timeout_s=300, env={"OMP_NUM_THREADS": "2"}, cases=cases)
     for got in ranks[0]:
         assert_parity(reference[1], got)
+
+
+def test_a_forward_whose_loss_skipped_the_aux_losses_does_not_leak_into_the_next_step():
+    """A forward trained on a plain loss (its aux losses recorded, never taken, their graph freed by
+    that backward) must not join the next micro-batch's loss: Session.forward_backward and eval_loss
+    start from this forward's own aux losses (models.moe.discard_aux_losses)."""
+    from shardwise.runtime.session import Session
+
+    session = Session(parallel=ParallelConfig(strategy="single"), seed=0)
+    model, opt = session.prepare(GPT(GPT_PRESETS["moe-nano"]), lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randint(0, 65, (2, 17))
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()  # plain loss: the routers' aux losses stay recorded
+    loss = session.forward_backward(model, x[:, :-1], x[:, 1:], with_aux_loss(lm_loss))
+    assert torch.isfinite(loss)
+    session.close()

@@ -26,7 +26,9 @@ import torch
 
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, small_text
 
-pytestmark = pytest.mark.slow
+# serial: these pick a free port and then launch jobs that bind it; beside scripts/test's other shard
+# another test's process can take the port in between (the rendezvous then talks to a stranger).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def free_port() -> int:

@@ -63,8 +63,8 @@ from torch import nn
 
 from shardwise.models.gpt_config import GPTConfig
 
-__all__ = ["MoE", "GroupedExperts", "adds_aux_loss", "is_moe_layer", "moe_layers", "pop_aux_loss", "take_moe_stats",
-           "with_aux_loss"]
+__all__ = ["MoE", "GroupedExperts", "adds_aux_loss", "discard_aux_losses", "is_moe_layer", "moe_layers",
+           "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
 
 # Aux losses of the forward passes since the last ``pop_aux_loss`` (one per MoE layer per forward).
 _pending: list[torch.Tensor] = []
@@ -102,6 +102,14 @@ def pop_aux_loss() -> torch.Tensor | None:
     total = torch.stack([at_least_fp32(t) for t in _pending]).sum()
     _pending.clear()
     return total
+
+
+def discard_aux_losses() -> None:
+    """Forget the aux losses recorded so far: a forward whose loss did not take them (a forward for
+    logging, a loss not wrapped by ``with_aux_loss``) must not add them to the next micro-batch's
+    loss, whose backward would then run through that forward's graph (freed, or never meant to train).
+    ``Session.forward_backward`` and ``eval_loss`` call it before their forward."""
+    _pending.clear()
 
 
 def with_aux_loss(loss_fn: Any) -> Any:

@@ -44,6 +44,7 @@ from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.job.identity import launch_id as launch_id_from_env
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
+from shardwise.models.moe import discard_aux_losses
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import clean_name
@@ -525,6 +526,7 @@ class Session:
         work under every strategy.
         """
         inputs, targets = self._cp_chunk(inputs, targets)
+        discard_aux_losses()  # this micro-batch's loss takes its own forward's MoE aux losses only
         timed = self.phases.forward_backward() if self.phases is not None else contextlib.nullcontext()
         with self.accumulate(model), self._loss(model, loss_fn, targets) as loss_fn, timed:
             return self.strategy.forward_backward(self, model, inputs, targets, loss_fn)
@@ -536,6 +538,7 @@ class Session:
         if self._watchdog is not None:
             self._watchdog.beat(phase="eval")
         inputs, targets = self._cp_chunk(inputs, targets)
+        discard_aux_losses()
         with self._loss(model, loss_fn, targets) as loss_fn:
             return self.strategy.eval_loss(self, model, inputs, targets, loss_fn)
 
