@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -109,5 +110,7 @@ def test_nan_on_one_rank_stops_every_rank_with_exit_4(tmp_path, data, cli_env):
     proc = run_cli(["train", "--nproc", "2", "--strategy", "ddp", "--out", str(out), *cli_args(overrides)],
                    cli_env)
     assert proc.returncode == NONFINITE_EXIT_CODE, proc.stderr[-3000:]
-    assert "error: rank 0 failed: training stopped" in proc.stderr and "at step 3" in proc.stderr
+    # Every rank stops on the same collective decision; whichever rank's report the launcher reads
+    # first is named (torchrun stops the others once one has exited).
+    assert re.search(r"error: rank [01] failed: training stopped", proc.stderr) and "at step 3" in proc.stderr
     assert ckpt.latest_checkpoint(out / "checkpoints").name == "step-00000002"
