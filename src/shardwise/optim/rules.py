@@ -8,6 +8,9 @@ from typing import Any
 from shardwise.config import OptimizerConfig
 from shardwise.errors import ConfigError
 
+# Optimizers that reduce over whole matrices, so their state and step must be on the device.
+DEVICE_STATE_OPTIMIZERS = ("muon", "adafactor")
+
 
 def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
     """Raise ConfigError where the optimizer cannot run on the layout's parameters.
@@ -17,15 +20,16 @@ def check_optimizer(o: OptimizerConfig, layout: Any) -> None:
     device: not under offload or a DeepSpeed engine.
     """
     engine = layout.info.impl in ("deepspeed", "zero3-offload", "zero3-nvme")
-    if o.name == "adafactor" and (layout.info.offload or engine):
+    if o.name not in DEVICE_STATE_OPTIMIZERS or not (layout.info.offload or engine):
+        return
+    if o.name == "adafactor":
         raise ConfigError(
             f"optimizer 'adafactor' does not run under strategy {layout.strategy!r}: its step all-reduces each "
             "sharded matrix's row/column statistics, which host-memory (or NVMe) state cannot do with the "
             "device's collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than "
             "matrices. Use adafactor under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")
-    if o.name == "muon" and (layout.info.offload or engine):
-        raise ConfigError(
-            f"optimizer 'muon' does not run under strategy {layout.strategy!r}: its state and step live in host "
-            "memory (or on NVMe), where Muon's gather of each matrix to its owner rank cannot use the device's "
-            "collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than matrices. "
-            "Use muon under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")
+    raise ConfigError(
+        f"optimizer 'muon' does not run under strategy {layout.strategy!r}: its state and step live in host "
+        "memory (or on NVMe), where Muon's gather of each matrix to its owner rank cannot use the device's "
+        "collectives, and a DeepSpeed engine hands its optimizer flat partitions rather than matrices. "
+        "Use muon under single, ddp, zero1, zero2, fsdp, hsdp or the tp/pp/ep compositions.")

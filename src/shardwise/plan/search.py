@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shardwise.families import CP_FAMILIES
+from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
 from shardwise.plan.advice import RUNTIME_RESERVE_GIB
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
 from shardwise.plan.pipeline import pipeline_degrees
@@ -363,7 +364,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
         if work.objective == "dpo":  # plan.preference.dpo_layout_refusal: engines that own the step
             warnings.append("no offload row either: the offload layouts are DeepSpeed's engines, which own the "
                             "step, and train.objective = 'dpo' does not run under them yet.")
-        elif work.optimizer in ("muon", "adafactor"):  # optim.rules.check_optimizer: state on the device
+        elif work.optimizer in DEVICE_STATE_OPTIMIZERS:  # the runtime's rule (optim.rules.check_optimizer)
             warnings.append(f"no offload row either: optimizer {work.optimizer!r} does not run with its state in "
                             "host memory (the offload layouts); --optimizer adamw plans one.")
         else:
