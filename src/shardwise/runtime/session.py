@@ -44,7 +44,7 @@ from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.job.identity import launch_id as launch_id_from_env
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
-from shardwise.models.moe import discard_aux_losses
+from shardwise.models.moe import discard_aux_losses, moe_layers
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.checkpointing import clean_name
@@ -155,6 +155,7 @@ class Session:
         self._prepared = False
         self._scaler: torch.amp.GradScaler | None = None
         self.model: nn.Module | None = None
+        self._routes: bool | None = None  # the prepared model has MoE routers (decided at its first cp batch)
         # The LR scheduler prepare() returned; save() and load() include it unless told otherwise.
         self.scheduler: Any = None
         # More pieces every save()/load() includes, by name (runtime.checkpoint.pieces): one entry
@@ -549,10 +550,13 @@ class Session:
             return inputs, targets
         from shardwise.parallel.cp import chunk_batch
 
-        # A pipeline's stages take their side inputs by name (parallel/pp_hf.py): the chunk's real
-        # tokens go to the MoE routers without one (preflight refuses MoE + cp + pp on padded rows).
+        # The chunk's real tokens go to an MoE model's routers only (another model never sees the key),
+        # and not through a pipeline, whose stages take their side inputs by name (parallel/pp_hf.py;
+        # preflight refuses MoE + cp + pp on padded rows).
+        if self._routes is None:
+            self._routes = self.model is not None and bool(moe_layers(self.model))
         return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state,
-                           positions=self.layout.pp > 1, real_tokens=self.layout.pp == 1)
+                           positions=self.layout.pp > 1, real_tokens=self.layout.pp == 1 and self._routes)
 
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
