@@ -13,6 +13,7 @@ A batch's inputs are either a ``(B, T)`` tensor of token ids or a mapping with t
   hold one record each, right-padded. Absent: every token is real.
 * ``real_tokens`` ``(B, T)`` bool: which tokens are real, for the mixture-of-experts routers' load
   balancing (``real_token_mask``) where neither key above is given; it implies no attention mask.
+  Under context parallel the Session adds it to an MoE model's chunks only.
 
 Under context parallel, ``shardwise.parallel.cp.chunk_batch`` builds the whole sequence's mask with
 ``attention_mask_4d`` from these keys before the sequence is cut; the model gets its chunk of
