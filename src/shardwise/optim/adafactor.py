@@ -26,11 +26,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+from shardwise.optim.muon import _is_dtensor  # one DTensor test for both sharding-aware optimizers
 
 
 def _item(t: torch.Tensor) -> float:
