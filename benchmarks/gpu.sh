@@ -19,6 +19,10 @@
 #   rehearse-8b     `shardwise rehearse --device cuda`: rank 0 of llama-3-8b on 8 GPUs (fsdp, bf16,
 #                   context 8192) played on this one GPU with real tensors and fake collectives: its
 #                   measured peak against the planner's (docs/rehearse.md)
+# Extra steps (not in the 8-minute visit; name them in GPU_SH_STEPS when time is left):
+#   cuda-tests      the tests that run only on a GPU (no host sync on a step that does not log)
+#   checkpoint-async a 0.3B model's saves on one GPU, sync against async-pinned: the time each save
+#                   blocked the step, the write in the background, the step time around them
 # Every `shardwise train` step reports the planner's predicted peak next to the measured one.
 # To add a step: write a function step_<name> (it may call train_step / py_step) and add
 # "<name> <box seconds>" to STEP_LIST; docs/performance.md adds the boxes up into the visit's length.
@@ -29,7 +33,8 @@
 # Knobs (environment): PYTHON (default .venv/bin/python next to this repo); GPU_SH_FORCE_CPU=1 runs
 # every step on the CPU with tiny shapes and a few steps, to check the script itself in CI (the
 # figures mean nothing there; CUDA-only parts report themselves as skipped); GPU_SH_BOX_SCALE
-# multiplies every box (default 1 on a GPU, 3 on the CPU check).
+# multiplies every box (default 1 on a GPU, 3 on the CPU check); GPU_SH_STEPS="name ..." runs only those
+# steps (of STEP_LIST and EXTRA_STEPS), in that order, e.g. to rerun the ones that failed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +54,27 @@ STEP_LIST=(
     "memory-snapshot 45"
     "rehearse-8b 90"
 )
+EXTRA_STEPS=(
+    "cuda-tests 40"
+    "checkpoint-async 100"
+)
+SELECTED=()
+if [[ -n "${GPU_SH_STEPS:-}" ]]; then
+    for want in $GPU_SH_STEPS; do
+        found=""
+        for entry in "${STEP_LIST[@]}" "${EXTRA_STEPS[@]}"; do
+            [[ "${entry%% *}" == "$want" ]] && found="$entry"
+        done
+        if [[ -z "$found" ]]; then
+            names="$(for e in "${STEP_LIST[@]}" "${EXTRA_STEPS[@]}"; do printf '%s ' "${e%% *}"; done)"
+            echo "gpu.sh: GPU_SH_STEPS names an unknown step '$want'; the steps are: $names" >&2
+            exit 2
+        fi
+        SELECTED+=("$found")
+    done
+else
+    SELECTED=("${STEP_LIST[@]}")
+fi
 
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)"
 if [[ -z "$NGPU" ]]; then
@@ -107,6 +133,9 @@ if not peaks:  # on the CPU the ledger's peak is the process RSS, which the plan
 fig = {"step": name, "strategy": s["strategy"], "world_size": s["world_size"], "precision": s.get("precision"),
        "compile": s.get("compile"), "tokens_per_s": s.get("tokens_per_s"), "step_time_s": s.get("step_time_s"),
        "mfu": s.get("mfu"), "peak_gib_predicted_measured": peaks, "final_train_loss": s.get("final_train_loss")}
+ckpt = s.get("checkpoint_io") or {}
+if ckpt.get("saves"):
+    fig["checkpoint"] = ckpt
 with open(summary_path, "a") as f:
     f.write(json.dumps(fig) + "\n")
 mfu = f"{fig['mfu']:.1%}" if isinstance(fig["mfu"], float) else "n/a"
@@ -114,6 +143,9 @@ peak = ", ".join(f"rank {r}: {p:.2f} predicted / {m:.2f} measured GiB" for r, p,
 print(f"== {name}: {fig['strategy']} x{fig['world_size']} {fig['precision']} compile={fig['compile']} | "
       f"{fig['tokens_per_s']:,.0f} tokens/s | step {fig['step_time_s'] * 1e3:.1f} ms | MFU {mfu} | peak {peak}",
       flush=True)
+if "checkpoint" in fig:
+    print(f"== {name}: {ckpt['saves']} saves blocked the step {ckpt['blocked_s_max']:.2f} s at most "
+          f"({ckpt['blocked_s_total']:.2f} s in all); checkpoint_io: {json.dumps(ckpt)[:600]}", flush=True)
 EOF
 }
 
@@ -198,9 +230,27 @@ step_rehearse-8b() {
         --set model.kind=hf --set train.micro_batch_size=1 --set train.grad_accum_steps=2 "${what[@]}"
 }
 
+step_cuda-tests() {
+    (( CPU_MODE )) && { note cuda-tests '{"step": "cuda-tests", "skipped": "they need a GPU"}'; return 0; }
+    py_step cuda-tests -m pytest -q -p no:cacheprovider "$ROOT/tests/test_step_phases.py" -k "cuda or sync"
+}
+
+step_checkpoint-async() {
+    # A 0.3B GPT (24 x 1024) on one rank under fsdp: fp32 parameters and AdamW state, ~4.5 GB a save.
+    local size=(--set model.preset=lab --set model.overrides.n_layer=24 --set model.overrides.n_embd=1024
+                --set model.overrides.n_head=16 --set model.overrides.block_size=1024 --set train.micro_batch_size=8)
+    (( CPU_MODE )) && size=("${LAB[@]}")
+    local mode
+    for mode in sync async-pinned; do
+        train_step "checkpoint-$mode" -- --nproc 1 --strategy fsdp "${size[@]}" --set parallel.precision=bf16-mixed \
+            --set train.compile=false --set checkpoint.mode=$mode --set checkpoint.every=$(( STEPS / 3 )) \
+            --set checkpoint.keep_last=1 || return 1
+    done
+}
+
 # ------------------------------------------------------------------------------ run them, each in its box
 START=$(date +%s)
-for entry in "${STEP_LIST[@]}"; do
+for entry in "${SELECTED[@]}"; do
     read -r name box <<< "$entry"
     box=$("$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$box" "$BOX_SCALE")
     echo "gpu.sh: $name (box ${box}s) ..." >&2

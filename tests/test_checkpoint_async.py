@@ -214,3 +214,21 @@ def test_async_checkpoints_resume_bit_exactly_under_several_strategies(tmp_path)
         assert {s: got[s] for s in (5, 6)} == {s: want[s] for s in (5, 6)}, name  # bit for bit
         assert result[name]["same_weights"], name
         assert result[name]["summary"]["background_saves"] == 1, (name, result[name]["summary"])  # step 6
+
+
+def test_a_stager_that_closed_itself_is_made_anew():
+    """torch 2.11's DefaultStager empties its copier after every stage (the next save would fail with
+    KeyError: <class 'type'>); the writer then makes a new one, and keeps a reusable one (torch 2.13)."""
+    import types
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from shardwise.runtime.checkpoint.background import _reusable
+
+    closed = types.SimpleNamespace(_state_dict_stager=types.SimpleNamespace(_deepcopy_dispatch={}))
+    assert not _reusable(closed)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    assert _reusable(stager)
+    stager.close()
+    assert not _reusable(stager)  # what torch 2.11's stage() leaves behind

@@ -70,6 +70,14 @@ def resolve_mode(mode: str, device_type: str, engine: str | None = None) -> tupl
     return mode, None
 
 
+def _reusable(stager: Any) -> bool:
+    """Whether ``stager`` can stage again. torch 2.11's ``DefaultStager`` closes its copier after
+    every stage (its dispatch table emptied: the next save fails with ``KeyError: <class 'type'>``);
+    torch 2.13's keeps it, with its host buffers, for the next save."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is None or bool(getattr(inner, "_deepcopy_dispatch", True))
+
+
 def staged_bytes(state: Any) -> int:
     """Bytes of the distinct tensor storages in a (staged) state dict."""
     seen: dict[int, int] = {}
@@ -217,6 +225,8 @@ class BackgroundWriter:
             upload, failure = None, describe_io_failure(e, rank, prep.partial)
         else:
             failure = None
+        if not _reusable(stager):
+            self._stager = None  # the next save makes its own (and its buffers anew)
         now = time.perf_counter()
         # The tensors were copied into the stager's buffers: the step may now change the weights
         # (finish_save reads only the payload's shapes).
