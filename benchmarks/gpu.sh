@@ -56,7 +56,7 @@ STEP_LIST=(
 )
 EXTRA_STEPS=(
     "cuda-tests 40"
-    "checkpoint-async 100"
+    "checkpoint-async 120"
 )
 SELECTED=()
 if [[ -n "${GPU_SH_STEPS:-}" ]]; then
@@ -243,7 +243,7 @@ step_checkpoint-async() {
     local mode
     for mode in sync async-pinned; do
         train_step "checkpoint-$mode" -- --nproc 1 --strategy fsdp "${size[@]}" --set parallel.precision=bf16-mixed \
-            --set train.compile=false --set checkpoint.mode=$mode --set checkpoint.every=$(( STEPS / 3 )) \
+            --set train.compile=false --set checkpoint.mode=$mode --set checkpoint.every=$(( STEPS / 2 )) \
             --set checkpoint.keep_last=1 || return 1
     done
 }

@@ -26,6 +26,7 @@ the mask path (its all-to-all attention takes the whole sequence's mask).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -102,8 +103,14 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         from torch.nn.attention.varlen import varlen_attn
 
         window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window,
-                          enable_gqa=hq != hkv)
+        if hq == hkv:
+            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window)
+        elif "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window,
+                              enable_gqa=True)
+        else:  # torch 2.11's kernel has no grouped-query heads: each kv head serves hq // hkv query heads
+            k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window)
         return out.reshape(b, t, hq, d), None
     out = torch.empty_like(q)
     bounds = cu.tolist()

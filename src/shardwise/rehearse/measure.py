@@ -49,6 +49,10 @@ def _columns(snapshot: dict[Any, dict[str, int]]) -> dict[str, int]:
     return dict(out)
 
 
+_MODULE_FIELDS = (("param_bytes", "parameter_mem"), ("buffer_bytes", "buffer_mem"), ("input_bytes", "input_mem"),
+                  ("output_bytes", "output_mem"))
+
+
 class MemoryProbe:
     """MemTracker over the model and optimizer, with the step and forward moments recorded."""
 
@@ -79,9 +83,10 @@ class MemoryProbe:
         if not self.tracker._depth:
             return
         for stats in self.tracker.memory_tracking.values():
-            row = {"peak_bytes": int(sum(stats.local_peak.values())), "param_bytes": int(stats.parameter_mem),
-                   "buffer_bytes": int(stats.buffer_mem), "input_bytes": int(stats.input_mem),
-                   "output_bytes": int(stats.output_mem)}
+            # The fields are set by MemTracker's module hooks: torch 2.11 left output_mem unset on a
+            # module in the first CUDA rehearsal (llama-3-8b, full checkpointing); such a field reads 0.
+            row = {"peak_bytes": int(sum(stats.local_peak.values())),
+                   **{key: int(getattr(stats, field, 0)) for key, field in _MODULE_FIELDS}}
             held = self.modules.setdefault(stats.mod_fqn, row)
             for key, value in row.items():
                 held[key] = max(held[key], value)

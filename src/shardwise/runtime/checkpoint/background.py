@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -151,9 +152,12 @@ class BackgroundWriter:
         # Collective (every rank calls save() at the same point): a gloo group over all ranks for
         # DCP's planning and the publish gathers, so they never interleave with training's
         # collectives on the default group. On CUDA it is also the CPU backend async_save needs.
-        if self._group is None and distributed():
+        # A one-rank job on CUDA has a process group too (nccl only): async_save refuses a group
+        # without a CPU backend ("A CPU backend must be enabled for async save"), so it gets the
+        # gloo group as well (found on the first GPU run, docs/performance.md).
+        if self._group is None and dist.is_available() and dist.is_initialized():
             self._group = background_io_group(self.timeout_s)
-        elif not distributed():
+        if not distributed():
             # One process: DCP warns from its writer thread that it "assumes" one process, outside
             # any catch_warnings of this thread (single_process_ok), so the filter is process-wide.
             warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
