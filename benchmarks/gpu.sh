@@ -45,14 +45,14 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 # name and time box (seconds on one H100). The boxes add up to 480 s; the machine's start-up and
 # this script's own overhead come on top (docs/performance.md).
 STEP_LIST=(
-    "env 10"
+    "env 15"
     "gpt2-mfu 150"
     "fsdp-1rank 60"
     "offload-pinned 60"
     "varlen 45"
     "ring-kernel 20"
     "memory-snapshot 45"
-    "rehearse-8b 90"
+    "rehearse-8b 85"
 )
 EXTRA_STEPS=(
     "cuda-tests 40"

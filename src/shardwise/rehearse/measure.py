@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -49,6 +50,44 @@ def _columns(snapshot: dict[Any, dict[str, int]]) -> dict[str, int]:
     return dict(out)
 
 
+# DTensor's sharding propagation builds each op's arguments at their GLOBAL shape on fake tensors to
+# learn the output's shape (ShardingPropagator._propagate_tensor_meta_non_cached); those never hold
+# device memory. MemTracker counts them when the propagation's fake mode is the one it was entered
+# under (a rehearsal on fake tensors, torch 2.13) or always (torch 2.11, found on the first CUDA
+# rehearsal: 173.5 GiB "measured" against 49.9 GiB max_memory_allocated). A fused AdamW step over
+# FSDP-sharded parameters then counted four global copies of every parameter (params, grads and
+# both moments). So the probe's tracker ignores what is created while a propagation runs.
+_PROPAGATING = threading.local()
+
+
+def _mark_sharding_propagation() -> None:
+    """Wrap DTensor's shape propagation (once per process) so the tracker knows when it runs."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    inner = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if inner is None or getattr(inner, "_shardwise_marked", False):
+        return  # a torch without it (nothing to wrap) or already wrapped
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _PROPAGATING.depth = getattr(_PROPAGATING, "depth", 0) + 1
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            _PROPAGATING.depth -= 1
+
+    propagate._shardwise_marked = True  # type: ignore[attr-defined]
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+
+
+class _LocalMemTracker(MemTracker):
+    """MemTracker that leaves out DTensor's global-shape propagation tensors (see above)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(_PROPAGATING, "depth", 0):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 _MODULE_FIELDS = (("param_bytes", "parameter_mem"), ("buffer_bytes", "buffer_mem"), ("input_bytes", "input_mem"),
                   ("output_bytes", "output_mem"))
 
@@ -57,7 +96,8 @@ class MemoryProbe:
     """MemTracker over the model and optimizer, with the step and forward moments recorded."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.tracker = MemTracker()
+        _mark_sharding_propagation()
+        self.tracker = _LocalMemTracker()
         self.tracker.track_external(model, optimizer)
         self.after_step: dict[str, int] = {}
         self.after_forward: dict[str, int] = {}
