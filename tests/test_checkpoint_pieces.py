@@ -1,4 +1,4 @@
-"""Checkpoint state is a dict of Stateful pieces: adding one is one entry (issue 18)."""
+"""Checkpoint state is a dict of Stateful pieces: adding one is one entry."""
 
 from __future__ import annotations
 

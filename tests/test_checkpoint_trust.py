@@ -1,6 +1,6 @@
 """A checkpoint from someone else: everything it names must stay inside it, and bad files are clear errors.
 
-Issue 13's security cases. The attacker may rewrite any file *and* the manifest (its checksums
+The security cases. The attacker may rewrite any file *and* the manifest (its checksums
 and self-checksum are not a signature), so every test here forges a consistent manifest: what
 stops the attack is confinement and validation, not the checksum.
 """

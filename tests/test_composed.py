@@ -71,7 +71,7 @@ def test_ddp_pp_when_every_backward_of_a_step_comes_before_the_next_forward(four
 
 
 def test_pp_on_four_ranks_with_pp_unset_runs_the_microbatches_it_was_checked_with(four_rank_pipelines):
-    # Regression (issue 12): the degree was resolved to 4 and checked against 2 x 4 = 8
+    # Regression: the degree was resolved to 4 and checked against 2 x 4 = 8
     # micro-batches, but the pipeline computed 2 x parallel.pp (unset: 1) = 2. The layout owns
     # both numbers now.
     ranks = four_rank_pipelines[1]

@@ -81,7 +81,7 @@ def test_train_an_architecture_by_preset_name(capsys):
 
 
 def test_summary_json_predicts_what_the_dry_run_predicts(capsys, tmp_path):
-    """Regression (issue 18): the trainer called the planner without ac_every/grad_sync, so
+    """Regression: the trainer called the planner without ac_every/grad_sync, so
     summary.json's prediction drifted from --dry-run's. Both make the same call now."""
     import json
 
@@ -108,7 +108,7 @@ def _tree(root):
 
 
 def test_dry_run_leaves_the_data_cache_and_run_folder_as_they_were(capsys, tmp_path):
-    """Issue 17: "nothing was written" was untrue: a dry run built the token cache, and left its
+    """Regression: "nothing was written" was untrue: a dry run built the token cache, and left its
     .lock files even when it refused. Now it reads the cache, creates nothing there, and builds a
     missing entry in a temporary folder that it removes; accepted or refused alike."""
     import sys

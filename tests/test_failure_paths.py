@@ -228,7 +228,7 @@ def test_launch_of_a_failing_user_script_says_which_rank_without_torchruns_trace
 
 
 def test_a_damaged_newest_checkpoint_is_named_with_the_newest_intact_one_to_resume(tmp_path, capsys):
-    """Issue 17: ``resume = "auto"`` over a newest checkpoint whose manifest.json is missing said
+    """``resume = "auto"`` over a newest checkpoint whose manifest.json is missing said
     "no 'latest' pointer"; a damaged one said ``--resume .../step-...``. Every refusal now says what
     is wrong with which checkpoint and names the newest intact earlier one, before any rank starts."""
     import shutil

@@ -1,5 +1,5 @@
 """Embeddings and final norm + head are FSDP units of their own (torchtitan's order), and the
-planner's largest unit is the runtime's (issue 24). Before/after figures: benchmarks/fsdp_outer_units.py."""
+planner's largest unit is the runtime's. Before/after figures: benchmarks/fsdp_outer_units.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) under shardwise (issue 20).
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) under shardwise.
 
 Tiny folders are written by transformers' own ``save_pretrained`` (the per-expert layout of the
 released checkpoints); shardwise reads them into transformers 5's fused experts. The loss is

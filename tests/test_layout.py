@@ -163,7 +163,7 @@ def test_session_leaves_the_callers_config_alone():
     assert options == ParallelConfig(strategy="auto", precision="fp32")
 
 
-# ----------------------------------------------------------------- degrees, not names (issue 18)
+# ----------------------------------------------------------------- degrees, not names
 @pytest.mark.parametrize("name, world, options", [
     ("single", 1, {}), ("ddp", 4, {}), ("zero1", 4, {}), ("zero2", 4, {}), ("fsdp", 4, {}),
     ("hsdp", 8, dict(hsdp_shard_size=4)), ("fsdp-offload", 2, {}), ("tp", 2, dict(tp=2)), ("pp", 2, dict(pp=2)),
@@ -238,7 +238,7 @@ def test_ep_is_borrowed_from_the_fsdp_shard_ranks():
 
 def test_config_layout_and_table_import_no_torch_and_reach_each_other_directly(cli_env):
     """The owner of the run's shape is torch-free and imports its neighbours at module level only:
-    no function-local shardwise import and no "module:attr" import string (issue 18)."""
+    no function-local shardwise import and no "module:attr" import string."""
     import ast
     import re
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""Mixture of experts in the built-in GPT and expert parallelism (issue 20).
+"""Mixture of experts in the built-in GPT and expert parallelism.
 
 Parity: float64, 5 AdamW steps at lr 3e-3 with the routers' aux and z losses in the loss; losses
 and parameters within 1e-9 of one process reading the whole global batch, under every layout (the

@@ -189,7 +189,7 @@ def test_lifeline_thread_alone_stops_an_orphan(tmp_path, cli_env, who):
 
 
 def test_a_lock_held_on_another_host_is_taken_over_only_when_its_rank_heartbeats_are_stale(tmp_path, capsys):
-    """Issue 17: a lock whose job ran on another host is taken over once every rank the lock names
+    """A lock whose job ran on another host is taken over once every rank the lock names
     there has a stale heartbeat (the watchdog's files in the shared run directory); a fresh or
     missing heartbeat refuses, naming the host and how to clear the lock. Fabricated records:
     no second host is needed."""

@@ -233,3 +233,16 @@ def test_zero_paper_figure_1_memory():
     # FSDP2's ZeRO-2 also keeps a sharded copy next to the unsharded params: +1.7 % vs the paper.
     assert gb(Layout("zero2", dp=64, shard=64)) + 2 * 7.5 == pytest.approx(16.6, rel=0.02)
     assert gb(Layout("fsdp", dp=64, shard=64)) == pytest.approx(1.9, rel=0.02)
+
+
+def test_train_precision_spellings_plan_the_same_run(capsys):
+    """A user copies ``parallel.precision`` from a run's config: ``bf16-mixed`` and ``auto`` plan what
+    ``bf16`` plans (and ``auto`` on ``--gpu cpu`` what ``fp32`` does), instead of an unknown precision."""
+    def planned(*argv: str) -> dict:
+        plan_cli.run(_args("--model", "gpt-tiny", "--gpus-per-node", "2", "--json", *argv))
+        out = json.loads(capsys.readouterr().out)
+        return {"workload": out["workload"], "recommended": out["recommended"]}
+
+    assert planned("--precision", "bf16-mixed") == planned("--precision", "bf16") == planned("--precision", "auto")
+    assert planned("--precision", "fp16-mixed") == planned("--precision", "fp16")
+    assert planned("--gpu", "cpu", "--precision", "auto") == planned("--gpu", "cpu")

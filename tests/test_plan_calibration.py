@@ -1,4 +1,4 @@
-"""The planner's numbers: calibration on published runs, the model terms issue 12 names, GPU variants.
+"""The planner's numbers: calibration on published runs, the model terms it must have, GPU variants.
 
 * Published runs (benchmarks/published_runs.json, fitted by benchmarks/calibrate_planner.py): every
   run scored or refused by name, held-out sources outside every fit, the goal check honest, and

@@ -1,4 +1,4 @@
-"""The planner's search over context parallel, expert parallel and the chunked loss (issue 24).
+"""The planner's search over context parallel, expert parallel and the chunked loss.
 
 Pure arithmetic, one process; the printed commands are resolved in-process as ``train --dry-run``
 resolves them (``tests.test_plan_grid``'s resolvers: config, layout and preflight on the meta model).

@@ -1,4 +1,4 @@
-"""Fine-tune plans (issue 24): ``plan --pretrained DIR [--lora RANK]`` as a user runs it.
+"""Fine-tune plans: ``plan --pretrained DIR [--lora RANK]`` as a user runs it.
 
 A tiny Llama saved with save_pretrained (its tokenizer next to it) and a text file: the plan's
 command is a fine-tune of that folder that passes ``train --dry-run`` once ``$DATA`` is set, and

@@ -11,7 +11,7 @@ The shell placeholder ``$MASTER_ADDR`` is expanded as a shell would.
 Cost: each distinct model is built once on the meta device (a 405B model is built once, not per
 plan) and each distinct command resolved once; the plans themselves are pure arithmetic.
 
-Also here: regression tests for the three planner/runtime disagreements of issue 12, and the
+Also here: regression tests for the three planner/runtime disagreements found once, and the
 planner's stage split and block finding checked against the runtime's.
 """
 
@@ -169,7 +169,7 @@ def test_every_candidate_and_printed_command_resolves_over_the_grid(monkeypatch)
     assert dry_run_train.cache_info().currsize > 100 and checked > plans
 
 
-# ------------------------------------------------------------------ issue 12's disagreements
+# ------------------------------------------------ the planner/runtime disagreements found once
 def test_planner_never_proposes_a_strategy_the_registry_rejects():
     # Was: `ddp+tp+pp(...)` candidates, "unknown strategy 'ddp+tp+pp'" at launch.
     plan = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=3),

@@ -1,4 +1,4 @@
-"""The planner's search (issue 24): settings it chooses, verdicts, and reasons that agree with the table.
+"""The planner's search: settings it chooses, verdicts, and reasons that agree with the table.
 
 Pure arithmetic except where a printed command is resolved as ``train --dry-run`` does
 (``tests.test_plan_grid``'s in-process resolvers).

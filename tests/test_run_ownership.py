@@ -1,6 +1,6 @@
 """Run-directory ownership: no run ever writes into, rotates or deletes another run's work.
 
-Issue 13's data-loss cases, each through the CLI the way a user runs it: a fresh run into an
+The data-loss cases, each through the CLI the way a user runs it: a fresh run into an
 existing run's directory, ``--overwrite``, ``checkpoint.resume = "auto"`` and elastic restarts when
 ``latest`` is missing, two runs on one ``--out``, a resume racing a rotation, and checkpoint
 rotation / partial-directory cleanup that must only touch what this job wrote.

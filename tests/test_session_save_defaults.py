@@ -1,4 +1,4 @@
-"""Session.save/load default to everything the session prepared (issue 17)."""
+"""Session.save/load default to everything the session prepared."""
 
 from __future__ import annotations
 

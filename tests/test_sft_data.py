@@ -1,4 +1,4 @@
-"""Instruction/chat records as users have them (issue 19), in one process: label masks checked token by
+"""Instruction/chat records as users have them, in one process: label masks checked token by
 token against the rendered template, the response-only loss against a hand computation, packed rows
 against each record run alone (built-in GPT and a Hugging Face Qwen2), the record-level validation
 split, every malformed input refused with its file and line, and a datasets folder from save_to_disk."""

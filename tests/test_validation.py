@@ -1,4 +1,4 @@
-"""Every bad number, string and flag from issue 13 is one paragraph and exit 2, before anything starts.
+"""Every bad number, string and flag is one paragraph and exit 2, before anything starts.
 
 The issue's list (tracebacks, hangs, exit 0 on nonsense), case by case, through the command line
 in-process. The schema-driven fuzzer (test_fuzz_config.py) covers the same ground at random.

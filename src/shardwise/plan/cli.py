@@ -22,7 +22,7 @@ from shardwise.plan.advice import (
     runtime_batch,
 )
 from shardwise.plan.cost import flops_per_token
-from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS
+from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS, TRAIN_SPELLINGS
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
-    w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16; fp32 on --gpu cpu)")
+    w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)}, or train's spellings {', '.join(TRAIN_SPELLINGS)} "
+                   "(default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default=None,
                    help=f"{', '.join(OPTIMIZERS)} (default adamw; where AdamW fits at no layout, the plan "
                    "says so and plans adafactor, unless --optimizer is given)")
@@ -247,7 +248,9 @@ def _resolve_target_defaults(args: argparse.Namespace) -> None:
         from shardwise.device import default_nproc  # torch: only a plan for this machine's CPUs asks
 
         args.gpus_per_node = default_nproc()
-    if args.precision is None:
+    if args.precision in TRAIN_SPELLINGS:
+        args.precision = TRAIN_SPELLINGS[args.precision]
+    if args.precision is None:  # what train's "auto" picks: bf16 on a GPU, fp32 on the CPU
         args.precision = "fp32" if cpu else "bf16"
 
 

@@ -47,6 +47,10 @@ PRECISIONS: dict[str, Precision] = {
     "bf16-fp32grad": Precision("bf16-fp32grad", 2, 4, 4, 2),
 }
 
+# train's parallel.precision spellings, which the planner takes as its own (a user copies them from a
+# run's config.toml or a printed command): the mixed-precision runs keep fp32 master weights, as "bf16".
+TRAIN_SPELLINGS = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "auto": None}
+
 OPTIMIZERS = OPTIMIZER_NAMES  # the ones the trainer builds (optim/names.py)
 # The runtime's parallel.activation_checkpointing and parallel.grad_sync modes, defined once in
 # shardwise.strategies (the planner plans exactly what the runtime runs).
