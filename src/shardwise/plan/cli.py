@@ -93,8 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per GPU per micro-batch (default: searched, the global batch held fixed)")
     w.add_argument("--global-batch", type=int, help="sequences per optimizer step (default micro-batch x GPUs)")
     w.add_argument("--grad-accum", type=int, help="micro-batches per step (instead of --global-batch)")
-    w.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)}, or train's spellings {', '.join(TRAIN_SPELLINGS)} "
-                   "(default bf16; fp32 on --gpu cpu)")
+    w.add_argument("--precision", default=None,
+                   help=f"{', '.join(PRECISIONS)}, or train's spellings {', '.join(TRAIN_SPELLINGS)} "
+                        "(default bf16; fp32 on --gpu cpu)")
     w.add_argument("--optimizer", default=None,
                    help=f"{', '.join(OPTIMIZERS)} (default adamw; where AdamW fits at no layout, the plan "
                    "says so and plans adafactor, unless --optimizer is given)")
