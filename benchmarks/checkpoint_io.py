@@ -9,8 +9,9 @@ processes, the test harness), takes one optimizer step so the optimizer state ex
 without momentum has none, for a model whose AdamW state would not fit), then per mode
 (``sync``, ``async``, ``async-pinned``) times ``--repeat`` saves:
 
-* blocked: how long ``Session.save`` kept the caller (the whole write when sync; waiting, taking
-  the state and staging it when async) — the slowest rank;
+* blocked: how long ``Session.save`` kept the caller (the whole write when sync; waiting and
+  taking the state when async) plus, when async, how long the next optimizer step waited for the
+  copy to host memory to finish (it runs beside the steps' forward and backward) — the slowest rank;
 * write: the background write until published (async), from ``Session.background_saves``;
 * steps/s while a write is in flight: training steps run after an async save returns, until it is
   published, against steps/s with no write (``--train-steps`` > 0).
@@ -71,6 +72,7 @@ def _rank_fn(rank: int, world_size: int, strategy: str, preset: str, root: str, 
         for _ in range(repeat):
             n += 1
             session.barrier()
+            waited0 = session.checkpoint_stats["staging_wait_s_total"]
             result = session.save(root, model, opt, step=n, keep_last=1)
             blocked.append(session.last_save_blocked_s)
             if mode != "sync":
@@ -82,6 +84,9 @@ def _rank_fn(rank: int, world_size: int, strategy: str, preset: str, root: str, 
                     during.append(steps / (time.perf_counter() - t0))
                 session.wait_checkpoint()
                 writes.append(session.background_saves[-1]["write_s"])
+                # The copy to host memory runs beside the next steps; the first optimizer step (or,
+                # with no steps, the wait above) waits for what is left of it: blocked time too.
+                blocked[-1] += session.checkpoint_stats["staging_wait_s_total"] - waited0
         out[mode] = {"blocked_s": blocked, "write_s": writes, "steps_per_s_during_write": during}
     path = Path(root) / f"step-{n:08d}"
     out["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

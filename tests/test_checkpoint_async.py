@@ -56,6 +56,7 @@ def test_background_save_publishes_only_when_whole_and_rotation_keeps_the_publis
 
         staged = {k: v.clone() for k, v in model.state_dict().items()}
         handle = s.save(root, step=3, async_=True, keep_last=1, on_written=hold)
+        s.wait_staged()  # weights changed outside session.step: wait for the copy first (documented)
         with torch.no_grad():  # training goes on while the write is held
             for p in model.parameters():
                 p.add_(1.0)
@@ -232,3 +233,85 @@ def test_a_stager_that_closed_itself_is_made_anew():
     assert _reusable(stager)
     stager.close()
     assert not _reusable(stager)  # what torch 2.11's stage() leaves behind
+
+
+def test_the_step_waits_for_a_save_still_copying_the_weights(tmp_path, monkeypatch):
+    """The copy to host memory runs beside the next forward and backward; the optimizer step that
+    changes the weights waits for it, so the checkpoint holds the weights of the step it names, and
+    the wait is counted as time the save blocked training. The copy is slowed to 0.5 s here: a step
+    that did not wait would change the weights before they were copied."""
+    import time
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    copy = DefaultStager._stage
+
+    def slow_copy(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        time.sleep(0.5)
+        return copy(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", slow_copy)
+    s, model, opt, _ = _session_run(tmp_path, 2)
+    root = tmp_path / "ckpt"
+    try:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        moments = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+        handle = s.save(root, async_=True)
+        assert s.last_save_blocked_s < 0.4  # the save returned before its copy was made
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+        s.backward(torch.nn.functional.mse_loss(model(x), y))  # reads the weights: runs beside the copy
+        s.step(opt)  # changes them: waits for the copy
+        assert not all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+        assert handle.wait(60) == root / "step-00000002"
+        stats = s.checkpoint_stats
+        assert stats["staging_wait_s_total"] > 0.1 and s.background_saves[-1]["blocked_s"] > 0.1, stats
+    finally:
+        s.close()
+    t, model2, opt2, _ = _session_run(tmp_path, 0)
+    try:
+        t.load(root / "step-00000002")
+        assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+        state = opt2.state[next(iter(model2.parameters()))]
+        assert all(torch.equal(moments[k], state[k]) for k in ("exp_avg", "exp_avg_sq"))
+    finally:
+        t.close()
+
+
+def test_a_forward_that_changes_saved_buffers_waits_for_the_copy(tmp_path, monkeypatch):
+    """BatchNorm's running statistics change in the forward (and DDP copies buffers in place there):
+    for a model with saved buffers the next forward waits for a background save's copy."""
+    import time
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from shardwise.runtime.session import Session
+
+    copy = DefaultStager._stage
+
+    def slow_copy(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        time.sleep(0.5)
+        return copy(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", slow_copy)
+    s = Session()
+    torch.manual_seed(0)
+    model, opt = s.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+                           lambda ps: torch.optim.SGD(ps, lr=0.1))
+    try:
+        model(torch.randn(8, 4))
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = s.save(tmp_path / "ckpt", model, opt, step=1, async_=True)
+        model(torch.randn(8, 4) + 3.0)  # moves the running mean: must wait for the copy first
+        assert not torch.equal(saved["1.running_mean"], model.state_dict()["1.running_mean"])
+        handle.wait(60)
+        assert s.checkpoint_stats["staging_wait_s_total"] > 0.1
+    finally:
+        s.close()
+    t = Session()
+    fresh, opt2 = t.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+                            lambda ps: torch.optim.SGD(ps, lr=0.1))
+    try:
+        t.load(tmp_path / "ckpt" / "step-00000001", fresh, opt2)
+        assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+    finally:
+        t.close()

@@ -257,7 +257,7 @@ class StepPhases:
         if self.distributed:
             device = self.device if self.device.type == "cuda" else torch.device("cpu")
             out = torch.zeros(self.world_size * mine.numel(), dtype=torch.float64, device=device)
-            dist.all_gather_single(out, mine.to(device))
+            dist.all_gather_into_tensor(out, mine.to(device))  # all_gather_single is torch 2.13+
             table = out.view(self.world_size, -1).cpu()
         else:
             table = mine.view(1, -1)

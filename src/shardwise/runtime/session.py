@@ -594,6 +594,7 @@ class Session:
         fp16-mixed the loss scaler already skips steps with non-finite gradients (and lowers its
         scale), so only ``loss`` decides there.
         """
+        self.wait_staged()  # a background save may still be copying the weights this step changes
         if self.phases is not None:
             self.phases.start("optimizer")
         if self.strategy.owns_step:
@@ -805,6 +806,7 @@ class Session:
                     on_written=on_written, trainable_only=self.trainable_only, export=self._export_info(model),
                     job=self.launch_id, pieces=pieces)
         if use_async:
+            self._guard_buffers(model)
             handle = self._background_writer().save(prepare_save(path, model, optimizer, **args),
                                                     blocked_since=t0, wait_s=wait_s)
             out: Any = handle
@@ -838,6 +840,35 @@ class Session:
             self._ckpt_writer = BackgroundWriter(pinned=self._pinned_staging,
                                                  timeout_s=self._collective_timeout_s, log=self.log)
         return self._ckpt_writer
+
+    def _guard_buffers(self, model: nn.Module) -> None:
+        """A model with saved buffers (BatchNorm's running statistics) changes them in its forward,
+        and DDP's forward copies rank 0's buffers in place: the copy of a background save must end
+        before the next forward there. A forward pre-hook (looked for once per model) waits for it."""
+        if getattr(model, "_shardwise_staging_checked", False):
+            return
+        model._shardwise_staging_checked = True  # type: ignore[assignment]
+        saved = any(buf is not None and name not in m._non_persistent_buffers_set
+                    for m in model.modules() for name, buf in m._buffers.items())
+        if saved:
+            def wait(*_: Any) -> None:  # a pre-hook's return value would replace the forward's inputs
+                self.wait_staged()
+
+            model.register_forward_pre_hook(wait)
+
+    def wait_staged(self) -> float:
+        """Wait until a background save has copied the weights to host memory; return the seconds.
+
+        ``step()`` and ``load()`` call it: the copy runs beside the next forward and backward, which
+        only read the weights. A loop that changes parameters or optimizer state any other way
+        while a save is in flight (editing ``p.data``, loading a state dict by hand) calls it first.
+        The time is counted as time the save blocked training (``checkpoint_stats``).
+        """
+        if self._ckpt_writer is None or self._ckpt_writer.staging is None:
+            return 0.0
+        if self.phases is not None:
+            self.phases.start("checkpoint")
+        return self._phase_done("checkpoint", self._ckpt_writer.wait_staged())
 
     def wait_checkpoint(self) -> Path | None:
         """Wait for the checkpoint being written in the background, if any; return its path.
@@ -880,6 +911,7 @@ class Session:
         scheduler = scheduler if scheduler is not None else self.scheduler
         optimizer = optimizer if optimizer is not None else self.optimizer
         loader = loader if loader is not None else self.loader
+        self.wait_staged()  # the weights are about to be overwritten
         engine_io = self.strategy.checkpoint_io()
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
             loaded = engine_io.load(self, path, model, optimizer, loader=loader, scheduler=scheduler,

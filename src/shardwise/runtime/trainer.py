@@ -569,7 +569,8 @@ class Trainer:
             s.log(f"checkpoint {out} ({time.perf_counter() - t0:.2f}s)")
             self.run_dir.log_metrics({"step": st.step, "checkpoint_blocked_s": s.last_save_blocked_s})
             return out
-        s.log(f"checkpoint {out.path.name}: staged in {s.last_save_blocked_s:.2f}s, writing in the background")
+        s.log(f"checkpoint {out.path.name}: started in {s.last_save_blocked_s:.2f}s, copying and writing in the "
+              "background")
         return out.path
 
     def finish_checkpoints(self) -> None:
@@ -658,6 +659,7 @@ class Trainer:
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         s, st = self.session, self.state
+        ckpt = s.checkpoint_stats
         return {
             "strategy": s.strategy_name, "world_size": s.world_size, "layout": s.layout.to_dict(),
             "precision": self.cfg.parallel.precision, "steps": st.step,
@@ -668,9 +670,12 @@ class Trainer:
             "wall_s": wall_s, "device": str(s.device), "skipped_steps": self.skipped_steps,
             "compile": self.session.compile,
             # Time each save blocked training, and the background writes (runtime.checkpoint.background).
-            "checkpoint_io": {**s.checkpoint_stats, "saves": len(self.save_blocked_s),
-                           "blocked_s_total": sum(self.save_blocked_s),
-                           "blocked_s_max": max(self.save_blocked_s, default=0.0)},
+            # A background save also blocks the first optimizer step that waits for its copy.
+            "checkpoint_io": {**ckpt, "saves": len(self.save_blocked_s),
+                           "blocked_s_total": sum(self.save_blocked_s) + ckpt["staging_wait_s_total"],
+                           "blocked_s_max": max([*self.save_blocked_s,
+                                                 *(b.get("blocked_s", 0.0) for b in s.background_saves)],
+                                                default=0.0)},
         }
 
     def sample(self) -> str | None:

@@ -1,9 +1,13 @@
 """Checkpoints written behind the training: DCP ``async_save`` with a reused staging buffer.
 
-A save in mode ``async`` (or ``async-pinned``) blocks the step only while its state is taken and
-staged — copied into host memory (page-locked on CUDA with ``async-pinned``) by DCP's
-``DefaultStager``, whose buffers are kept and reused by every later save. DCP then writes the
-staged copy from a background thread, and a second background thread (``_finish``) checksums this
+A save in mode ``async`` (or ``async-pinned``) blocks the step only while its state is taken; the
+copy into host memory (page-locked on CUDA with ``async-pinned``) runs in DCP's ``DefaultStager``
+on a thread of its own (``use_async_staging``; on CUDA on a stream of its own), while the next
+micro-batches' forward and backward run: they read the parameters and write only gradients. The
+optimizer step is what changes the saved tensors, so ``Session.step`` first waits for the copy to
+finish (``wait_staged``; the wait is counted as time the save blocked training). The stager's
+buffers are kept and reused by every later save. DCP then writes the staged copy from a
+background thread, and a second background thread (``_finish``) checksums this
 rank's files, gathers every rank's outcome and lets rank 0 write the manifest, publish and rotate
 — the same ``save.finish_save`` a synchronous save runs, so nothing is published before every
 rank's files are on disk and checksummed.
@@ -24,6 +28,7 @@ removes the last published checkpoint while a newer one is being written.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shardwise.config import CHECKPOINT_MODES
 from shardwise.errors import CheckpointError, ConfigError
@@ -146,6 +152,8 @@ class BackgroundWriter:
         self.waits = 0  # saves that had to wait for the previous one
         self.wait_s = 0.0
         self.staging_bytes = 0  # the staging buffer's size (host memory), kept across saves
+        self.staging: Any = None  # the in-flight save's staging (a Future) until wait_staged()
+        self.staging_wait_s = 0.0  # time steps waited for a copy to finish (wait_staged)
         self.completed: list[dict[str, Any]] = []  # stats of every save that finished
 
     def _ensure_group(self) -> Any:
@@ -164,13 +172,15 @@ class BackgroundWriter:
         return self._group
 
     def _ensure_stager(self) -> Any:
+        if self._stager is not None and not _reusable(self._stager):
+            self._stager = None  # torch 2.11 closed it after its last stage: make one anew
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # Synchronous staging (the step waits for the copy, then may change the weights);
+            # The copy runs on the stager's own thread (wait_staged() before the weights change);
             # pinned, non-blocking copies only where there is a CUDA device to copy from.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False,
-                                                        use_async_staging=False,
+                                                        use_async_staging=True,
                                                         use_non_blocking_copy=self.pinned))
         return self._stager
 
@@ -183,8 +193,26 @@ class BackgroundWriter:
             self._stager = None
         self.pinned = pinned
 
+    def wait_staged(self) -> float:
+        """Wait until the save in flight has copied its tensors (the weights may then change);
+        return the seconds waited. Its failure, if any, is reported by the save's ``wait``."""
+        staging, self.staging = self.staging, None
+        if staging is None or staging.done():
+            return 0.0
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception), torch.profiler.record_function("shardwise: checkpoint staging wait"):
+            staging.result(timeout=self.timeout_s)
+        waited = time.perf_counter() - t0
+        self.staging_wait_s += waited
+        if self.inflight is not None:  # the time the step stood still for this save
+            stats = self.inflight.stats
+            stats["staging_wait_s"] = stats.get("staging_wait_s", 0.0) + waited
+            stats["blocked_s"] = stats.get("blocked_s", 0.0) + waited
+        return waited
+
     def wait_previous(self) -> SaveHandle | None:
         """Wait for the save in flight, if any, and return it (its error is raised by ``wait``)."""
+        self.wait_staged()
         handle = self.inflight
         if handle is None:
             return None
@@ -229,12 +257,18 @@ class BackgroundWriter:
             upload, failure = None, describe_io_failure(e, rank, prep.partial)
         else:
             failure = None
-        if not _reusable(stager):
-            self._stager = None  # the next save makes its own (and its buffers anew)
         now = time.perf_counter()
-        # The tensors were copied into the stager's buffers: the step may now change the weights
-        # (finish_save reads only the payload's shapes).
         stats.update(staging_s=now - t0, blocked_s=now - blocked_since, staging_bytes=self.staging_bytes)
+        if isinstance(upload, AsyncSaveResponse):
+            # The copy goes on in the stager's thread: the weights must not change before it ends
+            # (wait_staged). finish_save reads only the payload's shapes.
+            staging, upload = upload.staging_completion, upload.upload_completion
+            self.staging = staging
+
+            def staged(_: Any) -> None:
+                stats["staging_s"] = time.perf_counter() - t0
+
+            staging.add_done_callback(staged)
         started = now
 
         def finish() -> None:
@@ -290,6 +324,8 @@ def summarize(writer: BackgroundWriter | None, mode: str) -> dict[str, Any]:
         "waits": writer.waits if writer is not None else 0,
         "wait_s_total": writer.wait_s if writer is not None else 0.0,
         "staging_bytes": writer.staging_bytes if writer is not None else 0,
+        # steps that waited for a save's copy to host memory before changing the weights
+        "staging_wait_s_total": writer.staging_wait_s if writer is not None else 0.0,
     }
 
 
