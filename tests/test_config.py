@@ -65,3 +65,12 @@ def test_missing_toml_file(tmp_path):
 def test_value_validation(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_an_older_torch_is_named_once_with_what_fails_there():
+    from shardwise.torch_version import older_torch_note
+
+    note = older_torch_note("2.11.0+cu130")
+    assert note and "2.11.0+cu130" in note and "pipeline parallel" in note and "torch>=2.13" in note
+    assert older_torch_note("2.13.0+cpu") is None and older_torch_note("2.14.1") is None
+    assert older_torch_note("3.0.0") is None and older_torch_note("not-a-version") is None

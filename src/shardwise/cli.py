@@ -224,6 +224,21 @@ def _register_optional(module: str, sub: argparse._SubParsersAction) -> None:
     mod.register(sub)
 
 
+def _note_older_torch() -> None:
+    """Say once, on stderr, when the installed torch is older than the tested one (no import of torch
+    itself when it is not loaded yet: its version is read from the package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from shardwise.torch_version import older_torch_note
+
+    try:
+        note = older_torch_note(version("torch"))
+    except PackageNotFoundError:
+        return
+    if note:
+        print(f"shardwise: {note}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -242,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        _note_older_torch()
         return int(args.func(args) or 0)
     except ShardwiseError as e:
         print(f"error: {e}", file=sys.stderr)
