@@ -235,22 +235,27 @@ def test_a_stager_that_closed_itself_is_made_anew():
     assert not _reusable(stager)  # what torch 2.11's stage() leaves behind
 
 
-def test_the_step_waits_for_a_save_still_copying_the_weights(tmp_path, monkeypatch):
-    """The copy to host memory runs beside the next forward and backward; the optimizer step that
-    changes the weights waits for it, so the checkpoint holds the weights of the step it names, and
-    the wait is counted as time the save blocked training. The copy is slowed to 0.5 s here: a step
-    that did not wait would change the weights before they were copied."""
+@pytest.fixture
+def slow_copy(monkeypatch):
+    """Every background save's copy to host memory starts 0.5 s late (DCP's stager, planted)."""
     import time
 
     from torch.distributed.checkpoint.staging import DefaultStager
 
     copy = DefaultStager._stage
 
-    def slow_copy(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def late(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
         time.sleep(0.5)
         return copy(self, state_dict, **kwargs)
 
-    monkeypatch.setattr(DefaultStager, "_stage", slow_copy)
+    monkeypatch.setattr(DefaultStager, "_stage", late)
+
+
+def test_the_step_waits_for_a_save_still_copying_the_weights(tmp_path, slow_copy):
+    """The copy to host memory runs beside the next forward and backward; the optimizer step that
+    changes the weights waits for it, so the checkpoint holds the weights of the step it names, and
+    the wait is counted as time the save blocked training. The copy is slowed to 0.5 s here: a step
+    that did not wait would change the weights before they were copied."""
     s, model, opt, _ = _session_run(tmp_path, 2)
     root = tmp_path / "ckpt"
     try:
@@ -277,22 +282,11 @@ def test_the_step_waits_for_a_save_still_copying_the_weights(tmp_path, monkeypat
         t.close()
 
 
-def test_a_forward_that_changes_saved_buffers_waits_for_the_copy(tmp_path, monkeypatch):
+def test_a_forward_that_changes_saved_buffers_waits_for_the_copy(tmp_path, slow_copy):
     """BatchNorm's running statistics change in the forward (and DDP copies buffers in place there):
     for a model with saved buffers the next forward waits for a background save's copy."""
-    import time
-
-    from torch.distributed.checkpoint.staging import DefaultStager
-
     from shardwise.runtime.session import Session
 
-    copy = DefaultStager._stage
-
-    def slow_copy(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        time.sleep(0.5)
-        return copy(self, state_dict, **kwargs)
-
-    monkeypatch.setattr(DefaultStager, "_stage", slow_copy)
     s = Session()
     torch.manual_seed(0)
     model, opt = s.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
