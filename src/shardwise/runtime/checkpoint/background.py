@@ -245,6 +245,10 @@ class BackgroundWriter:
         # the next save): the buffer is the payload's local storage bytes.
         self.staging_bytes = max(self.staging_bytes, staged_bytes(prep.payload))
         t0 = time.perf_counter()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The stager copies on a stream of its own, which does not wait for the compute stream:
+            # the step's queued kernels (the optimizer's updates) must end before the copy reads.
+            torch.cuda.current_stream().synchronize()
         stats: dict[str, Any] = {"step": prep.step, "wait_s": wait_s}
         handle = SaveHandle(prep, stats)
         try:
