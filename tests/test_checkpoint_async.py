@@ -199,14 +199,16 @@ def test_hang_message_gives_each_ranks_age(tmp_path):
 
 # ------------------------------------------------------------------------- 2 ranks, one spawn
 def test_async_checkpoints_resume_bit_exactly_under_several_strategies(tmp_path):
-    """ddp, fsdp, pipeline stages and expert parallel (MoE under fsdp, ep=2) on 2 gloo ranks: a run
-    resumed from a checkpoint that was written in the background equals the uninterrupted run."""
+    """ddp, fsdp, pipeline stages, expert parallel (MoE under fsdp, ep=2) and context parallel (cp=2) on
+    2 gloo ranks: a run resumed from a checkpoint that was written in the background equals the
+    uninterrupted run."""
     from shardwise.testing import run_distributed
     from tests.helpers.ckpt import async_resume_cases, small_text
 
     cases = [("ddp", ["parallel.strategy=ddp"]), ("fsdp", ["parallel.strategy=fsdp"]),
              ("pp", ["parallel.strategy=pp", "parallel.pp=2", "parallel.pp_microbatches=2"]),
-             ("ep", ["parallel.strategy=fsdp", "parallel.ep=2", "model.preset=moe-nano"])]
+             ("ep", ["parallel.strategy=fsdp", "parallel.ep=2", "model.preset=moe-nano"]),
+             ("cp", ["parallel.strategy=fsdp", "parallel.cp=2"])]
     result = run_distributed(async_resume_cases, 2, timeout_s=900, cases=cases, data=str(small_text(tmp_path)),
                              root=str(tmp_path))[0]
     for name, _ in cases:
