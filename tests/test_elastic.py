@@ -47,3 +47,39 @@ def test_killed_rank_is_restarted_and_matches_uninterrupted_run(tmp_path, cli_en
     assert not list((mid_dir / "checkpoints").glob(".partial-*"))  # cleaned by the next save
     mid_w = final_weights(mid_dir)
     assert all(torch.equal(ref_w[k], mid_w[k]) for k in ref_w)
+
+
+def test_a_launcher_killed_during_a_background_write_resumes_bit_exactly(tmp_path, cli_env):
+    """The launcher is SIGKILLed while step 6's checkpoint is being written in the background (rank
+    0's shards on disk, not yet published): every rank goes; ``latest`` names a whole checkpoint —
+    step 3, or step 6 when every rank's write had finished and was gathered before the ranks saw
+    their launcher gone — and ``--resume`` ends with the uninterrupted run's losses and weights, bit
+    for bit."""
+    import json
+    import time
+
+    from shardwise.job.identity import same_process_alive
+
+    data = small_text(tmp_path)
+    common = ["train", "--nproc", "2", "--strategy", "ddp", *cli_args(fast_overrides(data))]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = _launch([*common, "--out", str(ref_dir)], cli_env)
+    killed = run_cli([*common, "--out", str(run_dir), "--set", "debug.kill_rank=0", "--set", "debug.kill_at_step=6",
+                      "--set", "debug.kill_in_checkpoint=true", "--set", "debug.kill_launcher=true"], cli_env)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    from shardwise.runtime.checkpoint import inspect_checkpoint
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest in ("step-00000003", "step-00000006")
+    assert inspect_checkpoint(run_dir / "checkpoints")["step"] == int(latest[-8:])  # whole, checksums hold
+    ranks = json.loads((run_dir / ".shardwise.lock").read_text())["ranks"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(same_process_alive(r) is not False for r in ranks):
+        time.sleep(0.2)
+    resumed = run_cli([*common, "--out", str(run_dir), "--resume"], cli_env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"{latest} at step {int(latest[-8:])}" in resumed.stderr and "Traceback" not in resumed.stderr
+    assert ref.communicate(timeout=240)[0] is not None and ref.returncode == 0
+    assert losses(run_dir) == losses(ref_dir)
+    ref_w, run_w = final_weights(ref_dir), final_weights(run_dir)
+    assert all(torch.equal(ref_w[k], run_w[k]) for k in ref_w)

@@ -644,7 +644,7 @@ class Trainer:
     def _inject_faults(self) -> None:
         d = self.cfg.debug
         if not d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(self._kill_target(), signal.SIGKILL)
         if self._fault_active(d.hang_rank, d.hang_at_step):
             while True:  # stop participating; the watchdog must notice
                 time.sleep(3600)
@@ -655,7 +655,15 @@ class Trainer:
         # background write, training may already be past that step.
         d = self.cfg.debug
         if d.kill_in_checkpoint and self._fault_active(d.kill_rank, d.kill_at_step, saved_step):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(self._kill_target(), signal.SIGKILL)
+
+    def _kill_target(self) -> int:
+        """This rank, or with ``debug.kill_launcher`` the launcher that started the job (its process
+        record is in the ranks' environment, job.lifeline)."""
+        from shardwise.job.lifeline import launcher_record
+
+        record = launcher_record()
+        return int(record["pid"]) if self.cfg.debug.kill_launcher and record else os.getpid()
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         s, st = self.session, self.state
