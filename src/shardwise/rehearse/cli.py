@@ -43,7 +43,8 @@ def add_rehearse_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: fake tensors (any machine); cuda: real tensors on this machine's GPU, fake collectives")
     p.add_argument("--steps", type=int, default=3, metavar="N",
-                   help="optimizer steps per played rank (default 3; the last one counts collectives)")
+                   help="optimizer steps per played rank (default and least 3: memory is read over all but "
+                        "the last, which counts collectives; the optimizer's state exists from the first step on)")
     p.add_argument("--jobs", type=int, default=1, metavar="J", help="played ranks at a time (default 1)")
     p.add_argument("--rank-timeout", type=float, default=900.0, metavar="S",
                    help="seconds a played rank may take (default 900)")
