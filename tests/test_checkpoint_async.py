@@ -329,3 +329,20 @@ def test_a_forward_that_changes_saved_buffers_waits_for_the_copy(tmp_path, slow_
         assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
     finally:
         t.close()
+
+
+def test_a_copy_past_the_timeout_stops_the_step_in_one_paragraph(tmp_path, slow_copy):
+    """A copy into host memory that outlasts the collective timeout: the step that would change the
+    weights under it raises one CheckpointError instead of going on."""
+    s, model, opt, _ = _session_run(tmp_path, 1)
+    root = tmp_path / "ckpt"
+    try:
+        s.save(root, async_=True)
+        s._ckpt_writer.timeout_s = 0.1  # the planted copy takes 0.5 s
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+        s.backward(torch.nn.functional.mse_loss(model(x), y))
+        with pytest.raises(CheckpointError, match="did not finish within 0s .* last published checkpoint is untouched"):
+            s.step(opt)
+    finally:
+        s._ckpt_writer.timeout_s = 60
+        s.close()

@@ -28,7 +28,7 @@ removes the last published checkpoint while a newer one is being written.
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import threading
 import time
 import warnings
@@ -200,8 +200,19 @@ class BackgroundWriter:
         if staging is None or staging.done():
             return 0.0
         t0 = time.perf_counter()
-        with contextlib.suppress(Exception), torch.profiler.record_function("shardwise: checkpoint staging wait"):
-            staging.result(timeout=self.timeout_s)
+        with torch.profiler.record_function("shardwise: checkpoint staging wait"):
+            try:
+                staging.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                # The copy is still reading the weights: letting the step change them would
+                # publish a mixed checkpoint. Stop here; the published ones are untouched.
+                raise CheckpointError(
+                    f"the copy of checkpoint step {self.inflight.step if self.inflight else '?'} into host memory "
+                    f"did not finish within {self.timeout_s:.0f}s (watchdog.collective_timeout_s); training "
+                    "stops rather than change the weights under it, and the last published checkpoint is "
+                    "untouched.") from None
+            except Exception:  # noqa: BLE001 - a failed copy is reported by the save's own wait
+                pass
         waited = time.perf_counter() - t0
         self.staging_wait_s += waited
         if self.inflight is not None:  # the time the step stood still for this save
