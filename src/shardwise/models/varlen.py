@@ -26,6 +26,7 @@ the mask path (its all-to-all attention takes the whole sequence's mask).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +84,13 @@ def kernel(device: torch.device, dtype: torch.dtype, dropout: float = 0.0) -> st
     return "varlen_attn" if varlen_kernel_available(device, dtype) and dropout == 0.0 else "per-document sdpa"
 
 
+@functools.cache
+def _kernel_takes_gqa(kernel: Callable[..., Any]) -> bool:
+    """Whether torch's ``varlen_attn`` has ``enable_gqa`` (2.13 does, 2.11 does not); asked once per kernel,
+    not in every layer's forward."""
+    return "enable_gqa" in inspect.signature(kernel).parameters
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -103,14 +111,12 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         from torch.nn.attention.varlen import varlen_attn
 
         window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
-        if hq == hkv:
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window)
-        elif "enable_gqa" in inspect.signature(varlen_attn).parameters:
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window,
-                              enable_gqa=True)
-        else:  # torch 2.11's kernel has no grouped-query heads: each kv head serves hq // hkv query heads
+        gqa: dict[str, bool] = {}
+        if hq != hkv and _kernel_takes_gqa(varlen_attn):
+            gqa["enable_gqa"] = True
+        elif hq != hkv:  # torch 2.11's kernel has no grouped-query heads: each kv head serves hq // hkv
             k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window)
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window, **gqa)
         return out.reshape(b, t, hq, d), None
     out = torch.empty_like(q)
     bounds = cu.tolist()
