@@ -40,6 +40,16 @@ def _latest(root: Path) -> str:
     return (root / LATEST).read_text().strip()
 
 
+def _loaded(tmp_path: Path, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh session's model and optimizer (``_session_run``'s, no steps) loaded from ``path``."""
+    t, model, opt, _ = _session_run(tmp_path, 0)
+    try:
+        t.load(path)
+    finally:
+        t.close()
+    return model, opt
+
+
 def test_background_save_publishes_only_when_whole_and_rotation_keeps_the_published_one(tmp_path):
     """While a save is in flight: the step goes on, 'latest' and the last published checkpoint stay
     (keep_last=1); weights changed after staging do not reach the file; one save in flight."""
@@ -75,12 +85,8 @@ def test_background_save_publishes_only_when_whole_and_rotation_keeps_the_publis
         assert stats["background_saves"] == 4 and stats["staging_bytes"] > 0 and stats["bytes_written"] > 0
     finally:
         s.close()
-    t, model2, _, _ = _session_run(tmp_path, 0)
-    try:
-        t.load(root / "step-00000003")
-        assert all(torch.equal(staged[k], v) for k, v in model2.state_dict().items())
-    finally:
-        t.close()
+    model2, _ = _loaded(tmp_path, root / "step-00000003")
+    assert all(torch.equal(staged[k], v) for k, v in model2.state_dict().items())
 
 
 def test_full_disk_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -292,14 +298,10 @@ def test_the_step_waits_for_a_save_still_copying_the_weights(tmp_path, slow_copy
         assert stats["staging_wait_s_total"] > 0.1 and s.background_saves[-1]["blocked_s"] > 0.1, stats
     finally:
         s.close()
-    t, model2, opt2, _ = _session_run(tmp_path, 0)
-    try:
-        t.load(root / "step-00000002")
-        assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
-        state = opt2.state[next(iter(model2.parameters()))]
-        assert all(torch.equal(moments[k], state[k]) for k in ("exp_avg", "exp_avg_sq"))
-    finally:
-        t.close()
+    model2, opt2 = _loaded(tmp_path, root / "step-00000002")
+    assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+    state = opt2.state[next(iter(model2.parameters()))]
+    assert all(torch.equal(moments[k], state[k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
 def test_a_forward_that_changes_saved_buffers_waits_for_the_copy(tmp_path, slow_copy):
