@@ -59,7 +59,13 @@ def test_dpo_search_never_offers_a_layout_the_dpo_step_refuses(llama):
     assert any("train.objective = 'dpo' does not run under pipeline parallel" in line for line in plan.skipped)
     free = make_plan(llama, cluster, dataclasses.replace(work, objective="lm"))
     dpo = make_plan(llama, cluster, work)
-    assert {(c.layout.pp, c.layout.cp, c.layout.ep) for c in dpo.candidates} == {(1, 1, 1)}
+    # Context (and, for MoE models, expert) parallel run under DPO: offered wherever the LM plan offers them.
+    assert all(c.layout.pp == 1 for c in dpo.candidates)
+    assert ({(c.layout.strategy, c.layout.tp, c.layout.cp) for c in dpo.candidates}
+            == {(c.layout.strategy, c.layout.tp, c.layout.cp) for c in free.candidates if c.layout.pp == 1})
+    long = make_plan(llama, cluster, work, cp=2)
+    assert long.candidates and all(c.layout.cp == 2 for c in long.candidates)
+    assert all("does not run under pipeline parallel" in line for line in long.skipped if "'dpo'" in line)
     assert dpo.recommended is not None and free.recommended is not None
 
 

@@ -2,15 +2,18 @@
 tolerances, derived in shardwise.verify: only summation order differs), with gradient accumulation:
 
 * 2 ranks: fsdp with the frozen sharded reference copy; ddp with LoRA (reference = adapters off)
-  on packed pairs; fsdp with the reference precomputed before training;
+  on packed pairs; fsdp with the reference precomputed before training; zero2 (the copy sharded as
+  the policy's parameters are); context parallel (cp=2: every rank scores a chunk of every answer,
+  the answers' sums added over the cp ranks) with LoRA on packed pairs; a Qwen2-MoE under expert
+  parallel (ep=2) with its router aux loss joining the DPO loss;
 * 4 ranks: fsdp+tp (dp_shard 2 x tp 2: vocabulary-sharded logits under loss_parallel) with the
-  frozen copy, and with LoRA; and the logged DPO metrics (window means and held-out evaluation)
-  equal one process's on every rank: global, not rank 0's.
+  frozen copy, and with LoRA; fsdp+tp+cp (tp 2 x cp 2); a Qwen3-MoE under cp 2 x ep 2; and the
+  logged DPO metrics (window means and held-out evaluation) equal one process's on every rank,
+  under fsdp+tp and under dp 2 x cp 2: global, not rank 0's, each pair counted once.
 
 Then a 2-rank ``shardwise train hf-dpo`` killed after step 3 and resumed continues bit-exactly
 (every logged loss and DPO metric, and the final weights). Pipeline parallel is refused with a
-message naming it. CI time: about 2 minutes on 2 idle cores (the 4-rank spawn is the longest); 6-8 minutes at a load
-average of 30 on 2 cores."""
+message naming it. CI time: about 3 minutes on 2 idle cores (the 4-rank spawn is the longest)."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from tests.helpers.preference import (  # noqa: E402
     preference_records,
     write_jsonl,
 )
-from tests.helpers.sft import save_qwen2, verify_cases  # noqa: E402
+from tests.helpers.sft import save_qwen2, save_qwen2_moe, save_qwen3_moe, verify_cases  # noqa: E402
 
 STEPS = 3
 
@@ -46,53 +49,74 @@ def inputs(tmp_path_factory):
     return tmp, save_qwen2(tmp / "qwen", seed=3), write_jsonl(tmp / "prefs.jsonl", preference_records(48, seed=5))
 
 
-def _cfg(inputs, strategy, nproc, *extra):
-    tmp, model, data = inputs
-    return load_config("hf-dpo", [*dpo_overrides(model, data, strategy), f"parallel.nproc={nproc}",
+def _cfg(inputs, strategy, nproc, *extra, model=None):
+    tmp, qwen, data = inputs
+    return load_config("hf-dpo", [*dpo_overrides(model or qwen, data, strategy), f"parallel.nproc={nproc}",
                                   "train.grad_accum_steps=2", "train.lr=1e-3", *extra])
 
 
-def _check(inputs, cases, nproc, metrics_case=None):
+# A mixture of experts' router aux loss joins the DPO loss (transformers adds it when the config's
+# output_router_logits is true, as TRL does); the attention projections carry the LoRA adapters.
+AUX = "model.overrides.output_router_logits=true"
+
+
+def _check(inputs, cases, nproc, metrics_cases=()):
     tmp = inputs[0]
     runs = [{"cfg": cfg, "steps": STEPS, "out": str(tmp / f"run-{name}")} for name, cfg in cases.items()]
-    if metrics_case is None:
+    if not metrics_cases:
         ranks = [{"verify": r} for r in run_distributed(verify_cases, nproc, timeout_s=500, cases=runs)]
     else:
-        metrics = {"cfg": metrics_case, "steps": STEPS, "out": str(tmp / "run-metrics")}
+        metrics = [{"cfg": cfg, "steps": STEPS, "out": str(tmp / f"run-metrics-{i}")}
+                   for i, cfg in enumerate(metrics_cases)]
         ranks = run_distributed(dpo_rank, nproc, timeout_s=500, cases=runs, metrics=metrics)
     for i, (name, cfg) in enumerate(cases.items()):
         got = ranks[0]["verify"][i]
         ref = run_steps(reference_config(cfg, got["dp_size"]), STEPS, tmp / f"ref-{name}")
         report = compare(ref, got, "fp32")
         assert report.passed, f"{name}:\n{report.table()}"
-        assert abs(ref["losses"][0] - 0.6931471805599453) < 1e-6, name  # policy == reference at step 1
+        # Policy == reference at step 1: log 2 (IPO: (1 / (2 beta))^2 = 1 at beta 0.5), plus the
+        # routers' (positive) aux loss where it joins.
+        first = 1.0 if "ipo" in name else 0.6931471805599453
+        if "aux" in name:
+            assert ref["losses"][0] > first + 1e-4, name
+        else:
+            assert abs(ref["losses"][0] - first) < 1e-6, name
         assert ref["losses"][-1] < ref["losses"][0], name  # it trained
-    if metrics_case is not None:
+    for i, cfg in enumerate(metrics_cases):
         # Global metrics: every rank reports one process's numbers (sums over all ranks' pairs).
-        dp = ranks[0]["metrics"]["dp_size"]
-        one = dpo_metrics(reference_config(metrics_case, dp), STEPS, str(tmp / "ref-metrics"))
+        dp = ranks[0]["metrics"][i]["dp_size"]
+        one = dpo_metrics(reference_config(cfg, dp), STEPS, str(tmp / f"ref-metrics-{i}"))
         one["dp_size"] = dp
         # 3 steps x 2 micro-batches x 2 pairs on each data-parallel rank
         assert one["dpo/pairs"] == STEPS * 2 * 2 * dp and one["val_pairs"] > 0
         for r in ranks:
-            assert r["metrics"].keys() == one.keys()
+            assert r["metrics"][i].keys() == one.keys()
             for key, value in one.items():
-                assert r["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+                assert r["metrics"][i][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_dpo_at_two_ranks_equals_one_process(inputs):
+    moe = save_qwen2_moe(inputs[0] / "qwen-moe", seed=2)
     _check(inputs, {
         "fsdp-copy": _cfg(inputs, "fsdp", 2),
         "ddp-lora-packed": _cfg(inputs, "ddp", 2, "lora.rank=4", "data.pack=true", "train.lr=1e-2"),
         "fsdp-precomputed": _cfg(inputs, "fsdp", 2, "preference.precompute_reference=true"),
+        "zero2-copy": _cfg(inputs, "zero2", 2),
+        "fsdp-cp2-lora-packed": _cfg(inputs, "fsdp", 2, "parallel.cp=2", "lora.rank=4", "data.pack=true",
+                                     "train.lr=1e-2"),
+        "fsdp-ep2-moe-copy-aux": _cfg(inputs, "fsdp", 2, "parallel.ep=2", AUX, model=moe),
     }, 2)
 
 
-def test_dpo_under_fsdp_tp_at_four_ranks_equals_one_process(inputs):
+def test_dpo_under_fsdp_tp_cp_ep_at_four_ranks_equals_one_process(inputs):
+    moe = save_qwen3_moe(inputs[0] / "qwen3-moe", seed=2)
     _check(inputs, {
         "fsdp+tp-copy": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2"),
         "fsdp+tp-lora": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "lora.rank=4", "train.lr=1e-2"),
-    }, 4, metrics_case=_cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "train.eval_batches=2"))
+        "fsdp+tp+cp-copy-ipo": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "parallel.cp=2", "preference.loss=ipo"),
+        "fsdp-cp2-ep2-moe-copy-aux": _cfg(inputs, "fsdp", 4, "parallel.cp=2", "parallel.ep=2", AUX, model=moe),
+    }, 4, metrics_cases=[_cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "train.eval_batches=2"),
+                         _cfg(inputs, "fsdp", 4, "parallel.cp=2", "train.eval_batches=2")])
 
 
 def _metrics(run_dir):

@@ -229,7 +229,7 @@ class Layout:
                     f"which must divide the world size {self.dp}. Valid shard sizes: "
                     f"{', '.join(map(str, divisors))} (0 = ranks per node).")
             return shard
-        implied = self.dp if info.dp_kind in ("zero2", "fsdp") else 1
+        implied = self.dp if info.shards_over_dp else 1
         if self.shard not in (0, implied):
             raise ConfigError(f"strategy {self.strategy!r} shards model state across {implied} rank(s), "
                               f"not {self.shard}.")

@@ -85,6 +85,11 @@ class StrategyInfo:
         """True for the compositions on the ("pp", "dp", "tp") mesh."""
         return self.mesh_dims == COMPOSED_MESH
 
+    @property
+    def shards_over_dp(self) -> bool:
+        """Whether the data-parallel ranks hold FSDP2 shards of the parameters (zero2 and the fsdp kinds)."""
+        return self.dp_kind in ("zero2", "fsdp")
+
     def supports(self, family: str) -> bool:
         """Whether a model of ``family`` ("" when unknown) can run under this strategy."""
         return self.families is None or family in self.families
@@ -194,7 +199,7 @@ def degree_set(name: str, dp: int, *, tp: int = 1, pp: int = 1, shard: int = 0) 
     info = strategy_info(name)
     if info.hybrid:
         dp_shard = shard or dp
-    elif info.dp_kind in ("zero2", "fsdp"):
+    elif info.shards_over_dp:
         dp_shard = dp
     else:
         dp_shard = 1

@@ -57,8 +57,8 @@ def dpo_metrics(cfg, steps: int, out: str) -> dict:
         session.close()
 
 
-def dpo_rank(rank: int, world_size: int, cases: list[dict], metrics: dict) -> dict:
-    """Rank function of one spawn: ``verify_cases`` and then ``dpo_metrics`` of one config."""
+def dpo_rank(rank: int, world_size: int, cases: list[dict], metrics: list[dict]) -> dict:
+    """Rank function of one spawn: ``verify_cases`` and then ``dpo_metrics`` of each metrics config."""
     from tests.helpers.sft import verify_cases
 
-    return {"verify": verify_cases(rank, world_size, cases), "metrics": dpo_metrics(**metrics)}
+    return {"verify": verify_cases(rank, world_size, cases), "metrics": [dpo_metrics(**m) for m in metrics]}

@@ -67,14 +67,23 @@ def save_gpt2(folder: Path, *, seed: int = 0, template: str | None = CHATML) -> 
 def save_qwen2_moe(folder: Path, *, seed: int = 0) -> Path:
     """A randomly initialised 2-layer Qwen2-MoE (4 experts, top-2, a shared expert) and the ChatML
     tokenizer, saved by transformers in the per-expert layout of the released checkpoints."""
+    return _save_moe(folder, "qwen2_moe", seed, shared_expert_intermediate_size=32, norm_topk_prob=False)
+
+
+def save_qwen3_moe(folder: Path, *, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer Qwen3-MoE (4 experts, top-2, no shared expert; a family context
+    parallel runs) and the ChatML tokenizer."""
+    return _save_moe(folder, "qwen3_moe", seed, head_dim=8, norm_topk_prob=True)
+
+
+def _save_moe(folder: Path, model_type: str, seed: int, **extra) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                               shared_expert_intermediate_size=32, norm_topk_prob=False,
-                               max_position_embeddings=256, tie_word_embeddings=False)
+                               max_position_embeddings=256, tie_word_embeddings=False, **extra)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
     save_tokenizer(folder)
     return folder

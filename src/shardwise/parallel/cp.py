@@ -72,7 +72,7 @@ from torch.overrides import TorchFunctionMode
 from shardwise.errors import ConfigError
 from shardwise.models.masking import attention_mask_4d, real_token_mask, split_inputs
 
-__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_batch", "cp_multiple",
+__all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_aligned", "chunk_batch", "cp_multiple",
            "gather_heads",
            "pad_to_multiple", "resolve_cp_impl", "scatter_heads", "split_sequence"]
 
@@ -473,6 +473,16 @@ def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, impl: str = "alltoall
         return ring_split(x, cp_rank, cp)
     chunk = seq // cp
     return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]
+
+
+def chunk_aligned(t: torch.Tensor, cp_rank: int, cp: int, impl: str, fill: int) -> torch.Tensor:
+    """This rank's part of a ``(B, T)`` tensor aligned with a batch's tokens, cut as ``chunk_batch`` cuts
+    the batch's targets: right-padded with ``fill`` to the multiple, then this rank's tokens. For what a
+    loss needs beside the labels (which answer each token belongs to, per-token weights)."""
+    extra = (-t.shape[1]) % cp_multiple(cp, impl)
+    if extra:
+        t = torch.cat([t, t.new_full((t.shape[0], extra), fill)], dim=1)
+    return split_sequence(t, cp_rank, cp, impl)
 
 
 def pad_to_multiple(inputs: dict[str, torch.Tensor], targets: torch.Tensor,

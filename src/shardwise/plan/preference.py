@@ -43,14 +43,13 @@ def dpo_layout_refusal(layout: Any, owns_step: bool) -> str | None:
     missing = [what for what, on in (
         ("pipeline parallel (parallel.pp > 1; its schedule cuts a batch's rows apart, separating a pair's "
          "chosen and rejected rows)", layout.pp > 1),
-        ("context parallel (parallel.cp > 1; each rank would score a chunk of every answer)", layout.cp > 1),
-        ("expert parallel (parallel.ep > 1)", layout.ep > 1),
         (f"the {layout.strategy} engine (it owns the step)", owns_step),
     ) if on]
     if not missing:
         return None
     return ("train.objective = 'dpo' does not run under " + "; nor under ".join(missing) + " yet. It runs "
-            "under single, ddp, zero1, fsdp and tensor parallel (tp, fsdp+tp); set the strategy to one of them.")
+            "under single, ddp, zero1, zero2, fsdp, hsdp and tensor parallel (tp, fsdp+tp), with context parallel "
+            "(parallel.cp) and expert parallel (parallel.ep) beside them; set the strategy to one of them.")
 
 
 def reference_for(lora_rank: int, precompute: bool) -> str:

@@ -22,6 +22,8 @@ answers that needs its own token-mean normalisation. IPO costs one line on the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,8 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor,
                  answers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log-probs, number of tokens) of each of ``answers`` answers; ``segments`` says which
-    answer each position's label belongs to (-1: none)."""
+    answer each position's label belongs to (-1: none). Under context parallel these are one rank's
+    chunk's (``Session.sequence_chunk`` cuts ``segments``; ``Session.sequence_sum`` adds the chunks)."""
     tok = token_logps(logits, labels)
     seg = segments.reshape(-1).to(tok.device)
     keep = (seg >= 0) & (labels.reshape(-1).to(tok.device) != IGNORE_INDEX)
@@ -80,3 +83,15 @@ def pair_logps(sums: torch.Tensor, counts: torch.Tensor, loss: str) -> tuple[tor
     values = sums / counts.clamp(min=1) if loss == "ipo" else sums
     half = values.shape[0] // 2
     return values[:half], values[half:]
+
+
+def pair_scores(logits: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, answers: int, loss: str,
+                sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) log-probs of a batch's pairs: ``answer_logps``, added over the context-parallel
+    ranks by ``sequence_sum`` (``Session.sequence_sum``; None: the whole sequences are here), then
+    ``pair_logps``."""
+    sums, counts = answer_logps(logits, labels, segments, answers)
+    if sequence_sum is not None:
+        sums, counts = sequence_sum(sums), sequence_sum(counts)
+    return pair_logps(sums, counts, loss)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.checkpointing import clean_name
-from shardwise.preference.objective import answer_logps, pair_logps
+from shardwise.preference.objective import pair_scores
 from shardwise.runtime.ledger import storage_bytes
 
 REFERENCE_FILE = "reference_logps.npz"
@@ -58,10 +58,10 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor], answers: int,
                 loss: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log-probs of one batch's pairs under ``model``, in eval mode, without gradients."""
-    segments = targets["segments"]
+    segments = session.sequence_chunk(targets["segments"], -1)  # cut as eval_loss cuts the labels (cp)
 
     def scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.stack(pair_logps(*answer_logps(logits, labels, segments, answers), loss))
+        return torch.stack(pair_scores(logits, labels, segments, answers, loss, session.sequence_sum))
 
     was_training = model.training
     model.eval()
@@ -92,8 +92,9 @@ def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Modul
     model.requires_grad_(False)
     ctx = dataclasses.replace(session.ctx, materialize=materialize if program is not None else None)
     strategy = session.strategy
-    if session.layout.info.dp_kind == "fsdp":
-        ref = parallelize(model, strategy, ctx)  # FSDP2 shards frozen parameters as it shards trained ones
+    if session.layout.info.shards_over_dp:
+        # FSDP2 shards frozen parameters as it shards trained ones (zero2 too: the policy's are shards)
+        ref = parallelize(model, strategy, ctx)
     else:
         # Replicated data parallel: each rank holds the whole (TP-sharded) model; DDP would only
         # wrap it for gradients, which it has none of.

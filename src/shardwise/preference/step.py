@@ -20,9 +20,10 @@ import torch
 
 from shardwise.errors import ConfigError
 from shardwise.models.masking import real_token_count
+from shardwise.models.moe import adds_aux_loss, with_aux_loss
 from shardwise.plan.preference import dpo_layout_refusal, reference_for
 from shardwise.preference import reference as refs
-from shardwise.preference.objective import answer_logps, pair_logps, preference_losses
+from shardwise.preference.objective import pair_scores, preference_losses
 from shardwise.runtime.collective import gather
 
 # Window sums: pairs, loss, chosen reward, rejected reward, correct pairs, chosen logp, rejected logp.
@@ -45,6 +46,9 @@ class PreferenceStep:
         check_layout(s.layout, s.strategy)
         self.session, self.pc, self.model = s, cfg.preference, trainer.model
         self.pack = cfg.data.packed
+        # A mixture-of-experts model's router losses join each micro-batch's DPO loss (scale 1, as
+        # beside the language-model loss: models/moe.py), as TRL adds them; the reference's never do.
+        self.aux = adds_aux_loss(trainer.workload.loss_fn)
         self.mode = reference_for(cfg.lora.rank, self.pc.precompute_reference)
         self.ref_model = None
         self.scores: dict[str, np.ndarray] | None = None
@@ -119,12 +123,17 @@ class PreferenceStep:
         return losses, sums.detach().double()
 
     def _loss_fn(self, segments: torch.Tensor, answers: int, ref: tuple[torch.Tensor, ...]) -> Any:
+        s = self.session
+        # Under context parallel each rank scores its chunk of every answer: the segments are cut as
+        # the labels are, and the answers' sums added over the cp ranks (differentiably) before the loss.
+        segments = s.sequence_chunk(segments, -1)
+
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            chosen, rejected = pair_logps(*answer_logps(logits, labels, segments, answers), self.pc.loss)
+            chosen, rejected = pair_scores(logits, labels, segments, answers, self.pc.loss, s.sequence_sum)
             losses, sums = self._terms(chosen, rejected, ref)
             self._window += sums
             return losses.mean()
-        return loss_fn
+        return with_aux_loss(loss_fn) if self.aux else loss_fn
 
     def micro_batches(self, trainer: Any, batches: Any, steps: int) -> torch.Tensor:
         """Run one optimizer step's ``steps`` micro-batches (forward + backward); return their loss sum."""

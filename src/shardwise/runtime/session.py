@@ -558,6 +558,31 @@ class Session:
         return chunk_batch(inputs, targets, self.cp_rank, self.layout.cp, self.cp_state,
                            positions=self.layout.pp > 1, real_tokens=self.layout.pp == 1 and self._routes)
 
+    def sequence_chunk(self, t: torch.Tensor, fill: int) -> torch.Tensor:
+        """This rank's part of a ``(B, T)`` tensor aligned with a batch's tokens, cut as
+        ``forward_backward`` and ``eval_loss`` cut the batch's targets under context parallel (``t``
+        itself without it); ``fill`` pads it where the batch is padded to a multiple of the cp chunks.
+
+        A loss over whole sequences (a sequence's summed log-prob, as DPO's) needs what it groups
+        tokens by cut the same way as the labels, then ``sequence_sum`` of its partial sums."""
+        if self.layout.cp == 1:
+            return t
+        from shardwise.parallel.cp import chunk_aligned
+
+        return chunk_aligned(t, self.cp_rank, self.layout.cp, self.cp_impl, fill)
+
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the context-parallel ranks of ``t``, each rank's partial per-sequence values
+        (``t`` itself without cp); differentiable: every rank then computes the same whole-sequence
+        loss, and the backward (a sum of the ranks' gradients, averaged over the data-parallel ranks
+        that include the cp ranks) gives each parameter the gradient of that loss."""
+        if self.layout.cp == 1:
+            return t
+        from torch.distributed.nn.functional import all_reduce
+
+        group, _ = self.meshes.cp_group()
+        return all_reduce(t, group=group)
+
     def _loss(self, model: nn.Module, loss_fn: Callable, targets: torch.Tensor) -> Any:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
         if self.loss_plan is None or not self.loss_plan.enabled:
