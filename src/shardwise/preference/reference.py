@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.checkpointing import clean_name
-from shardwise.preference.objective import answer_logps, pair_logps
+from shardwise.preference.objective import answer_logps, pair_halves
 from shardwise.runtime.ledger import storage_bytes
 
 REFERENCE_FILE = "reference_logps.npz"
@@ -55,13 +55,14 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m._disable_adapters = was
 
 
-def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor], answers: int,
-                loss: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) log-probs of one batch's pairs under ``model``, in eval mode, without gradients."""
+def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor],
+                answers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probs of one batch's pairs under ``model``, in eval mode, without
+    gradients."""
     segments = targets["segments"]
 
     def scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.stack(pair_logps(*answer_logps(logits, labels, segments, answers), loss))
+        return torch.stack(pair_halves(answer_logps(logits, labels, segments, answers)[0]))
 
     was_training = model.training
     model.eval()
@@ -113,8 +114,8 @@ def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Modul
 
 
 def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable, batch_size: int,
-                answers_per_row: int, loss: str) -> np.ndarray:
-    """(N, 2) float64 reference log-probs of every pair of ``dataset``, each data-parallel rank scoring
+                answers_per_row: int) -> np.ndarray:
+    """(N, 2) float64 reference log-probs (sums) of every pair of ``dataset``, each data-parallel rank scoring
     its share (every rank runs the same number of equal batches: FSDP and TP ranks step together)."""
     n, dp, rank = len(dataset), session.dp_size, session.dp_rank
     mine = list(range(rank, n, dp))
@@ -126,8 +127,7 @@ def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable,
         inputs, targets = collate([dataset[i] for i in idx])
         inputs = session.to_device(inputs)
         targets = {k: v.to(session.device) for k, v in targets.items()}
-        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0],
-                                       loss)
+        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0])
         out[idx, 0] = chosen.double()
         out[idx, 1] = rejected.double()
     if session.is_distributed:
