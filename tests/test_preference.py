@@ -1,8 +1,8 @@
-"""DPO in one process: the loss equals a hand computation from per-token log-probs (and TRL's
-formula where trl is installed), prompt tokens never count, packed and concatenated batches give
-the same log-probs, the LoRA reference (adapters off) equals the frozen base, the precomputed
-reference trains exactly as the live one, bad records are refused with their location, and the
-truncation keeps the prompt's end and the answers' start."""
+"""DPO in one process: the loss equals a hand computation from per-token log-probs (TRL's own
+DPOTrainer is run beside it in test_preference_trl.py), prompt tokens never count, packed and
+concatenated batches give the same log-probs, the LoRA reference (adapters off) equals the frozen
+base, the precomputed reference trains exactly as the live one, bad records are refused with their
+location, and the truncation keeps the prompt's end and the answers' start."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from shardwise.config import PreferenceConfig, load_config  # noqa: E402
 from shardwise.data.preference import PairRenderer, Pairs, encode_pairs, fit_pair, load_pairs  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.preference.batches import PairCollator, PairSet  # noqa: E402
-from shardwise.preference.objective import answer_logps, pair_logps, preference_losses  # noqa: E402
+from shardwise.preference.objective import answer_lengths, answer_logps, pair_halves, preference_losses  # noqa: E402
 from tests.helpers.preference import dpo_overrides, preference_records, write_jsonl  # noqa: E402
 from tests.helpers.sft import save_qwen2  # noqa: E402
 
@@ -52,9 +52,10 @@ def test_dpo_loss_of_a_batch_equals_a_hand_computation():
     hand = _hand_logps(logits, rows, [len(pairs.prompts[i]) for i in range(3)] * 2)
     torch.testing.assert_close(sums, torch.tensor(hand, dtype=torch.float64))
     assert counts.tolist() == [4, 5, 2, 2, 5, 6]  # every answer token, prompt tokens none
+    assert answer_lengths(y["labels"], y["segments"], 6).tolist() == counts.tolist()
     ref_c, ref_r = torch.tensor([-3.0, -9.0, -1.5], dtype=torch.float64), torch.tensor([-4.0, -2.0, -8.0],
                                                                                         dtype=torch.float64)
-    pc, pr = pair_logps(sums, counts, "sigmoid")
+    pc, pr = pair_halves(sums)
     beta, eps = 0.3, 0.1
     losses, rc, rr = preference_losses(pc, pr, ref_c, ref_r, beta=beta, label_smoothing=eps)
     for i in range(3):
@@ -64,22 +65,16 @@ def test_dpo_loss_of_a_batch_equals_a_hand_computation():
         assert abs(float(losses[i]) - expect) < 1e-12
         assert abs(float(rc[i]) - beta * (hand[i] - float(ref_c[i]))) < 1e-12
         assert abs(float(rr[i]) - beta * (hand[3 + i] - float(ref_r[i]))) < 1e-12
-    # IPO: log-probs averaged over each answer's tokens, squared distance to 1 / (2 beta).
-    pc, pr = pair_logps(sums, counts, "ipo")
-    ipo, _, _ = preference_losses(pc, pr, ref_c, ref_r, beta=beta, loss="ipo")
+    # IPO: each answer's log-ratio averaged over its tokens, squared distance to 1 / (2 beta); the
+    # rewards stay those of the sums.
+    ipo, irc, irr = preference_losses(pc, pr, ref_c, ref_r, beta=beta, loss="ipo", lengths=pair_halves(counts))
     for i in range(3):
-        z = (hand[i] / len(pairs.chosen[i]) - hand[3 + i] / len(pairs.rejected[i])) - float(ref_c[i] - ref_r[i])
+        nc, nr = len(pairs.chosen[i]), len(pairs.rejected[i])
+        z = (hand[i] - float(ref_c[i])) / nc - (hand[3 + i] - float(ref_r[i])) / nr
         assert abs(float(ipo[i]) - (z - 1 / (2 * beta)) ** 2) < 1e-12
-    try:
-        from trl import DPOConfig, DPOTrainer  # noqa: F401
-    except ImportError:
-        return  # TRL is not a dependency; where it is installed, its formula must agree
-    trainer = DPOTrainer.__new__(DPOTrainer)
-    trainer.beta, trainer.label_smoothing, trainer.loss_type = beta, eps, "sigmoid"
-    trainer.f_divergence_type, trainer.reference_free, trainer.use_weighting = "reverse_kl", False, False
-    pc, pr = pair_logps(sums, counts, "sigmoid")
-    got = trainer.dpo_loss(pc, pr, ref_c, ref_r)[0]
-    torch.testing.assert_close(got, preference_losses(pc, pr, ref_c, ref_r, beta=beta, label_smoothing=eps)[0])
+    torch.testing.assert_close((irc, irr), (rc, rr))
+    with pytest.raises(ValueError, match="lengths"):
+        preference_losses(pc, pr, ref_c, ref_r, beta=beta, loss="ipo")
 
 
 def test_prompt_tokens_never_count_and_both_sides_share_the_prompt():

@@ -22,10 +22,11 @@ an empty answer, a chosen answer identical to the rejected one. A prompt that fi
 sequence (``block_size + 1`` tokens) leaves no room for an answer: such records are dropped and
 counted, with their locations in the data notes (``data.truncation = "error"`` refuses them).
 
-Truncation (TRL's default, ``truncation_mode = "keep_end"`` for the prompt): a pair longer than the
-sequence keeps the END of its prompt (down to half the sequence, or less where the longer answer
-needs more room) and the START of each answer; ``data.truncation = "drop"`` drops such pairs and
-``"error"`` refuses them. Every cut is counted in the notes.
+Truncation (what TRL did before 0.29: the prompt kept its last ``max_prompt_length`` tokens, each
+answer its first ``max_completion_length``; TRL since cuts prompt + answer as one sequence): a
+pair longer than the sequence keeps the END of its prompt (down to half the sequence, or less where
+the longer answer needs more room) and the START of each answer; ``data.truncation = "drop"`` drops
+such pairs and ``"error"`` refuses them. Every cut is counted in the notes.
 """
 
 from __future__ import annotations

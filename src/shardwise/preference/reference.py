@@ -55,13 +55,14 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m._disable_adapters = was
 
 
-def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor], answers: int,
-                loss: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) log-probs of one batch's pairs under ``model``, in eval mode, without gradients."""
+def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor],
+                answers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probs of one batch's pairs under ``model``, in eval mode, without
+    gradients."""
     segments = session.sequence_chunk(targets["segments"], -1)  # cut as eval_loss cuts the labels (cp)
 
     def scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.stack(pair_scores(logits, labels, segments, answers, loss, session.sequence_sum))
+        return torch.stack(pair_scores(logits, labels, segments, answers, session.sequence_sum))
 
     was_training = model.training
     model.eval()
@@ -114,8 +115,8 @@ def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Modul
 
 
 def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable, batch_size: int,
-                answers_per_row: int, loss: str) -> np.ndarray:
-    """(N, 2) float64 reference log-probs of every pair of ``dataset``, each data-parallel rank scoring
+                answers_per_row: int) -> np.ndarray:
+    """(N, 2) float64 reference log-probs (sums) of every pair of ``dataset``, each data-parallel rank scoring
     its share (every rank runs the same number of equal batches: FSDP and TP ranks step together)."""
     n, dp, rank = len(dataset), session.dp_size, session.dp_rank
     mine = list(range(rank, n, dp))
@@ -127,8 +128,7 @@ def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable,
         inputs, targets = collate([dataset[i] for i in idx])
         inputs = session.to_device(inputs)
         targets = {k: v.to(session.device) for k, v in targets.items()}
-        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0],
-                                       loss)
+        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0])
         out[idx, 0] = chosen.double()
         out[idx, 1] = rejected.double()
     if session.is_distributed:

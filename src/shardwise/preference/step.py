@@ -23,7 +23,7 @@ from shardwise.models.masking import real_token_count
 from shardwise.models.moe import adds_aux_loss, with_aux_loss
 from shardwise.plan.preference import dpo_layout_refusal, reference_for
 from shardwise.preference import reference as refs
-from shardwise.preference.objective import pair_scores, preference_losses
+from shardwise.preference.objective import answer_lengths, pair_halves, pair_scores, preference_losses
 from shardwise.runtime.collective import gather
 
 # Window sums: pairs, loss, chosen reward, rejected reward, correct pairs, chosen logp, rejected logp.
@@ -74,8 +74,9 @@ class PreferenceStep:
     def _precompute(self, trainer: Any) -> None:
         s, cfg = self.session, trainer.cfg
         train_set, val_set = trainer.workload.train_set, trainer.workload.val_set
+        # The file holds summed log-probs whatever the loss (files keyed by the loss held IPO's means).
         key = refs.fingerprint(train_set, {"val": refs.fingerprint(val_set, {}), "model": cfg.model.pretrained,
-                                           "lora": cfg.lora.rank, "loss": self.pc.loss,
+                                           "lora": cfg.lora.rank, "logps": "sums",
                                            "precision": cfg.parallel.precision, "pack": self.pack})
         path = trainer.run_dir.path / refs.REFERENCE_FILE
         scores = refs.load_scores(path, key) if s.is_main else None
@@ -83,7 +84,7 @@ class PreferenceStep:
         if scores is None:
             collate, b = trainer.workload.collate_fn, cfg.train.micro_batch_size
             per_row = 2 if self.pack else 1
-            scores = {part: refs.score_pairs(s, self.model, data, collate, b, per_row, self.pc.loss)
+            scores = {part: refs.score_pairs(s, self.model, data, collate, b, per_row)
                       for part, data in (("train", train_set), ("val", val_set))}
             if s.is_main:
                 refs.save_scores(path, key, scores)
@@ -98,10 +99,10 @@ class PreferenceStep:
             return targets["ref"][:, 0], targets["ref"][:, 1]
         if self.mode == "adapters":
             with refs.adapters_off(self.model):
-                return refs.score_batch(self.session, self.model, inputs, targets, answers, self.pc.loss)
+                return refs.score_batch(self.session, self.model, inputs, targets, answers)
         if self.ref_model is None:
             raise ConfigError("the precomputed reference log-probs are missing from this batch")
-        return refs.score_batch(self.session, self.ref_model, inputs, targets, answers, self.pc.loss)
+        return refs.score_batch(self.session, self.ref_model, inputs, targets, answers)
 
     # ------------------------------------------------------------------ one step
     def _answers(self, targets: dict[str, torch.Tensor]) -> int:
@@ -112,25 +113,31 @@ class PreferenceStep:
         inputs, targets = batch
         return self.session.to_device(inputs), {k: v.to(self.session.device) for k, v in targets.items()}
 
-    def _terms(self, chosen: torch.Tensor, rejected: torch.Tensor,
-               ref: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-pair losses, this batch's window sums) from the pairs' policy and reference log-probs."""
+    def _lengths(self, targets: dict[str, torch.Tensor], answers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (chosen, rejected) answers' token counts of a batch."""
+        return pair_halves(answer_lengths(targets["labels"], targets["segments"], answers))
+
+    def _terms(self, chosen: torch.Tensor, rejected: torch.Tensor, ref: tuple[torch.Tensor, ...],
+               lengths: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair losses, this batch's window sums) from the pairs' policy and reference log-prob
+        sums and their answers' token counts."""
         pc = self.pc
         losses, r_c, r_r = preference_losses(chosen, rejected, ref[0], ref[1], beta=pc.beta,
-                                             label_smoothing=pc.label_smoothing, loss=pc.loss)
+                                             label_smoothing=pc.label_smoothing, loss=pc.loss, lengths=lengths)
         sums = torch.stack([torch.full_like(losses[0], losses.shape[0]), losses.sum(), r_c.sum(), r_r.sum(),
                             (r_c > r_r).to(losses.dtype).sum(), chosen.sum(), rejected.sum()])
         return losses, sums.detach().double()
 
-    def _loss_fn(self, segments: torch.Tensor, answers: int, ref: tuple[torch.Tensor, ...]) -> Any:
+    def _loss_fn(self, segments: torch.Tensor, answers: int, ref: tuple[torch.Tensor, ...],
+                 lengths: tuple[torch.Tensor, torch.Tensor]) -> Any:
         s = self.session
         # Under context parallel each rank scores its chunk of every answer: the segments are cut as
         # the labels are, and the answers' sums added over the cp ranks (differentiably) before the loss.
         segments = s.sequence_chunk(segments, -1)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            chosen, rejected = pair_scores(logits, labels, segments, answers, self.pc.loss, s.sequence_sum)
-            losses, sums = self._terms(chosen, rejected, ref)
+            chosen, rejected = pair_scores(logits, labels, segments, answers, s.sequence_sum)
+            losses, sums = self._terms(chosen, rejected, ref, lengths)
             self._window += sums
             return losses.mean()
         return with_aux_loss(loss_fn) if self.aux else loss_fn
@@ -147,7 +154,7 @@ class PreferenceStep:
             real += real_token_count(inputs)
             answers = self._answers(targets)
             ref = self._reference(inputs, targets, answers)
-            loss_fn = self._loss_fn(targets["segments"], answers, ref)
+            loss_fn = self._loss_fn(targets["segments"], answers, ref, self._lengths(targets, answers))
 
             loss_sum += s.forward_backward(self.model, inputs, targets["labels"], loss_fn).float()
         # Tokens of both answers' sequences on every data-parallel rank (what tokens/s counts).
@@ -189,8 +196,8 @@ class PreferenceStep:
             inputs, targets = self._to_device(batch)
             answers = self._answers(targets)
             ref = self._reference(inputs, targets, answers)
-            chosen, rejected = refs.score_batch(s, self.model, inputs, targets, answers, self.pc.loss)
-            sums += self._terms(chosen, rejected, ref)[1]
+            chosen, rejected = refs.score_batch(s, self.model, inputs, targets, answers)
+            sums += self._terms(chosen, rejected, ref, self._lengths(targets, answers))[1]
         out = self._means(sums, "val_")
         return out.pop("val_loss"), out
 
