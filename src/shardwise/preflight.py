@@ -71,7 +71,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     if cfg.train.objective == "dpo":
         from shardwise.preference.step import check_layout
 
-        check_layout(layout, strategy)
+        check_layout(layout, strategy, cfg)
     cp_impl = "alltoall"
     if layout.cp > 1:
         import torch

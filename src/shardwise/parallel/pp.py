@@ -317,7 +317,9 @@ class Pipeline:
     def run(self, inputs: torch.Tensor | dict[str, torch.Tensor], targets: torch.Tensor, loss_fn: Callable,
             grad_accum_steps: int, train: bool, cp_state: Any = None) -> torch.Tensor:
         """Run the schedule on one batch (forward+backward, or forward only); return its loss: the mean
-        over the microbatches, or for a token-sum loss (``runtime.token_loss``) their sum.
+        over the microbatches, or for a token-sum loss (``runtime.token_loss``) their sum. Forward
+        only, a ``loss_fn`` returning one value per row (or several: a 1-D tensor per microbatch)
+        gets the microbatches' values concatenated in row order (per-sequence scores).
 
         ``inputs``: token ids, or a mapping of them and their side inputs (``models.masking``).
         ``cp_state``: the cp group's state holding the batch's whole-sequence mask (context parallel).
@@ -357,6 +359,8 @@ class Pipeline:
                 _uninitialise(sched)
         from shardwise.parallel.tp import local_value
 
+        if not train and self._per_row(losses, ids.device):
+            return self._broadcast_rows(losses, ids.device)
         if self.has_last:
             # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
             # calls on placeholder tensors while it infers shapes on the first step), unscaled.
@@ -367,4 +371,25 @@ class Pipeline:
             loss = torch.zeros((), dtype=torch.float64, device=ids.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
+
+    def _per_row(self, losses: list | None, device: torch.device) -> bool:
+        """Whether an evaluation's loss_fn returned values per row (1-D) rather than one loss: the
+        last stage knows, and tells the other stages."""
+        flag = torch.tensor(int(bool(losses) and losses[0].dim() > 0), device=device)  # type: ignore[index]
+        dist.broadcast(flag, group=self.pp_group, group_src=self.last_rank)
+        return bool(flag.item())
+
+    def _broadcast_rows(self, losses: list | None, device: torch.device) -> torch.Tensor:
+        """The microbatches' per-row values, concatenated, on every stage (length first: only the
+        last stage saw them)."""
+        from shardwise.parallel.tp import local_value
+
+        # The schedule holds what _scaled_loss returned: undo the scale, as for one loss.
+        rows = (torch.cat([local_value(t.detach()).double() for t in losses]) / self._scale  # type: ignore[union-attr]
+                if self.has_last else None)
+        n = torch.tensor(rows.numel() if rows is not None else 0, device=device)
+        dist.broadcast(n, group=self.pp_group, group_src=self.last_rank)
+        out = rows if rows is not None else torch.zeros(int(n.item()), dtype=torch.float64, device=device)
+        dist.broadcast(out, group=self.pp_group, group_src=self.last_rank)
+        return out
 

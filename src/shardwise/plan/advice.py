@@ -398,7 +398,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                 if spec.tied_embeddings and (why := tied_weights_refusal(layout)):
                     errors.append(ConfigError(why))  # the runtime's rule (parallel/pp_ties.py)
                     continue
-                if work.objective == "dpo" and (why := dpo_layout_refusal(layout, owns_step=False)):
+                # (pairs: runtime_batch makes a pipeline's micro-batch a multiple of its microbatches)
+                if work.objective == "dpo" and (why := dpo_layout_refusal(layout, False, work.dpo_reference)):
                     errors.append(ConfigError(why))  # the DPO step's rule (plan/preference.py)
                     continue
                 try:  # the optimizer's rule (optim/build.py: Muon and Adafactor need the state on the device)

@@ -36,20 +36,32 @@ PRECOMPUTED_BYTES_PER_PAIR = 16  # chosen and rejected log-probs, float64
 __all__ = ["OBJECTIVES", "REFERENCES", "dpo_breakdown", "dpo_layout_refusal", "dpo_step_time", "reference_for"]
 
 
-def dpo_layout_refusal(layout: Any, owns_step: bool) -> str | None:
-    """Why the DPO step cannot run under ``layout`` yet (None where it can): the one rule, asked by the
+def dpo_layout_refusal(layout: Any, owns_step: bool, reference: str = "copy", pairs: int = 0) -> str | None:
+    """Why the DPO step cannot run under ``layout`` (None where it can): the one rule, asked by the
     runtime before launch and on every rank (``preference.step.check_layout``) and by the planner's
-    search (a layout it would refuse is never recommended)."""
-    missing = [what for what, on in (
-        ("pipeline parallel (parallel.pp > 1; its schedule cuts a batch's rows apart, separating a pair's "
-         "chosen and rejected rows)", layout.pp > 1),
-        (f"the {layout.strategy} engine (it owns the step)", owns_step),
-    ) if on]
-    if not missing:
+    search (a layout it would refuse is never recommended). ``reference``: ``reference_for``'s answer;
+    ``pairs``: the pairs of a micro-batch (0: not known yet, as in the planner's search)."""
+    if owns_step:
+        return (f"train.objective = 'dpo' does not run under the {layout.strategy} engine (it owns the step) yet. "
+                "It runs under single, ddp, zero1, zero2, fsdp, hsdp, tensor and pipeline parallel (tp, fsdp+tp, "
+                "pp, fsdp+pp, fsdp+tp+pp), with context or expert parallel beside them; set one of them.")
+    if layout.pp == 1:
         return None
-    return ("train.objective = 'dpo' does not run under " + "; nor under ".join(missing) + " yet. It runs "
-            "under single, ddp, zero1, zero2, fsdp, hsdp and tensor parallel (tp, fsdp+tp), with context parallel "
-            "(parallel.cp) and expert parallel (parallel.ep) beside them; set the strategy to one of them.")
+    if layout.cp > 1:
+        return ("train.objective = 'dpo' does not run under context parallel beside pipeline parallel "
+                "(parallel.cp > 1 with parallel.pp > 1) yet: set one of them to 1.")
+    if reference == "copy":
+        # The strategy runs one pipeline schedule: a frozen copy's stages would need their own.
+        return ("train.objective = 'dpo' under pipeline parallel takes its reference from LoRA adapters switched "
+                "off (lora.rank > 0) or from log-probs scored once before training (preference.precompute_reference"
+                " = true), not from a frozen copy of the model, whose stages would need a pipeline schedule of "
+                "their own. Set one of the two, or a strategy without pipeline parallel.")
+    if pairs % layout.pp_microbatches:
+        return (f"train.objective = 'dpo' under pipeline parallel needs the pairs of a micro-batch "
+                f"(train.micro_batch_size = {pairs}) to divide evenly into the {layout.pp_microbatches} pipeline "
+                "microbatches (parallel.pp_microbatches), so that no pair's chosen and rejected answers are cut "
+                f"apart; set train.micro_batch_size to a multiple of {layout.pp_microbatches}.")
+    return None
 
 
 def reference_for(lora_rank: int, precompute: bool) -> str:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.checkpointing import clean_name
-from shardwise.preference.objective import pair_scores
+from shardwise.preference.objective import answer_logps, pair_scores
 from shardwise.runtime.ledger import storage_bytes
 
 REFERENCE_FILE = "reference_logps.npz"
@@ -56,21 +56,35 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 
 def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, torch.Tensor],
-                answers: int) -> tuple[torch.Tensor, torch.Tensor]:
+                answers: int, *, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed log-probs of one batch's pairs under ``model``, in eval mode, without
-    gradients."""
+    gradients. ``width``: under pipeline parallel, the rows' fixed width (``preference.pipeline``)."""
+    if width:
+        from shardwise.preference import pipeline as pipe
+
+        inputs, target, per_row = pipe.pipeline_batch(inputs, targets, None, width)
+
+        def per_answer(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            labels, answer, n, _ = pipe.decode(target, per_row)
+            return answer_logps(logits, labels, answer, n)[0]  # one value per answer: concatenated
+
+        return pipe.halves(_in_eval(session, model, inputs, target, per_answer))
     segments = session.sequence_chunk(targets["segments"], -1)  # cut as eval_loss cuts the labels (cp)
 
     def scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.stack(pair_scores(logits, labels, segments, answers, session.sequence_sum))
 
+    out = _in_eval(session, model, inputs, targets["labels"], scores)
+    return out[0], out[1]
+
+
+def _in_eval(session: Any, model: nn.Module, inputs: Any, target: torch.Tensor, fn: Callable) -> torch.Tensor:
     was_training = model.training
     model.eval()
     try:
-        out = session.eval_loss(model, inputs, targets["labels"], scores)
+        return session.eval_loss(model, inputs, target, fn)
     finally:
         model.train(was_training)
-    return out[0], out[1]
 
 
 def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Module) -> nn.Module:
@@ -115,12 +129,14 @@ def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Modul
 
 
 def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable, batch_size: int,
-                answers_per_row: int) -> np.ndarray:
+                answers_per_row: int, *, width: int = 0) -> np.ndarray:
     """(N, 2) float64 reference log-probs (sums) of every pair of ``dataset``, each data-parallel rank scoring
     its share (every rank runs the same number of equal batches: FSDP and TP ranks step together)."""
     n, dp, rank = len(dataset), session.dp_size, session.dp_rank
     mine = list(range(rank, n, dp))
     per_rank = math.ceil(n / dp)
+    if width:  # a pipeline's batches split into its microbatches: every batch full
+        per_rank = math.ceil(per_rank / batch_size) * batch_size
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))  # repeats: scored again, the same value
     out = torch.zeros(n, 2, dtype=torch.float64, device=session.device)
     for start in range(0, per_rank, batch_size):
@@ -128,7 +144,8 @@ def score_pairs(session: Any, model: nn.Module, dataset: Any, collate: Callable,
         inputs, targets = collate([dataset[i] for i in idx])
         inputs = session.to_device(inputs)
         targets = {k: v.to(session.device) for k, v in targets.items()}
-        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0])
+        chosen, rejected = score_batch(session, model, inputs, targets, answers_per_row * targets["labels"].shape[0],
+                                       width=width)
         out[idx, 0] = chosen.double()
         out[idx, 1] = rejected.double()
     if session.is_distributed:

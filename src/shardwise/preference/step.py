@@ -22,18 +22,20 @@ from shardwise.errors import ConfigError
 from shardwise.models.masking import real_token_count
 from shardwise.models.moe import adds_aux_loss, with_aux_loss
 from shardwise.plan.preference import dpo_layout_refusal, reference_for
+from shardwise.preference import pipeline as pipe
 from shardwise.preference import reference as refs
-from shardwise.preference.objective import answer_lengths, pair_halves, pair_scores, preference_losses
+from shardwise.preference.objective import answer_lengths, answer_logps, pair_halves, pair_scores, preference_losses
 from shardwise.runtime.collective import gather
 
 # Window sums: pairs, loss, chosen reward, rejected reward, correct pairs, chosen logp, rejected logp.
 _SLOTS = 7
 
 
-def check_layout(layout: Any, strategy: Any) -> None:
-    """ConfigError where the DPO step cannot run under this layout yet (preflight asks before launch;
-    every rank asks again; the rule is ``plan.preference.dpo_layout_refusal``'s)."""
-    why = dpo_layout_refusal(layout, strategy.owns_step)
+def check_layout(layout: Any, strategy: Any, cfg: Any) -> None:
+    """ConfigError where the DPO step of ``cfg`` cannot run under this layout (preflight asks before
+    launch; every rank asks again; the rule is ``plan.preference.dpo_layout_refusal``'s)."""
+    reference = reference_for(cfg.lora.rank, cfg.preference.precompute_reference)
+    why = dpo_layout_refusal(layout, strategy.owns_step, reference, cfg.train.micro_batch_size)
     if why:
         raise ConfigError(why)
 
@@ -43,13 +45,17 @@ class PreferenceStep:
 
     def __init__(self, trainer: Any) -> None:
         cfg, s = trainer.cfg, trainer.session
-        check_layout(s.layout, s.strategy)
+        check_layout(s.layout, s.strategy, cfg)
         self.session, self.pc, self.model = s, cfg.preference, trainer.model
         self.pack = cfg.data.packed
         # A mixture-of-experts model's router losses join each micro-batch's DPO loss (scale 1, as
         # beside the language-model loss: models/moe.py), as TRL adds them; the reference's never do.
         self.aux = adds_aux_loss(trainer.workload.loss_fn)
         self.mode = reference_for(cfg.lora.rank, self.pc.precompute_reference)
+        # Pipeline parallel: pairs kept whole in each microbatch, every batch at one width.
+        self.width = 0
+        if s.layout.pp > 1:
+            self.width = pipe.row_width(trainer.workload.tokens_per_sample, self.pack)
         self.ref_model = None
         self.scores: dict[str, np.ndarray] | None = None
         t0 = time.perf_counter()
@@ -84,7 +90,7 @@ class PreferenceStep:
         if scores is None:
             collate, b = trainer.workload.collate_fn, cfg.train.micro_batch_size
             per_row = 2 if self.pack else 1
-            scores = {part: refs.score_pairs(s, self.model, data, collate, b, per_row)
+            scores = {part: refs.score_pairs(s, self.model, data, collate, b, per_row, width=self.width)
                       for part, data in (("train", train_set), ("val", val_set))}
             if s.is_main:
                 refs.save_scores(path, key, scores)
@@ -99,10 +105,10 @@ class PreferenceStep:
             return targets["ref"][:, 0], targets["ref"][:, 1]
         if self.mode == "adapters":
             with refs.adapters_off(self.model):
-                return refs.score_batch(self.session, self.model, inputs, targets, answers)
+                return refs.score_batch(self.session, self.model, inputs, targets, answers, width=self.width)
         if self.ref_model is None:
             raise ConfigError("the precomputed reference log-probs are missing from this batch")
-        return refs.score_batch(self.session, self.ref_model, inputs, targets, answers)
+        return refs.score_batch(self.session, self.ref_model, inputs, targets, answers, width=self.width)
 
     # ------------------------------------------------------------------ one step
     def _answers(self, targets: dict[str, torch.Tensor]) -> int:
@@ -142,6 +148,18 @@ class PreferenceStep:
             return losses.mean()
         return with_aux_loss(loss_fn) if self.aux else loss_fn
 
+    def _pipeline_loss_fn(self, per_row: int) -> Any:
+        """The loss of one pipeline microbatch, from its share of ``pipeline.pipeline_batch``'s target."""
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            labels, answer, n, ref = pipe.decode(target, per_row)
+            sums = answer_logps(logits, labels, answer, n)[0]
+            lengths = pipe.halves(answer_lengths(labels, answer, n))
+            losses, window = self._terms(*pipe.halves(sums), pipe.halves(ref), lengths)
+            if logits.device.type != "meta":  # not torch's shape inference on placeholders
+                self._window += window
+            return losses.mean()
+        return with_aux_loss(loss_fn) if self.aux else loss_fn
+
     def micro_batches(self, trainer: Any, batches: Any, steps: int) -> torch.Tensor:
         """Run one optimizer step's ``steps`` micro-batches (forward + backward); return their loss sum."""
         s = self.session
@@ -154,8 +172,11 @@ class PreferenceStep:
             real += real_token_count(inputs)
             answers = self._answers(targets)
             ref = self._reference(inputs, targets, answers)
+            if self.width:
+                inputs, target, per_row = pipe.pipeline_batch(inputs, targets, ref, self.width)
+                loss_sum += s.forward_backward(self.model, inputs, target, self._pipeline_loss_fn(per_row)).float()
+                continue
             loss_fn = self._loss_fn(targets["segments"], answers, ref, self._lengths(targets, answers))
-
             loss_sum += s.forward_backward(self.model, inputs, targets["labels"], loss_fn).float()
         # Tokens of both answers' sequences on every data-parallel rank (what tokens/s counts).
         trainer.real_tokens = trainer.real_tokens + self._global_count(real)
@@ -169,10 +190,12 @@ class PreferenceStep:
         return t
 
     # ------------------------------------------------------------------ metrics and evaluation
-    def _means(self, sums: torch.Tensor, prefix: str) -> dict[str, float]:
+    def _means(self, sums: torch.Tensor, prefix: str, last_stage_only: bool = False) -> dict[str, float]:
         s = self.session
         if s.is_distributed:  # tp peers hold the same pairs: count them once
-            sums = s.all_reduce(sums, op="sum") / (s.world_size // s.dp_size)
+            peers = s.world_size // s.dp_size
+            # A pipeline's training loss runs on its last stage only: the other stages add zeros.
+            sums = s.all_reduce(sums, op="sum") / (peers // s.layout.pp if last_stage_only else peers)
         v = [float(x) for x in sums]
         n = max(v[0], 1.0)
         return {f"{prefix}loss": v[1] / n, f"{prefix}reward_chosen": v[2] / n, f"{prefix}reward_rejected": v[3] / n,
@@ -181,7 +204,7 @@ class PreferenceStep:
 
     def take_metrics(self) -> dict[str, float]:
         """The logging window's global means (a collective: every rank calls it at logging steps)."""
-        out = self._means(self._window, "dpo/")
+        out = self._means(self._window, "dpo/", last_stage_only=self.width > 0)
         self._window.zero_()
         return out
 
@@ -196,7 +219,7 @@ class PreferenceStep:
             inputs, targets = self._to_device(batch)
             answers = self._answers(targets)
             ref = self._reference(inputs, targets, answers)
-            chosen, rejected = refs.score_batch(s, self.model, inputs, targets, answers)
+            chosen, rejected = refs.score_batch(s, self.model, inputs, targets, answers, width=self.width)
             sums += self._terms(chosen, rejected, ref, self._lengths(targets, answers))[1]
         out = self._means(sums, "val_")
         return out.pop("val_loss"), out
