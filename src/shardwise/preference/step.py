@@ -161,17 +161,25 @@ class PreferenceStep:
         return with_aux_loss(loss_fn) if self.aux else loss_fn
 
     def micro_batches(self, trainer: Any, batches: Any, steps: int) -> torch.Tensor:
-        """Run one optimizer step's ``steps`` micro-batches (forward + backward); return their loss sum."""
+        """Run one optimizer step's ``steps`` micro-batches (forward + backward); return their loss sum.
+
+        A live reference scores every micro-batch of the step before the first training forward:
+        under FSDP with pipeline parallel an evaluation run between two accumulating micro-batches
+        corrupts the gradient the first one left (measured: fsdp+pp with accumulation 2), and one
+        evaluation block per step also re-initialises the training schedule once instead of once
+        per micro-batch."""
         s = self.session
         loss_sum = torch.zeros((), device=s.device)
         real = 0
+        micro = []
         for _ in range(steps):
             t0 = time.perf_counter()
             inputs, targets = self._to_device(next(batches))
             trainer.data_wait_s += time.perf_counter() - t0
             real += real_token_count(inputs)
-            answers = self._answers(targets)
-            ref = self._reference(inputs, targets, answers)
+            micro.append((inputs, targets, self._answers(targets)))
+        refs_ = [self._reference(inputs, targets, answers) for inputs, targets, answers in micro]
+        for (inputs, targets, answers), ref in zip(micro, refs_):
             if self.width:
                 inputs, target, per_row = pipe.pipeline_batch(inputs, targets, ref, self.width)
                 loss_sum += s.forward_backward(self.model, inputs, target, self._pipeline_loss_fn(per_row)).float()
