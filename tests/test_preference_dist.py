@@ -5,15 +5,18 @@ tolerances, derived in shardwise.verify: only summation order differs), with gra
   on packed pairs; fsdp with the reference precomputed before training; zero2 (the copy sharded as
   the policy's parameters are); context parallel (cp=2: every rank scores a chunk of every answer,
   the answers' sums added over the cp ranks) with LoRA on packed pairs; a Qwen2-MoE under expert
-  parallel (ep=2) with its router aux loss joining the DPO loss;
+  parallel (ep=2) with its router aux loss joining the DPO loss; pipeline parallel with LoRA (the
+  reference through the pipeline's forward) and fsdp+pp with precomputed log-probs on packed pairs;
 * 4 ranks: fsdp+tp (dp_shard 2 x tp 2: vocabulary-sharded logits under loss_parallel) with the
-  frozen copy, and with LoRA; fsdp+tp+cp (tp 2 x cp 2); a Qwen3-MoE under cp 2 x ep 2; and the
-  logged DPO metrics (window means and held-out evaluation) equal one process's on every rank,
-  under fsdp+tp and under dp 2 x cp 2: global, not rank 0's, each pair counted once.
+  frozen copy, and with LoRA; fsdp+tp+cp (tp 2 x cp 2); a Qwen3-MoE under cp 2 x ep 2; fsdp+tp+pp
+  with LoRA; and the logged DPO metrics (window means and held-out evaluation) equal one process's
+  on every rank, under fsdp+tp, dp 2 x cp 2 and dp 2 x pp 2: global, not rank 0's, each pair
+  counted once.
 
 Then a 2-rank ``shardwise train hf-dpo`` killed after step 3 and resumed continues bit-exactly
-(every logged loss and DPO metric, and the final weights). Pipeline parallel is refused with a
-message naming it. CI time: about 3 minutes on 2 idle cores (the 4-rank spawn is the longest)."""
+(every logged loss and DPO metric, and the final weights). What a pipeline cannot run (the frozen
+copy, pairs cut apart, cp beside pp) is refused by name. CI time: about 3-4 minutes on 2 idle cores
+(the 4-rank spawn is the longest)."""
 
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ def _cfg(inputs, strategy, nproc, *extra, model=None):
 # A mixture of experts' router aux loss joins the DPO loss (transformers adds it when the config's
 # output_router_logits is true, as TRL does); the attention projections carry the LoRA adapters.
 AUX = "model.overrides.output_router_logits=true"
+PP = ("parallel.pp=2", "parallel.pp_microbatches=2")
 
 
 def _check(inputs, cases, nproc, metrics_cases=()):
@@ -105,6 +109,11 @@ def test_dpo_at_two_ranks_equals_one_process(inputs):
         "fsdp-cp2-lora-packed": _cfg(inputs, "fsdp", 2, "parallel.cp=2", "lora.rank=4", "data.pack=true",
                                      "train.lr=1e-2"),
         "fsdp-ep2-moe-copy-aux": _cfg(inputs, "fsdp", 2, "parallel.ep=2", AUX, model=moe),
+        # Pipeline parallel: pairs whole in each of the 2 microbatches; the live reference (adapters off)
+        # runs the pipeline forward only, the precomputed one scored through it before training.
+        "pp-lora": _cfg(inputs, "pp", 2, *PP, "lora.rank=4", "train.lr=1e-2"),
+        "fsdp+pp-precomputed-packed": _cfg(inputs, "fsdp+pp", 2, *PP, "preference.precompute_reference=true",
+                                           "data.pack=true"),
     }, 2)
 
 
@@ -115,8 +124,12 @@ def test_dpo_under_fsdp_tp_cp_ep_at_four_ranks_equals_one_process(inputs):
         "fsdp+tp-lora": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "lora.rank=4", "train.lr=1e-2"),
         "fsdp+tp+cp-copy-ipo": _cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "parallel.cp=2", "preference.loss=ipo"),
         "fsdp-cp2-ep2-moe-copy-aux": _cfg(inputs, "fsdp", 4, "parallel.cp=2", "parallel.ep=2", AUX, model=moe),
+        # FSDP under a pipeline with a live reference and accumulation: its evaluation runs come first.
+        "fsdp+tp+pp-lora": _cfg(inputs, "fsdp+tp+pp", 4, "parallel.tp=2", *PP, "lora.rank=4", "train.lr=1e-2"),
     }, 4, metrics_cases=[_cfg(inputs, "fsdp+tp", 4, "parallel.tp=2", "train.eval_batches=2"),
-                         _cfg(inputs, "fsdp", 4, "parallel.cp=2", "train.eval_batches=2")])
+                         _cfg(inputs, "fsdp", 4, "parallel.cp=2", "train.eval_batches=2"),
+                         # the training metrics come from the last stage's loss only
+                         _cfg(inputs, "fsdp+pp", 4, *PP, "lora.rank=4", "train.eval_batches=2")])
 
 
 def _metrics(run_dir):
@@ -157,9 +170,15 @@ def test_dpo_kill_and_resume_is_bit_exact(inputs, cli_env):
     assert all(torch.equal(ref_w[k], run_w[k]) for k in ref_w)
 
 
-def test_pipeline_parallel_is_refused_by_name_before_launch(inputs):
+def test_what_pipeline_parallel_cannot_run_is_refused_by_name_before_launch(inputs):
     from shardwise.errors import ConfigError
     from shardwise.preflight import check_run
 
-    with pytest.raises(ConfigError, match="does not run under pipeline parallel"):
+    with pytest.raises(ConfigError, match="not from a frozen copy of the model"):
         check_run(_cfg(inputs, "pp", 2, "train.micro_batch_size=4"), 2)
+    # The micro-batch counts pairs: the layout's own rule keeps whole pairs in each microbatch.
+    with pytest.raises(ConfigError, match="does not split into 4 equal pipeline microbatches"):
+        check_run(_cfg(inputs, "pp", 2, "train.micro_batch_size=2", "lora.rank=4"), 2)
+    with pytest.raises(ConfigError, match="context parallel beside pipeline parallel"):
+        check_run(_cfg(inputs, "fsdp+pp", 4, "parallel.pp=2", "parallel.cp=2", "train.micro_batch_size=4", "lora.rank=4"),
+                  4)

@@ -36,11 +36,12 @@ PRECOMPUTED_BYTES_PER_PAIR = 16  # chosen and rejected log-probs, float64
 __all__ = ["OBJECTIVES", "REFERENCES", "dpo_breakdown", "dpo_layout_refusal", "dpo_step_time", "reference_for"]
 
 
-def dpo_layout_refusal(layout: Any, owns_step: bool, reference: str = "copy", pairs: int = 0) -> str | None:
+def dpo_layout_refusal(layout: Any, owns_step: bool, reference: str = "copy") -> str | None:
     """Why the DPO step cannot run under ``layout`` (None where it can): the one rule, asked by the
     runtime before launch and on every rank (``preference.step.check_layout``) and by the planner's
-    search (a layout it would refuse is never recommended). ``reference``: ``reference_for``'s answer;
-    ``pairs``: the pairs of a micro-batch (0: not known yet, as in the planner's search)."""
+    search (a layout it would refuse is never recommended). ``reference``: ``reference_for``'s answer.
+    A pipeline's microbatches hold whole pairs by the layout's own rule (``Layout.check_batch``: the
+    micro-batch, which counts pairs, splits into equal microbatches)."""
     if owns_step:
         return (f"train.objective = 'dpo' does not run under the {layout.strategy} engine (it owns the step) yet. "
                 "It runs under single, ddp, zero1, zero2, fsdp, hsdp, tensor and pipeline parallel (tp, fsdp+tp, "
@@ -56,11 +57,6 @@ def dpo_layout_refusal(layout: Any, owns_step: bool, reference: str = "copy", pa
                 "off (lora.rank > 0) or from log-probs scored once before training (preference.precompute_reference"
                 " = true), not from a frozen copy of the model, whose stages would need a pipeline schedule of "
                 "their own. Set one of the two, or a strategy without pipeline parallel.")
-    if pairs % layout.pp_microbatches:
-        return (f"train.objective = 'dpo' under pipeline parallel needs the pairs of a micro-batch "
-                f"(train.micro_batch_size = {pairs}) to divide evenly into the {layout.pp_microbatches} pipeline "
-                "microbatches (parallel.pp_microbatches), so that no pair's chosen and rejected answers are cut "
-                f"apart; set train.micro_batch_size to a multiple of {layout.pp_microbatches}.")
     return None
 
 

@@ -35,7 +35,7 @@ def check_layout(layout: Any, strategy: Any, cfg: Any) -> None:
     """ConfigError where the DPO step of ``cfg`` cannot run under this layout (preflight asks before
     launch; every rank asks again; the rule is ``plan.preference.dpo_layout_refusal``'s)."""
     reference = reference_for(cfg.lora.rank, cfg.preference.precompute_reference)
-    why = dpo_layout_refusal(layout, strategy.owns_step, reference, cfg.train.micro_batch_size)
+    why = dpo_layout_refusal(layout, strategy.owns_step, reference)
     if why:
         raise ConfigError(why)
 
@@ -70,6 +70,7 @@ class PreferenceStep:
               f"reference: {self.describe()} ({max(self.reference_bytes) / 2**20:.1f} MiB per rank, set up in "
               f"{self.setup_s:.2f}s)")
         self._window = torch.zeros(_SLOTS, dtype=torch.float64, device=s.device)
+        self._calls: list[torch.Tensor] = []  # a pipeline step's window sums, call by call
 
     def describe(self) -> str:
         return {"adapters": "the model with its LoRA adapters off (no copy)",
@@ -155,8 +156,7 @@ class PreferenceStep:
             sums = answer_logps(logits, labels, answer, n)[0]
             lengths = pipe.halves(answer_lengths(labels, answer, n))
             losses, window = self._terms(*pipe.halves(sums), pipe.halves(ref), lengths)
-            if logits.device.type != "meta":  # not torch's shape inference on placeholders
-                self._window += window
+            self._calls.append(window)
             return losses.mean()
         return with_aux_loss(loss_fn) if self.aux else loss_fn
 
@@ -182,7 +182,12 @@ class PreferenceStep:
         for (inputs, targets, answers), ref in zip(micro, refs_):
             if self.width:
                 inputs, target, per_row = pipe.pipeline_batch(inputs, targets, ref, self.width)
+                self._calls = []
                 loss_sum += s.forward_backward(self.model, inputs, target, self._pipeline_loss_fn(per_row)).float()
+                # The last stage's calls: torch's shape inference calls the loss first (on a forward of
+                # microbatch 0, when the schedule (re)initialises), then once per microbatch.
+                for window in self._calls[-s.layout.pp_microbatches:]:
+                    self._window += window
                 continue
             loss_fn = self._loss_fn(targets["segments"], answers, ref, self._lengths(targets, answers))
             loss_sum += s.forward_backward(self.model, inputs, targets["labels"], loss_fn).float()
