@@ -14,10 +14,15 @@ rank needs from the parameters' own placements, and reads only those bytes with 
 ``get_slice``, so no rank ever reads or holds the whole model. We use DCP rather than our own
 ``get_slice`` arithmetic because its planner already knows every DTensor placement, FSDP2's
 strided TP+FSDP shards included, and is the same code that reshards shardwise checkpoints.
+
+``model.pretrained`` may also name a PEFT LoRA adapter folder: ``inspect_pretrained`` then checks
+its base folder as above and the adapter against it, and ``load_pretrained`` merges the adapter into
+the base weights as they load (``models.adapter``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError
+from shardwise.models.adapter import LoraAdapter, adapter_base, is_adapter_folder, merge_adapter, read_adapter
 from shardwise.models.confine import confined_file
 from shardwise.models.safetensors_header import FLOAT_DTYPES, read_safetensors_header
 
@@ -57,10 +63,17 @@ class PretrainedFolder:
     tensors: dict[str, TensorEntry] = field(repr=False)
     index: bool  # sharded with model.safetensors.index.json
     total_bytes: int
+    # model.pretrained named a LoRA adapter folder on this one: merged into the weights as they load.
+    adapter: LoraAdapter | None = None
 
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", ""))
+
+    @property
+    def source(self) -> Path:
+        """The folder model.pretrained names: the adapter's, or this model folder."""
+        return self.adapter.path if self.adapter is not None else self.path
 
 
 def _where(path: Path) -> str:
@@ -87,10 +100,13 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     if not path.is_dir():
         what = "a file" if path.exists() else "missing"
         raise ConfigError(f"{_where(path)} must be a folder as save_pretrained writes it (config.json + "
-                          f"*.safetensors); the path is {what}.")
+                          f"*.safetensors, or a PEFT adapter's adapter_config.json); the path is {what}.")
+    if is_adapter_folder(path):
+        return _inspect_adapter(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{_where(path)} has no config.json: it is not a Hugging Face model folder "
-                          "(save_pretrained writes config.json next to the weights).")
+        raise ConfigError(f"{_where(path)} has no config.json: it is neither a Hugging Face model folder "
+                          "(save_pretrained writes config.json next to the weights) nor a PEFT adapter folder "
+                          "(adapter_config.json).")
     config = _read_json(path / "config.json", "the model config")
     if not isinstance(config, dict):
         raise ConfigError(f"{path / 'config.json'} holds JSON that is not an object.")
@@ -142,6 +158,16 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     _check_dtypes(path, config, tensors)
     total = sum((path / f).stat().st_size for f in files)
     return PretrainedFolder(path, config, tuple(files), tensors, index_file.is_file(), total)
+
+
+def _inspect_adapter(path: Path) -> PretrainedFolder:
+    """The adapter's base folder, checked, with the adapter to merge into it (``models.adapter``)."""
+    base_path = adapter_base(path)
+    try:
+        base = inspect_pretrained(base_path)
+    except ConfigError as e:
+        raise ConfigError(f"{_where(path)} is a LoRA adapter on {str(base_path)!r}, which does not load: {e}") from None
+    return dataclasses.replace(base, adapter=read_adapter(path, base.tensors))
 
 
 def _check_dtypes(path: Path, config: dict[str, Any], tensors: dict[str, TensorEntry]) -> None:
@@ -252,12 +278,13 @@ def _check_expert_shapes(name: str, shape: tuple[int, ...], sources: list[list[s
                 "architecture of a pretrained model (expert sizes, number of experts).")
 
 
-def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, str]:
+def check_model_tensors(folder: PretrainedFolder, hf: nn.Module, *, stage: bool = False) -> dict[str, str]:
     """Return {registered tensor name of ``hf``: file key}; ConfigError on any mismatch.
 
     ``hf`` may be a meta-device model, sharded or not. Every parameter and persistent buffer must
     be in the files with the model's shape (tied aliases map to the one key the files hold);
-    tensors the files hold beyond those are ignored, as transformers does.
+    tensors the files hold beyond those are ignored, as transformers does. A LoRA adapter's every
+    target must be a tensor of the model, unless ``stage`` (a pipeline stage holds some layers only).
     """
     base_prefix = getattr(hf, "base_model_prefix", "")
     tensors = dict(hf.named_parameters(remove_duplicate=False))
@@ -308,25 +335,49 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
             f"{' ...' if len(wrong) > 3 else ''}. model.overrides must not change the architecture of a "
             "pretrained model (hidden size, layers, heads, vocab_size), and config.json must be the one saved "
             "with these weights.")
+    if folder.adapter is not None and not stage:
+        landed = {key for key, _ in _adapter_landings(folder.adapter, mapping).values()}
+        stray = sorted(set(folder.adapter.targets) - landed)
+        if stray:
+            # Per-expert weights of an MoE family, which transformers holds fused (models/hf_moe.py).
+            raise ConfigError(
+                f"{_where(folder.source)} adapts {len(stray)} weight(s) that the model shardwise builds does not "
+                f"hold as such, e.g. {', '.join(stray[:3])} (MoE experts are fused). Merge the adapter with peft "
+                "and set model.pretrained to the merged folder.")
     return mapping
+
+
+def _adapter_landings(adapter: LoraAdapter, mapping: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """{registered name: (adapter target key, its first column in the file tensor)} of every tensor
+    the adapter changes: a whole target, or a slice of one (``_PART``); fused experts never are."""
+    out = {}
+    for name, value in mapping.items():
+        key, column = value, 0
+        if value.startswith(_PART):
+            start, _, key = value[len(_PART):].split(":", 2)
+            column = int(start)
+        if key in adapter.targets:
+            out[name] = (key, column)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Loading into a (sharded) model.
 
 
-def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
+def load_pretrained(hf: nn.Module, folder: PretrainedFolder, *, stage: bool = False) -> None:
     """Fill ``hf``'s pretrained tensors from the folder, each rank reading only its own shards.
 
     ``hf`` is the Hugging Face module inside the model the strategy prepared (FSDP2, TP or plain
-    modules; not yet wrapped in DDP), its tensors already allocated. Collective when a process group
-    exists: DCP plans the reads of all ranks together.
+    modules; not yet wrapped in DDP), its tensors already allocated; ``stage``: one pipeline stage
+    of it. Collective when a process group exists: DCP plans the reads of all ranks together. A
+    LoRA adapter folder's update is then added to the weights it targets, each rank to its own shards.
     """
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    mapping = check_model_tensors(folder, hf)
+    mapping = check_model_tensors(folder, hf, stage=stage)
     tensors = dict(hf.named_parameters(remove_duplicate=False))
     tensors.update(hf.named_buffers(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
@@ -350,6 +401,12 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
         # One process without a process group is intended here; DCP would warn that it "assumes" so.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=_make_reader(folder), no_dist=not distributed)
+    if folder.adapter is not None:
+        # Added to the loaded base values (a GPT-2 q/k/v slice filled by _load_part included); tied
+        # aliases share one tensor, which gets the update once.
+        landings = {(key, column): tensors[name].detach()
+                    for name, (key, column) in _adapter_landings(folder.adapter, mapping).items()}
+        merge_adapter(folder.adapter, [(dest, key, column) for (key, column), dest in landings.items()])
 
 
 def _load_part(dest: Any, value: str, folder: PretrainedFolder) -> None:
