@@ -214,6 +214,10 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
 
     moe = attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
     model = HFCausalLM(hf, export_config=export, pretrained=folder)
+    if folder is not None and folder.adapter is not None:
+        from shardwise.models.pretrained import check_adapter_targets
+
+        check_adapter_targets(folder, hf)  # here, where the model is whole (meta or not)
     watch_real_tokens(model, moe)  # the aux loss counts real tokens only (padding of records, packed rows)
     if folder is not None and not any(p.is_meta for p in hf.parameters()):
         # Built for real (outside Session.build, or with model.init = "eager"): load now, whole.

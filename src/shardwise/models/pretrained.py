@@ -37,8 +37,8 @@ from shardwise.models.safetensors_header import FLOAT_DTYPES, read_safetensors_h
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_model_tensors", "hf_name",
-           "inspect_pretrained", "load_pretrained", "tensor_groups", "tie_sources"]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_adapter_targets",
+           "check_model_tensors", "hf_name", "inspect_pretrained", "load_pretrained", "tensor_groups", "tie_sources"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -278,13 +278,12 @@ def _check_expert_shapes(name: str, shape: tuple[int, ...], sources: list[list[s
                 "architecture of a pretrained model (expert sizes, number of experts).")
 
 
-def check_model_tensors(folder: PretrainedFolder, hf: nn.Module, *, stage: bool = False) -> dict[str, str]:
+def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, str]:
     """Return {registered tensor name of ``hf``: file key}; ConfigError on any mismatch.
 
     ``hf`` may be a meta-device model, sharded or not. Every parameter and persistent buffer must
     be in the files with the model's shape (tied aliases map to the one key the files hold);
-    tensors the files hold beyond those are ignored, as transformers does. A LoRA adapter's every
-    target must be a tensor of the model, unless ``stage`` (a pipeline stage holds some layers only).
+    tensors the files hold beyond those are ignored, as transformers does.
     """
     base_prefix = getattr(hf, "base_model_prefix", "")
     tensors = dict(hf.named_parameters(remove_duplicate=False))
@@ -335,16 +334,22 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module, *, stage: bool 
             f"{' ...' if len(wrong) > 3 else ''}. model.overrides must not change the architecture of a "
             "pretrained model (hidden size, layers, heads, vocab_size), and config.json must be the one saved "
             "with these weights.")
-    if folder.adapter is not None and not stage:
-        landed = {key for key, _ in _adapter_landings(folder.adapter, mapping).values()}
-        stray = sorted(set(folder.adapter.targets) - landed)
-        if stray:
-            # Per-expert weights of an MoE family, which transformers holds fused (models/hf_moe.py).
-            raise ConfigError(
-                f"{_where(folder.source)} adapts {len(stray)} weight(s) that the model shardwise builds does not "
-                f"hold as such, e.g. {', '.join(stray[:3])} (MoE experts are fused). Merge the adapter with peft "
-                "and set model.pretrained to the merged folder.")
     return mapping
+
+
+def check_adapter_targets(folder: PretrainedFolder, hf: nn.Module) -> None:
+    """ConfigError unless every weight the folder's LoRA adapter changes is a tensor of ``hf``, the
+    whole model as built (a pipeline stage later holds only some of them)."""
+    if folder.adapter is None:
+        return
+    landed = {key for key, _ in _adapter_landings(folder.adapter, check_model_tensors(folder, hf)).values()}
+    stray = sorted(set(folder.adapter.targets) - landed)
+    if stray:
+        # Per-expert weights of an MoE family, which transformers holds fused (models/hf_moe.py).
+        raise ConfigError(
+            f"{_where(folder.source)} adapts {len(stray)} weight(s) that the model shardwise builds does not hold "
+            f"as such, e.g. {', '.join(stray[:3])} (MoE experts are fused). Merge the adapter with peft and set "
+            "model.pretrained to the merged folder.")
 
 
 def _adapter_landings(adapter: LoraAdapter, mapping: dict[str, str]) -> dict[str, tuple[str, int]]:
@@ -365,19 +370,19 @@ def _adapter_landings(adapter: LoraAdapter, mapping: dict[str, str]) -> dict[str
 # Loading into a (sharded) model.
 
 
-def load_pretrained(hf: nn.Module, folder: PretrainedFolder, *, stage: bool = False) -> None:
+def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
     """Fill ``hf``'s pretrained tensors from the folder, each rank reading only its own shards.
 
     ``hf`` is the Hugging Face module inside the model the strategy prepared (FSDP2, TP or plain
-    modules; not yet wrapped in DDP), its tensors already allocated; ``stage``: one pipeline stage
-    of it. Collective when a process group exists: DCP plans the reads of all ranks together. A
-    LoRA adapter folder's update is then added to the weights it targets, each rank to its own shards.
+    modules, a pipeline rank's stages; not yet wrapped in DDP), its tensors already allocated.
+    Collective when a process group exists: DCP plans the reads of all ranks together. A LoRA
+    adapter folder's update is then added to the weights it targets, each rank to its own shards.
     """
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    mapping = check_model_tensors(folder, hf, stage=stage)
+    mapping = check_model_tensors(folder, hf)
     tensors = dict(hf.named_parameters(remove_duplicate=False))
     tensors.update(hf.named_buffers(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}

@@ -179,7 +179,7 @@ class HFStage(nn.Module):
         if self.pretrained is not None:
             from shardwise.models.pretrained import load_pretrained
 
-            load_pretrained(self.hf, self.pretrained, stage=True)
+            load_pretrained(self.hf, self.pretrained)
 
     def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
