@@ -153,3 +153,15 @@ def test_an_sft_adapter_exported_by_shardwise_starts_a_dpo_run_with_fresh_adapte
     torch.testing.assert_close(full[name], want[name], atol=1e-6, rtol=0)
     name = "model.layers.0.self_attn.q_proj.weight"  # SFT-merged plus the DPO adapters
     assert (full[name] - want[name]).abs().max() > 1e-6
+
+
+def test_a_missing_base_is_reported_before_the_data_is_read(adapter, tmp_path):
+    from shardwise.workloads import build_workload
+
+    folder = shutil.copytree(adapter, tmp_path / "lora")
+    edit_adapter_config(folder, base_model_name_or_path="Qwen/Qwen2-0.5B")
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_records(4))
+    cfg = load_config("hf-dpo", [*dpo_overrides(folder, prefs, "single"), "parallel.nproc=1"])
+    # The tokenizer default looks through the adapter to its base: the base's problem comes first.
+    with pytest.raises(ConfigError, match="shardwise never downloads"):
+        build_workload(cfg.model, cfg.data, cfg.lora, cfg.preference)

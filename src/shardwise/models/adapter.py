@@ -218,15 +218,10 @@ def read_adapter(path: Path, base_tensors: dict[str, Any]) -> LoraAdapter:
 
 def model_folders(pretrained: str | Path) -> list[Path]:
     """The folders ``model.pretrained`` stands for, the one it names first: [adapter, base] for an
-    adapter folder whose base is found, else [the folder]. Files beside the weights (tokenizer,
-    generation config) are looked up in this order: PEFT saves none with an adapter."""
+    adapter folder, else [the folder]; ConfigError for an adapter folder whose base is not found.
+    Files beside the weights (tokenizer) are looked up in this order: PEFT saves none with an adapter."""
     path = Path(pretrained).expanduser()
-    try:
-        if is_adapter_folder(path):
-            return [path, adapter_base(path)]
-    except ConfigError:
-        pass  # inspect_pretrained words the problem when the model is built
-    return [path]
+    return [path, adapter_base(path)] if is_adapter_folder(path) else [path]
 
 
 def tokenizer_home(pretrained: str) -> str:
