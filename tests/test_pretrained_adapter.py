@@ -165,3 +165,28 @@ def test_a_missing_base_is_reported_before_the_data_is_read(adapter, tmp_path):
     # The tokenizer default looks through the adapter to its base: the base's problem comes first.
     with pytest.raises(ConfigError, match="shardwise never downloads"):
         build_workload(cfg.model, cfg.data, cfg.lora, cfg.preference)
+
+
+def test_an_adapter_on_per_expert_weights_is_refused_where_the_model_fuses_them(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Saved in the per-expert layout of released MoE checkpoints; transformers builds the experts fused.
+    cfg = AutoConfig.for_model("qwen2_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=2,
+                               num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "moe"))
+    key = "model.layers.0.mlp.experts.0.gate_proj"
+    with safe_open(str(tmp_path / "moe" / "model.safetensors"), "pt") as f:
+        out, inner = f.get_slice(f"{key}.weight").get_shape()
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    save_file({f"base_model.model.{key}.lora_A.weight": torch.ones(4, inner),
+               f"base_model.model.{key}.lora_B.weight": torch.ones(out, 4)}, adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": "../moe"}')
+    assert list(inspect_pretrained(adapter).adapter.targets) == [f"{key}.weight"]
+    with pytest.raises(ConfigError, match=rf"adapts 1 weight\(s\) that the model shardwise builds does not hold as "
+                                          rf"such, e.g. {key}.weight \(MoE experts are fused\)"):
+        build_hf_model(pretrained=str(adapter))
