@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 from shardwise.errors import ConfigError  # noqa: E402
-from shardwise.models.pretrained import INDEX_FILE, inspect_pretrained, read_safetensors_header  # noqa: E402
+from shardwise.models.pretrained import INDEX_FILE, inspect_pretrained  # noqa: E402
+from shardwise.models.safetensors_header import read_safetensors_header  # noqa: E402
 from tests.helpers.hf import save_tiny  # noqa: E402
 
 EXAMPLES = int(os.environ.get("SHARDWISE_FUZZ_EXAMPLES", "300"))

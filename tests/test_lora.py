@@ -1,5 +1,6 @@
 """LoRA (peft) on a pretrained model: parity with plain PEFT under ddp, fsdp and tensor parallel,
-a frozen base, adapter-only optimizer and checkpoints, and exports that PEFT and transformers load."""
+a frozen base, adapter-only optimizer and checkpoints, and exports that PEFT and transformers load.
+A PEFT adapter folder as the pretrained model loads merged under fsdp+tp and pipeline stages."""
 
 import json
 import shutil
@@ -17,6 +18,7 @@ from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
 from shardwise.runtime.checkpoint import complete_checkpoints, read_manifest  # noqa: E402
 from shardwise.testing import run_command, run_distributed  # noqa: E402
+from tests.helpers.adapter import peft_model, save_lora_adapter  # noqa: E402
 from tests.helpers.hf import hf_case, hf_cases, reference_losses, reference_model, save_tiny  # noqa: E402
 
 # q/v are column-parallel under TP, o/down row-parallel: both adapter layouts are exercised.
@@ -30,16 +32,33 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(folder, tmp_path_factory):
+def adapter(folder, tmp_path_factory):
+    """A PEFT LoRA adapter folder on ``folder`` (peft's save_pretrained), as model.pretrained."""
+    return save_lora_adapter(folder, tmp_path_factory.mktemp("lora") / "adapter", LORA["targets"] + ["gate_proj"],
+                             seed=3)
+
+
+# Fresh adapters on a model loaded from an adapter folder: the merge under strided FSDP + TP shards
+# and under pipeline stages (each loads its own layers).
+FROM_ADAPTER = {"fsdp+tp": {"tp": 2}, "pp": {"pp": 2}}
+
+
+@pytest.fixture(scope="module")
+def runs(folder, adapter, tmp_path_factory):
     """One spawn of 2 ranks: LoRA under ddp, fsdp, tp and fsdp+tp (fsdp saves a checkpoint), then
-    a fresh fsdp+tp LoRA model that resumes from fsdp's checkpoint."""
+    a fresh fsdp+tp LoRA model that resumes from fsdp's checkpoint, then one step of LoRA on the
+    adapter folder under ``FROM_ADAPTER``."""
     ckpt = tmp_path_factory.mktemp("lora-ckpt") / "checkpoints"
     strategies = {"ddp": {}, "fsdp": {"ckpt_dir": str(ckpt)}, "tp": {"tp": 2}, "fsdp+tp": {"tp": 2}}
     cases = [{"folder": str(folder), "strategy": s, "lora": LORA, **RUN, **extra} for s, extra in strategies.items()]
     cases.append({"resume": True, "folder": str(folder), "strategy": "fsdp+tp", "tp": 2, "ckpt_dir": str(ckpt),
                   "lora": LORA})
+    cases += [{"folder": str(adapter), "strategy": s, "lora": LORA, **RUN, "steps": 1, **extra}
+              for s, extra in FROM_ADAPTER.items()]
     results = run_distributed(hf_cases, 2, timeout_s=600, cases=cases)
-    return {"results": dict(zip(strategies, zip(*results))), "ckpt": ckpt, "resumed": results[0][-1]}
+    n = len(strategies)
+    return {"results": dict(zip(strategies, zip(*results))), "ckpt": ckpt, "resumed": results[0][n],
+            "from_adapter": dict(zip(FROM_ADAPTER, zip(*(r[n + 1:] for r in results))))}
 
 
 def _peft_name(name: str) -> str:
@@ -67,6 +86,17 @@ def test_lora_matches_single_process_peft_and_keeps_the_base_frozen(folder, runs
             if ".lora_" not in name:
                 assert torch.equal(value, base[hf_name(name[len("hf."):])]), (strategy, name)
         assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+
+
+def test_an_adapter_folder_loads_merged_under_sharding_and_pipeline_stages(folder, adapter, runs):
+    merged = peft_model(folder, adapter, merged=True).state_dict()
+    for strategy, (r0, r1) in runs["from_adapter"].items():
+        assert not isinstance(r0, str), r0
+        params = {**r0["params"], **r1["params"]}  # the pipeline's stages together: the whole model
+        frozen = {hf_name(n[len("hf."):]): v for n, v in params.items() if ".lora_" not in n}
+        assert frozen.keys() == merged.keys(), strategy
+        for name, value in frozen.items():
+            torch.testing.assert_close(value, merged[name], atol=1e-6, rtol=0, msg=f"{strategy} {name}")
 
 
 def test_planner_predicts_the_lora_runs_bytes(folder, runs):

@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from shardwise.errors import CheckpointError, ConfigError  # noqa: E402
-from shardwise.models.pretrained import INDEX_FILE, inspect_pretrained, read_safetensors_header  # noqa: E402
+from shardwise.models.pretrained import INDEX_FILE, inspect_pretrained  # noqa: E402
+from shardwise.models.safetensors_header import read_safetensors_header  # noqa: E402
 from tests.helpers.hf import save_tiny  # noqa: E402
 
 

@@ -150,8 +150,10 @@ class ModelConfig:
     factory: str = setting("", text="factory")
     hf_config: str = setting("", text="path")
     # hf: a local Hugging Face model folder (config.json + safetensors, one file or sharded with
-    # model.safetensors.index.json) whose weights training starts from. Its config.json is the
-    # architecture unless hf_config names the same one. "" keeps a random initialisation.
+    # model.safetensors.index.json) whose weights training starts from, or a PEFT LoRA adapter folder
+    # (adapter_config.json + adapter_model.safetensors) merged into the local base folder it names.
+    # Its config.json is the architecture unless hf_config names the same one. "" keeps a random
+    # initialisation.
     pretrained: str = setting("", text="path")
     # "meta": build on the meta device, apply the strategy, then allocate and initialise (or load)
     # only each rank's shards; "eager": build the whole model on every rank first. Both give the
@@ -864,8 +866,8 @@ def _validate_model(mc: ModelConfig, lc: LoraConfig, recipe: str = "") -> None:
         raise ConfigError(
             f"the {recipe} recipe fine-tunes a pretrained model, but model.pretrained is not set: add "
             "--set model.pretrained=path/to/model-folder (a local Hugging Face folder with config.json and "
-            "safetensors weights; its tokenizer is used for data.path). To train a Hugging Face architecture "
-            "from scratch, use hf-shakespeare or your own recipe with model.hf_config.")
+            "safetensors weights, or a LoRA adapter folder on one; its tokenizer is used for data.path). To train "
+            "a Hugging Face architecture from scratch, use hf-shakespeare or your own recipe with model.hf_config.")
     if mc.pretrained and mc.kind != "hf":
         raise ConfigError(f"model.pretrained = {mc.pretrained!r} loads a Hugging Face folder, which needs "
                           f"model.kind = 'hf' (it is {mc.kind!r}).")

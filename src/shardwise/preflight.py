@@ -87,11 +87,13 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
     if layout.cp > 1 and cfg.model.kind == "hf":
         # A rule that needs no data is checked before the data is read (and tokenised).
+        from shardwise.models.adapter import model_folders
         from shardwise.models.hf_config import hf_family
         from shardwise.parallel.cp import check_cp_family
 
-        source = cfg.model.pretrained or cfg.model.hf_config
         try:
+            # The last of model.pretrained's folders holds config.json (the base of an adapter folder).
+            source = model_folders(cfg.model.pretrained)[-1] if cfg.model.pretrained else cfg.model.hf_config
             family = hf_family(source) if source else ""
         except ConfigError:
             family = ""  # the workload's own checks word a bad config

@@ -160,8 +160,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     if dc.kind not in DATA_KINDS:
         raise unknown_choice("data kind", dc.kind, DATA_KINDS)
     if dc.kind in ("text", "preference", *RECORD_KINDS) and not dc.tokenizer and mc.pretrained:
-        # A model folder usually holds its tokenizer (save_pretrained of both): use it by default.
-        dc = dataclasses.replace(dc, tokenizer=mc.pretrained)
+        # A model folder usually holds its tokenizer (save_pretrained of both): use it by default; a
+        # PEFT adapter folder usually holds none, and then its base's is the one.
+        from shardwise.models.adapter import tokenizer_home
+
+        dc = dataclasses.replace(dc, tokenizer=tokenizer_home(mc.pretrained))
 
     tokens_per_sample, vocab_size, tokenizer = 1, None, None
     max_token_id: int | None = None
@@ -264,7 +267,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
-        build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id)
+        build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id, notes)
         if mc.attention == "varlen":
             from shardwise.models.varlen import with_varlen
 
@@ -291,8 +294,9 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
 
 
 def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_size: int | None,
-              max_token_id: int | None) -> tuple[Callable[[], nn.Module], str]:
-    """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front."""
+              max_token_id: int | None, notes: list[str]) -> tuple[Callable[[], nn.Module], str]:
+    """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front.
+    What the run's log should say about the model is added to ``notes``."""
     from shardwise.models.hf import build_hf_model
     from shardwise.models.hf_config import hf_family, read_hf_config, resolve_hf_config
 
@@ -308,6 +312,8 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
                 f"model.hf_config = {mc.hf_config!r} and model.pretrained = {mc.pretrained!r} name different "
                 "configs; a pretrained model is built from its own config.json. Leave model.hf_config empty.")
         config_src = str(folder.path)
+        if folder.adapter is not None:
+            notes.append(folder.adapter.describe())
     if not config_src:
         raise ConfigError("model.kind = 'hf' needs model.hf_config (a local config.json path, a folder holding "
                           "one, or a bundled name such as 'llama-tiny' or 'llama-3-8b') or model.pretrained (a "

@@ -111,8 +111,12 @@ class HFCausalLM(nn.Module):
 
     def export_info(self) -> dict[str, Any]:
         """What ``shardwise ckpt export --format hf/peft`` needs, as JSON data for the checkpoint manifest."""
+        folder = self.pretrained
+        # "pretrained": what model.pretrained named (a merge at export reads it the same way);
+        # "pretrained_base": the model folder under it when that was a LoRA adapter folder.
         return {"format": "hf", "prefix": "hf.", "config": self.export_config, "lora": self.lora,
-                "pretrained": str(self.pretrained.path.resolve()) if self.pretrained is not None else None}
+                "pretrained": str(folder.source.resolve()) if folder is not None else None,
+                "pretrained_base": str(folder.path.resolve()) if folder is not None and folder.adapter else None}
 
 
 def _transformers() -> Any:
@@ -181,7 +185,8 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
     ``config_path``: a config.json, a folder holding one, or a bundled name (``bundled_configs()``);
     the pretrained folder's own config.json when ``pretrained`` is given. ``pretrained``: a folder
     (config.json + safetensors) whose weights the model gets (checked first, see
-    ``models.pretrained``); without it the weights are freshly initialised from torch's RNG.
+    ``models.pretrained``), or a PEFT LoRA adapter folder, merged into its base's weights
+    (``models.adapter``); without it the weights are freshly initialised from torch's RNG.
     ``lora``: peft adapters on the frozen model. ``block_size``/``seq_len`` overrides are the
     training sequence length: checked against the model's position limit, not written into the config.
     """
@@ -209,6 +214,10 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
 
     moe = attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
     model = HFCausalLM(hf, export_config=export, pretrained=folder)
+    if folder is not None and folder.adapter is not None:
+        from shardwise.models.pretrained import check_adapter_targets
+
+        check_adapter_targets(folder, hf)  # here, where the model is whole (meta or not)
     watch_real_tokens(model, moe)  # the aux loss counts real tokens only (padding of records, packed rows)
     if folder is not None and not any(p.is_meta for p in hf.parameters()):
         # Built for real (outside Session.build, or with model.init = "eager"): load now, whole.

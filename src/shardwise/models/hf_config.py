@@ -61,16 +61,21 @@ def resolve_hf_config(config_path: str | Path) -> Path:
     )
 
 
+def read_json_object(file: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``file``; ConfigError, starting with ``what`` the file is, when it cannot be
+    read or holds something else."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what}: cannot read {str(file)!r} as JSON ({e}).") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: {str(file)!r} holds a JSON {type(raw).__name__}, not an object.")
+    return raw
+
+
 def load_hf_config_dict(config_path: str | Path) -> dict[str, Any]:
     """Return the parsed JSON object of the config named by ``config_path`` (see ``resolve_hf_config``)."""
-    p = resolve_hf_config(config_path)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model.hf_config: cannot read {str(p)!r} as JSON ({e}).") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"model.hf_config: {str(p)!r} holds a JSON {type(raw).__name__}, not an object.")
-    return raw
+    return read_json_object(resolve_hf_config(config_path), "model.hf_config")
 
 
 def with_canonical_keys(raw: dict[str, Any]) -> dict[str, Any]:

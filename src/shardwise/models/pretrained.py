@@ -14,34 +14,34 @@ rank needs from the parameters' own placements, and reads only those bytes with 
 ``get_slice``, so no rank ever reads or holds the whole model. We use DCP rather than our own
 ``get_slice`` arithmetic because its planner already knows every DTensor placement, FSDP2's
 strided TP+FSDP shards included, and is the same code that reshards shardwise checkpoints.
+
+``model.pretrained`` may also name a PEFT LoRA adapter folder: ``inspect_pretrained`` then checks
+its base folder as above and the adapter against it, and ``load_pretrained`` merges the adapter into
+the base weights as they load (``models.adapter``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
-import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError
+from shardwise.models.adapter import LoraAdapter, adapter_base, is_adapter_folder, merge_adapter, read_adapter
 from shardwise.models.confine import confined_file
+from shardwise.models.safetensors_header import FLOAT_DTYPES, read_safetensors_header
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_model_tensors", "hf_name",
-           "inspect_pretrained", "load_pretrained", "read_safetensors_header", "tensor_groups", "tie_sources"]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "PretrainedFolder", "TensorEntry", "check_adapter_targets",
+           "check_model_tensors", "hf_name", "inspect_pretrained", "load_pretrained", "tensor_groups", "tie_sources"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors dtype codes shardwise loads (floating point only: quantised weights are refused).
-FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
-_ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4,
-               "U32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
 
 @dataclass(frozen=True)
@@ -63,94 +63,21 @@ class PretrainedFolder:
     tensors: dict[str, TensorEntry] = field(repr=False)
     index: bool  # sharded with model.safetensors.index.json
     total_bytes: int
+    # model.pretrained named a LoRA adapter folder on this one: merged into the weights as they load.
+    adapter: LoraAdapter | None = None
 
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", ""))
 
+    @property
+    def source(self) -> Path:
+        """The folder model.pretrained names: the adapter's, or this model folder."""
+        return self.adapter.path if self.adapter is not None else self.path
+
 
 def _where(path: Path) -> str:
     return f"model.pretrained {str(path)!r}"
-
-
-def read_safetensors_header(file: Path) -> dict[str, Any]:
-    """Return the tensor entries of a safetensors file's header; ConfigError if it is not one or is cut short.
-
-    Checks, without reading any tensor data, that the header parses and that every tensor's bytes
-    lie inside the file with the size its dtype and shape imply (a truncated download fails here).
-    """
-    if not file.is_file():
-        raise ConfigError(f"{file} is not a regular file; weight files must be regular safetensors files.")
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ConfigError(f"{file} is not a safetensors file: too short for a header (a truncated "
-                                  "download or an empty file). Download or copy it again.")
-            (n,) = struct.unpack("<Q", head)
-            # Never quote the number: for a file that is not safetensors it is 8 bytes of its text.
-            if n < 2 or n > min(_MAX_HEADER_BYTES, size - 8):
-                raise ConfigError(f"{file} is not a valid safetensors file: its header length is out of range "
-                                  "for the file (truncated, or not a safetensors file). Download or copy it again.")
-            raw = f.read(n)
-    except OSError as e:
-        raise ConfigError(f"cannot read {file}: {e.strerror or e}.") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise ConfigError(f"{file} has a damaged safetensors header (not JSON, or nested too deeply); "
-                          "download or copy it again.") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{file} has a damaged safetensors header; download or copy it again.")
-    data_bytes = size - 8 - n
-    out: dict[str, Any] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        problem = _entry_problem(entry)
-        if problem:
-            raise ConfigError(f"{file}: the header entry of tensor {name[:200]!r} {problem}; the file is damaged "
-                              "or not a safetensors file. Download or copy it again.")
-        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        if end > data_bytes:
-            raise ConfigError(
-                f"{file} is truncated: tensor {name!r} ends at byte {end} of the data, but the file holds "
-                f"only {data_bytes} bytes of data. Download or copy the file again.")
-        item = _ITEM_BYTES.get(dtype)
-        if item is not None and end - begin != math.prod(shape) * item:
-            raise ConfigError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {list(shape)} of "
-                              f"{dtype}; the file is damaged. Download or copy it again.")
-        spans.append((begin, end, name))
-        out[name] = {"dtype": dtype, "shape": shape}
-    spans.sort()
-    for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
-        if begin < prev_end:
-            raise ConfigError(f"{file}: the data of tensors {prev!r} and {name!r} overlap; the file is damaged. "
-                              "Download or copy it again.")
-    return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _entry_problem(entry: Any) -> str | None:
-    """What is wrong with one safetensors header entry (types, shape, offsets), None when it is sound."""
-    if not isinstance(entry, dict):
-        return "is not an object"
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or not dtype:
-        return "has no dtype string"
-    if not isinstance(shape, list) or len(shape) > 64 or not all(_is_int(d) and d >= 0 for d in shape):
-        return "has a shape that is not a list of non-negative integers"
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-        return "has data_offsets that are not two integers"
-    begin, end = offsets
-    if not 0 <= begin <= end:
-        return "has negative or reversed data_offsets"
-    return None
 
 
 def _read_json(file: Path, what: str) -> Any:
@@ -173,10 +100,13 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     if not path.is_dir():
         what = "a file" if path.exists() else "missing"
         raise ConfigError(f"{_where(path)} must be a folder as save_pretrained writes it (config.json + "
-                          f"*.safetensors); the path is {what}.")
+                          f"*.safetensors, or a PEFT adapter's adapter_config.json); the path is {what}.")
+    if is_adapter_folder(path):
+        return _inspect_adapter(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{_where(path)} has no config.json: it is not a Hugging Face model folder "
-                          "(save_pretrained writes config.json next to the weights).")
+        raise ConfigError(f"{_where(path)} has no config.json: it is neither a Hugging Face model folder "
+                          "(save_pretrained writes config.json next to the weights) nor a PEFT adapter folder "
+                          "(adapter_config.json).")
     config = _read_json(path / "config.json", "the model config")
     if not isinstance(config, dict):
         raise ConfigError(f"{path / 'config.json'} holds JSON that is not an object.")
@@ -228,6 +158,16 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     _check_dtypes(path, config, tensors)
     total = sum((path / f).stat().st_size for f in files)
     return PretrainedFolder(path, config, tuple(files), tensors, index_file.is_file(), total)
+
+
+def _inspect_adapter(path: Path) -> PretrainedFolder:
+    """The adapter's base folder, checked, with the adapter to merge into it (``models.adapter``)."""
+    base_path = adapter_base(path)
+    try:
+        base = inspect_pretrained(base_path)
+    except ConfigError as e:
+        raise ConfigError(f"{_where(path)} is a LoRA adapter on {str(base_path)!r}, which does not load: {e}") from None
+    return dataclasses.replace(base, adapter=read_adapter(path, base.tensors))
 
 
 def _check_dtypes(path: Path, config: dict[str, Any], tensors: dict[str, TensorEntry]) -> None:
@@ -397,6 +337,35 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     return mapping
 
 
+def check_adapter_targets(folder: PretrainedFolder, hf: nn.Module) -> None:
+    """ConfigError unless every weight the folder's LoRA adapter changes is a tensor of ``hf``, the
+    whole model as built (a pipeline stage later holds only some of them)."""
+    if folder.adapter is None:
+        return
+    landed = {key for key, _ in _adapter_landings(folder.adapter, check_model_tensors(folder, hf)).values()}
+    stray = sorted(set(folder.adapter.targets) - landed)
+    if stray:
+        # Per-expert weights of an MoE family, which transformers holds fused (models/hf_moe.py).
+        raise ConfigError(
+            f"{_where(folder.source)} adapts {len(stray)} weight(s) that the model shardwise builds does not hold "
+            f"as such, e.g. {', '.join(stray[:3])} (MoE experts are fused). Merge the adapter with peft and set "
+            "model.pretrained to the merged folder.")
+
+
+def _adapter_landings(adapter: LoraAdapter, mapping: dict[str, str]) -> dict[str, tuple[str, int]]:
+    """{registered name: (adapter target key, its first column in the file tensor)} of every tensor
+    the adapter changes: a whole target, or a slice of one (``_PART``); fused experts never are."""
+    out = {}
+    for name, value in mapping.items():
+        key, column = value, 0
+        if value.startswith(_PART):
+            start, _, key = value[len(_PART):].split(":", 2)
+            column = int(start)
+        if key in adapter.targets:
+            out[name] = (key, column)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading into a (sharded) model.
 
@@ -405,8 +374,9 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
     """Fill ``hf``'s pretrained tensors from the folder, each rank reading only its own shards.
 
     ``hf`` is the Hugging Face module inside the model the strategy prepared (FSDP2, TP or plain
-    modules; not yet wrapped in DDP), its tensors already allocated. Collective when a process group
-    exists: DCP plans the reads of all ranks together.
+    modules, a pipeline rank's stages; not yet wrapped in DDP), its tensors already allocated.
+    Collective when a process group exists: DCP plans the reads of all ranks together. A LoRA
+    adapter folder's update is then added to the weights it targets, each rank to its own shards.
     """
     import torch
     import torch.distributed as dist
@@ -436,6 +406,12 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
         # One process without a process group is intended here; DCP would warn that it "assumes" so.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=_make_reader(folder), no_dist=not distributed)
+    if folder.adapter is not None:
+        # Added to the loaded base values (a GPT-2 q/k/v slice filled by _load_part included); tied
+        # aliases share one tensor, which gets the update once.
+        landings = {(key, column): tensors[name].detach()
+                    for name, (key, column) in _adapter_landings(folder.adapter, mapping).items()}
+        merge_adapter(folder.adapter, [(dest, key, column) for (key, column), dest in landings.items()])
 
 
 def _load_part(dest: Any, value: str, folder: PretrainedFolder) -> None:

@@ -14,11 +14,16 @@ no tokenizer, ``$TOKENIZER``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardwise.config import toml_string
 from shardwise.errors import ConfigError
 from shardwise.families import RECORD_KINDS
+from shardwise.models.adapter import tokenizer_home
 from shardwise.plan.spec import ModelSpec, from_hf_config
+
+if TYPE_CHECKING:
+    from shardwise.models.pretrained import PretrainedFolder
 
 FINETUNE_RECIPE = "hf-finetune"
 SFT_RECIPE = "hf-sft"  # chat / prompt-response records
@@ -30,22 +35,23 @@ PLACEHOLDERS = (DATA_PLACEHOLDER, TOKENIZER_PLACEHOLDER)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def folder_of(path: str) -> Path:
-    """The pretrained folder, checked the way ``train`` checks it (config.json and weights)."""
+def checked_folder(path: str) -> PretrainedFolder:
+    """The pretrained folder (or LoRA adapter folder and its base), checked the way ``train`` checks it."""
     from shardwise.models.pretrained import inspect_pretrained
 
-    return inspect_pretrained(path).path
+    return inspect_pretrained(path)
 
 
 def pretrained_spec(path: str, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> ModelSpec:
     """The folder's ModelSpec; with LoRA, the runtime's own adapted model built on the meta device."""
-    folder = folder_of(path)
+    pretrained = checked_folder(path)
+    folder = pretrained.source  # an adapter folder's shapes are its base's (the adapter is merged)
     if lora_rank < 0:
         raise ConfigError(f"--lora must be a positive adapter rank (e.g. 8 or 16), got {lora_rank}.")
     if not lora_rank:
         if lora_targets:
             raise ConfigError("--lora-targets names the modules that get LoRA adapters: give --lora RANK too.")
-        spec = from_hf_config(folder)
+        spec = from_hf_config(pretrained.path)
         return _named(spec, folder.name)
     import torch
 
@@ -100,7 +106,7 @@ def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[s
     ``data``: the file the run trains on: its records choose ``hf-sft`` (chat / instruct records)
     or ``hf-finetune`` (text); without it the recipe is ``recipe`` or hf-finetune and the data ``$DATA``.
     """
-    folder = folder_of(path)
+    folder = checked_folder(path).source
     kind = data_kind(data) if data else ""
     if not recipe:
         recipe = DPO_RECIPE if kind == "preference" else SFT_RECIPE if kind in RECORD_KINDS else FINETUNE_RECIPE
@@ -129,7 +135,7 @@ def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[s
         warnings.append(f"the commands train on {DATA_PLACEHOLDER}: set it to {what} before running them, or "
                         "give the planner --data FILE (chat or prompt/response records choose the hf-sft recipe, "
                         "preference records hf-dpo).")
-    if not has_tokenizer(folder):
+    if not has_tokenizer(Path(tokenizer_home(str(folder)))):
         sets.append(f"data.tokenizer={TOKENIZER_PLACEHOLDER}")
         warnings.append(f"{folder} holds no tokenizer: set {TOKENIZER_PLACEHOLDER} to the tokenizer the model "
                         "was trained with (a save_pretrained folder or a tokenizer.json).")

@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["InitProgram", "MetaInitUnsupported", "is_meta_module", "record_build"]
+__all__ = ["InitProgram", "MetaInitUnsupported", "is_meta_module", "local_region", "record_build"]
 
 META = torch.device("meta")
 _aten = torch.ops.aten
@@ -394,19 +394,23 @@ def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:
     return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
 
 
-def _copy_into(dest: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the full value ``full`` into ``dest`` (a DTensor holds a slice)."""
+def local_region(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the tensor this rank holds of ``dest``, where it lies in the full value): all of a plain
+    tensor, a DTensor's local shard and its slices of the global tensor."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(dest, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = dest.to_local()
         shape, offset = compute_local_shape_and_global_offset(dest.shape, dest.device_mesh, dest.placements)
-        part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-        local.copy_(part)
-    else:
-        dest.copy_(full)
+        return dest.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return dest, tuple(slice(0, s) for s in dest.shape)
+
+
+def _copy_into(dest: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full value ``full`` into ``dest`` (a DTensor holds a slice)."""
+    local, region = local_region(dest)
+    local.copy_(full[region])
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

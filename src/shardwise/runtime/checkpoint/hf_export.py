@@ -10,7 +10,10 @@ its ``model.pretrained`` folder, puts the adapters in with peft and merges them
 (``merge_and_unload``), which needs the whole model in host memory once.
 
 ``export_peft`` writes PEFT's adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
-that ``PeftModel.from_pretrained(base, DIR)`` loads.
+that ``PeftModel.from_pretrained(base, DIR)`` loads. A run whose ``model.pretrained`` was itself a
+LoRA adapter folder (merged into its base as it loaded, ``models.adapter``) exports with
+``--format hf`` (``--merge`` for new adapters: the base is read and merged the same way again);
+``--format peft`` is refused there, as the new adapters' base would be a model no folder holds.
 
 Every export is written into a hidden sibling folder and renamed into place when complete: a
 crashed or interrupted export never leaves a folder that looks like a finished one.
@@ -95,7 +98,8 @@ class _Checkpoint:
                 "has no Hugging Face config or names to export to. Use --format safetensors.")
         # The manifest is checksummed but may come from someone else: its export fields are data
         # with fixed types, never trusted to be well formed.
-        kinds = {"prefix": (str,), "config": (dict,), "lora": (dict, type(None)), "pretrained": (str, type(None))}
+        kinds = {"prefix": (str,), "config": (dict,), "lora": (dict, type(None)), "pretrained": (str, type(None)),
+                 "pretrained_base": (str, type(None))}
         bad = [k for k, types in kinds.items() if not isinstance(info.get(k), types)]
         if bad or not isinstance(info["config"].get("model_type"), str):
             raise CheckpointError(
@@ -176,14 +180,15 @@ def _write_model_files(folder: Path, names: list[str], sizes: dict[str, int], re
 
 
 def _copy_companions(info: dict[str, Any], folder: Path) -> list[str]:
-    """Copy the tokenizer and generation config of the pretrained folder, when it is still there."""
-    base = info.get("pretrained")
+    """Copy the tokenizer and generation config of the pretrained folder, when it is still there
+    (a LoRA adapter folder's own files first, then its base's)."""
+    sources = [Path(p) for p in (info.get("pretrained"), info.get("pretrained_base")) if p and Path(p).is_dir()]
     copied = []
-    if base and Path(base).is_dir():
-        for name in _COMPANION_FILES:
-            if (Path(base) / name).is_file():
-                shutil.copy2(Path(base) / name, folder / name)
-                copied.append(name)
+    for name in _COMPANION_FILES:
+        source = next((s / name for s in sources if (s / name).is_file()), None)
+        if source is not None:
+            shutil.copy2(source, folder / name)
+            copied.append(name)
     return copied
 
 
@@ -293,7 +298,9 @@ def _with_base(info: dict[str, Any], base: str | os.PathLike | None) -> dict[str
         return info
     from shardwise.models.pretrained import inspect_pretrained
 
-    return {**info, "pretrained": str(inspect_pretrained(str(base)).path.resolve())}
+    folder = inspect_pretrained(str(base))
+    return {**info, "pretrained": str(folder.source.resolve()),
+            "pretrained_base": str(folder.path.resolve()) if folder.adapter is not None else None}
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -369,6 +376,14 @@ def export_peft(source: str | os.PathLike, out: str | os.PathLike,
     if not info.get("lora"):
         raise CheckpointError(f"checkpoint {ck.path} has no LoRA adapters ([lora] rank = 0 when it was trained); "
                               "export the whole model with --format hf.")
+    if info.get("pretrained_base"):
+        # PEFT folders name one base model; this run's base is another adapter merged into its base.
+        raise CheckpointError(
+            f"checkpoint {ck.path} trained LoRA adapters on the LoRA adapter {info['pretrained']} merged into "
+            f"{info['pretrained_base']}; a PEFT folder of them would name a base that does not hold those merged "
+            "weights. Export the whole model with --format hf --merge, or write the merged starting model once "
+            "(PeftModel.from_pretrained(base, ADAPTER).merge_and_unload().save_pretrained(DIR)) and pass it "
+            "as --base DIR.")
     adapters = _adapter_state(ck)
     config = lora_config_from_dict(info["lora"])
     config.base_model_name_or_path = info.get("pretrained")
