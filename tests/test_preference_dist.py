@@ -180,5 +180,5 @@ def test_what_pipeline_parallel_cannot_run_is_refused_by_name_before_launch(inpu
     with pytest.raises(ConfigError, match="does not split into 4 equal pipeline microbatches"):
         check_run(_cfg(inputs, "pp", 2, "train.micro_batch_size=2", "lora.rank=4"), 2)
     with pytest.raises(ConfigError, match="context parallel beside pipeline parallel"):
-        check_run(_cfg(inputs, "fsdp+pp", 4, "parallel.pp=2", "parallel.cp=2", "train.micro_batch_size=4", "lora.rank=4"),
-                  4)
+        check_run(_cfg(inputs, "fsdp+pp", 4, "parallel.pp=2", "parallel.cp=2", "train.micro_batch_size=4",
+                       "lora.rank=4"), 4)
