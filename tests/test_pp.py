@@ -186,3 +186,40 @@ def test_zero_bubble_schedules_refuse_compile_with_the_reason():
             check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")
     options = ParallelConfig(strategy="pp", pp_schedule="looped-bfs", pp_stages_per_rank=2)
     check_compile(get_strategy(resolve_layout(options, 2)), options, "cuda")
+
+
+def _accumulate_around_eval(rank: int, world_size: int, strategy: str) -> float:
+    """Largest gradient difference on this rank between [mb1, mb2] and [mb1, evaluation, mb2]."""
+    from shardwise.runtime.session import Session
+    from shardwise.workloads import cross_entropy_loss
+
+    torch.manual_seed(0)
+    s = Session(parallel=ParallelConfig(strategy=strategy, pp=2, pp_microbatches=2), grad_accum_steps=2, seed=0)
+    try:
+        model, _ = s.prepare(GPT(GPT_PRESETS["nano"]), lambda p: torch.optim.SGD(p, lr=0.1))
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, GPT_PRESETS["nano"].vocab_size, (4, 17), generator=g) for _ in range(3)]
+        grads = []
+        for mid_eval in (False, True):
+            for k in range(2):
+                x = batches[k]
+                s.forward_backward(model, x[:, :-1], x[:, 1:], cross_entropy_loss)
+                if mid_eval and k == 0:
+                    s.eval_loss(model, batches[2][:, :-1], batches[2][:, 1:], cross_entropy_loss)
+            grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for n, p in model.named_parameters() if p.grad is not None})
+            for p in model.parameters():
+                p.grad = None
+        assert grads[0].keys() == grads[1].keys() and grads[0]
+        return max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
+    finally:
+        s.close()
+
+
+def test_an_evaluation_inside_an_accumulation_window_keeps_the_gradients():
+    """torch's schedules set their stages up again when a run switches between training and
+    evaluation, and that set-up drops every FSDP parameter's gradient: the first micro-batch's
+    gradients were lost under fsdp+pp (parallel/pp.py sets them aside). Same ranks, same weights,
+    the same two micro-batches: the gradients must be equal, bit for bit."""
+    for strategy in ("fsdp+pp", "pp"):
+        assert run_distributed(_accumulate_around_eval, 2, timeout_s=200, strategy=strategy) == [0.0, 0.0], strategy

@@ -200,12 +200,14 @@ def fixed_shape_collate(collate_fn: Callable) -> Callable:
     return collate_fn
 
 
-def _uninitialise(schedule: Any) -> None:
-    """Make torch's ``schedule`` set up its stages (shapes, buffers) again at its next step.
+# Single-stage schedules keep the flags as ``_stage_*``, multi-stage ones as ``_stages_*``.
+_INIT_FLAGS = ("_stage_forward_initialized", "_stage_backward_initialized",
+               "_stages_forward_initialized", "_stages_backward_initialized")
 
-    Single-stage schedules keep the flags as ``_stage_*``, multi-stage ones as ``_stages_*``."""
-    for name in ("_stage_forward_initialized", "_stage_backward_initialized",
-                 "_stages_forward_initialized", "_stages_backward_initialized"):
+
+def _uninitialise(schedule: Any) -> None:
+    """Make torch's ``schedule`` set up its stages (shapes, buffers) again at its next step."""
+    for name in _INIT_FLAGS:
         if hasattr(schedule, name):
             setattr(schedule, name, False)
 
@@ -266,6 +268,36 @@ class Pipeline:
                     "built-in trainer does), or use ddp+pp.")
             _uninitialise(schedule)
         self._shapes[id(schedule)] = shape
+
+    @contextlib.contextmanager
+    def _keep_grads(self, schedule: Any, train: bool) -> Any:
+        """Keep the gradients earlier micro-batches left when ``schedule`` sets its stages up again.
+
+        torch's shape inference runs a real forward (and backward) and then sets every FSDP
+        parameter's ``grad`` to None (``_post_metadata_inference_cleanup``). It runs at a schedule's
+        first run, after ``_uninitialise`` (a new batch shape), and at every switch between a
+        training step and an evaluation (torch sets a schedule up again when it did not last run
+        with the same has-backward): an evaluation between two micro-batches of one accumulation
+        window wiped the first one's gradients under FSDP (the loss off by 3e-2 a step later, fsdp+pp).
+        Set aside here and added back after the run: for every evaluation, which makes no
+        gradients, and for a training run whose schedule will set up again."""
+        flags = [getattr(schedule, name, None) for name in _INIT_FLAGS]
+        if train and all(flag for flag in flags if flag is not None):
+            yield  # set up for training: no shape inference in this run
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        # Only FSDP's parameters lose theirs (other gradients stay, summed in the order they came).
+        kept = [(p, p.grad) for stage in self.stages for m in stage.submod.modules() if isinstance(m, FSDPModule)
+                for p in m.parameters() if p.grad is not None]
+        kept = list({id(p): (p, g) for p, g in kept}.values())  # nested FSDP units share parameters
+        for p, _ in kept:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, grad in kept:
+                p.grad = grad if p.grad is None else p.grad + grad
 
     @contextlib.contextmanager
     def _no_ddp_sync(self) -> Any:
@@ -340,12 +372,13 @@ class Pipeline:
         args = (ids,) if self.has_first else ()
         target = targets if self.has_last else None
         losses: list | None = [] if self.has_last else None
+        schedule = self.schedule if train else self._eval_schedule
         try:
-            with self._no_ddp_sync():
+            with self._no_ddp_sync(), self._keep_grads(schedule, train):
                 if train:
-                    self.schedule.step(*args, target=target, losses=losses, **extra)
+                    schedule.step(*args, target=target, losses=losses, **extra)
                 else:
-                    self._eval_schedule.eval(*args, target=target, losses=losses, **extra)
+                    schedule.eval(*args, target=target, losses=losses, **extra)
         finally:
             self._cp_masks = None
             if cp_state is not None:

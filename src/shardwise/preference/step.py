@@ -164,10 +164,9 @@ class PreferenceStep:
         """Run one optimizer step's ``steps`` micro-batches (forward + backward); return their loss sum.
 
         A live reference scores every micro-batch of the step before the first training forward:
-        under FSDP with pipeline parallel an evaluation run between two accumulating micro-batches
-        corrupts the gradient the first one left (measured: fsdp+pp with accumulation 2), and one
-        evaluation block per step also re-initialises the training schedule once instead of once
-        per micro-batch."""
+        under pipeline parallel each switch between evaluation and training sets torch's schedule
+        up again (a forward and backward of shape inference, parallel/pp.py), so one block of
+        evaluations per step costs one set-up instead of one per micro-batch."""
         s = self.session
         loss_sum = torch.zeros((), device=s.device)
         real = 0
