@@ -190,3 +190,18 @@ def test_an_adapter_on_per_expert_weights_is_refused_where_the_model_fuses_them(
     with pytest.raises(ConfigError, match=rf"adapts 1 weight\(s\) that the model shardwise builds does not hold as "
                                           rf"such, e.g. {key}.weight \(MoE experts are fused\)"):
         build_hf_model(pretrained=str(adapter))
+
+
+def test_a_shardwise_run_directory_as_model_pretrained_names_the_export_command(tmp_path):
+    """An SFT run's directory (or one of its checkpoints) given as model.pretrained: the message says
+    it is a run, not a model folder, and gives the export command that makes one."""
+    from shardwise.models.pretrained import inspect_pretrained
+
+    run = tmp_path / "runs" / "sft"
+    (run / "checkpoints" / "step-4").mkdir(parents=True)
+    (run / "checkpoints" / "step-4" / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a shardwise run directory, not a model folder") as e:
+        inspect_pretrained(run)
+    assert f"shardwise ckpt export {run} --format hf --out {run / 'hf'}" in str(e.value)
+    with pytest.raises(ConfigError, match=r"is a shardwise checkpoint, not a model folder"):
+        inspect_pretrained(run / "checkpoints" / "step-4")

@@ -92,6 +92,24 @@ def _config_dtype(config: dict[str, Any]) -> str | None:
     return value.removeprefix("torch.") if isinstance(value, str) else None
 
 
+def _run_directory_hint(path: Path) -> str | None:
+    """What to do when ``path`` is a shardwise run directory or checkpoint (an SFT run, say) rather than
+    a model folder: export it first, with the command."""
+    # Deferred: the checkpoint layout's names live with the checkpoint engine (a layer above models).
+    from shardwise.job.rundir import CHECKPOINTS_DIR
+    from shardwise.runtime.checkpoint.manifest import MANIFEST
+
+    checkpoint = (path / MANIFEST).is_file()
+    if not (checkpoint or (path / CHECKPOINTS_DIR).is_dir()):
+        return None
+    what = "a shardwise checkpoint" if checkpoint else "a shardwise run directory"
+    out = (path.parent if checkpoint else path) / "hf"
+    return (f"{_where(path)} is {what}, not a model folder: export it as a Hugging Face folder first, "
+            f"`shardwise ckpt export {path} --format hf --out {out}` (add --merge for a LoRA run: its adapters "
+            f"folded into the base; or --format peft for the adapter folder, which model.pretrained takes "
+            f"too), then --set model.pretrained={out}.")
+
+
 def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     """Return the checked contents of a pretrained folder; ConfigError with one clear paragraph otherwise."""
     from shardwise.models.hf_config import hf_family
@@ -104,6 +122,8 @@ def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     if is_adapter_folder(path):
         return _inspect_adapter(path)
     if not (path / "config.json").is_file():
+        if (hint := _run_directory_hint(path)) is not None:
+            raise ConfigError(hint)
         raise ConfigError(f"{_where(path)} has no config.json: it is neither a Hugging Face model folder "
                           "(save_pretrained writes config.json next to the weights) nor a PEFT adapter folder "
                           "(adapter_config.json).")
