@@ -392,8 +392,8 @@ class Pipeline:
                 _uninitialise(sched)
         from shardwise.parallel.tp import local_value
 
-        if not train and self._per_row(losses, ids.device):
-            return self._broadcast_rows(losses, ids.device)
+        if not train and (rows := self._rows(losses, ids.device)) is not None:
+            return rows
         if self.has_last:
             # The schedule's per-microbatch losses (not ones seen by our loss_fn, which it also
             # calls on placeholder tensors while it infers shapes on the first step), unscaled.
@@ -405,24 +405,20 @@ class Pipeline:
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
-    def _per_row(self, losses: list | None, device: torch.device) -> bool:
-        """Whether an evaluation's loss_fn returned values per row (1-D) rather than one loss: the
-        last stage knows, and tells the other stages."""
-        flag = torch.tensor(int(bool(losses) and losses[0].dim() > 0), device=device)  # type: ignore[index]
-        dist.broadcast(flag, group=self.pp_group, group_src=self.last_rank)
-        return bool(flag.item())
-
-    def _broadcast_rows(self, losses: list | None, device: torch.device) -> torch.Tensor:
-        """The microbatches' per-row values, concatenated, on every stage (length first: only the
-        last stage saw them)."""
+    def _rows(self, losses: list | None, device: torch.device) -> torch.Tensor | None:
+        """An evaluation's per-row values (its loss_fn returned a 1-D tensor per microbatch),
+        concatenated, on every stage; None for one loss. The last stage alone saw them: it sends
+        their number first (-1: one loss), then the values."""
         from shardwise.parallel.tp import local_value
 
-        # The schedule holds what _scaled_loss returned: undo the scale, as for one loss.
-        rows = (torch.cat([local_value(t.detach()).double() for t in losses]) / self._scale  # type: ignore[union-attr]
-                if self.has_last else None)
-        n = torch.tensor(rows.numel() if rows is not None else 0, device=device)
+        rows = None
+        if self.has_last and losses and losses[0].dim() > 0:
+            # The schedule holds what _scaled_loss returned: undo the scale, as for one loss.
+            rows = torch.cat([local_value(t.detach()).double() for t in losses]) / self._scale
+        n = torch.tensor(rows.numel() if rows is not None else -1, device=device)
         dist.broadcast(n, group=self.pp_group, group_src=self.last_rank)
+        if int(n.item()) < 0:
+            return None
         out = rows if rows is not None else torch.zeros(int(n.item()), dtype=torch.float64, device=device)
         dist.broadcast(out, group=self.pp_group, group_src=self.last_rank)
         return out
-

@@ -177,8 +177,8 @@ class PreferenceStep:
             trainer.data_wait_s += time.perf_counter() - t0
             real += real_token_count(inputs)
             micro.append((inputs, targets, self._answers(targets)))
-        refs_ = [self._reference(inputs, targets, answers) for inputs, targets, answers in micro]
-        for (inputs, targets, answers), ref in zip(micro, refs_):
+        references = [self._reference(inputs, targets, answers) for inputs, targets, answers in micro]
+        for (inputs, targets, answers), ref in zip(micro, references):
             if self.width:
                 inputs, target, per_row = pipe.pipeline_batch(inputs, targets, ref, self.width)
                 self._calls = []
