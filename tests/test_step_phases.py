@@ -27,7 +27,7 @@ STEPS, LOG_EVERY = 6, 2  # logging windows end at steps 1, 2, 4, 6
 DELAY_S = 0.25
 
 
-def _run(rank: int, out: str, slow: str) -> dict:
+def _run(rank: int, out: str, slow: str, strategy: str = "ddp") -> dict:
     if slow:
         os.environ[SLOW_ENV] = slow
     else:
@@ -35,7 +35,7 @@ def _run(rank: int, out: str, slow: str) -> dict:
     cfg = load_config(None, [
         "model.preset=nano", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
         "train.eval_batches=1", "train.micro_batch_size=8", "train.sample_tokens=0", "train.progress=false",
-        "parallel.strategy=ddp", "checkpoint.at_end=false", "checkpoint.every=3", "log.level=warning"])
+        f"parallel.strategy={strategy}", "checkpoint.at_end=false", "checkpoint.every=3", "log.level=warning"])
     trainer = Trainer(cfg, out)
     records: list[dict] = []
     trainer.run_dir.sinks.append(records.append)
@@ -45,6 +45,37 @@ def _run(rank: int, out: str, slow: str) -> dict:
 
 def cases(rank: int, world_size: int, out: str, plans: list[tuple[str, str]]) -> list[dict]:
     return [_run(rank, f"{out}/{i}", slow) for i, (_, slow) in enumerate(plans)]
+
+
+REDUCE_S = 0.2
+
+
+def _fsdp_with_slow_reduce(rank: int, world_size: int, out: str) -> dict:
+    """A 2-rank fsdp run whose every gradient reduce-scatter takes REDUCE_S longer (torch internals:
+    FSDP2's post-backward calls ``foreach_reduce`` by this module-level name)."""
+    import time
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    real = group.foreach_reduce
+
+    def slow(*args, **kwargs):
+        time.sleep(REDUCE_S)
+        return real(*args, **kwargs)
+
+    group.foreach_reduce = slow
+    try:
+        return _run(rank, out, "", "fsdp")
+    finally:
+        group.foreach_reduce = real
+
+
+def test_fsdp_reduce_scatter_wait_is_collective_not_backward(tmp_path):
+    """FSDP2 computes gradients on its unsharded parameters and calls the sharded ones' hooks only
+    after their reduce-scatter: the step's last reduce-scatter (the root unit's, after the last
+    gradient) lands in ``collective`` (per step, at least the planted delay), not in ``backward``."""
+    table = run_distributed(_fsdp_with_slow_reduce, 2, timeout_s=300, out=str(tmp_path))[0]["summary"]
+    assert all(row["collective_s"] >= REDUCE_S * 0.9 for row in table["ranks"]), format_table(table)
 
 
 def _named(result: dict) -> list[tuple[int, int, str]]:

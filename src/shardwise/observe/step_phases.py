@@ -8,8 +8,10 @@ Each rank times its step's phases:
 * ``backward``: from there to the last parameter gradient computed (a post-accumulate-grad hook);
 * ``collective``: from the last gradient to the end of backward: the part of the gradient
   all-reduce/reduce-scatter the backward did not hide (DDP's reducer waits there for its buckets;
-  a rank waiting for a slower one waits here). Strategies whose gradients do not go through
-  autograd's accumulation (FSDP2's sharded parameters) fire no hook: their wait stays in backward;
+  a rank waiting for a slower one waits here). FSDP2 computes gradients on its unsharded
+  parameters (made at a unit's first all-gather, kept for the run) and calls its sharded ones'
+  hooks only after their reduce-scatter: the unsharded ones are hooked instead, after the first
+  forward, so the reduce-scatter the backward did not hide is ``collective`` too;
 * ``optimizer``: ``session.step`` (unscale, clip, step, zero);
 * ``checkpoint``: ``session.save`` inside the step loop (the blocked part of staging and writing).
 
@@ -119,6 +121,7 @@ class StepPhases:
         self._streak: tuple[int, str, int] | None = None
         self.named: list[dict[str, Any]] = []
         self._handles: list[Any] = []
+        self._fsdp_model: nn.Module | None = None
 
     def _gather_hosts(self) -> list[str]:
         host = socket.gethostname()
@@ -140,9 +143,20 @@ class StepPhases:
         if isinstance(model, DistributedDataParallel):
             self._handles.append(model.module.register_forward_pre_hook(self._forward_begins))
         self._handles.append(model.register_forward_hook(self._forward_done))
+        units = _fsdp_units(model)
+        sharded = {id(p) for unit in units for p in unit.parameters()}
         for p in model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in sharded:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
+        self._fsdp_model = model if units else None
+
+    def _hook_fsdp_gradients(self) -> None:
+        """Hook FSDP2's unsharded parameters, where backward computes the gradients that its
+        reduce-scatter then moves into the sharded ones (whose hooks never fire)."""
+        model, self._fsdp_model = self._fsdp_model, None
+        for fsdp_param in _unsharded_params(model):
+            if fsdp_param.requires_grad:
+                self._handles.append(fsdp_param.register_post_accumulate_grad_hook(self._grad_done))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -156,6 +170,8 @@ class StepPhases:
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._fwd_start is not None and self._fwd_end is None:
             self._fwd_end = self.clock.mark()
+        if self._fsdp_model is not None:  # its unsharded parameters exist from the first forward on
+            self._hook_fsdp_gradients()
 
     def _grad_done(self, param: torch.Tensor) -> None:
         if self._fwd_end is None:
@@ -334,3 +350,24 @@ class StepPhases:
             row["other_s"] = per[-1] - sum(per[:len(PHASES)])  # time in no phase (loop overhead)
             rows.append(row)
         return {"phases": list(PHASES), "ranks": rows, "slow_ranks": self.named}
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _unsharded_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's unsharded parameters of every unit of ``model`` (those made so far; torch internals,
+    read defensively: a torch without them leaves FSDP's wait in backward, as before)."""
+    out = []
+    for unit in _fsdp_units(model):
+        state = unit._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()) if group is not None else ():
+                param = getattr(fsdp_param, "_unsharded_param", None)
+                if isinstance(param, torch.Tensor):
+                    out.append(param)
+    return list({id(p): p for p in out}.values())
