@@ -77,6 +77,9 @@ def _check_runs(report: dict) -> None:
     ("hsdp", 8, 8, "63", ()),
     # fsdp + tp at 64 ranks: 32-way shards of 2-way tensor-parallel layers.
     ("fsdp+tp", 8, 8, "0", ("parallel.tp=2",)),
+    # A mixture of experts with its 8 experts split 8 ways at 64 ranks (routed evenly: fake tensors
+    # carry no routing), bf16 (transformers' grouped experts kernel).
+    ("fsdp", 8, 8, "0", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8", "parallel.precision=\"bf16-mixed\"")),
 ])
 def test_rehearsal_at_scale(case: tuple) -> None:
     strategy, nproc, nnodes, ranks, sets = case
@@ -87,6 +90,8 @@ def test_rehearsal_at_scale(case: tuple) -> None:
     assert report["ranks"][0]["coords"]  # the played rank's place in the 64/256-rank mesh
     world = nproc * nnodes
     assert report["prediction"]["ranks"][-1]["rank"] == world - 1
+    if any("parallel.ep" in s for s in sets):  # the token dispatch ran: its all-to-alls were counted
+        assert any(c["op"].startswith("all_to_all") for c in report["ranks"][0]["collectives"])
 
 
 def test_scale_only_defect_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

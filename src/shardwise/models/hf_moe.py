@@ -142,15 +142,18 @@ class _Recorder:
         keep = None if self.real is None else self.real.reshape(-1).to(seen[0][1].device)
         if keep is not None and keep.numel() != rows:
             raise ValueError(f"the MoE routers saw {rows} tokens but the batch's real-token mask has {keep.numel()}")
-        # Top-k slots per expert of the real tokens (index (N, k); no boolean indexing: no host sync).
+        # Top-k slots per expert of the real tokens (index (N, k); no boolean indexing: no host sync;
+        # index_add_, not bincount, whose output shape depends on the values: a rehearsal's fake
+        # tensors have none).
+        k = seen[0][2].shape[-1]
         if keep is None:
-            counts = torch.stack([torch.bincount(idx.reshape(-1), minlength=n_experts) for _, _, idx in seen])
-            real = counts.new_tensor([rows])
+            slots = torch.ones(rows * k, dtype=torch.long, device=seen[0][2].device)
+            real = torch.tensor([rows], dtype=torch.long, device=seen[0][2].device)
         else:
-            slots = keep.long().unsqueeze(-1).expand(-1, seen[0][2].shape[-1]).reshape(-1)
-            counts = torch.stack([torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(
-                0, idx.reshape(-1), slots) for _, _, idx in seen])
+            slots = keep.long().unsqueeze(-1).expand(-1, k).reshape(-1)
             real = keep.long().sum().reshape(1)
+        counts = torch.stack([torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(
+            0, idx.reshape(-1), slots) for _, _, idx in seen])
         # One all-reduce: every layer's counts and the real-token count (the global N).
         packed = torch.cat([counts.reshape(-1), real])
         group = layers[0].stats_group

@@ -156,11 +156,25 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``tokens`` (sum(counts), D) sorted by expert; ``counts`` (experts held,) -> same order."""
         w_in, w_out = _local(self.w_in), _local(self.w_out)
-        sizes = counts.tolist()
+        sizes = self._sizes(tokens, counts)
         if len(sizes) != w_in.shape[0]:
             raise ValueError(f"{len(sizes)} expert counts for {w_in.shape[0]} experts")
         outs = [F.gelu(chunk @ w_in[e]) @ w_out[e] for e, chunk in enumerate(tokens.split(sizes)) if sizes[e]]
         return torch.cat(outs) if outs else tokens.new_zeros(0, w_out.shape[-1])
+
+    def _sizes(self, tokens: torch.Tensor, counts: torch.Tensor) -> list[int]:
+        """``counts`` as host integers: the expert-parallel dispatch already knows them (no sync); a
+        rehearsal's fake tensors carry no routing, so their tokens are spread evenly (the planner's
+        assumption too)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        dispatcher = getattr(self, "ep_dispatcher", None)
+        if dispatcher is not None:
+            return list(dispatcher.local_sizes)
+        if is_fake(counts):
+            n, e = tokens.shape[0], counts.shape[0]
+            return [n // e + (i < n % e) for i in range(e)]
+        return counts.tolist()
 
 
 class SharedExperts(nn.Module):
@@ -208,7 +222,9 @@ class MoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        # index_add_, not bincount (whose output shape depends on the values: fake tensors have none)
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
         # Dropless dispatch: tokens sorted by expert (stable, so each expert sees them in token order).
         order = flat.argsort(stable=True)
         token = order // self.top_k

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
@@ -106,18 +107,34 @@ class ExpertDispatcher:
         self.n_experts, self.ep, self.group = n_experts, ep, group
         self.local = n_experts // ep
         self._state: list[tuple[torch.Tensor, list[int], list[int]]] = []
+        self.local_sizes: list[int] = []  # the last dispatch's tokens per local expert
+
+    def _splits(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """(tokens I send to each rank, grid[s][e]: tokens rank s sends to my local expert e, those
+        counts per local expert as a tensor)."""
+        ep, local = self.ep, self.local
+        if is_fake(counts):
+            # A rehearsal's fake tensors carry no routing: every rank routes its tokens evenly over
+            # the experts (the planner's assumption too), so sizes come from the shapes alone.
+            n = tokens.shape[0]
+            even = [n // self.n_experts + (e < n % self.n_experts) for e in range(self.n_experts)]
+            me = dist.get_rank(self.group)
+            grid = [even[me * local:(me + 1) * local] for _ in range(ep)]
+            send = [sum(even[r * local:(r + 1) * local]) for r in range(ep)]
+            return send, grid, torch.tensor([sum(c) for c in zip(*grid)], device=counts.device)
+        # recv[s, e]: how many tokens rank s of the group sends to my local expert e.
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        return counts.view(ep, local).sum(1).tolist(), recv.view(ep, local).tolist(), recv.view(ep, local).sum(0)
 
     def dispatch(self, module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         tokens, counts = inputs
         ep, local = self.ep, self.local
-        # recv[s, e]: how many tokens rank s of the group sends to my local expert e.
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        send_splits = counts.view(ep, local).sum(1).tolist()
-        grid = recv.view(ep, local).tolist()
+        send_splits, grid, local_counts = self._splits(tokens, counts)
         recv_splits = [sum(row) for row in grid]
+        self.local_sizes = [sum(grid[s][e] for s in range(ep)) for e in range(local)]
         got = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
         # Arrived source-major (rank s: its tokens for my experts 0..L-1); the experts want them
         # expert-major. ``perm`` lists the arrived rows in expert-major order.
@@ -131,7 +148,6 @@ class ExpertDispatcher:
         perm_t = torch.tensor(perm, dtype=torch.long, device=tokens.device)
         # A checkpointed recomputation runs forward again: a stack keeps dispatch/combine paired.
         self._state.append((perm_t, send_splits, recv_splits))
-        local_counts = recv.view(ep, local).sum(0)
         return got[perm_t], local_counts
 
     def combine(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
@@ -198,13 +214,15 @@ def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispat
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat, minlength=dispatcher.n_experts)
+        # index_add_, not bincount (whose output shape depends on the values: fake tensors have none)
+        counts = torch.zeros(dispatcher.n_experts, dtype=torch.long, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)
         token = order // top_k
-        got, local_counts = dispatcher.dispatch(experts, (hidden_states[token], counts))
+        got, _ = dispatcher.dispatch(experts, (hidden_states[token], counts))
         gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
         outs = []
-        for e, chunk in enumerate(got.split(local_counts.tolist())):
+        for e, chunk in enumerate(got.split(dispatcher.local_sizes)):  # known on the host: no sync
             if chunk.shape[0]:
                 gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
                 outs.append(F.linear(experts.act_fn(gate) * up, down[e]))

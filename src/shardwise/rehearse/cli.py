@@ -67,8 +67,6 @@ FAKE_LIMITS = {
     "pp": "pipeline parallel (parallel.pp > 1): torch's schedule learns each stage's input shapes by "
           "point-to-point messages from its neighbours before the first step, and the fake process group "
           "delivers none",
-    "ep": "expert parallel (parallel.ep > 1): the token dispatch sizes its all-to-all from the router's "
-          "counts (bincount), whose output shape depends on values fake tensors do not have",
     "cp": "context parallel (parallel.cp > 1): transformers counts a fake tensor as tracing and then builds an "
           "explicit causal mask for the local chunk, which the context-parallel attention refuses",
 }
