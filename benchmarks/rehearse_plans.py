@@ -6,7 +6,7 @@ For each case the planner's top recommendation is rehearsed exactly as the comma
 prints would run it (``plan --rehearse``): played ranks on fake cpu tensors in torch's fake
 process group at the full world size, memory by kind next to the plan's per-rank prediction, with
 each played rank's time and peak RSS. Where the recommendation uses a dimension fake tensors cannot
-carry (pipeline, expert or context parallel: ``rehearse.cli.FAKE_LIMITS``), its refusal is printed
+carry (pipeline or context parallel: ``rehearse.cli.FAKE_LIMITS``), its refusal is printed
 and the best layout without that dimension is rehearsed instead (named as such).
 """
 
@@ -28,9 +28,9 @@ CASES = {
     "llama-3-405b on 64x8": (["--model", "llama-3-405b", "--gpus-per-node", "8", "--nodes", "64"],
                              ["--cp", "1", "--pp", "1"]),
     "mixtral-8x7b ep on 8x8": (["--model", "mixtral-8x7b", "--gpus-per-node", "8", "--nodes", "8"],
-                               ["--cp", "1", "--ep", "1", "--pp", "1"]),
+                               ["--cp", "1", "--pp", "1"]),
     "qwen3-30b-a3b ep on 8": (["--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--nodes", "1"],
-                              ["--cp", "1", "--ep", "1", "--pp", "1"]),
+                              ["--cp", "1", "--pp", "1"]),
 }
 
 
