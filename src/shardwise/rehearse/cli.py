@@ -83,7 +83,7 @@ def check_fake_rehearsable(layout: Any) -> None:
 
 def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     """Resolve the run as ``train`` does, play its ranks and return the report (``report.build``)."""
-    from shardwise.config import to_toml
+    from shardwise.config import load_config, to_toml
     from shardwise.data.cache import read_only
     from shardwise.job.train import dry_run_prediction, resolve_run
     from shardwise.parallel.registry import get_strategy
@@ -95,7 +95,14 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(f"--nnodes, --steps and --jobs must be >= 1, got {args.nnodes}, {args.steps}, {args.jobs}.")
     launch.check_device(args.device)
     target = gpu(args.gpu)
-    run_args = argparse.Namespace(recipe=args.recipe, overrides=list(args.overrides), strategy=args.strategy,
+    overrides, notes = list(args.overrides), ()
+    if load_config(args.recipe, overrides).parallel.precision == "auto":
+        # "auto" decides for the machine that runs: this one would pick fp32 (its CPU), the target
+        # GPU bf16-mixed (every GPU kind the planner knows has bfloat16), so the GPU's choice is played.
+        overrides.append('parallel.precision="bf16-mixed"')
+        notes = (f"parallel.precision = 'auto' -> 'bf16-mixed' (as on the target {target.name}, which supports "
+                 "bfloat16; this machine's CPU would pick fp32)",)
+    run_args = argparse.Namespace(recipe=args.recipe, overrides=overrides, strategy=args.strategy,
                                   nproc=args.nproc or 8, nnodes=str(args.nnodes), node_rank=0,
                                   rdzv_endpoint=_NO_RENDEZVOUS if args.nnodes > 1 else "", max_restarts=0, out=None)
     with read_only():  # the rehearsal writes nothing outside its temporary folder
@@ -113,7 +120,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                           device=args.device, steps=args.steps, timeout_s=args.rank_timeout, jobs=args.jobs)
     budget = Cluster(gpu=target, gpus_per_node=run.nproc, nodes=args.nnodes).usable_gib
     return report.build(title=title_of(run, target.name, args.nnodes), prediction=prediction, results=results,
-                        budget_gib=budget, gpu_name=target.name, device=args.device)
+                        budget_gib=budget, gpu_name=target.name, device=args.device, notes=notes)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:

@@ -26,8 +26,8 @@ UNMEASURED = (
 
 
 def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_gib: float | None,
-          gpu_name: str, device: str) -> dict[str, Any]:
-    """The report as data (what ``--json`` prints)."""
+          gpu_name: str, device: str, notes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The report as data (what ``--json`` prints); ``notes``: the run's own (what "auto" became)."""
     ranks = []
     for result in results:
         rows = compare_rank(prediction, result)
@@ -35,8 +35,7 @@ def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_
     failed = [r for r in ranks if "failed" in r]
     refused = [r for r in ranks if "refused" in r]
     outcome = "failed" if failed else "refused" if refused else "runs"
-    notes = [FAKE_CPU_LIMITS] if device == "cpu" else []
-    notes.append(UNMEASURED)
+    notes = [*notes, *([FAKE_CPU_LIMITS] if device == "cpu" else []), UNMEASURED]
     return {"title": title, "outcome": outcome, "gpu": gpu_name, "budget_gib": budget_gib, "device": device,
             "prediction": prediction.to_dict() if prediction is not None else None, "ranks": ranks,
             "verdict": _verdict(title, outcome, ranks, budget_gib), "notes": notes}
