@@ -77,6 +77,11 @@ def _check_runs(report: dict) -> None:
     ("hsdp", 8, 8, "63", ()),
     # fsdp + tp at 64 ranks: 32-way shards of 2-way tensor-parallel layers.
     ("fsdp+tp", 8, 8, "0", ("parallel.tp=2",)),
+    # The run's own optimizer, not AdamW's state (the plan counts Adafactor's factored moments; its
+    # relative step reads a norm on the host, which fake tensors answer with a placeholder).
+    ("fsdp", 8, 1, "0", ("optimizer.name=\"adafactor\"",)),
+    # Muon: its sharded Newton-Schulz plans come from mesh coordinates read on the host.
+    ("fsdp+tp", 4, 2, "0", ("optimizer.name=\"muon\"", "parallel.tp=2")),
     # A mixture of experts with its 8 experts split 8 ways at 64 ranks (routed evenly: fake tensors
     # carry no routing), bf16 (transformers' grouped experts kernel).
     ("fsdp", 8, 8, "0", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8", "parallel.precision=\"bf16-mixed\"")),

@@ -30,8 +30,12 @@ from shardwise.optim.muon import _is_dtensor  # one DTensor test for both shardi
 
 
 def _item(t: torch.Tensor) -> float:
-    """A 0-d tensor's value; a DTensor's (Partial or replicated) reduced first."""
-    return (t.full_tensor() if _is_dtensor(t) else t).item()
+    """A 0-d tensor's value; a DTensor's (Partial or replicated) reduced first. A rehearsal's fake
+    tensors have no value: any number plays the same step (shapes, bytes, collectives)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    t = t.full_tensor() if _is_dtensor(t) else t
+    return 1.0 if is_fake(t) else t.item()
 
 
 class Adafactor(torch.optim.Adafactor):

@@ -248,7 +248,12 @@ def _gather_plan(param: torch.Tensor, plans: dict[Any, Any]) -> _Gather | None:
     if not any(placements[d].dim % ndim >= ndim - 2 for d in shard_dims):
         return None  # only the expert dim (or nothing) is cut: whole matrices here
     if id(param) not in plans:
-        plans[id(param)] = _make_plan(mesh, placements, tuple(param.shape), shard_dims, plans)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # Shapes and mesh coordinates only: torch's offset arithmetic reads small tensors on the host,
+        # which a rehearsal's fake mode would refuse (they hold no data of the run).
+        with unset_fake_temporarily():
+            plans[id(param)] = _make_plan(mesh, placements, tuple(param.shape), shard_dims, plans)
     return plans[id(param)]
 
 

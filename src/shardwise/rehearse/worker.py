@@ -90,7 +90,8 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     if not workload.plain_token_ce:
         session.loss_chunks = 0  # as the trainer: only the token-mean CE is chunked
     model = session.build(workload.build_model, init="meta")
-    model, optimizer = session.prepare(model, build_optimizer(model, t, session.device))
+    # The run's own [optimizer] (Adafactor, Muon, SGD...): its state is a column the plan predicts.
+    model, optimizer = session.prepare(model, build_optimizer(model, t, session.device, cfg.optimizer))
     notes += session.notes
     prepared_s = time.perf_counter() - started
     collate_fn = workload.collate_fn
