@@ -29,6 +29,11 @@ from shardwise.testing import run_distributed
 TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=101, max_position_embeddings=256,
                   tie_word_embeddings=False)
+# A tiny Qwen3-MoE: 8 experts, top-2 routing, per-head q/k norms (what the MoE and qk-norm terms count).
+TINY_QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, vocab_size=101,
+                      max_position_embeddings=256, tie_word_embeddings=False)
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 MODELS = ("gpt-nano", "tiny-llama")
 GROUP_SIZES = (1, 2, 4)
@@ -127,7 +132,7 @@ def spec_of(name: str, tmp_dir: str) -> ModelSpec:
     from pathlib import Path
 
     path = Path(tmp_dir) / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
+    path.write_text(json.dumps(TINY_QWEN3_MOE if name == "tiny-qwen3-moe" else TINY_LLAMA))
     return from_hf_config(path)
 
 
@@ -211,6 +216,15 @@ def activation_model(model_name: str, tmp_dir: str) -> tuple[nn.Module, ModelSpe
     if model_name == "gpt-tiny":
         torch.manual_seed(0)
         return GPT(GPT_PRESETS["tiny"]), from_gpt_config(GPT_PRESETS["tiny"], name="gpt-tiny")
+    if model_name == "tiny-qwen3-moe":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from shardwise.models.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(**TINY_QWEN3_MOE)
+        cfg._attn_implementation = "sdpa"
+        return HFCausalLM(AutoModelForCausalLM.from_config(cfg)), spec_of(model_name, tmp_dir)
     model = build_model(model_name)
     if model_name == "tiny-llama":
         from shardwise.models.hf import HFCausalLM
@@ -219,7 +233,7 @@ def activation_model(model_name: str, tmp_dir: str) -> tuple[nn.Module, ModelSpe
     return model, spec_of(model_name, tmp_dir)
 
 
-@pytest.mark.parametrize("model_name", ["gpt-nano", "gpt-tiny", "tiny-llama"])
+@pytest.mark.parametrize("model_name", ["gpt-nano", "gpt-tiny", "tiny-llama", "tiny-qwen3-moe"])
 @pytest.mark.parametrize("checkpoint", AC_MODES)
 def test_activation_bytes_match_measurement(model_name, checkpoint, tmp_path):
     """Planner activation bytes vs what the runtime keeps, for every parallel.activation_checkpointing

@@ -431,7 +431,11 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
         # a fused kernel keeps its input, the output and rstd.
         norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
-        inner = (2 * qd + 2 * kvd + 4 * f) * e  # rotated q, k, v, attention out, 4 MLP tensors
+        inner = (2 * qd + 2 * kvd) * e + _mlp_interior(spec, e)  # rotated q, k, v, attention out, the MLP
+        if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
+            heads = a + spec.kv_heads
+            inner += (4 * (qd + kvd) + 2 * (qd + kvd) * e + 4 * heads) if kernels.norm == "eager" else (
+                2 * (qd + kvd) * e + 4 * heads)
     if attention == "sdpa":
         inner += 4 * a  # fp32 log-sum-exp per head
     elif attention == "math":
@@ -439,6 +443,28 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
     return tokens * (norm_region // norm_div + inner // tp)
+
+
+def _mlp_interior(spec: ModelSpec, e: int) -> int:
+    """Bytes per token a llama-like block's MLP keeps for backward.
+
+    Dense SwiGLU: gate, up, silu(gate) and their product (4 x ffn_hidden elements). A mixture of
+    experts (transformers' experts module, one pass per expert hit) sends each token to ``top_k``
+    experts, and per routed slot keeps the gathered input and the expert's output (2 x hidden), the
+    gate/up output, the activation and the product (4 x the expert width, as dense), the routing
+    weight, and two int64 indices (token, slot); the router keeps its fp32 softmax (n_experts) and
+    the top-k indices (int64) and fp32 weights, before and after normalising."""
+    f = spec.ffn_hidden or 0
+    if spec.moe is None:
+        return 4 * f * e
+    h, k, n = spec.hidden or 0, spec.moe.top_k, spec.moe.n_experts
+    routed = k * ((2 * h + 4 * f + 1) * e + 2 * 8)
+    router = 4 * n + k * (8 + 2 * 4)
+    return routed + router
+
+
+def _has_qk_norm(spec: ModelSpec) -> bool:
+    return any(p.name.endswith("self_attn.q_norm.weight") for p in spec.params)
 
 
 def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
