@@ -515,12 +515,20 @@ def block_matmuls(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
     attn = [("q", h, qd, False), ("k", h, kvd, False), ("v", h, kvd, False), ("o", qd, h, True)]
     if spec.arch == "gpt":
         return attn + [("fc", h, f, False), ("proj", f, h, True)]
+    if spec.moe is not None:  # the router, then each token's top_k experts (per-token widths)
+        kf = spec.moe.top_k * f
+        return attn + [("router", h, spec.moe.n_experts, False), ("experts gate", h, kf, False),
+                       ("experts up", h, kf, False), ("experts down", kf, h, True)]
     return attn + [("gate", h, f, False), ("up", h, f, False), ("down", f, h, True)]
 
 
 def op_sac_saved(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
-    """The matmuls whose outputs ``selective-op`` keeps: the 1st, 3rd, 5th, ... of the block."""
-    return block_matmuls(spec)[0::2]
+    """The matmuls whose outputs ``selective-op`` keeps: the 1st, 3rd, 5th, ... of the block's
+    ``aten.mm`` calls. A mixture of experts' experts run as per-expert slices or grouped kernels,
+    not ``aten.mm`` (seen on a tiny Qwen3-MoE: 5 mm calls per block, attention and router): the
+    policy neither counts nor keeps them, so they are always recomputed."""
+    mms = [m for m in block_matmuls(spec) if not m[0].startswith("experts ")]
+    return mms[0::2]
 
 
 def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
