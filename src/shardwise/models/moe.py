@@ -145,6 +145,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Routing slots per expert of a flat index tensor: an ``index_add_`` of fixed shape, not
+    ``bincount`` (whose output shape depends on the values: a rehearsal's fake tensors have none)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 class GroupedExperts(nn.Module):
     """E feed-forward experts stored as fused 3-D tensors ``w_in (E, D, H)``, ``w_out (E, H, D)``."""
 
@@ -222,9 +228,7 @@ class MoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.reshape(-1)
-        # index_add_, not bincount (whose output shape depends on the values: fake tensors have none)
-        counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat))
+        counts = expert_counts(flat, self.n_experts)
         # Dropless dispatch: tokens sorted by expert (stable, so each expert sees them in token order).
         order = flat.argsort(stable=True)
         token = order // self.top_k

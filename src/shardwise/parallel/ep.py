@@ -212,11 +212,11 @@ def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispat
     """
     import torch.nn.functional as F
 
+    from shardwise.models.moe import expert_counts
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         flat = top_k_index.reshape(-1)
-        # index_add_, not bincount (whose output shape depends on the values: fake tensors have none)
-        counts = torch.zeros(dispatcher.n_experts, dtype=torch.long, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat))
+        counts = expert_counts(flat, dispatcher.n_experts)
         order = flat.argsort(stable=True)
         token = order // top_k
         got, _ = dispatcher.dispatch(experts, (hidden_states[token], counts))

@@ -44,7 +44,7 @@ def pipeline_batch(inputs: dict[str, torch.Tensor], targets: dict[str, torch.Ten
     else:  # chosen rows 0..B-1, rejected rows B..2B-1 -> c0, r0, c1, r1, ...
         order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], dim=1).flatten().to(labels.device)
         slot = torch.zeros_like(segments)
-    slot = torch.where(segments >= 0, slot, -1)[order]
+    slot = torch.where(segments >= 0, slot, -1)
     if width < seq:
         raise ValueError(f"a pair batch of {seq} tokens is wider than the pipeline's fixed width {width}")
     pad = width - seq
@@ -57,7 +57,7 @@ def pipeline_batch(inputs: dict[str, torch.Tensor], targets: dict[str, torch.Ten
     out = {k: widen(v, fills[k]) for k, v in inputs.items()}
     target = torch.full((rows, 3, width), 0, dtype=torch.int64, device=labels.device)
     target[:, 0] = widen(labels, IGNORE_INDEX)
-    target[:, 1] = torch.cat([slot, slot.new_full((rows, pad), -1)], dim=1) if pad else slot
+    target[:, 1] = widen(slot, -1)
     if ref is not None:
         # Answer order: pair-major (c0, r0, c1, r1, ...), the rows' order after the reordering.
         values = torch.stack([ref[0].double(), ref[1].double()], dim=1).reshape(rows, per_row)
