@@ -177,7 +177,7 @@ def cmd_load(args: argparse.Namespace) -> None:
             if export_dir:
                 from transformers import AutoModelForCausalLM
 
-                from shardwise.runtime.checkpoint import export_hf
+                from shardwise.runtime.checkpoint.hf_export import export_hf
 
                 t0 = time.perf_counter()
                 written = export_hf(export_dir, root / "export")

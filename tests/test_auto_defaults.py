@@ -6,7 +6,7 @@ import torch
 
 from shardwise.config import from_dict, load_config, to_toml
 from shardwise.layout import resolve_layout
-from shardwise.parallel.registry import get_strategy
+from shardwise.parallel.implementations import get_strategy
 from shardwise.runtime import auto
 from shardwise.runtime.auto import CompileRecord, resolve_compile, resolve_precision
 

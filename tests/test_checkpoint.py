@@ -17,7 +17,13 @@ from shardwise.cli import main
 from shardwise.config import ParallelConfig
 from shardwise.errors import CheckpointError
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.runtime import checkpoint as ckpt
+from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoint
+from shardwise.runtime.checkpoint.load import load_checkpoint
+from shardwise.runtime.checkpoint.locate import latest_checkpoint, resolve_checkpoint
+from shardwise.runtime.checkpoint.manifest import MANIFEST, PARTIAL_OWNER, body_checksum, read_manifest, sha256_file
+from shardwise.runtime.checkpoint.preflight import preflight
+from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner
+from shardwise.runtime.checkpoint.save import save_checkpoint
 from shardwise.runtime.session import Session
 from shardwise.testing import DistributedTestError, run_distributed
 from tests.helpers.ckpt import fast_overrides, small_text
@@ -38,16 +44,16 @@ def _trained(steps: int = 2, seed: int = 0):
 def _save(root, step: int, model=None, opt=None, keep_last: int = 0, **kw):
     if model is None:
         model, opt = _trained()
-    return ckpt.save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1,
+    return save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1,
                                 keep_last=keep_last, **kw)
 
 
 def _rewrite_manifest(path, **changes) -> None:
     """Tamper with a manifest the way an attacker would: change it and fix its self-checksum."""
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     manifest.update(changes)
-    manifest["checksum"] = ckpt.body_checksum(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest["checksum"] = body_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 # ------------------------------------------------------------------------- save / load / publish
@@ -63,7 +69,7 @@ def test_roundtrip_restores_model_optimizer_data_and_rng(tmp_path):
     expected_draw = torch.rand(3)
 
     assert path.name == "step-00000007" and (tmp_path / "latest").read_text().strip() == path.name
-    manifest = ckpt.read_manifest(path)
+    manifest = read_manifest(path)
     assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["strategy"] == "single"
     assert manifest["data"]["batch_in_epoch"] == 3 and manifest["state"] == {"note": "x"}
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "rng-rank0.json"}
@@ -90,7 +96,7 @@ def test_rotation_keeps_last_and_latest_is_written_last(tmp_path):
         _save(tmp_path, step, model, opt, keep_last=2)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step-00000003", "step-00000004"]
-    assert ckpt.latest_checkpoint(tmp_path).name == "step-00000004"
+    assert latest_checkpoint(tmp_path).name == "step-00000004"
 
 
 def test_partial_checkpoint_is_never_used_and_cleaned_up(tmp_path):
@@ -100,12 +106,12 @@ def test_partial_checkpoint_is_never_used_and_cleaned_up(tmp_path):
     # owner record: here a writer that is gone).
     partial = tmp_path / ".partial-step-00000004.0123456789ab"
     shutil.copytree(good, partial)
-    (partial / ckpt.MANIFEST).unlink()
-    (partial / ckpt.PARTIAL_OWNER).write_text(json.dumps({"job": "killed-job", "host": socket.gethostname(),
+    (partial / MANIFEST).unlink()
+    (partial / PARTIAL_OWNER).write_text(json.dumps({"job": "killed-job", "host": socket.gethostname(),
                                                           "pid": os.getpid(), "start_time": -1}))
-    assert ckpt.resolve_checkpoint(tmp_path) == good
+    assert resolve_checkpoint(tmp_path) == good
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
-        ckpt.resolve_checkpoint(partial)
+        resolve_checkpoint(partial)
     _save(tmp_path, 3, model, opt, keep_last=5)  # the next save removes stale partial directories
     assert not partial.exists()
 
@@ -121,8 +127,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
         run_distributed(train_rank, 2, timeout_s=120, overrides=overrides, out=str(out))
     root = out / "checkpoints"
     assert len(list(root.glob(".partial-step-00000006.*"))) == 1  # shards of step 6 were being written
-    assert ckpt.latest_checkpoint(root).name == "step-00000003"
-    assert ckpt.inspect_checkpoint(root)["step"] == 3  # the previous checkpoint loads and verifies
+    assert latest_checkpoint(root).name == "step-00000003"
+    assert inspect_checkpoint(root)["step"] == 3  # the previous checkpoint loads and verifies
 
 
 # ------------------------------------------------------------------------- damaged / wrong input
@@ -133,7 +139,7 @@ def saved(tmp_path):
 
 def _load(path):
     model, opt = _trained(steps=0)
-    return ckpt.load_checkpoint(path, model, opt, world_size=1)
+    return load_checkpoint(path, model, opt, world_size=1)
 
 
 def test_no_checkpoint_to_resume(tmp_path):
@@ -150,7 +156,7 @@ def test_truncated_shard(saved):
     with pytest.raises(CheckpointError, match=r"__0_0.distcp has 1000 bytes.*truncated"):
         _load(saved)
     with pytest.raises(CheckpointError, match="truncated"):
-        ckpt.preflight(saved)
+        preflight(saved)
 
 
 def test_corrupted_shard_same_size(saved):
@@ -163,11 +169,11 @@ def test_corrupted_shard_same_size(saved):
 
 
 def test_tampered_manifest(saved):
-    text = (saved / ckpt.MANIFEST).read_text().replace('"step": 5', '"step": 50')
-    (saved / ckpt.MANIFEST).write_text(text)
+    text = (saved / MANIFEST).read_text().replace('"step": 5', '"step": 50')
+    (saved / MANIFEST).write_text(text)
     with pytest.raises(CheckpointError, match="modified after it was written"):
         _load(saved)
-    (saved / ckpt.MANIFEST).write_text("{not json")
+    (saved / MANIFEST).write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         _load(saved)
 
@@ -179,7 +185,7 @@ def test_incompatible_model_shape(saved):
     opt = torch.optim.AdamW(wider.parameters(), lr=1e-3)
     expected = r"different shape: .*is \[32, 32\] float32 in the checkpoint and \[64, 64\]"
     with pytest.raises(CheckpointError, match=expected):
-        ckpt.load_checkpoint(saved, wider, opt, world_size=1)
+        load_checkpoint(saved, wider, opt, world_size=1)
 
 
 # ------------------------------------------------------------------------- security
@@ -196,8 +202,8 @@ def test_metadata_pickle_cannot_run_code(saved, tmp_path):
     meta = saved / ".metadata"
     meta.write_bytes(pickle.dumps(_Evil()))
     # An attacker who also rewrites the manifest's checksums still cannot get code run.
-    files = json.loads((saved / ckpt.MANIFEST).read_text())["files"]
-    files[".metadata"] = {"bytes": meta.stat().st_size, "sha256": ckpt.sha256_file(meta)}
+    files = json.loads((saved / MANIFEST).read_text())["files"]
+    files[".metadata"] = {"bytes": meta.stat().st_size, "sha256": sha256_file(meta)}
     _rewrite_manifest(saved, files=files)
     with pytest.raises(CheckpointError, match="refusing to load DCP metadata"):
         _load(saved)
@@ -207,11 +213,11 @@ def test_metadata_pickle_cannot_run_code(saved, tmp_path):
 def test_metadata_checked_against_manifest_before_unpickling(saved):
     meta = saved / ".metadata"
     meta.write_bytes(meta.read_bytes() + b"\x00")
-    files = json.loads((saved / ckpt.MANIFEST).read_text())["files"]
+    files = json.loads((saved / MANIFEST).read_text())["files"]
     files[".metadata"]["bytes"] += 1  # size fixed up, checksum not
     _rewrite_manifest(saved, files=files)
     with pytest.raises(CheckpointError, match="SHA-256"):
-        ckpt.inspect_checkpoint(saved)
+        inspect_checkpoint(saved)
 
 
 def test_non_tensor_entries_are_loaded_weights_only(tmp_path):
@@ -220,9 +226,9 @@ def test_non_tensor_entries_are_loaded_weights_only(tmp_path):
     dcp.save({"x": torch.ones(2), "evil": _Evil()}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     marker.unlink(missing_ok=True)
     target = {"x": torch.zeros(2), "evil": None}
-    reader = ckpt.SafeFileSystemReader(tmp_path / "c", expected_sha256=None)
+    reader = SafeFileSystemReader(tmp_path / "c", expected_sha256=None)
     with pytest.raises(dcp.api.CheckpointException, match="refusing to load the entry 'evil'"):
-        dcp.load(target, storage_reader=reader, planner=ckpt.SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     assert not marker.exists()
 
 
@@ -271,9 +277,9 @@ def _save_two_ranks(rank: int, world_size: int, root: str, strategy: str) -> lis
 def test_every_rank_writes_its_shard_and_export_consolidates(tmp_path, strategy):
     files = run_distributed(_save_two_ranks, 2, timeout_s=120, root=str(tmp_path), strategy=strategy)[0]
     assert {"__0_0.distcp", "__1_0.distcp", "rng-rank0.json", "rng-rank1.json", "manifest.json"} <= set(files)
-    info = ckpt.inspect_checkpoint(tmp_path)
+    info = inspect_checkpoint(tmp_path)
     assert info["strategy"] == strategy and info["world_size"] == 2
-    result = ckpt.export_weights(tmp_path, tmp_path / "w.safetensors")
+    result = export_weights(tmp_path, tmp_path / "w.safetensors")
     plain = GPT(GPT_PRESETS["nano"])
     plain.load_state_dict(load_file(result["out"]))
     assert result["tensors"] == len(plain.state_dict())

@@ -19,8 +19,9 @@ import torch
 
 from shardwise.errors import CheckpointError, ConfigError, count_of
 from shardwise.fsutil import real_path, what_is
-from shardwise.runtime.checkpoint import LATEST, latest_checkpoint
 from shardwise.runtime.checkpoint.background import resolve_mode
+from shardwise.runtime.checkpoint.locate import latest_checkpoint
+from shardwise.runtime.checkpoint.manifest import LATEST
 from shardwise.runtime.checkpoint.save import describe_io_failure
 from tests.test_session_save_defaults import _session_run
 
@@ -176,7 +177,7 @@ def test_user_paths_that_loop_or_are_not_files_are_refused_in_one_paragraph(tmp_
 
 
 def test_damaged_metadata_is_reported_once(tmp_path):
-    from shardwise.runtime.checkpoint import preflight
+    from shardwise.runtime.checkpoint.preflight import preflight
 
     s, *_ = _session_run(tmp_path, 1)
     try:

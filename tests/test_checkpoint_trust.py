@@ -20,7 +20,11 @@ import torch
 from shardwise.cli import main
 from shardwise.errors import CheckpointError
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.runtime import checkpoint as ckpt
+from shardwise.runtime.checkpoint.export import read_full_model_state
+from shardwise.runtime.checkpoint.load import load_checkpoint
+from shardwise.runtime.checkpoint.locate import complete_checkpoints
+from shardwise.runtime.checkpoint.manifest import MANIFEST, body_checksum, read_manifest, sha256_file
+from shardwise.runtime.checkpoint.save import save_checkpoint
 from shardwise.testing import run_command
 
 
@@ -28,19 +32,19 @@ def _saved(root, step: int = 3):
     torch.manual_seed(0)
     model = GPT(GPT_PRESETS["nano"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return ckpt.save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1)
+    return save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1)
 
 
 def _forge_manifest(path, **changes) -> None:
     """Rewrite the manifest as an attacker would: change it, then fix every checksum."""
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     for name in manifest["files"]:
         file = path / name
         if file.is_file() and not file.is_symlink():
-            manifest["files"][name] = {"bytes": file.stat().st_size, "sha256": ckpt.sha256_file(file)}
+            manifest["files"][name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
     manifest.update(changes)
-    manifest["checksum"] = ckpt.body_checksum(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest["checksum"] = body_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
 
 
 def _edit_metadata(path, edit) -> None:
@@ -62,7 +66,7 @@ def _load(path):
     torch.manual_seed(1)
     model = GPT(GPT_PRESETS["nano"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return ckpt.load_checkpoint(path, model, opt, world_size=1)
+    return load_checkpoint(path, model, opt, world_size=1)
 
 
 def _one_paragraph(capsys, argv) -> str:
@@ -82,7 +86,7 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused_before_reading(tmp_
     with pytest.raises(CheckpointError, match="not a data file listed in the manifest"):
         _load(path)
     with pytest.raises(CheckpointError, match="not a data file listed in the manifest"):
-        ckpt.read_full_model_state(path)
+        read_full_model_state(path)
 
 
 def test_metadata_pointing_at_a_fifo_fails_fast_instead_of_blocking(tmp_path, cli_env):
@@ -98,7 +102,7 @@ def test_metadata_pointing_at_a_fifo_fails_fast_instead_of_blocking(tmp_path, cl
 
 def test_a_listed_file_that_is_a_fifo_or_symlink_is_not_read(tmp_path):
     path = _saved(tmp_path / "ckpts")
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     os.unlink(path / "rng-rank0.json")
     os.mkfifo(path / "rng-rank0.json")
     with pytest.raises(CheckpointError, match="rng-rank0.json is not a regular file"):
@@ -107,7 +111,7 @@ def test_a_listed_file_that_is_a_fifo_or_symlink_is_not_read(tmp_path):
     secret = tmp_path / "secret.json"
     secret.write_text("{}")
     os.symlink(secret, path / "rng-rank0.json")
-    manifest["files"]["rng-rank0.json"] = {"bytes": 2, "sha256": ckpt.sha256_file(secret)}
+    manifest["files"]["rng-rank0.json"] = {"bytes": 2, "sha256": sha256_file(secret)}
     _forge_manifest(path, files=manifest["files"])
     with pytest.raises(CheckpointError, match="symbolic link"):
         _load(path)
@@ -120,8 +124,8 @@ def test_manifest_names_must_stay_inside_the_checkpoint(tmp_path, capsys, name):
     target = "/etc/hostname" if name == "/etc/hostname" else tmp_path / "outside.txt"
     if name != "/etc/hostname":
         (tmp_path / "outside.txt").write_text("not yours")
-    files = json.loads((path / ckpt.MANIFEST).read_text())["files"]
-    files[name] = {"bytes": os.path.getsize(target), "sha256": ckpt.sha256_file(target)}
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    files[name] = {"bytes": os.path.getsize(target), "sha256": sha256_file(target)}
     _forge_manifest(path, files=files)
     err = _one_paragraph(capsys, ["ckpt", "inspect", str(path)])
     assert "not a plain name inside the checkpoint directory" in err and "verified" not in err
@@ -135,9 +139,9 @@ def test_a_step_directory_that_is_a_symlink_is_not_followed(tmp_path, capsys):
     (root / "latest").write_text("step-00000009\n")
     err = _one_paragraph(capsys, ["ckpt", "inspect", str(root)])
     assert "step-00000009" in err
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000003"]
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000003"]
     with pytest.raises(CheckpointError, match="symbolic link"):
-        ckpt.read_manifest(root / "step-00000009")
+        read_manifest(root / "step-00000009")
     with pytest.raises(CheckpointError, match="symbolic link"):
         _load(root / "step-00000009")
 
@@ -159,13 +163,13 @@ def test_garbage_metadata_with_a_matching_checksum_is_a_clear_error(tmp_path, ca
                                           ("model_tensors", {"w": "oops"})])
 def test_a_manifest_missing_or_mistyping_a_field_is_a_clear_error(tmp_path, capsys, field, value):
     path = _saved(tmp_path / "ckpts")
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest = json.loads((path / MANIFEST).read_text())
     if value is None:
         del manifest[field]
     else:
         manifest[field] = value
-    manifest["checksum"] = ckpt.body_checksum(manifest)
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    manifest["checksum"] = body_checksum(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
     err = _one_paragraph(capsys, ["ckpt", "inspect", str(path)])
     assert "not a valid shardwise manifest" in err and repr(field)[1:-1] in err
     with pytest.raises(CheckpointError, match="not a valid shardwise manifest"):
@@ -192,7 +196,7 @@ def test_export_allocates_only_the_shapes_the_manifest_records(tmp_path, capsys)
     err = _one_paragraph(capsys, ["ckpt", "export", str(path), "--out", str(tmp_path / "w.safetensors")])
     assert "tok_emb.weight" in err and "the manifest" in err
     # Forging the manifest's shapes as well does not help: no tensor may exceed the data on disk.
-    tensors = json.loads((path / ckpt.MANIFEST).read_text())["model_tensors"]
+    tensors = json.loads((path / MANIFEST).read_text())["model_tensors"]
     tensors["tok_emb.weight"][0] = list(huge)
     _forge_manifest(path, model_tensors=tensors)
     err = _one_paragraph(capsys, ["ckpt", "export", str(path), "--out", str(tmp_path / "w.safetensors")])

@@ -18,7 +18,7 @@ from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.layout import resolve_layout
 from shardwise.parallel.compile import check_compile
-from shardwise.parallel.registry import get_strategy
+from shardwise.parallel.implementations import get_strategy
 from shardwise.testing import run_command, run_distributed
 from tests.helpers.mp import merged_params, mp_cases, mp_train
 
@@ -87,7 +87,8 @@ def test_tensor_parallel_with_activation_checkpointing_is_refused_before_launch(
 
 def test_apply_compile_wraps_each_block_and_keeps_names():
     from shardwise.models.gpt import GPT, GPT_PRESETS
-    from shardwise.parallel.checkpointing import apply_activation_checkpointing, clean_name
+    from shardwise.models.names import clean_name
+    from shardwise.parallel.checkpointing import apply_activation_checkpointing
     from shardwise.parallel.compile import apply_compile
 
     model = GPT(GPT_PRESETS["nano"])

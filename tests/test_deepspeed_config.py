@@ -12,7 +12,7 @@ from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.parallel.deepspeed_config import RunValues, builtin_config, fill, offload_devices
 from shardwise.parallel.deepspeed_setup import check_nvme_path
-from shardwise.parallel.registry import strategy_info
+from shardwise.strategies import strategy_info
 
 VALUES = RunValues(grad_accum_steps=2, dp_size=2, precision="bf16-mixed", micro_batch_size=4, lr=3e-4,
                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, nvme_path="/fast/swap")

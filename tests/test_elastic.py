@@ -67,7 +67,7 @@ def test_a_launcher_killed_during_a_background_write_resumes_bit_exactly(tmp_pat
     killed = run_cli([*common, "--out", str(run_dir), "--set", "debug.kill_rank=0", "--set", "debug.kill_at_step=6",
                       "--set", "debug.kill_in_checkpoint=true", "--set", "debug.kill_launcher=true"], cli_env)
     assert killed.returncode == -9, killed.stdout + killed.stderr
-    from shardwise.runtime.checkpoint import inspect_checkpoint
+    from shardwise.runtime.checkpoint.export import inspect_checkpoint
 
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest in ("step-00000003", "step-00000006")

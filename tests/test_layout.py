@@ -15,13 +15,14 @@ import torch
 
 from shardwise.config import ParallelConfig, load_config, replace_in
 from shardwise.errors import ConfigError
-from shardwise.families import MOE_FAMILIES
+from shardwise.families import LLAMA_LIKE, MOE_FAMILIES
 from shardwise.layout import Layout, resolve_layout, stage_layer_ranges
-from shardwise.parallel.registry import ALIASES, LLAMA_LIKE, REGISTRY, get_strategy, strategy_info, strategy_names
+from shardwise.parallel.implementations import get_strategy
+from shardwise.strategies import ALIASES, REGISTRY, strategy_info, strategy_names
 
 
 def test_layout_and_registry_import_without_torch(cli_env):
-    code = ("import sys, shardwise.layout, shardwise.parallel, shardwise.parallel.registry, shardwise.plan.advice, "
+    code = ("import sys, shardwise.layout, shardwise.parallel, shardwise.strategies, shardwise.plan.advice, "
             "shardwise.config; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -16,7 +16,8 @@ from shardwise.config import LoraConfig, load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
-from shardwise.runtime.checkpoint import complete_checkpoints, read_manifest  # noqa: E402
+from shardwise.runtime.checkpoint.locate import complete_checkpoints  # noqa: E402
+from shardwise.runtime.checkpoint.manifest import read_manifest  # noqa: E402
 from shardwise.testing import run_command, run_distributed  # noqa: E402
 from tests.helpers.adapter import peft_model, save_lora_adapter  # noqa: E402
 from tests.helpers.hf import hf_case, hf_cases, reference_losses, reference_model, save_tiny  # noqa: E402

@@ -15,7 +15,8 @@ import torch
 
 from shardwise.cli import main
 from shardwise.errors import NONFINITE_EXIT_CODE, NonFiniteError
-from shardwise.runtime import checkpoint as ckpt
+from shardwise.runtime.checkpoint.export import read_full_model_state
+from shardwise.runtime.checkpoint.locate import complete_checkpoints, latest_checkpoint
 from tests.helpers.ckpt import cli_args, fast_overrides, run_cli, small_text
 
 ONE = ["--nproc", "1", "--strategy", "single"]
@@ -29,7 +30,7 @@ def _train(capsys, out, data, *overrides: str, steps: int = 6, every: int = 2):
 
 
 def _finite(path) -> bool:
-    weights, _ = ckpt.read_full_model_state(path)
+    weights, _ = read_full_model_state(path)
     return all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -49,8 +50,8 @@ def test_a_nan_loss_stops_the_run_before_the_next_checkpoint(tmp_path, data, cap
     assert "non-finite (NaN/inf) at step 3" in last
     assert "step-00000002" in err and "--resume" in err  # the last good checkpoint, and how to continue
     root = out / "checkpoints"
-    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000002"]
-    assert ckpt.latest_checkpoint(root).name == "step-00000002" and _finite(root)
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000002"]
+    assert latest_checkpoint(root).name == "step-00000002" and _finite(root)
     assert not (out / "summary.json").exists()  # not reported as a finished run
 
 
@@ -74,7 +75,7 @@ def test_skip_mode_skips_and_counts_the_bad_steps(tmp_path, data, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in records if "loss" in r}
     assert by_step[3]["loss"] is None and by_step[2]["skipped_steps"] == 0 and by_step[6]["skipped_steps"] == 2
-    for path in ckpt.complete_checkpoints(out / "checkpoints"):
+    for path in complete_checkpoints(out / "checkpoints"):
         assert _finite(path), path  # the skipped steps never reached the weights
 
 
@@ -99,7 +100,7 @@ def test_weights_holding_nan_are_never_saved(tmp_path, data):
             trainer.save_checkpoint()
     finally:
         trainer.session.close()
-    assert not ckpt.complete_checkpoints(tmp_path / "run" / "checkpoints")
+    assert not complete_checkpoints(tmp_path / "run" / "checkpoints")
 
 
 @pytest.mark.slow
@@ -113,4 +114,4 @@ def test_nan_on_one_rank_stops_every_rank_with_exit_4(tmp_path, data, cli_env):
     # Every rank stops on the same collective decision; whichever rank's report the launcher reads
     # first is named (torchrun stops the others once one has exited).
     assert re.search(r"error: rank [01] failed: training stopped", proc.stderr) and "at step 3" in proc.stderr
-    assert ckpt.latest_checkpoint(out / "checkpoints").name == "step-00000002"
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000002"

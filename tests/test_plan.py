@@ -14,7 +14,7 @@ import torch
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPT_PRESETS, gpt_flops_per_token, gpt_param_count
 from shardwise.plan import cli as plan_cli
-from shardwise.plan.advice import Cluster, Workload, make_plan
+from shardwise.plan.advice import Cluster, Workload
 from shardwise.plan.cost import all_gather_s, all_reduce_s, bubble_fraction, flops_per_token
 from shardwise.plan.memory import (
     PRECISIONS,
@@ -26,6 +26,7 @@ from shardwise.plan.memory import (
     zero1_partition,
 )
 from shardwise.plan.presets import gpu, model_preset
+from shardwise.plan.search import make_plan
 from shardwise.plan.spec import ROOT_UNIT, from_gpt_config, from_hf_config_dict, from_module, from_param_count
 
 # Parameter counts published with each model (HF model cards / papers).

@@ -22,7 +22,7 @@ import pytest
 
 from shardwise.errors import ConfigError
 from shardwise.plan import cli as plan_cli
-from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, make_plan
+from shardwise.plan.advice import GIB, Cluster, Workload, evaluate
 from shardwise.plan.cost import (
     CALIBRATIONS,
     Fabric,
@@ -39,6 +39,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
 )
 from shardwise.plan.presets import customize_gpu, gpu, gpu_from_dict, model_preset
+from shardwise.plan.search import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = PRECISIONS["bf16"]

@@ -14,10 +14,10 @@ import pytest
 from shardwise.errors import ConfigError
 from shardwise.plan import cli as plan_cli
 from shardwise.plan.advice import Cluster, Workload, evaluate
+from shardwise.plan.choices import degree_sets
 from shardwise.plan.cp import AUTO_CHUNK_BYTES, CHUNKED_HEAD_FAMILIES, chunked_loss_off
 from shardwise.plan.memory import Layout
 from shardwise.plan.presets import gpu, model_preset
-from shardwise.plan.search import degree_sets
 from tests.test_plan_grid import dry_run_torchrun, dry_run_train, plan_args
 from tests.test_plan_search import check_reasons, parse_table
 

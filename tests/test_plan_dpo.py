@@ -13,12 +13,13 @@ import json
 
 import pytest
 
-from shardwise.plan.advice import Cluster, Workload, evaluate, make_plan, predict_step_time
+from shardwise.plan.advice import Cluster, Workload, evaluate, predict_step_time
 from shardwise.plan.cost import CALIBRATIONS
 from shardwise.plan.memory import Layout
 from shardwise.plan.predict import predict_run
 from shardwise.plan.preference import REFERENCE_FORWARD_SHARE
 from shardwise.plan.presets import gpu, model_preset
+from shardwise.plan.search import make_plan
 
 H100 = CALIBRATIONS["h100"]
 

@@ -15,12 +15,12 @@ import dataclasses
 
 import pytest
 
-from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, make_plan, predict_step_time
+from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, predict_step_time
 from shardwise.plan.cost import CALIBRATIONS, moe_layers_on_busiest_stage
 from shardwise.plan.memory import PRECISIONS, REDUCE_BYTES, Kernels, Layout, memory_breakdown
 from shardwise.plan.offload import offload_advice, offload_compute
 from shardwise.plan.presets import gpu, model_preset
-from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, rank_key, tier
+from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, make_plan, rank_key, tier
 
 H100 = CALIBRATIONS["h100"]
 BF16 = PRECISIONS["bf16"]

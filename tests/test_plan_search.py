@@ -14,8 +14,9 @@ import pytest
 
 from shardwise.plan import cli as plan_cli
 from shardwise.plan.advice import GIB, Cluster, Workload, evaluate
+from shardwise.plan.choices import SEARCHABLE, degree_sets
 from shardwise.plan.presets import GPUS, MODEL_PRESETS, customize_gpu, gpu, model_preset
-from shardwise.plan.search import OFFLOAD_FACTOR, SEARCHABLE, TIGHT_HEADROOM_GIB, degree_sets, make_plan, reason
+from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, make_plan, reason
 from tests.test_plan_grid import dry_run_torchrun, dry_run_train, plan_args
 
 COLUMNS = ("strategy", "ckpt", "mb", "accum", "sync", "params", "grads", "optim", "master", "activ", "transient",
@@ -166,8 +167,8 @@ def test_ties_go_to_less_memory_then_fewer_moving_parts():
     # Same speed and memory: fewer moving parts (here: no checkpointing) wins.
     same = dataclasses.replace(fsdp, checkpoint="none")
     assert "more moving parts: 1 vs 0" in reason(fsdp, same, cluster, work)
-    from shardwise.parallel.registry import REGISTRY
     from shardwise.plan.search import rank_key
+    from shardwise.strategies import REGISTRY
 
     order = {n: i for i, n in enumerate(REGISTRY)}
     assert rank_key(small, order) < rank_key(big, order) and rank_key(same, order) < rank_key(fsdp, order)

@@ -178,7 +178,7 @@ def test_planner_bubble_formula_is_the_idle_time_of_torchs_schedule_orders():
 
 def test_zero_bubble_schedules_refuse_compile_with_the_reason():
     from shardwise.parallel.compile import check_compile
-    from shardwise.parallel.registry import get_strategy
+    from shardwise.parallel.implementations import get_strategy
 
     for schedule in ("zbv", "dualpipev", "interleaved-zb"):
         options = ParallelConfig(strategy="pp", pp_schedule=schedule, pp_stages_per_rank=2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.runtime.checkpoint import read_manifest
+from shardwise.runtime.checkpoint.manifest import read_manifest
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 

@@ -24,7 +24,10 @@ import torch
 from shardwise.cli import main
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.runtime import checkpoint as ckpt
+from shardwise.runtime.checkpoint.locate import complete_checkpoints, latest_checkpoint
+from shardwise.runtime.checkpoint.manifest import MANIFEST, PARTIAL_OWNER, read_manifest
+from shardwise.runtime.checkpoint.preflight import preflight
+from shardwise.runtime.checkpoint.save import save_checkpoint
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 
 LOCK_FILE = ".shardwise.lock"  # job.runlock.LOCK_FILE (imported lazily: the tests run on old code too)
@@ -89,7 +92,7 @@ def test_overwrite_moves_the_old_run_aside(finished_run, data, capsys):
     assert _snapshot(aside[0]) == before  # nothing deleted: the old run is whole, beside the new one
     records = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # the new run's only, nothing appended
-    assert ckpt.latest_checkpoint(aside[0] / "checkpoints").name == "step-00000002"
+    assert latest_checkpoint(aside[0] / "checkpoints").name == "step-00000002"
 
 
 def test_resume_into_the_same_run_is_allowed(finished_run, capsys):
@@ -148,7 +151,7 @@ def test_elastic_restart_refuses_to_start_fresh_when_latest_is_missing(finished_
             trainer.run()
     finally:
         trainer.session.close()
-    assert ckpt.complete_checkpoints(finished_run / "checkpoints")[-1].name == "step-00000002"
+    assert complete_checkpoints(finished_run / "checkpoints")[-1].name == "step-00000002"
 
 
 # ------------------------------------------------------------------ the lock
@@ -262,7 +265,7 @@ def _model():
 
 def _save(root: Path, step: int, job: str, keep_last: int = 0) -> Path:
     model, opt = _model()
-    return ckpt.save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1,
+    return save_checkpoint(root, model, opt, step=step, strategy="single", world_size=1,
                                 keep_last=keep_last, job=job)
 
 
@@ -273,17 +276,17 @@ def test_rotation_never_deletes_another_jobs_checkpoints(tmp_path):
         _save(tmp_path, step, job="this-job", keep_last=1)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "step-00000001", "step-00000002", "step-00000005"]
-    assert ckpt.read_manifest(tmp_path / "step-00000005")["job"] == "this-job"
+    assert read_manifest(tmp_path / "step-00000005")["job"] == "this-job"
 
 
 def test_resaving_a_step_keeps_the_other_jobs_checkpoint(tmp_path):
     first = _save(tmp_path, 2, job="earlier-job")
-    manifest = ckpt.read_manifest(first)
+    manifest = read_manifest(first)
     _save(tmp_path, 2, job="this-job", keep_last=1)
-    assert ckpt.read_manifest(tmp_path / "step-00000002")["job"] == "this-job"
+    assert read_manifest(tmp_path / "step-00000002")["job"] == "this-job"
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000002.replaced-")]
-    assert len(kept) == 1 and json.loads((kept[0] / ckpt.MANIFEST).read_text()) == manifest
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000002"]
+    assert len(kept) == 1 and json.loads((kept[0] / MANIFEST).read_text()) == manifest
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000002"]
 
 
 def test_partial_directory_of_a_live_job_is_never_removed(tmp_path):
@@ -292,12 +295,12 @@ def test_partial_directory_of_a_live_job_is_never_removed(tmp_path):
         live = tmp_path / ".partial-step-00000004.livejob"
         live.mkdir(parents=True)
         (live / "__0_0.distcp").write_bytes(b"shards being written")
-        (live / ckpt.PARTIAL_OWNER).write_text(json.dumps({
+        (live / PARTIAL_OWNER).write_text(json.dumps({
             "job": "live-job", "host": socket.gethostname(), "pid": helper.pid,
             "start_time": process_start_time(helper.pid)}))
         dead = tmp_path / ".partial-step-00000003.deadjob"
         dead.mkdir()
-        (dead / ckpt.PARTIAL_OWNER).write_text(json.dumps({
+        (dead / PARTIAL_OWNER).write_text(json.dumps({
             "job": "dead-job", "host": socket.gethostname(), "pid": helper.pid, "start_time": 1}))
         _save(tmp_path, 5, job="this-job", keep_last=1)
         assert live.is_dir() and (live / "__0_0.distcp").read_bytes() == b"shards being written"
@@ -310,7 +313,7 @@ def test_partial_directory_of_a_live_job_is_never_removed(tmp_path):
 def test_partial_directory_is_named_per_job(tmp_path):
     model, opt = _model()
     seen = []
-    ckpt.save_checkpoint(tmp_path, model, opt, step=1, strategy="single", world_size=1, job="job-a",
+    save_checkpoint(tmp_path, model, opt, step=1, strategy="single", world_size=1, job="job-a",
                          on_written=lambda partial: seen.append(partial.name))
     assert seen[0].startswith(".partial-step-00000001.") and seen[0] != ".partial-step-00000001"
 
@@ -333,12 +336,12 @@ def test_resume_racing_a_rotation_is_not_reported_as_damage(tmp_path, monkeypatc
         return real_verify(path, manifest, names)
 
     monkeypatch.setattr(preflight_module, "verify_files", rotate_meanwhile)
-    assert ckpt.preflight(root).name == "step-00000002"
+    assert preflight(root).name == "step-00000002"
 
     monkeypatch.setattr(preflight_module, "verify_files", lambda path, manifest, names=None:
                         shutil.rmtree(path) or real_verify(path, manifest, names))
     with pytest.raises(CheckpointError, match="removed while") as info:
-        ckpt.preflight(root / "step-00000002")
+        preflight(root / "step-00000002")
     assert "damaged" not in str(info.value)
 
 

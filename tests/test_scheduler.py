@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
-from shardwise.runtime import checkpoint as ckpt
+from shardwise.runtime.checkpoint.manifest import read_manifest
 from shardwise.runtime.session import Session
 from shardwise.testing import run_distributed
 from tests.helpers.sched import STEPS, run_with_scheduler, zero1_scheduler_rank
@@ -61,7 +61,7 @@ def test_checkpoint_keeps_scheduler_state_as_json_and_resume_is_exact(tmp_path):
     assert resumed["losses"] == full["losses"] and resumed["lrs"] == full["lrs"]
     assert len(set(full["lrs"])) == STEPS  # the lr really changes every step
     assert resumed["last_epoch_after_load"] == 3
-    manifest = ckpt.read_manifest(tmp_path / "step-00000003")
+    manifest = read_manifest(tmp_path / "step-00000003")
     state = manifest["scheduler"]  # plain JSON inside the checksummed manifest; no pickle anywhere
     assert state["last_epoch"] == 3 and len(state["_schedulers"]) == 2 and "optimizer" not in state
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "rng-rank0.json"}

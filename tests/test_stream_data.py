@@ -173,7 +173,7 @@ def test_builtin_trainer_takes_a_stream_from_a_data_factory(tmp_path, capsys):
     """`shardwise train` with data.factory returning an IterableDataset: it trains, crosses an
     epoch, and its checkpoint records the stream position."""
     from shardwise.cli import main
-    from shardwise.runtime.checkpoint import read_manifest
+    from shardwise.runtime.checkpoint.manifest import read_manifest
     from tests.helpers.ckpt import cli_args, losses
 
     out = tmp_path / "run"

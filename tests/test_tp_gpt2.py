@@ -173,7 +173,8 @@ def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, t
     # fsdp+tp (2 ranks) -> one process without tp, in this process.
     assert segment(0, 1, folder, "single", [3, 5], load=tp_ck)["losses"] == pytest.approx(ref["losses"][3:],
                                                                                           abs=LOSS_ATOL)
-    from shardwise.runtime.checkpoint import read_manifest, resolve_checkpoint
+    from shardwise.runtime.checkpoint.locate import resolve_checkpoint
+    from shardwise.runtime.checkpoint.manifest import read_manifest
 
     for ck in (tp_ck, fsdp_ck):  # one format whatever the layout
         names = read_manifest(resolve_checkpoint(ck))["model_tensors"]

@@ -66,7 +66,7 @@ def _size(n_bytes: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from shardwise.runtime.checkpoint import inspect_checkpoint
+    from shardwise.runtime.checkpoint.export import inspect_checkpoint
 
     info = inspect_checkpoint(args.path, verify=not args.no_verify)
     if args.json:
@@ -94,7 +94,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shardwise.errors import ConfigError
-    from shardwise.runtime.checkpoint import export_hf, export_peft, export_weights
+    from shardwise.runtime.checkpoint.export import export_weights
+    from shardwise.runtime.checkpoint.hf_export import export_hf, export_peft
 
     fmt = "peft" if args.adapter else args.format
     if args.adapter and args.format not in ("safetensors", "peft"):

@@ -57,8 +57,8 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     them once); by default both are built here.
     """
     from shardwise.parallel.blocks import find_blocks
+    from shardwise.parallel.implementations import get_strategy
     from shardwise.parallel.precision import check_precision
-    from shardwise.parallel.registry import get_strategy
     from shardwise.workloads import build_workload
 
     # This machine's accelerator (bf16 on a GPU without bfloat16), before any rank starts; config

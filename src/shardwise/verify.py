@@ -141,7 +141,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     import torch.distributed as dist
 
-    from shardwise.parallel.checkpointing import clean_name
+    from shardwise.models.names import clean_name
 
     # Gathering a 2-D-sharded (FSDP x TP) parameter makes DTensor warn, once per rank, that it
     # needs two all-gathers; for a one-off comparison that is expected, not worth N log lines.
@@ -354,7 +354,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from shardwise.config import load_config, replace_in
-    from shardwise.parallel.registry import get_strategy
+    from shardwise.parallel.implementations import get_strategy
     from shardwise.preflight import check_run
 
     if not 1 <= args.nproc <= 4096:
@@ -413,9 +413,10 @@ def _cmd_verify_resume(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, overrides)
     checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)  # refused here, before any run
     out = Path(args.out or f"runs/verify-resume-{checked.layout.strategy.replace('+', '_')}")
+    # The bounds of the run's precision ("auto" as the runs decide it).
+    loss_atol, _rtol, param_tol = TOLERANCES[resolve_precision(cfg.parallel.precision).value]
     report = verify_resume(args.recipe, overrides, strategy=None, nproc=args.nproc, steps=args.steps,
-                           out=out, resume_nproc=args.resume_nproc,
-                           precision=resolve_precision(cfg.parallel.precision).value)  # "auto" as the runs decide
+                           out=out, resume_nproc=args.resume_nproc, reshard_tolerance=(loss_atol, param_tol))
     (out / "verify-resume.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     print(report.table())
     return 0 if report.passed else 1

@@ -109,13 +109,15 @@ def _train(base: list[str], out: Path, nproc: int, extra: list[str], env: dict[s
 
 
 def verify_resume(recipe: str | None, overrides: list[str], *, strategy: str | None, nproc: int, steps: int,
-                  out: str | os.PathLike, resume_nproc: int | None = None, precision: str = "fp32",
+                  out: str | os.PathLike, reshard_tolerance: tuple[float, float], resume_nproc: int | None = None,
                   env: dict[str, str] | None = None) -> ResumeReport:
-    """Run the three legs described in the module docstring under ``out``; return the comparison."""
+    """Run the three legs described in the module docstring under ``out``; return the comparison.
+
+    ``reshard_tolerance``: (loss, parameter) bounds for a resume on another number of ranks
+    (``verify.TOLERANCES`` of the run's precision); a resume on the same ranks must be exact."""
     import torch
 
     from shardwise.runtime.checkpoint.export import read_full_model_state
-    from shardwise.verify import TOLERANCES
 
     k1, k2 = interrupt_points(steps)
     out = Path(out)
@@ -146,10 +148,9 @@ def verify_resume(recipe: str | None, overrides: list[str], *, strategy: str | N
             0.0 if torch.equal(a, b) else (a.double() - b.double()).abs().max().item())
         if diff > worst:
             worst, worst_name = diff, name
-    loss_atol, _rtol, param_tol = TOLERANCES[precision]
     notes = [] if exact else [f"resumed the last part on {resume_nproc} ranks (saved on {nproc}): losses and "
                               "weights are expected close, not equal (gradients are reduced over another "
                               "number of ranks)."]
     return ResumeReport(steps=steps, interrupts=(k1, k2), exact=exact, reference=_losses(ref),
                         resumed=_losses(run), weight_diff=worst, worst_param=worst_name,
-                        tolerance=(0.0, 0.0) if exact else (loss_atol, param_tol), notes=notes)
+                        tolerance=(0.0, 0.0) if exact else reshard_tolerance, notes=notes)

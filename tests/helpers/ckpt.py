@@ -62,7 +62,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """Full model weights of the run's latest checkpoint (read without a process group)."""
-    from shardwise.runtime.checkpoint import read_full_model_state
+    from shardwise.runtime.checkpoint.export import read_full_model_state
 
     weights, _ = read_full_model_state(run_dir)
     return weights
@@ -86,7 +86,7 @@ def async_resume_cases(rank: int, world_size: int, cases: list[tuple[str, list[s
     runs' per-step losses and final weights (rank 0), for a bit-exact comparison."""
     import torch
 
-    from shardwise.runtime.checkpoint import read_full_model_state
+    from shardwise.runtime.checkpoint.export import read_full_model_state
     from shardwise.runtime.trainer import Trainer
 
     out: dict = {}

@@ -85,7 +85,7 @@ def hf_case(rank: int, world_size: int, folder: str, strategy: str, steps: int =
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model, opt = session.prepare(model, opt)
     optimized = {id(p) for g in opt.param_groups for p in g["params"]}
-    from shardwise.parallel.checkpointing import clean_name
+    from shardwise.models.names import clean_name
 
     in_optimizer = sorted(clean_name(n) for n, p in model.named_parameters() if id(p) in optimized)
     data = fixed_batches(steps, global_batch, seq, VOCAB)

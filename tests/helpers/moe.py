@@ -40,7 +40,7 @@ def _moe_train(rank: int, world_size: int, strategy: str, steps: int, global_bat
             if hasattr(m, "stats_group"):
                 m.stats_group = None
     if load_dir:
-        from shardwise.runtime.checkpoint import load_checkpoint
+        from shardwise.runtime.checkpoint.load import load_checkpoint
 
         load_checkpoint(load_dir, model, opt, world_size=world_size)
     data = fixed_batches(steps, global_batch, cfg.block_size, cfg.vocab_size)
@@ -57,7 +57,7 @@ def _moe_train(rank: int, world_size: int, strategy: str, steps: int, global_bat
     run = train_fixed_batches(session, model, opt, data, max_norm=clip, loss_fn=with_aux_loss(lm_loss),
                               steps=range(start, steps), after_step=lambda s: stats.append(take_moe_stats(model)))
     if ckpt_dir:
-        from shardwise.runtime.checkpoint import save_checkpoint
+        from shardwise.runtime.checkpoint.save import save_checkpoint
 
         save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name, world_size=world_size)
     result = {"losses": run["losses"], "norms": run["norms"], "params": full_params(model), "stats": stats,

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.parallel.checkpointing import clean_name
+from shardwise.models.names import clean_name
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
 from shardwise.testing import default_dtype, fixed_batches, lm_loss, train_fixed_batches
@@ -63,7 +63,7 @@ def mp_train(rank: int, world_size: int, strategy: str = "single", steps: int = 
                                   loss_fn=session.compile_loss(lm_loss))
         losses, norms = run["losses"], run["norms"]
         if ckpt_dir:
-            from shardwise.runtime.checkpoint import save_checkpoint
+            from shardwise.runtime.checkpoint.save import save_checkpoint
 
             save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name,
                             world_size=world_size)
@@ -122,7 +122,8 @@ def ckpt_phase(rank: int, world_size: int, strategy: str, start: int, stop: int,
                global_batch: int = 8, dtype: str = "float64", **options: object) -> dict:
     """Train steps [start, stop) of the fixed batches, resuming from / saving to ``ckpt_dir``, the
     model in ``dtype`` (as ``mp_train``'s)."""
-    from shardwise.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from shardwise.runtime.checkpoint.load import load_checkpoint
+    from shardwise.runtime.checkpoint.save import save_checkpoint
 
     cfg = GPT_PRESETS["nano"]
     session = Session(parallel=ParallelConfig(strategy=strategy, **options), seed=0)  # type: ignore[arg-type]

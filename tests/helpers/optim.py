@@ -67,7 +67,7 @@ def muon_run(rank: int, world_size: int, strategy: str = "single", steps: int = 
     model, opt = session.prepare(plain, opt) if not reference else (plain, opt)
     losses: list[float] = []
     if mode == "grads":
-        from shardwise.parallel.checkpointing import clean_name
+        from shardwise.models.names import clean_name
 
         for s in range(steps):
             for n, p in model.named_parameters():
@@ -138,7 +138,7 @@ def optimizer_bytes_vs_plan(rank: int, world_size: int, cases: list[dict]) -> li
 
 def momentum_by_name(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Muon's whole momentum buffers by parameter name (DTensors gathered: a collective)."""
-    from shardwise.parallel.checkpointing import clean_name
+    from shardwise.models.names import clean_name
 
     out = {}
     for n, p in model.named_parameters():

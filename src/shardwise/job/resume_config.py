@@ -79,7 +79,7 @@ def find_run_config(resume: str, out: str | None) -> Path | None:
     ``--resume`` alone continues the run in ``--out``; a path may be a run directory, its
     ``checkpoints/`` folder or one ``step-N`` checkpoint in it.
     """
-    from shardwise.job.rundir import CHECKPOINTS_DIR
+    from shardwise.run_files import CHECKPOINTS_DIR
 
     if resume in ("latest", "auto"):
         if not out:
@@ -101,8 +101,8 @@ def find_run_config(resume: str, out: str | None) -> Path | None:
 def _saved_global_batch(resume: str, out: str | None, saved_cfg: Any) -> int | None:
     """The global batch the checkpoint was trained with (its manifest), else the saved config's."""
     from shardwise.errors import CheckpointError
-    from shardwise.job.rundir import CHECKPOINTS_DIR
     from shardwise.preflight import resolve_config
+    from shardwise.run_files import CHECKPOINTS_DIR
     from shardwise.runtime.checkpoint.locate import resolve_checkpoint
     from shardwise.runtime.checkpoint.manifest import read_manifest
 

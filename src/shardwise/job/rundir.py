@@ -23,11 +23,7 @@ from shardwise.config import RunConfig, check_text, to_toml
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_text, real_path, what_is
 from shardwise.job.runlock import GUARD_FILE, LOCK_FILE, RunLock
-
-# What makes a directory "hold a run": any of these written by an earlier job.
-# The one name of a run's checkpoint directory (the launcher, the trainer and checkpoint lookup ask here).
-CHECKPOINTS_DIR = "checkpoints"
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", CHECKPOINTS_DIR)
+from shardwise.run_files import CHECKPOINTS_DIR, RUN_FILES
 
 
 def default_run_dir(name: str, strategy: str) -> Path:
@@ -108,7 +104,7 @@ def _same_job(out: Path, cfg: RunConfig) -> bool:
 
 def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
     """Raise unless this job may write into ``out``: it holds no run, or the job continues that run."""
-    from shardwise.runtime.checkpoint import complete_checkpoints, latest_checkpoint, missing_latest_error
+    from shardwise.runtime.checkpoint.locate import complete_checkpoints, latest_checkpoint, missing_latest_error
 
     if not holds_run(out):
         return

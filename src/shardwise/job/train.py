@@ -81,7 +81,7 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
     from shardwise.device import default_nproc
     from shardwise.job.rundir import default_run_dir
     from shardwise.launch import check_launch_flags
-    from shardwise.parallel.registry import get_strategy
+    from shardwise.parallel.implementations import get_strategy
     from shardwise.preflight import check_run
     from shardwise.runtime.auto import resolve_compile_in, resolve_precision_in
 
@@ -117,9 +117,10 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     """
     from shardwise.config import replace_in
     from shardwise.errors import CheckpointError
-    from shardwise.job.rundir import CHECKPOINTS_DIR
-    from shardwise.runtime.checkpoint import preflight, tensor_shapes
+    from shardwise.run_files import CHECKPOINTS_DIR
     from shardwise.runtime.checkpoint.locate import resume_source
+    from shardwise.runtime.checkpoint.manifest import tensor_shapes
+    from shardwise.runtime.checkpoint.preflight import preflight
 
     ck = cfg.checkpoint
     found = resume_source(ck.resume, out / CHECKPOINTS_DIR)

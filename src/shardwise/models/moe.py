@@ -297,7 +297,7 @@ def is_moe_layer(module: nn.Module | None) -> bool:
 def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     """Every MoE layer of ``model`` with its (wrapper-free) name: ``MoE`` modules, and the
     ``HFMoELayer`` records of Hugging Face MoE blocks (``models/hf_moe.py``)."""
-    from shardwise.parallel.checkpointing import clean_name
+    from shardwise.models.names import clean_name
 
     out: list[tuple[str, Any]] = []
     for name, m in model.named_modules():

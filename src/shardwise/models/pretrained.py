@@ -96,7 +96,7 @@ def _run_directory_hint(path: Path) -> str | None:
     """What to do when ``path`` is a shardwise run directory or checkpoint (an SFT run, say) rather than
     a model folder: export it first, with the command."""
     # Deferred: the checkpoint layout's names live with the checkpoint engine (a layer above models).
-    from shardwise.job.rundir import CHECKPOINTS_DIR
+    from shardwise.run_files import CHECKPOINTS_DIR
     from shardwise.runtime.checkpoint.manifest import MANIFEST
 
     checkpoint = (path / MANIFEST).is_file()
@@ -218,7 +218,7 @@ def hf_name(name: str) -> str:
     """The Hugging Face name of a registered tensor name (peft's ``.base_layer`` and activation
     checkpointing's wrapper prefix removed: a meta-built model is filled after the strategy wrapped
     its layers)."""
-    from shardwise.parallel.checkpointing import CHECKPOINT_PREFIX
+    from shardwise.models.names import CHECKPOINT_PREFIX
 
     return name.replace(LORA_WRAPPED, "").replace(CHECKPOINT_PREFIX, "")
 

@@ -39,7 +39,8 @@ def saved_state(source: str) -> tuple[dict[str, Any], str]:
     raises the checkpoint's own error, on every rank alike (``load_checkpoint``).
     """
     from shardwise.errors import CheckpointError
-    from shardwise.runtime.checkpoint import read_manifest, resolve_checkpoint
+    from shardwise.runtime.checkpoint.locate import resolve_checkpoint
+    from shardwise.runtime.checkpoint.manifest import read_manifest
 
     try:
         path = resolve_checkpoint(source)

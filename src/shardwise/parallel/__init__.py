@@ -1,18 +1,6 @@
-"""Parallelism applied from outside the model: one small module per strategy, plus a registry.
+"""Parallelism applied from outside the model: one small module per strategy.
 
-The registry (``shardwise.parallel.registry``) is torch-free, so importing this package stays
-light: the strategy classes are imported on first use.
+The strategy table is ``shardwise.strategies`` (torch-free); ``parallel.implementations.get_strategy``
+binds a layout to the class that runs it. Import what you need from its module: the package
+re-exports nothing, so importing one module never imports its siblings (no import circles).
 """
-
-from shardwise.parallel.registry import REGISTRY, StrategyInfo, canonical_strategy, get_strategy, strategy_names
-
-__all__ = ["REGISTRY", "ParallelContext", "Strategy", "StrategyInfo", "canonical_strategy", "get_strategy",
-           "strategy_names"]
-
-
-def __getattr__(name: str) -> object:  # Lazy: the base module imports torch.
-    if name in ("ParallelContext", "Strategy"):
-        from shardwise.parallel import base
-
-        return getattr(base, name)
-    raise AttributeError(name)

@@ -29,9 +29,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from shardwise.config import AC_MODES
 from shardwise.errors import ConfigError
-from shardwise.parallel.compile import COMPILED_PREFIX
-
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
 def _ops(namespace: Any, names: tuple[str, ...]) -> set[Any]:
@@ -120,10 +117,4 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
         )
     return model
 
-
-def clean_name(name: str) -> str:
-    """Return a parameter name without wrapper prefixes (DDP ``module.``, checkpoint wrappers,
-    ``torch.compile``'s ``_orig_mod.``)."""
-    name = name.replace(CHECKPOINT_PREFIX, "").replace(COMPILED_PREFIX, "")
-    return name[len("module."):] if name.startswith("module.") else name
 

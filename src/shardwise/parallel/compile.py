@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
     from shardwise.parallel.base import Strategy
 
-COMPILED_PREFIX = "_orig_mod."
-
 
 def is_compiled(module: nn.Module) -> bool:
     """True when ``module`` is a ``torch.compile`` wrapper (or was compiled in place)."""

@@ -1,6 +1,13 @@
-"""One implementation per data-parallel kind; ``StrategyInfo.impl`` names the one a row runs."""
+"""One implementation per data-parallel kind; ``StrategyInfo.impl`` names the one a row runs.
+
+The table itself (names, aliases, degrees, dp kinds, families) is ``shardwise.strategies`` (torch-free,
+below config and layout); this module imports torch, so only a rank (or a check that builds one)
+imports it.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.composed import ModelParallelStrategy
@@ -8,6 +15,9 @@ from shardwise.parallel.ddp import DDPStrategy
 from shardwise.parallel.deepspeed import DeepSpeedStrategy, ZeRO3NVMeStrategy, ZeRO3OffloadStrategy
 from shardwise.parallel.fsdp import FSDPStrategy
 from shardwise.parallel.zero1 import ZeRO1Strategy
+
+if TYPE_CHECKING:
+    from shardwise.layout import Layout
 
 IMPLEMENTATIONS: dict[str, type[Strategy]] = {
     "single": Strategy,
@@ -19,3 +29,8 @@ IMPLEMENTATIONS: dict[str, type[Strategy]] = {
     "zero3-offload": ZeRO3OffloadStrategy,
     "zero3-nvme": ZeRO3NVMeStrategy,
 }
+
+
+def get_strategy(layout: Layout) -> Strategy:
+    """Return the implementation of the layout's strategy (``StrategyInfo.impl``), bound to it."""
+    return IMPLEMENTATIONS[layout.info.impl](layout)

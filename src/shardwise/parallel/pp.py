@@ -59,6 +59,14 @@ def _is_gpt(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
 
+def _is_gpt2(model: nn.Module) -> bool:
+    """GPT-2 has its own stage split (``pp_gpt2.py``: fused q/k/v, learned positions); the other
+    Hugging Face families share the Llama one (``pp_hf.py``)."""
+    from shardwise.parallel.blocks import model_family
+
+    return model_family(model) == "gpt2"
+
+
 def n_pipeline_blocks(model: nn.Module) -> int:
     """The number of blocks the pipeline splits into stages (GPT blocks or HF decoder layers)."""
     if _is_gpt(model):
@@ -82,7 +90,12 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
             raise ConfigError(
                 f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
                 "this model.")
-        check_hf_pp_model(model)
+        if _is_gpt2(model):
+            from shardwise.parallel.pp_gpt2 import check_gpt2_pp_model
+
+            check_gpt2_pp_model(model)
+        else:
+            check_hf_pp_model(model)
     from shardwise.parallel.pp_ties import check_stage_ties
 
     check_stage_ties(model, layout)
@@ -91,6 +104,10 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
 
 def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
     """Delete from ``model`` (in place) every part no local stage owns; return it (the union)."""
+    if _is_gpt2(model):
+        from shardwise.parallel.pp_gpt2 import prune_gpt2_to_stages
+
+        return prune_gpt2_to_stages(model, stage_ids, ranges)
     if not _is_gpt(model):
         from shardwise.parallel.pp_hf import prune_hf_to_stages
 
@@ -116,6 +133,10 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     leak onto the union; attribute order matches GPT so the stage's FQNs are the union's.
     Hugging Face models get an ``HFStage`` (``parallel/pp_hf.py``), built on the same rule.
     """
+    if _is_gpt2(union):
+        from shardwise.parallel.pp_gpt2 import GPT2Stage
+
+        return GPT2Stage(union, stage, ranges)
     if not _is_gpt(union):
         from shardwise.parallel.pp_hf import hf_stage
 

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.families import PP_FAMILIES
 from shardwise.models.masking import attention_mask_4d, layer_kind
 from shardwise.parallel.blocks import model_family
-from shardwise.parallel.registry import PP_FAMILIES
 
 __all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "hf_stage", "prune_hf_to_stages"]
 
@@ -51,11 +51,7 @@ def hf_pp_family(model: nn.Module) -> str:
 
 
 def hf_stage(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
-    """The stage module of a Hugging Face union: ``HFStage``, or GPT-2's own (``pp_gpt2.py``)."""
-    if model_family(union) == "gpt2":
-        from shardwise.parallel.pp_gpt2 import GPT2Stage
-
-        return GPT2Stage(union, stage, ranges)
+    """The stage module of a Llama-family Hugging Face union (GPT-2's is ``pp_gpt2.GPT2Stage``)."""
     return HFStage(union, stage, ranges)
 
 
@@ -88,10 +84,6 @@ def check_hf_pp_model(model: nn.Module) -> None:
     A tied embedding and head are no reason to refuse: the two stages keep one copy each
     (``parallel/pp_ties.py``, which refuses the layouts where that cannot be exact).
     """
-    if model_family(model) == "gpt2":
-        from shardwise.parallel.pp_gpt2 import check_gpt2_pp_model
-
-        return check_gpt2_pp_model(model)
     layers = _inner(model).layers
     if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers(model):
         raise ConfigError(
@@ -105,10 +97,6 @@ def prune_hf_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[rang
 
     The layers move into an ``nn.ModuleDict`` keyed by their original index (see module docstring).
     """
-    if model_family(model) == "gpt2":
-        from shardwise.parallel.pp_gpt2 import prune_gpt2_to_stages
-
-        return prune_gpt2_to_stages(model, stage_ids, ranges)
     inner = _inner(model)
     owned = sorted(i for s in stage_ids for i in ranges[s])
     layers = inner.layers

@@ -10,25 +10,6 @@ Layers, each one job:
 * :mod:`.advice` — candidate strategies, fit, the recommendation and the commands to run it;
 * :mod:`.cli` — the ``plan`` sub-command.
 
-Conventions are written down in ``docs/planner.md``.
+Conventions are written down in ``docs/planner.md``. The package re-exports nothing: import from
+the module that owns a name (``shardwise.plan.search.make_plan``), so no import runs in circles.
 """
-
-from __future__ import annotations
-
-from shardwise.plan.advice import Candidate, Cluster, Plan, Workload, make_plan
-from shardwise.plan.memory import Layout, MemoryBreakdown, activation_bytes, memory_breakdown, state_bytes
-from shardwise.plan.spec import ModelSpec
-
-__all__ = [
-    "Candidate",
-    "Cluster",
-    "Layout",
-    "MemoryBreakdown",
-    "ModelSpec",
-    "Plan",
-    "Workload",
-    "activation_bytes",
-    "make_plan",
-    "memory_breakdown",
-    "state_bytes",
-]

@@ -12,6 +12,7 @@ from shardwise.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.optim.rules import check_optimizer
+from shardwise.plan.choices import FALLBACKS, SEARCHABLE, degree_sets, stages_per_rank_choices
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.cp import CP_IMPLS
 from shardwise.plan.memory import (
@@ -111,8 +112,8 @@ class Workload:
     recipe: str = ""
     extra_sets: tuple[str, ...] = ()
     # Settings the planner searches per layout instead of taking the value above
-    # (search.SEARCHABLE; the CLI leaves open what the user did not give), and "optimizer" where the
-    # user named none (search.FALLBACKS: Adafactor where AdamW fits nowhere).
+    # (choices.SEARCHABLE; the CLI leaves open what the user did not give), and "optimizer" where the
+    # user named none (choices.FALLBACKS: Adafactor where AdamW fits nowhere).
     search: tuple[str, ...] = ()
     # torch.compile each block (train.compile): printed in the commands (its speed-up is not yet
     # part of the cost model; docs/planner.md).
@@ -163,7 +164,6 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
-        from shardwise.plan.search import FALLBACKS, SEARCHABLE
         from shardwise.pp_schedules import schedule_info
 
         unknown = set(self.search) - set(SEARCHABLE) - set(FALLBACKS)
@@ -335,11 +335,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     the heads and widths); PP spans nodes (one stage group per node) unless --pp asks otherwise; DP
     takes the rest. Strategies whose model family the runtime cannot split (TP plans, pipeline
     stages) are skipped with the reason. Context / expert parallel degrees the search adds on its own
-    (``search.degree_sets``) are left out quietly where the runtime refuses them (e.g. ep under ddp);
+    (``choices.degree_sets``) are left out quietly where the runtime refuses them (e.g. ep under ddp);
     pinned ones (``--cp``, ``--ep``) say why.
     """
     from shardwise.plan.cp import chunked_loss_off, cp_impl_for
-    from shardwise.plan.search import degree_sets, stages_per_rank_choices
 
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
@@ -642,12 +641,3 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
         f"--rdzv-endpoint=$MASTER_ADDR:29500 -m shardwise.job.worker {args} --out {out}",
     ]
 
-
-def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None,
-              pp: int | None = None, calib: Calibration | None = None, cp: int | None = None,
-              ep: int | None = None) -> Plan:
-    """Evaluate every candidate layout over the settings ``work.search`` leaves open; recommend the
-    fastest one that fits (``plan.search``: ranking, ties and reasons)."""
-    from shardwise.plan.search import make_plan as search_plan
-
-    return search_plan(spec, cluster, work, tp=tp, pp=pp, calib=calib, cp=cp, ep=ep)

@@ -18,7 +18,6 @@ from shardwise.plan.advice import (
     Cluster,
     Plan,
     Workload,
-    make_plan,
     runtime_batch,
 )
 from shardwise.plan.cost import flops_per_token
@@ -26,7 +25,7 @@ from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS,
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
-from shardwise.plan.search import device_gib, gib, searched, tps
+from shardwise.plan.search import device_gib, gib, make_plan, searched, tps
 from shardwise.plan.stacks import stack_settings
 from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
-__all__ = ["MOE_SPECS", "MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
-           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_llama_spec", "moe_of_gpt"]
+__all__ = ["MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
+           "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_of_gpt"]
 
 
 @dataclass(frozen=True)
@@ -123,60 +123,3 @@ def moe_of_gpt(cfg: Any) -> MoEInfo | None:
     return MoEInfo(n_experts=cfg.n_experts, top_k=cfg.moe_top_k,
                    n_moe_layers=sum(cfg.is_moe_block(i) for i in range(cfg.n_layer)),
                    params_per_expert=2 * cfg.n_embd * cfg.expert_hidden, hidden=cfg.n_embd)
-
-
-def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
-                   n_experts: int, top_k: int, moe_ffn: int, head_dim: int | None = None,
-                   shared_ffn: int = 0, max_seq: int = 4096, tied: bool = False, family: str = "mixtral",
-                   qk_norm: bool = False, qkv_bias: bool = False, qk_norm_full: bool = False) -> ModelSpec:
-    """A Mixtral / Qwen-MoE-style spec: Llama attention, every block's MLP an MoE of SwiGLU experts.
-
-    Expert tensors are the fused 3-D ones transformers 5.x stores (``mlp.experts.gate_up_proj``
-    ``(E, 2f, h)``, ``mlp.experts.down_proj`` ``(E, h, f)``) plus the router ``mlp.gate.weight``.
-    ``shared_ffn``: Qwen2-MoE's shared expert and its (1, h) gate; ``qk_norm_full``: OLMoE's q/k
-    norms over all heads (Qwen3-MoE's are per head).
-    """
-    import dataclasses
-
-    from shardwise.plan.spec import ParamInfo, from_llama_like
-
-    base = from_llama_like(name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, ffn_hidden=moe_ffn,
-                           vocab=vocab, n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq=max_seq,
-                           tied=tied, family=family, qkv_bias=qkv_bias)
-    params = []
-    for p in base.params:
-        if ".mlp." not in p.name:
-            params.append(p)
-            continue
-        if not p.name.endswith("mlp.gate_proj.weight"):
-            continue  # gate/up/down are replaced by the layer's experts once, here
-        pre = p.name[: -len("gate_proj.weight")]
-        params += [ParamInfo(pre + "gate.weight", (n_experts, hidden), p.unit),
-                   ParamInfo(pre + "experts.gate_up_proj", (n_experts, 2 * moe_ffn, hidden), p.unit),
-                   ParamInfo(pre + "experts.down_proj", (n_experts, hidden, moe_ffn), p.unit)]
-        if shared_ffn:
-            params += [ParamInfo(pre + f"shared_expert.{n}.weight", s, p.unit) for n, s in
-                       (("gate_proj", (shared_ffn, hidden)), ("up_proj", (shared_ffn, hidden)),
-                        ("down_proj", (hidden, shared_ffn)))]
-            params.append(ParamInfo(pre + "shared_expert_gate.weight", (1, hidden), p.unit))
-        if qk_norm:
-            hd = head_dim or hidden // n_heads
-            widths = (n_heads * hd, base.n_kv_heads * hd) if qk_norm_full else (hd, hd)
-            params += [ParamInfo(pre.replace("mlp.", "self_attn.") + f"{n}.weight", (w,), p.unit)
-                       for n, w in zip(("q_norm", "k_norm"), widths)]
-    info = MoEInfo(n_experts=n_experts, top_k=top_k, n_moe_layers=n_layers,
-                   params_per_expert=3 * hidden * moe_ffn, hidden=hidden)
-    return dataclasses.replace(base, n_params=sum(p.numel for p in params), params=tuple(params), moe=info)
-
-
-# Published MoE architectures, sized exactly as transformers 5.x builds them (the bundled configs
-# ``mixtral-8x7b`` / ``qwen3-30b-a3b`` build the same models); ``plan.presets.MODEL_PRESETS`` lists them.
-MOE_SPECS = {
-    # 46.7B total, 12.9B active.
-    "mixtral-8x7b": lambda: moe_llama_spec("mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
-                                           vocab=32000, n_experts=8, top_k=2, moe_ffn=14336, max_seq=32768),
-    # 128 experts, top-8: 30.5B total, 3.3B active.
-    "qwen3-30b-a3b": lambda: moe_llama_spec("qwen3-30b-a3b", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
-                                            head_dim=128, vocab=151936, n_experts=128, top_k=8, moe_ffn=768,
-                                            max_seq=40960, family="qwen3_moe", qk_norm=True),
-}

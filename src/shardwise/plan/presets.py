@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from_llama_like
+from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from_llama_like, moe_llama_spec
 
 
 def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
@@ -60,15 +60,26 @@ MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "gpt-lab": _gpt_preset("lab"),
     "gpt-moe-nano": _gpt_preset("moe-nano"),
     "gpt-moe-lab": _gpt_preset("moe-lab"),
-    # Hugging Face MoE (plan/moe.py MOE_SPECS, exact published totals; built by model.hf_config).
+    # Hugging Face MoE (MOE_SPECS below, exact published totals; built by model.hf_config).
     "mixtral-8x7b": lambda: _moe_spec("mixtral-8x7b"),
     "qwen3-30b-a3b": lambda: _moe_spec("qwen3-30b-a3b"),
 }
 
 
-def _moe_spec(name: str) -> ModelSpec:
-    from shardwise.plan.moe import MOE_SPECS
+# Published MoE architectures, sized exactly as transformers 5.x builds them (the bundled configs
+# ``mixtral-8x7b`` / ``qwen3-30b-a3b`` build the same models); ``plan.presets.MODEL_PRESETS`` lists them.
+MOE_SPECS = {
+    # 46.7B total, 12.9B active.
+    "mixtral-8x7b": lambda: moe_llama_spec("mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8,
+                                           vocab=32000, n_experts=8, top_k=2, moe_ffn=14336, max_seq=32768),
+    # 128 experts, top-8: 30.5B total, 3.3B active.
+    "qwen3-30b-a3b": lambda: moe_llama_spec("qwen3-30b-a3b", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
+                                            head_dim=128, vocab=151936, n_experts=128, top_k=8, moe_ffn=768,
+                                            max_seq=40960, family="qwen3_moe", qk_norm=True),
+}
 
+
+def _moe_spec(name: str) -> ModelSpec:
     return MOE_SPECS[name]()
 
 MODEL_ALIASES: dict[str, str] = {

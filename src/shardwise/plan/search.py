@@ -1,6 +1,7 @@
 """The planner's search: every layout x every runtime setting the user left open, ranked, explained.
 
-Two lists own what the planner explores, so a new dimension plugs into one place:
+Two lists own what the planner explores (both in ``plan/choices.py``, which ``advice`` also asks),
+so a new dimension plugs into one place:
 
 * :func:`degree_sets` — the model-parallel degree combinations (``tp``, ``pp``, context parallel
   ``cp`` for long sequences, expert parallel ``ep`` for mixture-of-experts models; other
@@ -30,12 +31,17 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from shardwise.families import CP_FAMILIES
 from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
 from shardwise.plan.advice import RUNTIME_RESERVE_GIB
-from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
-from shardwise.plan.pipeline import pipeline_degrees
-from shardwise.pp_schedules import schedule_info
+from shardwise.plan.choices import (
+    CHECKPOINT_SEARCH,
+    FALLBACK_OPTIMIZER,
+    SEARCHABLE,
+    checkpoint_choices,
+    exact_micro_batch,
+    grad_sync_choices,
+    micro_batch_choices,
+)
 
 if TYPE_CHECKING:
     from shardwise.plan.advice import Candidate, Cluster, Plan, Workload
@@ -44,106 +50,7 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 
-# Settings the planner searches per layout unless the user fixes them (Workload.search).
-SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
-FALLBACKS = ("optimizer",)
-FALLBACK_OPTIMIZER = "adafactor"  # no first moment, factored second: ~0 B/param of state against AdamW's 8
-# Order = fewer moving parts first (ties between equally fast, equally small settings).
-CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "full")
-MAX_SEARCHED_MICRO_BATCH = 16
-STAGES_PER_RANK_SEARCH = (2, 3, 4, 6, 8)
 VERDICTS = ("fits", "tight", "no")
-
-assert set(CHECKPOINT_SEARCH) == set(CHECKPOINT_MODES)
-
-
-def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp: int | None = None, tp_ok=None,
-                cp: int | None = None, ep: int | None = None, seq: int = 0,
-                cp_impl: str = "auto") -> list[dict[str, int]]:
-    """Every model-parallel degree combination the planner considers: THE list of candidate sets.
-
-    TP stays inside a node (a divisor of gpus_per_node that ``tp_ok`` accepts: it divides the
-    heads and widths); PP spans nodes (one stage group per node). ``tp x pp`` must divide the world;
-    data parallelism takes the rest, and context / expert parallel are carved out of it (the
-    runtime's layout: cp ranks are a factor of dp, ep ranks are borrowed from the FSDP shard ranks):
-
-    * ``cp``: for a long ``seq`` (plan/cp.py ``cp_candidates``: from ``LONG_SEQ`` tokens, degrees
-      dividing dp and the sequence that ``cp_impl`` can run: the all-to-all needs the heads per TP
-      rank divisible by cp, ``auto`` takes the ring where it does not). The runtime runs cp beside a pipeline,
-      and a pinned ``--cp`` is tried with every pp degree; the open search tries cp only at pp = 1
-      (crossing both axes multiplies the layouts about ninefold for a long-sequence 70B plan).
-    * ``ep``: for a mixture-of-experts model (plan/moe.py ``ep_candidates``: divisors of dp that
-      divide the expert count); the registry's strategies that run it are found by the layout.
-
-    A pinned degree (``--tp``, ``--pp``, ``--cp``, ``--ep``) is the only value of its axis.
-    """
-    from shardwise.plan.cp import cp_candidates, cp_impl_for, cp_multiple
-    from shardwise.plan.moe import ep_candidates
-
-    g, world = cluster.gpus_per_node, cluster.world
-    tps = [tp] if tp else [1, *(t for t in range(2, g + 1) if g % t == 0 and (tp_ok is None or tp_ok(t)))]
-    # PP degrees: every node-count divisor (plan/pipeline.py), so a 3-D layout can keep dp > 1.
-    pps = [pp] if pp else [1, *pipeline_degrees(spec.n_layers, cluster.nodes)]
-    moe = getattr(spec, "moe", None)
-    sets = []
-    for p in pps:
-        for t in tps:
-            if world % (t * p):
-                continue
-            dp = world // (t * p)
-            # Only the families whose attention context parallel knows (families.CP_FAMILIES; a model
-            # of unknown family, e.g. a bare parameter count, is planned as if it were one).
-            cp_ok = not spec.family or spec.family in CP_FAMILIES
-            if cp:
-                impl = cp_impl_for(cp_impl, spec.n_heads, t, cp)
-                runs = bool(impl) and (not seq or seq % cp_multiple(cp, impl) == 0)
-                cps = [cp] if cp_ok and dp % cp == 0 and runs else []
-            else:
-                cps = cp_candidates(dp * t, seq, spec.n_heads, tp=t, impl=cp_impl) if p == 1 and cp_ok else [1]
-            eps = [ep] if ep else (ep_candidates(dp, moe.n_experts) if moe is not None and p == 1 else [1])
-            sets += [{"tp": t, "pp": p, "cp": c, "ep": e} for c in cps for e in eps]
-    return sets
-
-
-# ------------------------------------------------------------------------------------- settings
-def micro_batch_choices(work: Workload, cluster: Cluster) -> tuple[int | None, list[int]]:
-    """(the global batch the search holds fixed, the micro-batches to try).
-
-    The global batch (sequences per optimizer step) is what the user's optimisation depends on,
-    so the search never changes it: it trades micro-batch size against gradient-accumulation
-    steps. Unset, it is one sequence per GPU (``--micro-batch`` fixed: that many per GPU).
-    With ``--grad-accum`` fixed the micro-batch is not searched (it would change the batch).
-    """
-    if "micro_batch" not in work.search or work.grad_accum is not None:
-        return work.global_batch, [work.micro_batch]
-    global_batch = work.global_batch or cluster.world
-    choices, m = [], 1
-    while m <= min(global_batch, MAX_SEARCHED_MICRO_BATCH):
-        choices.append(m)
-        m *= 2
-    return global_batch, choices
-
-
-def exact_micro_batch(micro_batch: int, dp: int, global_batch: int | None) -> bool:
-    """Whether ``micro_batch`` splits the global batch over ``dp`` replicas exactly (1 always may)."""
-    return micro_batch == 1 or global_batch is None or global_batch % (micro_batch * dp) == 0
-
-
-def checkpoint_choices(work: Workload) -> tuple[str, ...]:
-    return CHECKPOINT_SEARCH if "checkpoint" in work.search else (work.checkpoint,)
-
-
-def grad_sync_choices(work: Workload, sharding: str, pp: int, grad_accum: int) -> tuple[str, ...]:
-    """Gradient-sync modes worth trying: they differ only for sharded layouts under accumulation."""
-    if "grad_sync" in work.search and sharding in ("zero2", "fsdp") and pp == 1 and grad_accum > 1:
-        return GRAD_SYNC_MODES
-    return (work.grad_sync,)
-
-
-def stages_per_rank_choices(work: Workload) -> tuple[int, ...]:
-    if schedule_info(work.pp_schedule).stages_per_rank == "many" and "pp_stages_per_rank" in work.search:
-        return STAGES_PER_RANK_SEARCH
-    return (work.pp_stages_per_rank,)
 
 
 # -------------------------------------------------------------------------------------- ranking

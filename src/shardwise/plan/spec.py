@@ -16,6 +16,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.families import HF_FAMILIES, LLAMA_LIKE, MOE_FAMILIES
+from shardwise.plan.moe import MoEInfo, moe_of_gpt
 
 # Architecture families the activation model knows (see memory.activation_bytes):
 #   "gpt"   LayerNorm, GELU MLP, learned positions (our GPT and GPT-2);
@@ -234,6 +235,46 @@ def from_llama_like(
                      family=family)
 
 
+def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
+                   n_experts: int, top_k: int, moe_ffn: int, head_dim: int | None = None,
+                   shared_ffn: int = 0, max_seq: int = 4096, tied: bool = False, family: str = "mixtral",
+                   qk_norm: bool = False, qkv_bias: bool = False, qk_norm_full: bool = False) -> ModelSpec:
+    """A Mixtral / Qwen-MoE-style spec: Llama attention, every block's MLP an MoE of SwiGLU experts.
+
+    Expert tensors are the fused 3-D ones transformers 5.x stores (``mlp.experts.gate_up_proj``
+    ``(E, 2f, h)``, ``mlp.experts.down_proj`` ``(E, h, f)``) plus the router ``mlp.gate.weight``.
+    ``shared_ffn``: Qwen2-MoE's shared expert and its (1, h) gate; ``qk_norm_full``: OLMoE's q/k
+    norms over all heads (Qwen3-MoE's are per head).
+    """
+    base = from_llama_like(name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, ffn_hidden=moe_ffn,
+                           vocab=vocab, n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq=max_seq,
+                           tied=tied, family=family, qkv_bias=qkv_bias)
+    params = []
+    for p in base.params:
+        if ".mlp." not in p.name:
+            params.append(p)
+            continue
+        if not p.name.endswith("mlp.gate_proj.weight"):
+            continue  # gate/up/down are replaced by the layer's experts once, here
+        pre = p.name[: -len("gate_proj.weight")]
+        params += [ParamInfo(pre + "gate.weight", (n_experts, hidden), p.unit),
+                   ParamInfo(pre + "experts.gate_up_proj", (n_experts, 2 * moe_ffn, hidden), p.unit),
+                   ParamInfo(pre + "experts.down_proj", (n_experts, hidden, moe_ffn), p.unit)]
+        if shared_ffn:
+            params += [ParamInfo(pre + f"shared_expert.{n}.weight", s, p.unit) for n, s in
+                       (("gate_proj", (shared_ffn, hidden)), ("up_proj", (shared_ffn, hidden)),
+                        ("down_proj", (hidden, shared_ffn)))]
+            params.append(ParamInfo(pre + "shared_expert_gate.weight", (1, hidden), p.unit))
+        if qk_norm:
+            hd = head_dim or hidden // n_heads
+            widths = (n_heads * hd, base.n_kv_heads * hd) if qk_norm_full else (hd, hd)
+            params += [ParamInfo(pre.replace("mlp.", "self_attn.") + f"{n}.weight", (w,), p.unit)
+                       for n, w in zip(("q_norm", "k_norm"), widths)]
+    info = MoEInfo(n_experts=n_experts, top_k=top_k, n_moe_layers=n_layers,
+                   params_per_expert=3 * hidden * moe_ffn, hidden=hidden)
+    return replace(base, n_params=sum(p.numel for p in params), params=tuple(params), moe=info)
+
+
 def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab: int = 50257,
                    n_positions: int = 1024, ffn_hidden: int | None = None) -> ModelSpec:
     """A GPT-2-family spec (tied head, learned positions, biases everywhere)."""
@@ -278,8 +319,6 @@ def _spec_of(cfg: dict[str, Any], model_type: str, name: str) -> ModelSpec:
             family=model_type or "llama", qk_norm=model_type == "qwen3",
         )
     if model_type in MOE_FAMILIES:  # Hugging Face MoE (plan/moe.py)
-        from shardwise.plan.moe import moe_llama_spec
-
         dense = cfg.get("mlp_only_layers") or []
         if dense or int(cfg.get("decoder_sparse_step", 1) or 1) != 1:
             raise ConfigError(f"{name}: config.json makes some layers dense (mlp_only_layers={dense}, "
@@ -369,7 +408,6 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
     """Spec of shardwise's own ``GPT(cfg)``, exact, from its torch-free parameter list."""
     from shardwise.models.gpt_config import gpt_param_shapes
-    from shardwise.plan.moe import moe_of_gpt
 
     params = []
     for pname, shape in gpt_param_shapes(cfg):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.parallel.checkpointing import clean_name
+from shardwise.models.names import clean_name
 from shardwise.preference.objective import answer_logps, pair_scores
 from shardwise.runtime.ledger import storage_bytes
 

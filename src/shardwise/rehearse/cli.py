@@ -86,7 +86,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     from shardwise.config import load_config, to_toml
     from shardwise.data.cache import read_only
     from shardwise.job.train import dry_run_prediction, resolve_run
-    from shardwise.parallel.registry import get_strategy
+    from shardwise.parallel.implementations import get_strategy
     from shardwise.plan.advice import Cluster
     from shardwise.plan.presets import gpu
     from shardwise.rehearse import launch, report

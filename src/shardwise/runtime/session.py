@@ -45,13 +45,13 @@ from shardwise.job.identity import launch_id as launch_id_from_env
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.models.moe import discard_aux_losses, moe_layers
+from shardwise.models.names import clean_name
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
-from shardwise.parallel.checkpointing import clean_name
 from shardwise.parallel.compile import check_compile, compile_loss, compile_refusal
+from shardwise.parallel.implementations import get_strategy
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
-from shardwise.parallel.registry import get_strategy
 from shardwise.runtime.auto import resolve_compile, resolve_precision
 from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.ledger import grad_bytes
@@ -382,7 +382,6 @@ class Session:
             self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
                               f"{self.loss_chunks}); the whole logits tensor is never built")
         # The one parallelize order (parallel/parallelize.py): split -> TP -> CP -> EP -> AC -> compile -> DP.
-        from shardwise.parallel.checkpointing import clean_name
         from shardwise.parallel.ties import check_ties, tied_groups
 
         ties = tied_groups(model)
@@ -792,9 +791,8 @@ class Session:
         background (runtime.checkpoint.background). A save first waits for one in flight and
         raises its CheckpointError if it failed.
         """
-        from shardwise.runtime.checkpoint import save_checkpoint
         from shardwise.runtime.checkpoint.pieces import standard_pieces
-        from shardwise.runtime.checkpoint.save import prepare_save
+        from shardwise.runtime.checkpoint.save import prepare_save, save_checkpoint
 
         t0 = time.perf_counter()
         self.wait_checkpoint()
@@ -928,7 +926,7 @@ class Session:
         and model shapes first and raises CheckpointError on every rank when they do not match.
         ``scheduler`` (default: the one prepare() returned) continues from its saved state.
         """
-        from shardwise.runtime.checkpoint import load_checkpoint
+        from shardwise.runtime.checkpoint.load import load_checkpoint
         from shardwise.runtime.checkpoint.pieces import standard_pieces
 
         model = model or self.model

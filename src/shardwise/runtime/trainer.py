@@ -43,11 +43,8 @@ from shardwise.plan.spec import from_module
 from shardwise.preference.step import build_objective
 from shardwise.runtime import ledger
 from shardwise.runtime.auto import job_key, record_run, resolved_config
-from shardwise.runtime.checkpoint import (
-    latest_checkpoint,
-    resume_source,
-    truncate_metrics,
-)
+from shardwise.runtime.checkpoint.locate import latest_checkpoint, resume_source
+from shardwise.runtime.checkpoint.preflight import truncate_metrics
 from shardwise.runtime.collective import gather
 from shardwise.runtime.rng import restore_rng_state
 from shardwise.runtime.session import Session

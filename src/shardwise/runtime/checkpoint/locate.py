@@ -17,7 +17,7 @@ from pathlib import Path
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import what_is
 from shardwise.job.identity import same_process_alive
-from shardwise.job.rundir import CHECKPOINTS_DIR
+from shardwise.run_files import CHECKPOINTS_DIR
 from shardwise.runtime.checkpoint.manifest import (
     LATEST,
     MANIFEST,
