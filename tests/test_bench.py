@@ -98,9 +98,7 @@ def test_bench_with_reference_loops_end_to_end(cli_env, tmp_path):
 
 def test_classic_names_the_lab_table(monkeypatch):
     assert bench._parse_names("classic") == (list(bench.CLASSIC), [])
-    import shardwise.reference as reference
-
-    monkeypatch.setattr(reference, "installed", lambda name: name != "accelerate")
+    monkeypatch.setattr(bench, "installed", lambda name: name != "accelerate")  # the name bench calls
     names, notes = bench._parse_names("classic")
     assert "accelerate" not in names
     assert notes == ["accelerate skipped: not installed (pip install 'shardwise[accelerate]')"]

@@ -1,4 +1,5 @@
-"""No import circle among shardwise's modules, counting the imports made inside functions.
+"""No import circle among shardwise's modules, counting the imports made inside functions; and a
+function-local import only where it defers a dependency.
 
 A function-local import hides a dependency from the reader and from Python's import order, not
 from the design: a lower layer that imports a higher one inside a function still depends on it.
@@ -11,9 +12,11 @@ blocks (annotations only, never run), plus the edge from a module to each packag
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
 ROOT = SRC / "shardwise"
 
 # The root package is the public facade (``shardwise.Session``, ``shardwise.ConfigError``) and every
@@ -142,3 +145,124 @@ def test_the_graph_sees_function_local_and_package_edges():
     assert "shardwise.plan" in graph["shardwise.plan.memory"]  # the package above a module
     planted = {"a.x": {"a.y"}, "a.y": {"a.x"}, "a": set()}
     assert circles(planted) == [["a.x", "a.y"]]
+
+
+# ------------------------------------------------------------------ function-local imports
+# What a function-local import may defer (anything else is imported at the top of the module):
+# * an optional dependency: every extra in pyproject.toml except the test-only ``dev`` one (by its
+#   import name), plus pyarrow, which the ``datasets`` extra brings and the Parquet reader imports;
+# * torch or numpy, in a module that loads without them: the commands, the launcher, the planner
+#   and the config answer without importing torch (seconds on a cold start; see docs/architecture.md).
+# A probe inside ``try: ... except ImportError`` (a kernel or platform feature) is allowed too.
+IMPORT_NAMES = {"lightning-fabric": "lightning_fabric", "mlflow-skinny": "mlflow"}
+HEAVY = {"torch", "numpy"}
+
+
+def optional_imports() -> set[str]:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    names = set()
+    for extra, requirements in extras.items():
+        if extra == "dev":
+            continue
+        for req in requirements:
+            dist = req.split(">")[0].split("=")[0].split("<")[0].strip()
+            names.add(IMPORT_NAMES.get(dist, dist.replace("-", "_")))
+    return names | {"pyarrow"}
+
+
+def _targets(name: str, path: Path, node: ast.Import | ast.ImportFrom, mods: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    if node.level:
+        module = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                          + ([node.module] if node.module else []))
+    else:
+        module = node.module or ""
+    return [f"{module}.{a.name}" if f"{module}.{a.name}" in mods else module for a in node.names]
+
+
+def _is_probe(node: ast.AST) -> bool:
+    """A ``try`` that catches ImportError: a feature or platform probe."""
+    caught = ("ImportError", "ModuleNotFoundError")
+    if not isinstance(node, ast.Try):
+        return False
+    for handler in node.handlers:
+        types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        if any(isinstance(t, ast.Name) and t.id in caught for t in types):
+            return True
+    return False
+
+
+class _ImportWalk:
+    """One module's imports: those run when it loads, and those inside functions."""
+
+    def __init__(self, name: str, path: Path, mods: dict[str, Path]) -> None:
+        self.name, self.path, self.mods = name, path, mods
+        self.at_load: set[str] = set()
+        self.local: list[tuple[str, int, list[str], bool]] = []
+        self.walk(ast.parse(path.read_text(encoding="utf-8")), in_function=False, probe=False)
+
+    def walk(self, node: ast.AST, in_function: bool, probe: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    self.walk(sub, in_function, probe)
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                targets = _targets(self.name, self.path, child, self.mods)
+                if in_function:
+                    self.local.append((self.name, child.lineno, targets, probe))
+                else:
+                    self.at_load.update(targets)
+            else:
+                function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                self.walk(child, in_function or function, probe or _is_probe(child))
+
+
+LocalImport = tuple[str, int, list[str], bool]  # module, line, targets, inside an ImportError probe
+
+
+def _module_level_and_local(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[LocalImport]]:
+    """(module -> what it imports when it loads, [(module, line, targets, inside an ImportError probe)]
+    of the imports inside functions); ``TYPE_CHECKING`` blocks left out."""
+    walks = [_ImportWalk(name, path, mods) for name, path in mods.items()]
+    return {w.name: w.at_load for w in walks}, [entry for w in walks for entry in w.local]
+
+
+def _external(target: str) -> set[str]:
+    names = {target.split(".")[0]}
+    if target.startswith("safetensors.torch"):
+        names.add("torch")
+    return names
+
+
+def test_function_local_imports_only_defer_a_dependency():
+    mods = _module_names()
+    at_load, local = _module_level_and_local(mods)
+    cache: dict[str, set[str]] = {}
+
+    def loaded(module: str) -> set[str]:
+        """The third-party packages ``module`` imports when it loads (through its shardwise imports too)."""
+        if module not in cache:
+            cache[module] = set()
+            parts = module.split(".")
+            out: set[str] = set()
+            for target in at_load[module] | {".".join(parts[:i]) for i in range(1, len(parts))}:
+                if target in mods:
+                    out |= loaded(target) if target != module else set()
+                else:
+                    out |= _external(target)
+            cache[module] = out
+        return cache[module]
+
+    deferrable = optional_imports() | HEAVY
+    hoist = []
+    for module, line, targets, probe in local:
+        brings = set().union(*((loaded(t) | {t} if t in mods else _external(t)) for t in targets))
+        if probe or (brings - loaded(module)) & deferrable:
+            continue
+        hoist.append(f"{mods[module].relative_to(REPO)}:{line} imports {', '.join(targets)}")
+    assert not hoist, ("function-local imports that defer nothing (no optional dependency, and no torch/numpy "
+                       "in a module that loads without them): import them at the top of the module.\n"
+                       + "\n".join(hoist))
+    assert len(local) > 20, "the walk found too few function-local imports: does it see them?"

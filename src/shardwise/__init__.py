@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):  # Lazy: `import shardwise` must not import torch.distributed eagerly.
     if name == "Session":
-        from shardwise.runtime.session import Session
+        from shardwise.runtime.session import Session  # defers torch
 
         return Session
     raise AttributeError(name)

@@ -17,14 +17,23 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import load_config, to_toml
 from shardwise.errors import ConfigError
+from shardwise.fsutil import atomic_write_text
+from shardwise.job.identity import new_launch_id
+from shardwise.job.rundir import holds_run, lock_run_dir, move_run_aside
+from shardwise.launch import LaunchSpec, torchrun_command
+from shardwise.reference import PAIRS, REFERENCES, check_reference, installed, is_reference
+from shardwise.strategies import canonical_strategy
 
 COLUMNS = ("strategy", "impl", "world_size", "status", "runs", "tokens_per_s", "tokens_per_s_min",
            "tokens_per_s_max", "step_time_s", "peak_mib_per_rank", "model_state_mib_per_rank",
@@ -60,8 +69,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _holds_results(out: Path) -> bool:
-    from shardwise.job.rundir import holds_run
-
     return holds_run(out) or (out / "bench.json").exists() or any(
         holds_run(child) for child in out.iterdir() if child.is_dir() and not child.is_symlink())
 
@@ -72,8 +79,6 @@ def _mib(value: float | None) -> float | None:
 
 def row_from_summary(strategy: str, summary: dict[str, Any] | None, status: str) -> dict[str, Any]:
     """One table row from a run's summary.json (memory figures from its ledger when present)."""
-    from shardwise.reference import is_reference
-
     row: dict[str, Any] = {c: None for c in COLUMNS}
     row.update(strategy=strategy, status=status, runs="1" if status == "ok" else "0/1",
                impl="reference" if is_reference(strategy) else "shardwise")
@@ -125,8 +130,6 @@ def overheads(rows: list[dict[str, Any]], runs: list[list[dict[str, Any]]]) -> l
     ``ratio`` uses the median step times; ``round_min``/``round_max`` span the per-round ratios,
     i.e. how much the machine's noise moves it. Above 1: shardwise is slower.
     """
-    from shardwise.reference import PAIRS
-
     by_name = {r["strategy"]: r for r in rows}
     out = []
     for strategy, refs in PAIRS.items():
@@ -178,8 +181,6 @@ def overhead_lines(pairs: list[dict[str, Any]]) -> str:
 def write_outputs(rows: list[dict[str, Any]], out: Path, pairs: list[dict[str, Any]] | None = None,
                   runs: list[list[dict[str, Any]]] | None = None, note: str = "") -> list[Path]:
     """Write bench.md/.csv/.json (and bench.png when matplotlib is installed); return the paths."""
-    from shardwise.fsutil import atomic_write_text
-
     pairs = pairs or []
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "bench.md", markdown_table(rows) + overhead_lines(pairs) + (f"\n{note}\n" if note else ""))
@@ -244,9 +245,6 @@ def build_args_for_test(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------------ running
 def _parse_names(spec: str) -> tuple[list[str], list[str]]:
     """(names to run, notes); 'classic' expands, accelerate is skipped there when missing."""
-    from shardwise.reference import installed, is_reference
-    from shardwise.strategies import canonical_strategy
-
     names, notes = [], []
     for raw in (s.strip() for s in spec.split(",")):
         if not raw:
@@ -278,12 +276,7 @@ def _train_sets(args: argparse.Namespace) -> list[str]:
 
 def _command(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], int]:
     """The command that runs ``name`` into ``run_dir``, and its rank count."""
-    from shardwise.reference import REFERENCES, is_reference
-    from shardwise.strategies import canonical_strategy
-
     if is_reference(name):
-        from shardwise.launch import LaunchSpec, torchrun_command
-
         cmd = torchrun_command(LaunchSpec(nproc=args.nproc),
                                ["-m", REFERENCES[name], str(run_dir / "config.toml"), "--out", str(run_dir)])
         return cmd, args.nproc
@@ -296,13 +289,7 @@ def _command(name: str, args: argparse.Namespace, run_dir: Path) -> tuple[list[s
 
 
 def run(args: argparse.Namespace) -> int:
-    import datetime
-
-    from shardwise.config import load_config
-    from shardwise.job.identity import new_launch_id
-    from shardwise.job.rundir import lock_run_dir, move_run_aside
-    from shardwise.reference import check_reference, is_reference
-    from shardwise.runtime.auto import peer_defaults
+    from shardwise.runtime.auto import peer_defaults  # defers torch
 
     names, notes = _parse_names(args.strategies)
     limits = (("nproc", args.nproc, 4096), ("steps", args.steps, 10**9), ("repeat", args.repeat, 1000))
@@ -331,11 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_rounds(args: argparse.Namespace, names: list[str], notes: list[str], cfg: Any, out: Path) -> int:
     """Run every implementation once per round into ``out``; write and print the comparison."""
-    import os
-
-    from shardwise.config import to_toml
-    from shardwise.reference import is_reference
-    from shardwise.runtime.auto import peer_defaults
+    from shardwise.runtime.auto import peer_defaults  # defers torch
 
     runs: list[list[dict[str, Any]]] = []
     for k in range(args.repeat):

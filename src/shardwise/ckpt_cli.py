@@ -15,6 +15,8 @@ import json
 import math
 from typing import Any
 
+from shardwise.errors import ConfigError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``ckpt inspect`` and ``ckpt export`` to the ``shardwise`` command line."""
@@ -66,7 +68,7 @@ def _size(n_bytes: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from shardwise.runtime.checkpoint.export import inspect_checkpoint
+    from shardwise.runtime.checkpoint.export import inspect_checkpoint  # defers torch
 
     info = inspect_checkpoint(args.path, verify=not args.no_verify)
     if args.json:
@@ -93,9 +95,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardwise.errors import ConfigError
-    from shardwise.runtime.checkpoint.export import export_weights
-    from shardwise.runtime.checkpoint.hf_export import export_hf, export_peft
+    from shardwise.runtime.checkpoint.export import export_weights  # defers torch
+    from shardwise.runtime.checkpoint.hf_export import export_hf, export_peft  # defers torch
 
     fmt = "peft" if args.adapter else args.format
     if args.adapter and args.format not in ("safetensors", "peft"):

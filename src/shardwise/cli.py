@@ -9,12 +9,24 @@ a traceback means a bug in shardwise.
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib
 import json
 import platform
 import sys
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from shardwise.config import check_text
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.habits import add_launch_habits
+from shardwise.job.multinode import rendezvous_id
+from shardwise.job.outcome import report_script_ranks
+from shardwise.job.train import apply_scheduler_defaults, run_train
+from shardwise.launch import LaunchSpec, check_launch_flags, run_torchrun, split_launch_argv
+from shardwise.recipe_info import recipes_help
+from shardwise.torch_version import older_torch_note
 
 
 # ------------------------------------------------------------------------------ train
@@ -30,8 +42,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train_parser(sub: argparse._SubParsersAction) -> None:
-    from shardwise.recipe_info import recipes_help
-
     p = sub.add_parser("train", help="train a recipe or TOML config on one or many ranks",
                        description="Train a built-in recipe or a TOML config. Without arguments:\n"
                        "the character GPT on Tiny Shakespeare, 2 CPU processes or one per GPU.",
@@ -40,8 +50,6 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default: runs/<name>-<strategy>-<time>; "
                    "on several nodes the first node to start chooses it and the others adopt it)")
     _add_node_options(p)
-    from shardwise.habits import add_launch_habits
-
     add_launch_habits(p)  # Accelerate's / torchrun's flags: aliases, or the shardwise spelling
     p.add_argument("--show", action="store_true",
                    help="print the resolved config (the recipe or TOML with every --set applied) as TOML and exit")
@@ -82,8 +90,6 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardwise.job.train import run_train
-
     return run_train(args)
 
 
@@ -107,13 +113,7 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from shardwise.config import check_text
-    from shardwise.device import default_nproc
-    from shardwise.job.multinode import rendezvous_id
-    from shardwise.job.train import apply_scheduler_defaults
-    from shardwise.launch import LaunchSpec, check_launch_flags, run_torchrun
+    from shardwise.device import default_nproc  # defers torch
 
     apply_scheduler_defaults(args)
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
@@ -132,8 +132,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
                                     " ".join([str(script), *args.script_args]))[0]
     # Through shardwise's agent (torchrun itself): the ranks die with this launcher, and a failed
     # rank is one line here (its own output is above) instead of torchrun's traceback.
-    from shardwise.job.outcome import report_script_ranks
-
     with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as tmp:
         report = Path(tmp) / "agent.json"
         rc = run_torchrun(spec, [*extra, str(script), *args.script_args], agent_report=report)
@@ -149,10 +147,10 @@ def _add_env_parser(sub: argparse._SubParsersAction) -> None:
 
 def env_report() -> dict[str, object]:
     """Facts about this machine that decide how shardwise runs here."""
-    import torch
-    import torch.distributed as dist
+    import torch  # defers torch
+    import torch.distributed as dist  # defers torch
 
-    from shardwise.device import accelerator_count, backend_for, cpu_count, default_nproc
+    from shardwise.device import accelerator_count, backend_for, cpu_count, default_nproc  # defers torch
 
     n_gpu = accelerator_count()
     default_device = "cuda" if n_gpu else "cpu"
@@ -213,8 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional(module: str, sub: argparse._SubParsersAction) -> None:
-    import importlib
-
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -227,10 +223,6 @@ def _register_optional(module: str, sub: argparse._SubParsersAction) -> None:
 def _note_older_torch() -> None:
     """Say once, on stderr, when the installed torch is older than the tested one (no import of torch
     itself when it is not loaded yet: its version is read from the package metadata)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from shardwise.torch_version import older_torch_note
-
     try:
         note = older_torch_note(version("torch"))
     except PackageNotFoundError:
@@ -246,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["launch"]:
             # torchrun's options may take their value as the next word: split them off first, or
             # argparse would take `29501` in `--master-port 29501 train.py` for the script.
-            from shardwise.launch import split_launch_argv
-
             own, passthrough, rest = split_launch_argv(argv[1:])
             args = parser.parse_args(["launch", *own, *(["--"] if rest[:1] and rest[0].startswith("-") else []),
                                       *rest])
@@ -266,8 +256,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        import errno
-
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"error: no space left on the device holding {e.filename or 'the run directory'} "

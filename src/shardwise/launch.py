@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import ConfigError
+from shardwise.job.agent import REPORT_ENV
+from shardwise.job.lifeline import launcher_env
+from shardwise.job.multinode import check_endpoint_resolves, parse_nnodes
 
 MAX_NODES = 4096
 MAX_NPROC = 4096
@@ -46,8 +49,6 @@ def check_launch_flags(nproc: int | None, nnodes: int | str, node_rank: int, rdz
     needs ``--rdzv-endpoint HOST:PORT`` (without one every node would wait for the others on its
     own localhost forever), and ``--node-rank`` must lie in ``[0, max nodes)``.
     """
-    from shardwise.job.multinode import check_endpoint_resolves, parse_nnodes
-
     if nproc is not None and not 1 <= nproc <= MAX_NPROC:
         raise ConfigError(f"--nproc must be at least 1 (and at most {MAX_NPROC}), got {nproc}.")
     low, high = parse_nnodes(nnodes)
@@ -130,9 +131,6 @@ def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | 
     JSON (see ``job.agent``). The agent and every rank die with this process (see
     ``job.lifeline``), so a killed launcher leaves no rank behind.
     """
-    from shardwise.job.agent import REPORT_ENV
-    from shardwise.job.lifeline import launcher_env
-
     full_env = dict(os.environ, **(env or {}), **launcher_env())
     if agent_report is not None:
         full_env[REPORT_ENV] = str(agent_report)
@@ -174,7 +172,7 @@ def split_launch_argv(tokens: Sequence[str]) -> tuple[list[str], list[str], list
     29501`` and runs ``train.py``. ``--`` ends the options. An option torchrun does not know is a
     ConfigError (it would otherwise be taken for the script).
     """
-    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import get_args_parser  # defers torch
 
     actions = get_args_parser()._option_string_actions  # noqa: SLF001 - the parser's own option table
     own: list[str] = []

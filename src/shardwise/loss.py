@@ -37,6 +37,8 @@ from torch import nn
 from shardwise.config import AUTO_CHUNK_BYTES, parse_loss_chunks  # the rule lives with the setting
 from shardwise.errors import ConfigError
 from shardwise.families import CHUNKED_HEAD_FAMILIES
+from shardwise.parallel.blocks import model_family
+from shardwise.workloads import cross_entropy_loss
 
 __all__ = ["AUTO_CHUNK_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_chunked_head", "is_token_ce",
            "plan_chunked_head",
@@ -156,8 +158,6 @@ def plan_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int = 
     off there (the plan's ``reason`` says why). Preflight calls it on the meta model before launch.
     ``plain_ce``: the run's loss is the token-mean CE (``Workload.plain_token_ce``).
     """
-    from shardwise.parallel.blocks import model_family
-
     chunks = parse_loss_chunks(setting)
     if chunks == 0:
         return ChunkPlan(False, 0, "train.loss_chunks = 0")
@@ -217,8 +217,6 @@ def _has_chunked_head(model: nn.Module) -> bool:
 
 def is_token_ce(loss_fn: Callable[..., Any]) -> bool:
     """Whether ``loss_fn`` is the token-mean cross-entropy (possibly compiled) the chunks replace."""
-    from shardwise.workloads import cross_entropy_loss
-
     return loss_fn is cross_entropy_loss or getattr(loss_fn, "_torchdynamo_orig_callable", None) is cross_entropy_loss
 
 

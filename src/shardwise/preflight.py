@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 from shardwise.config import replace_in
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.layout import Layout, resolve_layout
+from shardwise.models.adapter import model_folders
+from shardwise.models.hf_config import hf_family
+from shardwise.observe.trackers import check_trackers
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,10 +59,10 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     ``[data]`` (callers that resolve many runs of one model, e.g. the planner's grid test, build
     them once); by default both are built here.
     """
-    from shardwise.parallel.blocks import find_blocks
-    from shardwise.parallel.implementations import get_strategy
-    from shardwise.parallel.precision import check_precision
-    from shardwise.workloads import build_workload
+    from shardwise.parallel.blocks import find_blocks  # defers torch
+    from shardwise.parallel.implementations import get_strategy  # defers torch
+    from shardwise.parallel.precision import check_precision  # defers torch
+    from shardwise.workloads import build_workload  # defers torch
 
     # This machine's accelerator (bf16 on a GPU without bfloat16), before any rank starts; config
     # validation stays torch-free, so the hardware check lives here with the other pre-launch ones.
@@ -69,27 +72,25 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     check_debug_collectives(resolved, world_size)
     strategy = get_strategy(layout)
     if cfg.train.objective == "dpo":
-        from shardwise.preference.step import check_layout
+        from shardwise.preference.step import check_layout  # defers numpy and torch
 
         check_layout(layout, strategy, cfg)
     cp_impl = "alltoall"
     if layout.cp > 1:
-        import torch
+        import torch  # defers torch
 
-        from shardwise.parallel.cp import resolve_cp_impl
+        from shardwise.parallel.cp import resolve_cp_impl  # defers torch
 
         cp_impl = resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.train.compile == "true":  # "auto" turns compile off where it cannot run (runtime.auto)
-        import torch
+        import torch  # defers torch
 
-        from shardwise.parallel.compile import check_compile
+        from shardwise.parallel.compile import check_compile  # defers torch
 
         check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
     if layout.cp > 1 and cfg.model.kind == "hf":
         # A rule that needs no data is checked before the data is read (and tokenised).
-        from shardwise.models.adapter import model_folders
-        from shardwise.models.hf_config import hf_family
-        from shardwise.parallel.cp import check_cp_family
+        from shardwise.parallel.cp import check_cp_family  # defers torch
 
         try:
             # The last of model.pretrained's folders holds config.json (the base of an adapter folder).
@@ -112,15 +113,15 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         # check still runs on every rank in ``Session.prepare``.
         strategy.check_model(meta)
         # The chunked loss and context parallel refuse what they cannot run before launch.
-        from shardwise.loss import plan_chunked_head
+        from shardwise.loss import plan_chunked_head  # defers torch
 
         plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
         # Mixture of experts: ep divides every layer's experts (parallel/ep.py; the degree rules are the layout's).
-        from shardwise.parallel.ep import check_moe_model
+        from shardwise.parallel.ep import check_moe_model  # defers torch
 
         check_moe_model(meta, layout)
         if layout.cp > 1 and layout.pp > 1 and workload.token_loss:
-            from shardwise.models.moe import moe_layers
+            from shardwise.models.moe import moe_layers  # defers torch
 
             if moe_layers(meta):
                 # The routers' aux losses count real tokens only (models/moe.py). Without a pipeline
@@ -132,7 +133,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
                     "routers would count the rows' padding in the load-balancing loss, which one process "
                     "leaves out. Drop one of the two: cp with ep/tp/fsdp, or pp without cp, both run on this data.")
         if layout.cp > 1:
-            from shardwise.parallel.cp import check_cp_model
+            from shardwise.parallel.cp import check_cp_model  # defers torch
 
             check_cp_model(meta, layout.cp, layout.tp, cp_impl)
         blocks = find_blocks(meta)
@@ -154,7 +155,7 @@ def check_debug_collectives(cfg: RunConfig, world_size: int, cuda: bool | None =
     if not cfg.watchdog.debug_collectives or world_size < 2:
         return
     if cuda is None:
-        import torch
+        import torch  # defers torch
 
         cuda = torch.cuda.is_available()
     if not cuda:
@@ -167,9 +168,6 @@ def check_debug_collectives(cfg: RunConfig, world_size: int, cuda: bool | None =
 
 def check_observability(cfg: RunConfig, world_size: int) -> None:
     """Tracker extras installed, profiled ranks inside the world; raises ConfigError otherwise."""
-    from shardwise.errors import ConfigError
-    from shardwise.observe.trackers import check_trackers
-
     check_trackers(cfg.log.trackers)
     outside = [r for r in cfg.profile.ranks if r >= world_size]
     if cfg.profile.enabled and outside:
@@ -185,7 +183,7 @@ def meta_model(workload: Workload, builtin: bool = False) -> nn.Module | None:
     from a user factory (overrides it does not take). Otherwise a user factory may legitimately
     need real tensors (it fills weights from numpy), so it only returns None.
     """
-    import torch
+    import torch  # defers torch
 
     try:
         with torch.device("meta"):

@@ -16,7 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shardwise.cli import _add_run_options
 from shardwise.errors import ConfigError
+from shardwise.fsutil import atomic_write_text
+from shardwise.job.train import resolve_run
+from shardwise.launch import MAX_NODES, MAX_NPROC, MAX_RESTARTS
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # Slurm's [D-]HH[:MM[:SS]] / minutes
 _WORD = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -24,8 +28,6 @@ _WORD = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``slurm`` to the ``shardwise`` command line."""
-    from shardwise.cli import _add_run_options
-
     p = sub.add_parser(
         "slurm", help="write (and submit) an sbatch script that trains on N nodes",
         description="Write an sbatch script that runs `shardwise train` on every node of a Slurm "
@@ -49,8 +51,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from shardwise.launch import MAX_NODES, MAX_NPROC, MAX_RESTARTS
-
     if not 1 <= args.nodes <= MAX_NODES:
         raise ConfigError(f"--nodes must be between 1 and {MAX_NODES}, got {args.nodes}.")
     if not 1 <= args.gpus_per_node <= MAX_NPROC:
@@ -106,9 +106,6 @@ def sbatch_script(args: argparse.Namespace, name: str, python: str = sys.executa
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from shardwise.fsutil import atomic_write_text
-    from shardwise.job.train import resolve_run
-
     _check(args)
     if args.nproc is not None and args.nproc != args.gpus_per_node:
         raise ConfigError(f"--nproc {args.nproc} and --gpus-per-node {args.gpus_per_node} disagree: on Slurm "

@@ -47,8 +47,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_
     stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - lives until exit
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
-        import torch
-        import torch.distributed as dist
+        import torch  # defers torch
+        import torch.distributed as dist  # defers torch
 
         # One thread per rank unless the test asks for more (env={"OMP_NUM_THREADS": "2"}: another
         # blocking of the matmuls, so another reduction order, for the parity-under-noise check).
@@ -220,7 +220,7 @@ def _kill_all(procs: list[Any]) -> None:
 
 def fixed_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int = 0) -> Any:
     """Fixed token batches ``(steps, global_batch, seq + 1)`` shared by reference and strategy runs."""
-    import torch
+    import torch  # defers torch
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (steps, global_batch, seq + 1), generator=g)
@@ -229,8 +229,8 @@ def fixed_batches(steps: int, global_batch: int, seq: int, vocab: int, seed: int
 def lm_loss(logits: Any, targets: Any) -> Any:
     """Next-token cross-entropy in float32 at least (logits ``(..., vocab)``, targets ``(...)``);
     float64 logits stay float64."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # defers torch
+    import torch.nn.functional as F  # defers torch
 
     logits = logits.flatten(0, -2)
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
@@ -248,7 +248,7 @@ def default_dtype(dtype: Any) -> Any:
     ``lr * noise / eps`` ~ 1e-10 per step, and a bound of 1e-9 on parameters after a few steps holds on
     any machine while a real defect (an O(lr) move, lr >= 1e-3) stays 10^6 times above it.
     """
-    import torch
+    import torch  # defers torch
 
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -273,7 +273,7 @@ def train_fixed_batches(session: Any, model: Any, optimizer: Any, batches: Any, 
 
     Returns ``{"losses": [global mean loss per step], "norms": [pre-clip grad norm per step]}``.
     """
-    import torch
+    import torch  # defers torch
 
     accum = session.grad_accum_steps
     per_replica = batches.shape[1] // session.dp_size

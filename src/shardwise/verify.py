@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config import load_config, replace_in, to_toml
+from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.job.identity import new_launch_id
+from shardwise.job.rundir import holds_run, lock_run_dir
+from shardwise.job.train import ResolvedRun, dry_run_report
+from shardwise.launch import LaunchSpec, run_torchrun
+from shardwise.models.names import clean_name
+from shardwise.preflight import check_run
+from shardwise.verify_resume import verify_resume
 
 if TYPE_CHECKING:  # torch is imported where it is used: `shardwise plan` registers this module too
     import torch
@@ -139,9 +148,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     A collective under sharding (every rank must call it). Uses DCP's ``get_model_state_dict``,
     which gathers FSDP2/TP DTensors and strips DDP and checkpoint-wrapper prefixes.
     """
-    import torch.distributed as dist
-
-    from shardwise.models.names import clean_name
+    import torch.distributed as dist  # defers torch
 
     # Gathering a 2-D-sharded (FSDP x TP) parameter makes DTensor warn, once per rank, that it
     # needs two all-gathers; for a one-off comparison that is expected, not worth N log lines.
@@ -150,7 +157,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     redistribute_log.setLevel(logging.ERROR)
     try:
         if dist.is_initialized():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # defers torch
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         else:
@@ -171,10 +178,10 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
     Runs the built-in trainer's own step, so what is verified is what ``shardwise train`` does.
     Parameters of every rank are merged on rank 0 (pipeline stages each hold a part).
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # defers torch
 
-    from shardwise.runtime.session import Session
-    from shardwise.runtime.trainer import Trainer
+    from shardwise.runtime.session import Session  # defers torch
+    from shardwise.runtime.trainer import Trainer  # defers numpy and torch
 
     t = cfg.train
     session = Session(parallel=cfg.parallel, grad_accum_steps=t.grad_accum_steps, seed=t.seed,
@@ -194,10 +201,10 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
             parts: list[Any] = [None] * session.world_size
             dist.all_gather_object(parts, params)
             params = {k: v for part in parts for k, v in part.items()}
-        from shardwise.parallel.tp_gpt2 import fuse_split_state
+        from shardwise.parallel.tp_gpt2 import fuse_split_state  # defers torch
 
         params = fuse_split_state(params)  # GPT-2 under TP trains c_attn as q/k/v: compare it fused
-        from shardwise.models.moe import moe_layers
+        from shardwise.models.moe import moe_layers  # defers torch
 
         layout = session.layout
         # MoE aux losses are per pipeline micro-batch (parallel/moe_pp.py): the reference splits too.
@@ -213,8 +220,7 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
 def verify_defaults(cfg: Any, steps: int, strategy: Any) -> Any:
     """``cfg`` with "auto" settings resolved for a verify: precision fp32 (the exact check; a lower
     precision is verified when asked for), compile as ``runtime.auto`` decides for ``steps`` steps."""
-    from shardwise.config import replace_in
-    from shardwise.runtime.auto import resolve_compile_in
+    from shardwise.runtime.auto import resolve_compile_in  # defers torch
 
     if cfg.parallel.precision == "auto":
         cfg = replace_in(cfg, **{"parallel.precision": "fp32"})
@@ -244,8 +250,6 @@ def reference_config(cfg: Any, dp_size: int, split: int = 1) -> Any:
     ones. The sampler interleaves the dp ranks' rows, so pipeline micro-batch j of every replica
     together is contiguous block j of the global micro-batch: the same rows.
     """
-    from shardwise.config import replace_in
-
     return replace_in(cfg, **{
         "train.micro_batch_size": cfg.train.micro_batch_size * dp_size // split,
         "train.grad_accum_steps": cfg.train.grad_accum_steps * split,
@@ -291,10 +295,7 @@ def verify(cfg: Any, nproc: int, steps: int, out: str | Path, *, loss_tol: float
     ``cfg`` is a validated RunConfig whose ``parallel.strategy`` names the strategy; the run
     directories go under ``out``. Raises ShardwiseError when either run fails.
     """
-    import torch
-
-    from shardwise.config import replace_in, to_toml
-    from shardwise.launch import LaunchSpec, run_torchrun
+    import torch  # defers torch
 
     out = Path(out)
     strategy_dir = out / "strategy"
@@ -353,9 +354,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from shardwise.config import load_config, replace_in
-    from shardwise.parallel.implementations import get_strategy
-    from shardwise.preflight import check_run
+    from shardwise.parallel.implementations import get_strategy  # defers torch
 
     if not 1 <= args.nproc <= 4096:
         raise ConfigError(f"--nproc must be at least 1 (and at most 4096), got {args.nproc}.")
@@ -371,8 +370,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           "or --resume (check that an interrupted and resumed run equals an uninterrupted one).")
     cfg = load_config(args.recipe, [*verify_overrides(args.overrides), f"parallel.strategy={args.strategy}"])
     # Bad combinations, data or model shapes are refused here, once, before any process starts.
-    from shardwise.data.cache import read_only
-
     # --dry-run writes nothing: the data cache is only read.
     with read_only() if args.dry_run else contextlib.nullcontext():
         checked = check_run(cfg, args.nproc, ranks_per_node=args.nproc)
@@ -380,13 +377,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     cfg = replace_in(checked.config, **{"parallel.nproc": args.nproc})
     cfg = verify_defaults(cfg, args.steps, get_strategy(checked.layout))
     if args.dry_run:
-        from shardwise.job.train import ResolvedRun, dry_run_report
-
         print(dry_run_report(ResolvedRun(cfg, checked, args.nproc, 1, out), what="verify"))
         return 0
-    from shardwise.job.identity import new_launch_id
-    from shardwise.job.rundir import holds_run, lock_run_dir
-
     # The verify folder is verify's own (rewritten by every verify into it), held for the job.
     lock = lock_run_dir(out, new_launch_id(), "shardwise verify")
     try:
@@ -402,10 +394,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify_resume(args: argparse.Namespace) -> int:
-    from shardwise.config import load_config
-    from shardwise.preflight import check_run
-    from shardwise.runtime.auto import resolve_precision
-    from shardwise.verify_resume import verify_resume
+    from shardwise.runtime.auto import resolve_precision  # defers torch
 
     if args.resume_nproc is not None and not 1 <= args.resume_nproc <= 4096:
         raise ConfigError(f"--resume-nproc must be at least 1 (and at most 4096), got {args.resume_nproc}.")
@@ -431,9 +420,7 @@ def _worker_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        import torch
-
-        from shardwise.config import load_config
+        import torch  # defers torch
 
         result = run_steps(load_config(args.worker), args.steps, args.out)
         if result is not None:

@@ -115,9 +115,9 @@ def verify_resume(recipe: str | None, overrides: list[str], *, strategy: str | N
 
     ``reshard_tolerance``: (loss, parameter) bounds for a resume on another number of ranks
     (``verify.TOLERANCES`` of the run's precision); a resume on the same ranks must be exact."""
-    import torch
+    import torch  # defers torch
 
-    from shardwise.runtime.checkpoint.export import read_full_model_state
+    from shardwise.runtime.checkpoint.export import read_full_model_state  # defers torch
 
     k1, k2 = interrupt_points(steps)
     out = Path(out)

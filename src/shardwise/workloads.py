@@ -18,12 +18,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from shardwise.config import DataConfig, LoraConfig, ModelConfig, PreferenceConfig, Rule, check_value
+from shardwise.data.cifar import load_cifar10
+from shardwise.data.shakespeare import load_shakespeare
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-from shardwise.families import DATA_KINDS, MODEL_KINDS, RECORD_KINDS
+from shardwise.families import DATA_KINDS, MODEL_KINDS, MOE_FAMILIES, RECORD_KINDS
 from shardwise.fsutil import real_path
+from shardwise.habits import other_tools_hint
+from shardwise.models.adapter import tokenizer_home
+from shardwise.models.cnn import build_cnn, cnn_config, cnn_flops_per_sample
+from shardwise.models.gpt import GPT, GPT_PRESETS, gpt_flops_per_token
+from shardwise.models.hf import build_hf_model
+from shardwise.models.hf_config import hf_family, read_hf_config, resolve_hf_config
+from shardwise.models.moe import with_aux_loss
+from shardwise.models.pretrained import inspect_pretrained
+from shardwise.models.varlen import with_varlen
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -108,8 +119,6 @@ GPT_OVERRIDE_RULES = {
 
 
 def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
-    from shardwise.models.gpt import GPT_PRESETS
-
     if mc.preset not in GPT_PRESETS:
         raise unknown_choice("GPT preset", mc.preset, GPT_PRESETS)
     base = GPT_PRESETS[mc.preset]
@@ -117,8 +126,6 @@ def _gpt_config(mc: ModelConfig, vocab_size: int) -> Any:
     values = {}
     for key, value in mc.overrides.items():
         if key not in types:
-            from shardwise.habits import other_tools_hint
-
             raise ConfigError(f"unknown model.overrides key {key!r}.{did_you_mean(key, types)}"
                               f"{other_tools_hint(f'model.overrides.{key}')} "
                               f"Valid: {', '.join(sorted(types))}.")
@@ -140,8 +147,6 @@ def block_size_of(mc: ModelConfig) -> int:
 
 def _is_dataset(d: Any) -> bool:
     """True for what ``Session.dataloader`` takes: a map-style dataset or a torch IterableDataset."""
-    from torch.utils.data import IterableDataset
-
     return isinstance(d, IterableDataset) or (hasattr(d, "__len__") and hasattr(d, "__getitem__"))
 
 
@@ -162,8 +167,6 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     if dc.kind in ("text", "preference", *RECORD_KINDS) and not dc.tokenizer and mc.pretrained:
         # A model folder usually holds its tokenizer (save_pretrained of both): use it by default; a
         # PEFT adapter folder usually holds none, and then its base's is the one.
-        from shardwise.models.adapter import tokenizer_home
-
         dc = dataclasses.replace(dc, tokenizer=tokenizer_home(mc.pretrained))
 
     tokens_per_sample, vocab_size, tokenizer = 1, None, None
@@ -172,17 +175,17 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     token_loss = False
     collate_fn = None
     if dc.kind in RECORD_KINDS:
-        from shardwise.data.sft import load_instruct
+        from shardwise.data.sft import load_instruct  # defers numpy
 
         seq = block_size_of(mc)
         lm = load_instruct(dc, seq)
         train, val, notes = lm.train, lm.val, lm.notes
         tokens_per_sample, vocab_size, max_token_id, token_loss = seq, lm.vocab_size, lm.max_token_id, True
-        from shardwise.data.collate import collate_rows
+        from shardwise.data.collate import collate_rows  # defers numpy
 
         collate_fn = collate_rows
     elif dc.kind == "preference":
-        from shardwise.preference.batches import load_preference
+        from shardwise.preference.batches import load_preference  # defers numpy
 
         seq = block_size_of(mc)
         train, val, collate_fn, facts = load_preference(dc, preference or PreferenceConfig(), seq)
@@ -191,11 +194,11 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
     elif dc.kind in ("text", "tokens"):
         seq = block_size_of(mc)
         if dc.kind == "text":
-            from shardwise.data.text import load_text
+            from shardwise.data.text import load_text  # defers numpy
 
             lm = load_text(dc, seq)
         else:
-            from shardwise.data.tokens import load_tokens
+            from shardwise.data.tokens import load_tokens  # defers numpy
 
             lm = load_tokens(dc, seq)
         train, val, tokenizer, notes = lm.train, lm.val, lm.tokenizer, lm.notes
@@ -204,7 +207,7 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
                 raise ConfigError("data.pack = true needs to know where documents start: it works for data.kind "
                                   "'text' (documents end with the tokenizer's EOS), 'chat' and 'instruct'; "
                                   "pre-tokenised 'tokens' data has no document boundaries to pack by.")
-            from shardwise.data.packing import DocumentSequences
+            from shardwise.data.packing import DocumentSequences  # defers numpy
 
             eos = tokenizer.eos_id
             train, val, token_loss = DocumentSequences(train, eos), DocumentSequences(val, eos), True
@@ -212,16 +215,12 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         # Without a tokenizer (pre-tokenised ids) the data knows only its largest id.
         tokens_per_sample, vocab_size, max_token_id = seq, lm.vocab_size or lm.max_token_id + 1, lm.max_token_id
     elif dc.kind == "shakespeare":
-        from shardwise.data.shakespeare import load_shakespeare
-
         seq = block_size_of(mc)
         train, val, tokenizer = load_shakespeare(dc.path, seq, dc.val_fraction)
         tokens_per_sample, vocab_size = seq, tokenizer.vocab_size
         # Character ids: the text uses every character of its vocabulary.
         max_token_id = tokenizer.vocab_size - 1
     elif dc.kind == "cifar10":
-        from shardwise.data.cifar import load_cifar10
-
         if not dc.path:
             raise ConfigError("data.kind = 'cifar10' needs data.path: the folder holding the "
                               "CIFAR-10 python batches (data_batch_1..5, test_batch).")
@@ -246,37 +245,25 @@ def build_workload(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None = No
         raise ConfigError(f"model.attention = {mc.attention!r} is for Hugging Face models (model.kind = 'hf'); "
                           f"model.kind = {mc.kind!r} attends within packed documents through its own mask.")
     if mc.kind == "gpt":
-        from shardwise.models.gpt import GPT, gpt_flops_per_token
-
         gcfg = _gpt_config(mc, vocab_size or 65)
         _check_token_ids(max_token_id, gcfg.vocab_size, dc)
         build = lambda: GPT(gcfg)  # noqa: E731
         family, flops = "gpt", gpt_flops_per_token(gcfg)
         if gcfg.n_experts:
-            from shardwise.models.moe import with_aux_loss
-
             # The routers' load-balancing and z losses join the training loss (models/moe.py); with
             # records / packed rows they join the scaled token sum with scale 1 (runtime/trainer.py).
             loss_fn = with_aux_loss(cross_entropy_loss)
         if tokenizer is not None:
             sample = _text_sampler(tokenizer)
     elif mc.kind == "cnn":
-        from shardwise.models.cnn import build_cnn, cnn_config, cnn_flops_per_sample
-
         build = lambda: build_cnn(**mc.overrides)  # noqa: E731
         # One image is one "token" for throughput and FLOP figures.
         family, flops = "cnn", cnn_flops_per_sample(cnn_config(**mc.overrides))
     elif mc.kind == "hf":
         build, family = _hf_model(mc, dc, lora, vocab_size, max_token_id, notes)
         if mc.attention == "varlen":
-            from shardwise.models.varlen import with_varlen
-
             build = with_varlen(build)
-        from shardwise.families import MOE_FAMILIES
-
         if family in MOE_FAMILIES:  # Hugging Face MoE (models/hf_moe.py)
-            from shardwise.models.moe import with_aux_loss
-
             loss_fn = with_aux_loss(cross_entropy_loss)
     else:
         if not mc.factory:
@@ -297,13 +284,8 @@ def _hf_model(mc: ModelConfig, dc: DataConfig, lora: LoraConfig | None, vocab_si
               max_token_id: int | None, notes: list[str]) -> tuple[Callable[[], nn.Module], str]:
     """(the builder, the family) of a Hugging Face model, random or pretrained; checked up front.
     What the run's log should say about the model is added to ``notes``."""
-    from shardwise.models.hf import build_hf_model
-    from shardwise.models.hf_config import hf_family, read_hf_config, resolve_hf_config
-
     config_src = mc.hf_config
     if mc.pretrained:
-        from shardwise.models.pretrained import inspect_pretrained
-
         # Reads only config.json and the safetensors headers: a bad folder fails before any rank.
         folder = inspect_pretrained(mc.pretrained)
         own = real_path(folder.path / "config.json")

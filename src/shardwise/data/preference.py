@@ -32,13 +32,15 @@ such pairs and ``"error"`` refuses them. Every cut is counted in the notes.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shardwise.config import DataConfig, PreferenceConfig
 from shardwise.data.instruct import PROMPT_FIELDS, ROLES, load_hf_tokenizer, records_of_part
-from shardwise.data.records import Record
+from shardwise.data.records import SAMPLE_CHAT, Record
 from shardwise.errors import ConfigError
 
 _SHOWN = 5  # record locations listed in a note
@@ -243,11 +245,6 @@ def sample_preferences(out_dir: str | Any, records: int = 300, held_out_prompts:
     (``data.records.SAMPLE_CHAT``): each prompt's own answer is chosen, the answer of another
     record rejected. The last ``held_out_prompts`` prompts (in a seeded order) are only in
     ``val.jsonl``: held-out pairs, not held-out rejections of trained prompts. Returns both paths."""
-    import json
-    from pathlib import Path
-
-    from shardwise.data.records import SAMPLE_CHAT
-
     chats = [json.loads(line)["messages"] for line in SAMPLE_CHAT.read_text(encoding="utf-8").splitlines() if line]
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(chats))

@@ -31,6 +31,7 @@ import numpy as np
 
 from shardwise.config import DataConfig
 from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
+from shardwise.data.records import kind_hint
 from shardwise.data.tokenizer import NEEDS_TOKENIZER, TextTokenizer, load_tokenizer, tokenizer_fingerprint
 from shardwise.data.tokens import LMData, TokenFile, pack
 from shardwise.errors import ConfigError
@@ -128,8 +129,6 @@ def _jsonl_documents(file: Path, text_field: str) -> Iterator[str]:
                                   f"object with a {text_field!r} field.")
             if text_field not in record:
                 keys = ", ".join(sorted(map(str, record))[:10]) or "none"
-                from shardwise.data.records import kind_hint
-
                 raise ConfigError(f"{str(file)!r} line {number} has no {text_field!r} field (its fields: "
                                   f"{keys}); set data.text_field to the field holding the text.{kind_hint(record)}")
             text = record[text_field]

@@ -76,9 +76,9 @@ def _report(data: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     lifeline.start("torchrun agent")
     _signal_once()
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # defers torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # defers torch
+    from torch.distributed.run import parse_args, run  # defers torch
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # torchrun's warnings (each SIGTERM it sends while stopping ranks) are noise next to the

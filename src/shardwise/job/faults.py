@@ -70,7 +70,7 @@ def disk_full(path: str | os.PathLike) -> OSError:
 
 def storage_writer(path: Path, step: int, rank: int) -> Any:
     """DCP's FileSystemWriter for ``path``; one that runs out of space when the test asked for it."""
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import FileSystemWriter  # defers torch
 
     if not disk_full_at(step, rank, "shards"):
         return FileSystemWriter(path, sync_files=True)

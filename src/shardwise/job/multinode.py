@@ -28,6 +28,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def is_local_host(host: str) -> bool:
     """True when ``host`` names this machine: torchrun's test (its host name, loopback), or one of
     the host's addresses can be bound here (an address on a second interface, which torchrun's
     name-based test misses)."""
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname  # defers torch
 
     if _matches_machine_hostname(host):
         return True
@@ -160,9 +161,7 @@ def agree(endpoint: str, rdzv_id: str, proposal: Path, launch_id: str,
     Serves the store when the endpoint is this host and its port is free, else connects to it;
     waits up to ``timeout_s`` for the node that serves it. Raises ConfigError when none comes.
     """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # defers torch
 
     host, port = split_endpoint(endpoint)
     store = None

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardwise.job.watchdog import HANG_EXIT_CODE, describe_hang
+
 INTERRUPTED_EXIT_CODE = 130
 
 
@@ -51,8 +53,6 @@ def report_ranks(rc: int, out: Path, agent_report: str | os.PathLike | None = No
     """Print the paragraph for a torchrun that ended with ``rc``; return the exit code of ``train``."""
     if rc == 0:
         return 0
-    from shardwise.job.watchdog import HANG_EXIT_CODE, describe_hang
-
     hang = describe_hang(out)
     if hang:
         print(f"error: {hang}", file=sys.stderr)

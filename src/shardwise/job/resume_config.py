@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.config import apply_overrides, from_dict, load_raw, parse_override, to_dict
+from shardwise.config_version import upgrade
+from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
+from shardwise.preflight import resolve_config
+from shardwise.run_files import CHECKPOINTS_DIR
 
 # Settings whose change alters the optimisation: they change only when stated on the command line.
 OPTIMISATION_KEYS = ("train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.weight_decay",
@@ -79,8 +83,6 @@ def find_run_config(resume: str, out: str | None) -> Path | None:
     ``--resume`` alone continues the run in ``--out``; a path may be a run directory, its
     ``checkpoints/`` folder or one ``step-N`` checkpoint in it.
     """
-    from shardwise.run_files import CHECKPOINTS_DIR
-
     if resume in ("latest", "auto"):
         if not out:
             return None
@@ -100,11 +102,8 @@ def find_run_config(resume: str, out: str | None) -> Path | None:
 
 def _saved_global_batch(resume: str, out: str | None, saved_cfg: Any) -> int | None:
     """The global batch the checkpoint was trained with (its manifest), else the saved config's."""
-    from shardwise.errors import CheckpointError
-    from shardwise.preflight import resolve_config
-    from shardwise.run_files import CHECKPOINTS_DIR
-    from shardwise.runtime.checkpoint.locate import resolve_checkpoint
-    from shardwise.runtime.checkpoint.manifest import read_manifest
+    from shardwise.runtime.checkpoint.locate import resolve_checkpoint  # defers torch
+    from shardwise.runtime.checkpoint.manifest import read_manifest  # defers torch
 
     source = Path(out) / CHECKPOINTS_DIR if resume in ("latest", "auto") and out else Path(resume)
     try:
@@ -147,8 +146,6 @@ class ResumePlan:
 
 
 def _user_keys(overrides: list[str]) -> dict[str, Any]:
-    from shardwise.config import parse_override
-
     return dict(parse_override(o) for o in overrides)
 
 
@@ -159,10 +156,7 @@ def plan_resume(args: argparse.Namespace, overrides: list[str], world_size: int 
     saved ``config.toml`` and ``args.overrides`` to what the resume applies on top. None (``args``
     untouched) when the checkpoint has no run directory with a ``config.toml``.
     """
-    from shardwise.config import from_dict, load_raw, to_dict
-    from shardwise.config_version import upgrade
-    from shardwise.device import default_nproc
-    from shardwise.preflight import resolve_config
+    from shardwise.device import default_nproc  # defers torch
 
     saved_path = find_run_config(args.resume, args.out)
     if saved_path is None:
@@ -193,8 +187,6 @@ def plan_resume(args: argparse.Namespace, overrides: list[str], world_size: int 
             plan.ignored.pop(k, None)
 
     def build(more: list[str]) -> Any:
-        from shardwise.config import apply_overrides
-
         raw = apply_overrides(copy.deepcopy(saved_raw), [*extra, *more, *overrides])
         return from_dict(raw)
 

@@ -104,6 +104,7 @@ def _same_job(out: Path, cfg: RunConfig) -> bool:
 
 def check_fresh_or_continuing(out: Path, cfg: RunConfig) -> None:
     """Raise unless this job may write into ``out``: it holds no run, or the job continues that run."""
+    # defers torch
     from shardwise.runtime.checkpoint.locate import complete_checkpoints, latest_checkpoint, missing_latest_error
 
     if not holds_run(out):

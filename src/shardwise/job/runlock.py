@@ -41,6 +41,7 @@ from typing import Any
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json
 from shardwise.job.identity import process_record, same_process_alive
+from shardwise.job.watchdog import STALE_HEARTBEAT_S, heartbeat_times, rank_alive_by_heartbeat
 
 LOCK_FILE = ".shardwise.lock"
 GUARD_FILE = ".shardwise.lock.guard"
@@ -78,8 +79,6 @@ def _guard(run_dir: Path) -> Iterator[None]:
 
 
 def _stale_s() -> float:
-    from shardwise.job.watchdog import STALE_HEARTBEAT_S
-
     return STALE_HEARTBEAT_S
 
 
@@ -257,8 +256,6 @@ class RunLock:
         """Whether the job still runs on ``host`` (another host), from the heartbeats of the ranks the
         lock names there: False when every one is stale, True when one is fresh, None when a rank
         has no heartbeat or the lock names no rank there (its launcher alone proves nothing)."""
-        from shardwise.job.watchdog import heartbeat_times, rank_alive_by_heartbeat
-
         there = [r for r in ranks if r.get("host") == host]
         if not there:
             return None
@@ -278,8 +275,6 @@ class RunLock:
 
     @property
     def _no_heartbeat(self) -> str:
-        from shardwise.job.watchdog import STALE_HEARTBEAT_S
-
         return (f" (its ranks left no heartbeat in {self.run_dir / 'heartbeat'} to tell: the lock is taken "
                 f"over once every rank there has been silent for {STALE_HEARTBEAT_S:g}s, which needs the "
                 "watchdog on)")

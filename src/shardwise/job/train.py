@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.fsutil import real_path
+from shardwise.config import check_text, load_config, replace_in, to_toml
+from shardwise.data.cache import read_only
+from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
+from shardwise.fsutil import atomic_write_text, real_path
+from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
+from shardwise.job.multinode import agree, check_rdzv_id, rendezvous_id, slurm_environment
+from shardwise.job.outcome import report_ranks
+from shardwise.job.resume_config import adopt_run_config
+from shardwise.job.rundir import admit_run, check_claim, clear_launch_reports, default_run_dir, lock_run_dir
+from shardwise.job.worker import INTERNAL_EXIT_CODE, describe_unexpected
+from shardwise.launch import LaunchSpec, check_launch_flags, nccl_flight_recorder_env, run_torchrun
+from shardwise.plan.predict import predict_for_model
+from shardwise.preflight import check_run
+from shardwise.run_files import CHECKPOINTS_DIR
 
 if TYPE_CHECKING:
     from shardwise.config import RunConfig
@@ -31,10 +46,6 @@ def apply_scheduler_defaults(args: argparse.Namespace, env: dict[str, str] | Non
 
     Outside such an allocation: one node, node rank 0.
     """
-    import os
-
-    from shardwise.job.multinode import slurm_environment
-
     env = dict(os.environ) if env is None else env
     slurm = slurm_environment(env) if args.nnodes is None else None
     if slurm is not None and slurm.nnodes > 1:
@@ -77,13 +88,9 @@ def resolve_run(args: argparse.Namespace, *, workload: Any = None, meta: Any = N
 
     ``workload``/``meta``: see ``preflight.check_run`` (the planner's grid test reuses them).
     """
-    from shardwise.config import check_text, load_config, replace_in
-    from shardwise.device import default_nproc
-    from shardwise.job.rundir import default_run_dir
-    from shardwise.launch import check_launch_flags
-    from shardwise.parallel.implementations import get_strategy
-    from shardwise.preflight import check_run
-    from shardwise.runtime.auto import resolve_compile_in, resolve_precision_in
+    from shardwise.device import default_nproc  # defers torch
+    from shardwise.parallel.implementations import get_strategy  # defers torch
+    from shardwise.runtime.auto import resolve_compile_in, resolve_precision_in  # defers torch
 
     overrides = list(args.overrides)
     if args.strategy:
@@ -115,12 +122,9 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
     Returns the config every rank runs: an explicit resume path is pinned to the checkpoint found
     (a new config object; ``cfg`` is left as it was).
     """
-    from shardwise.config import replace_in
-    from shardwise.errors import CheckpointError
-    from shardwise.run_files import CHECKPOINTS_DIR
-    from shardwise.runtime.checkpoint.locate import resume_source
-    from shardwise.runtime.checkpoint.manifest import tensor_shapes
-    from shardwise.runtime.checkpoint.preflight import preflight
+    from shardwise.runtime.checkpoint.locate import resume_source  # defers torch
+    from shardwise.runtime.checkpoint.manifest import tensor_shapes  # defers torch
+    from shardwise.runtime.checkpoint.preflight import preflight  # defers torch
 
     ck = cfg.checkpoint
     found = resume_source(ck.resume, out / CHECKPOINTS_DIR)
@@ -145,8 +149,6 @@ def _preflight_resume(cfg: RunConfig, out: Path, meta_model: object, out_given: 
 def dry_run_prediction(run: ResolvedRun) -> Any:
     """The planner's per-rank prediction ``--dry-run`` prints (None without a meta model); the
     trainer's summary.json makes the same ``predict_for_spec`` call on the same config."""
-    from shardwise.plan.predict import predict_for_model
-
     if run.checked.meta_model is None:
         return None
     return predict_for_model(run.checked.meta_model, run.layout, run.config,
@@ -195,16 +197,11 @@ def _report_interrupt(out: Path, started: float) -> int | None:
 
 def check_train_flags(args: argparse.Namespace) -> None:
     """Flag problems that need no config: text of paths, multi-node flags, contradictions."""
-    from shardwise.config import check_text
-    from shardwise.launch import check_launch_flags
-
     for flag, value in (("--out", args.out), ("--resume", args.resume), ("the recipe", args.recipe)):
         if value:
             check_text(flag, value, kind="path")
     check_launch_flags(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     if args.rdzv_id:
-        from shardwise.job.multinode import check_rdzv_id
-
         check_rdzv_id(args.rdzv_id)
     if args.local_addr and (not args.local_addr.isprintable() or " " in args.local_addr):
         raise ConfigError(f"--local-addr must be a host name or IP address, got {args.local_addr!r}.")
@@ -217,8 +214,6 @@ def check_train_flags(args: argparse.Namespace) -> None:
 def _dry_run(run: ResolvedRun, args: argparse.Namespace, resumed: Any = None) -> int:
     """``train --dry-run``: every check a real launch makes (run directory and resume checkpoint
     included), then the layout and the memory prediction; nothing is written."""
-    from shardwise.job.rundir import check_claim
-
     check_claim(run.out, run.config, overwrite=args.overwrite, only_lock=True)
     cfg = _preflight_resume(run.config, run.out, run.checked.meta_model, out_given=bool(args.out))
     state = check_claim(run.out, cfg, overwrite=args.overwrite)
@@ -231,8 +226,6 @@ def _dry_run(run: ResolvedRun, args: argparse.Namespace, resumed: Any = None) ->
 
 def _show(args: argparse.Namespace) -> int:
     """``train RECIPE --show``: the resolved config as TOML (nothing checked beyond the config itself)."""
-    from shardwise.config import load_config, to_toml
-
     overrides = list(args.overrides)
     if args.strategy:
         overrides.append(f"parallel.strategy={json.dumps(args.strategy)}")
@@ -250,26 +243,17 @@ def _show(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """``shardwise train``: resolve and check the run, lock its directory, start the ranks (or
     train in this process), and turn their outcome into an exit code."""
-    from shardwise.config import replace_in, to_toml
-    from shardwise.device import accelerator_count
-    from shardwise.fsutil import atomic_write_text
-    from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
-    from shardwise.job.rundir import admit_run, clear_launch_reports, lock_run_dir
-    from shardwise.launch import LaunchSpec, nccl_flight_recorder_env, run_torchrun
-    from shardwise.runtime.trainer import train
+    from shardwise.device import accelerator_count  # defers torch
+    from shardwise.runtime.trainer import train  # defers numpy and torch
 
     apply_scheduler_defaults(args)
     check_train_flags(args)
-    from shardwise.job.resume_config import adopt_run_config
-
     resumed = adopt_run_config(args)  # a resume continues the run's own config.toml
     if args.resume is not None:
         args.overrides = [*args.overrides, f"checkpoint.resume={json.dumps(args.resume)}"]
     if getattr(args, "show", False):
         return _show(args)
     if args.dry_run:
-        from shardwise.data.cache import read_only
-
         with read_only():  # "nothing was written": the data cache is only read
             return _dry_run(resolve_run(args), args, resumed)
     run = resolve_run(args)
@@ -344,11 +328,6 @@ def run_train(args: argparse.Namespace) -> int:
 def _report_in_process_failure(error: BaseException, out: Path) -> int:
     """A one-process run's unexpected failure, worded as a rank's is (``job.worker``): one line on
     the console, the traceback in ``logs/rank-0.log``. A full disk stays the CLI's exit 2."""
-    import errno
-    import traceback
-
-    from shardwise.job.worker import INTERNAL_EXIT_CODE, describe_unexpected
-
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         raise error
     log = out / "logs" / "rank-0.log"
@@ -366,9 +345,6 @@ def _report_in_process_failure(error: BaseException, out: Path) -> int:
 
 def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str) -> tuple[Any, str]:
     """Find the job's rendezvous id and agree with the other nodes on run directory and launch id."""
-    from shardwise.config import replace_in, to_toml
-    from shardwise.job.multinode import agree, rendezvous_id
-
     # What every node's command has in common: not --out (the first node's one is used anyway).
     common = to_toml(replace_in(run.config, out_dir=""))
     rdzv_id, source = rendezvous_id(args.rdzv_id, args.rdzv_endpoint, str(args.nnodes), common)
@@ -382,6 +358,4 @@ def _meet_other_nodes(args: argparse.Namespace, run: ResolvedRun, launch_id: str
 
 def _report_ranks(rc: int, out: Path, agent_report: Path | None = None) -> int:
     """Turn a failed torchrun into one clear paragraph naming the failing rank(s) (job.outcome)."""
-    from shardwise.job.outcome import report_ranks
-
     return report_ranks(rc, out, agent_report)

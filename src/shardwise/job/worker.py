@@ -16,10 +16,12 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from shardwise.config import load_config
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
 from shardwise.job import lifeline
-from shardwise.job.identity import JOB_ID_ENV, launch_id
+from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, launch_id
+from shardwise.job.rundir import claim_run_dir
 from shardwise.job.runlock import register_rank
 
 
@@ -39,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     # First thing: this rank dies with its torchrun agent and its launcher (no orphans).
     lifeline.start(f"rank {rank}")
     try:
-        from shardwise.config import load_config
-        from shardwise.runtime.trainer import train
+        from shardwise.runtime.trainer import train  # defers numpy and torch
 
         overrides = list(args.overrides)
         if args.strategy:
@@ -187,9 +188,6 @@ def _claim_without_launcher(cfg: object, out: str, rank: int) -> object | None:
     is gone); a fresh run into another run's directory is refused as from the CLI. Returns the
     lock to release, or None.
     """
-    from shardwise.job.identity import LAUNCH_ID_ENV, launch_id
-    from shardwise.job.rundir import claim_run_dir
-
     if rank != 0 or os.environ.get(LAUNCH_ID_ENV):
         return None  # the launcher holds it (or rank 0 does)
     return claim_run_dir(out, cfg, job_id=launch_id())  # type: ignore[arg-type]

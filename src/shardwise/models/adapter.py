@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import safe_open
+
 from shardwise.errors import ConfigError
 from shardwise.models.confine import confined_file
 from shardwise.models.hf_config import read_json_object
@@ -244,10 +246,9 @@ def merge_adapter(adapter: LoraAdapter, landings: list[tuple[torch.Tensor, str, 
     where it starts -- non-zero for a slice such as GPT-2's q/k/v parts of ``c_attn``). Only the
     rows and columns of the update this rank holds are computed, in float32 on the tensor's device.
     """
-    import torch
-    from safetensors import safe_open
+    import torch  # defers torch
 
-    from shardwise.runtime.meta_init import local_region
+    from shardwise.runtime.meta_init import local_region  # defers torch
 
     with safe_open(str(adapter.path / ADAPTER_WEIGHTS), framework="pt") as f, torch.no_grad():
         for dest, key, column in landings:

@@ -34,7 +34,10 @@ from shardwise.models.hf_config import (
     load_hf_config_dict,
     resolve_hf_config,
 )
+from shardwise.models.hf_moe import attach_hf_moe, watch_real_tokens
+from shardwise.models.lora import apply_lora
 from shardwise.models.masking import hf_document_masks, split_inputs
+from shardwise.models.pretrained import check_adapter_targets, check_model_tensors, inspect_pretrained, load_pretrained
 
 if TYPE_CHECKING:
     from shardwise.config import LoraConfig
@@ -98,15 +101,11 @@ class HFCausalLM(nn.Module):
         """{name in this module: key in the pretrained files} of every tensor the folder provides."""
         if self.pretrained is None:
             return {}
-        from shardwise.models.pretrained import check_model_tensors
-
         return {f"hf.{name}": key for name, key in check_model_tensors(self.pretrained, self.hf).items()}
 
     def load_pretrained(self) -> None:
         """Read the pretrained weights into this (possibly sharded) module; collective under a process group."""
         if self.pretrained is not None:
-            from shardwise.models.pretrained import load_pretrained
-
             load_pretrained(self.hf, self.pretrained)
 
     def export_info(self) -> dict[str, Any]:
@@ -193,8 +192,6 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
     transformers = _transformers()
     folder = None
     if pretrained:
-        from shardwise.models.pretrained import inspect_pretrained
-
         folder = inspect_pretrained(pretrained)
         config_path = config_path or str(folder.path)
     if not config_path:
@@ -210,13 +207,9 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
         with _no_init_weights(transformers)():
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         hf.tie_weights()  # skipped with the init above; the files hold only one of tied tensors
-    from shardwise.models.hf_moe import attach_hf_moe, watch_real_tokens
-
     moe = attach_hf_moe(hf)  # MoE families: router statistics and the global-batch aux loss (models/hf_moe.py)
     model = HFCausalLM(hf, export_config=export, pretrained=folder)
     if folder is not None and folder.adapter is not None:
-        from shardwise.models.pretrained import check_adapter_targets
-
         check_adapter_targets(folder, hf)  # here, where the model is whole (meta or not)
     watch_real_tokens(model, moe)  # the aux loss counts real tokens only (padding of records, packed rows)
     if folder is not None and not any(p.is_meta for p in hf.parameters()):
@@ -225,7 +218,5 @@ def build_hf_model(config_path: str = "", *, pretrained: str = "", lora: LoraCon
     if lora is not None and lora.rank > 0:
         if folder is None:
             raise ConfigError("LoRA adapters train on a frozen pretrained model: pass pretrained=FOLDER.")
-        from shardwise.models.lora import apply_lora
-
         model.lora = apply_lora(hf, lora)
     return model

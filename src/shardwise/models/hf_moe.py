@@ -41,7 +41,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from shardwise.models.masking import real_token_mask, split_inputs
+from shardwise.models.moe import _in_backward, queue_aux_loss
 
 __all__ = ["HFMoELayer", "attach_hf_moe", "expert_sources", "is_fused_experts", "legacy_key", "load_fused_experts",
            "watch_real_tokens"]
@@ -92,8 +98,6 @@ class HFMoELayer:
         self.window_calls = 0
 
     def on_router(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        from shardwise.models.moe import _in_backward
-
         if not (module.training and torch.is_grad_enabled()) or _in_backward():
             return
         logits, _, index = output
@@ -126,13 +130,9 @@ class _Recorder:
 
     def on_inputs(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook on the wrapping ``HFCausalLM``: which tokens of this batch are real."""
-        from shardwise.models.masking import real_token_mask, split_inputs
-
         self.real = real_token_mask(split_inputs(args[0])[1]) if args else None
 
     def finish(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        from shardwise.models.moe import queue_aux_loss
-
         seen, self.seen = self.seen, []
         if not seen:
             return
@@ -159,8 +159,6 @@ class _Recorder:
         group = layers[0].stats_group
         ranks = 1
         if group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(packed, group=group)
             ranks = dist.get_world_size(group)
         n_layers = len(seen)
@@ -241,12 +239,8 @@ def expert_sources(name: str, shape: tuple[int, ...], tensors: dict[str, Any]) -
 
 def load_fused_experts(param: torch.Tensor, sources: list[list[str]], folder: Any) -> None:
     """Fill ``param`` (plain or a sharded DTensor) from per-expert keys, reading only its own experts."""
-    from safetensors import safe_open
-
     local = param.to_local() if hasattr(param, "to_local") else param
     if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     else:
         shape, offset = tuple(param.shape), (0,) * param.dim()

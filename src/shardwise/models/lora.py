@@ -16,6 +16,8 @@ that ``PeftModel.from_pretrained`` loads.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ConfigError
@@ -43,6 +45,7 @@ def lora_targets(settings: LoraConfig, model_type: str) -> list[str]:
     """The module names that get adapters: ``lora.targets``, or peft's default for ``model_type``."""
     if settings.targets:
         return list(settings.targets)
+    # defers peft (optional)
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
     _peft()
@@ -62,7 +65,7 @@ def peft_lora_config(settings: LoraConfig, model_type: str) -> Any:
 
 
 def _linear_names(hf: nn.Module) -> list[str]:
-    from torch import nn
+    from torch import nn  # defers torch
 
     names = set()
     for name, module in hf.named_modules():
@@ -95,8 +98,6 @@ def apply_lora(hf: nn.Module, settings: LoraConfig) -> dict[str, Any]:
 
 def peft_config_dict(config: Any) -> dict[str, Any]:
     """JSON-ready form of a peft config, as ``adapter_config.json`` holds it."""
-    import enum
-
     out = config.to_dict()
     for key, value in list(out.items()):
         if isinstance(value, set):
@@ -108,8 +109,6 @@ def peft_config_dict(config: Any) -> dict[str, Any]:
 
 def lora_config_from_dict(data: dict[str, Any]) -> Any:
     """peft's ``LoraConfig`` from ``peft_config_dict``'s output (as a checkpoint manifest keeps it)."""
-    import dataclasses
-
     peft = _peft()
     fields = {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init}
     return peft.LoraConfig(**{k: v for k, v in data.items() if k in fields})

@@ -58,10 +58,14 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.models.gpt_config import GPTConfig
+from shardwise.models.names import clean_name
 
 __all__ = ["MoE", "GroupedExperts", "adds_aux_loss", "discard_aux_losses", "is_moe_layer", "moe_layers",
            "pop_aux_loss", "take_moe_stats", "with_aux_loss"]
@@ -124,8 +128,6 @@ def with_aux_loss(loss_fn: Any) -> Any:
         if hasattr(base, "device_mesh"):
             # Under tensor parallel the cross-entropy is a (replicated) DTensor from loss_parallel;
             # the aux loss is the same on every TP rank, so it joins it as a replicated DTensor.
-            from torch.distributed.tensor import DTensor, Replicate
-
             aux = DTensor.from_local(aux, base.device_mesh, [Replicate()] * base.device_mesh.ndim)
         return base + aux
 
@@ -172,8 +174,6 @@ class GroupedExperts(nn.Module):
         """``counts`` as host integers: the expert-parallel dispatch already knows them (no sync); a
         rehearsal's fake tensors carry no routing, so their tokens are spread evenly (the planner's
         assumption too)."""
-        from torch._subclasses.fake_tensor import is_fake
-
         dispatcher = getattr(self, "ep_dispatcher", None)
         if dispatcher is not None:
             return list(dispatcher.local_sizes)
@@ -260,8 +260,6 @@ class MoE(nn.Module):
         global_counts = counts.detach().clone()
         ranks = 1
         if self.stats_group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(global_counts, group=self.stats_group)
             ranks = dist.get_world_size(self.stats_group)
         # R / N: N real tokens in the global micro-batch (k slots each).
@@ -297,8 +295,6 @@ def is_moe_layer(module: nn.Module | None) -> bool:
 def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     """Every MoE layer of ``model`` with its (wrapper-free) name: ``MoE`` modules, and the
     ``HFMoELayer`` records of Hugging Face MoE blocks (``models/hf_moe.py``)."""
-    from shardwise.models.names import clean_name
-
     out: list[tuple[str, Any]] = []
     for name, m in model.named_modules():
         if is_moe_layer(m):  # a Hugging Face MoE block carries its record (models/hf_moe.py)
@@ -335,8 +331,6 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
     pp_group = getattr(model, "moe_pp_group", None)  # set by parallel/moe_pp.py under pipeline parallel
     if not per_layer and pp_group is None:
         return {}
-    import torch.distributed as dist
-
     group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)
     if group is not None and per_layer:
         # Each rank's aux loss uses its own router probabilities: their mean is the global loss.

@@ -29,10 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import safe_open
+
 from shardwise.errors import ConfigError
 from shardwise.models.adapter import LoraAdapter, adapter_base, is_adapter_folder, merge_adapter, read_adapter
 from shardwise.models.confine import confined_file
+from shardwise.models.hf_config import hf_family
+from shardwise.models.names import CHECKPOINT_PREFIX
 from shardwise.models.safetensors_header import FLOAT_DTYPES, read_safetensors_header
+from shardwise.run_files import CHECKPOINTS_DIR
 
 if TYPE_CHECKING:
     from torch import nn
@@ -96,8 +101,7 @@ def _run_directory_hint(path: Path) -> str | None:
     """What to do when ``path`` is a shardwise run directory or checkpoint (an SFT run, say) rather than
     a model folder: export it first, with the command."""
     # Deferred: the checkpoint layout's names live with the checkpoint engine (a layer above models).
-    from shardwise.run_files import CHECKPOINTS_DIR
-    from shardwise.runtime.checkpoint.manifest import MANIFEST
+    from shardwise.runtime.checkpoint.manifest import MANIFEST  # defers torch
 
     checkpoint = (path / MANIFEST).is_file()
     if not (checkpoint or (path / CHECKPOINTS_DIR).is_dir()):
@@ -112,8 +116,6 @@ def _run_directory_hint(path: Path) -> str | None:
 
 def inspect_pretrained(folder: str | Path) -> PretrainedFolder:
     """Return the checked contents of a pretrained folder; ConfigError with one clear paragraph otherwise."""
-    from shardwise.models.hf_config import hf_family
-
     path = Path(folder).expanduser()
     if not path.is_dir():
         what = "a file" if path.exists() else "missing"
@@ -218,8 +220,6 @@ def hf_name(name: str) -> str:
     """The Hugging Face name of a registered tensor name (peft's ``.base_layer`` and activation
     checkpointing's wrapper prefix removed: a meta-built model is filled after the strategy wrapped
     its layers)."""
-    from shardwise.models.names import CHECKPOINT_PREFIX
-
     return name.replace(LORA_WRAPPED, "").replace(CHECKPOINT_PREFIX, "")
 
 
@@ -274,7 +274,7 @@ _PART = "<part>:"  # mapping value "<part>:START:LENGTH:KEY" of a slice (last di
 def _moe_key(aliases: list[str], shape: tuple[int, ...], tensors: dict[str, Any], base_prefix: str) -> str | None:
     """A Hugging Face MoE tensor under its original name: Mixtral's ``block_sparse_moe`` router, or
     fused experts (``experts.gate_up_proj``) stored per expert (``models/hf_moe.py``)."""
-    from shardwise.models.hf_moe import expert_sources, legacy_key
+    from shardwise.models.hf_moe import expert_sources, legacy_key  # defers torch
 
     for name in map(hf_name, aliases):
         old = legacy_key(name)
@@ -310,7 +310,7 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     tensors.update(hf.named_buffers(remove_duplicate=False))
     mapping: dict[str, str] = {}
     missing, wrong = [], []
-    from shardwise.parallel.tp_gpt2 import fused_sources
+    from shardwise.parallel.tp_gpt2 import fused_sources  # defers torch
 
     parts = fused_sources(hf)
     tied = tie_sources(hf)
@@ -398,9 +398,9 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
     Collective when a process group exists: DCP plans the reads of all ranks together. A LoRA
     adapter folder's update is then added to the weights it targets, each rank to its own shards.
     """
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    import torch  # defers torch
+    import torch.distributed as dist  # defers torch
+    import torch.distributed.checkpoint as dcp  # defers torch
 
     mapping = check_model_tensors(folder, hf)
     tensors = dict(hf.named_parameters(remove_duplicate=False))
@@ -409,7 +409,7 @@ def load_pretrained(hf: nn.Module, folder: PretrainedFolder) -> None:
     for name, key in mapping.items():
         if key.startswith(_EXPERTS):
             # Fused experts stored per expert: each rank reads the experts it holds (models/hf_moe.py).
-            from shardwise.models.hf_moe import expert_sources, load_fused_experts
+            from shardwise.models.hf_moe import expert_sources, load_fused_experts  # defers torch
 
             sources = expert_sources(hf_name(name), tuple(tensors[name].shape), folder.tensors)
             assert sources is not None, name  # checked by check_model_tensors
@@ -440,10 +440,9 @@ def _load_part(dest: Any, value: str, folder: PretrainedFolder) -> None:
     Reads the part's columns of the fused tensor only (each rank then keeps its own shard of them):
     for GPT-2's q/k/v that is a third of ``c_attn`` per part, per layer, held briefly.
     """
-    import torch
-    from safetensors import safe_open
+    import torch  # defers torch
 
-    from shardwise.runtime.meta_init import _copy_into
+    from shardwise.runtime.meta_init import _copy_into  # defers torch
 
     start, length, key = value[len(_PART):].split(":", 2)
     begin, end = int(start), int(start) + int(length)
@@ -456,10 +455,10 @@ def _load_part(dest: Any, value: str, folder: PretrainedFolder) -> None:
 
 
 def _make_reader(folder: PretrainedFolder) -> Any:
-    import torch
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
-    from torch.distributed.checkpoint.metadata import (
+    import torch  # defers torch
+    from torch.distributed.checkpoint import HuggingFaceStorageReader  # defers torch
+    from torch.distributed.checkpoint._hf_utils import _HFStorageInfo  # defers torch
+    from torch.distributed.checkpoint.metadata import (  # defers torch
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,

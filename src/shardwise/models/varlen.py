@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 from shardwise.errors import ConfigError
 
@@ -98,7 +99,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     -> ``(B, T, Hq, D)``. Packed documents when ``kwargs`` holds ``cu_seq_lens_q`` (module docstring)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # defers transformers (optional)
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
@@ -108,8 +109,6 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     # (B, H, T, D) -> (B * T, H, D): the documents are consecutive runs of the flattened tokens.
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
     if kernel(query.device, query.dtype, dropout) == "varlen_attn":
-        from torch.nn.attention.varlen import varlen_attn
-
         window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
         gqa: dict[str, bool] = {}
         if hq != hkv and _kernel_takes_gqa(varlen_attn):
@@ -139,6 +138,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    # defers transformers (optional)
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shardwise.errors import ConfigError
 from shardwise.observe.phase_table import format_table
+from shardwise.observe.trace import format_summary, load_trace, summarize
 
 _RANK_RE = re.compile(r"rank(\d+)\.pt\.trace\.json(\.gz)?$")
 
@@ -77,8 +78,6 @@ def find_traces(paths: list[str]) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.observe.trace import format_summary, load_trace, summarize
-
     if args.top < 0:
         raise ConfigError(f"--top must be >= 0, got {args.top}.")
     tables = step_phase_tables(args.paths)

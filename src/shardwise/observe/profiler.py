@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
 from shardwise.config import ProfileConfig
 from shardwise.fsutil import atomic_write_json
+from shardwise.observe.trace import format_summary, load_trace, summarize
 
 
 def trace_path(run_dir: str | Path, rank: int) -> Path:
@@ -72,8 +74,6 @@ class StepProfiler:
                      f"this run resumed at step {first_step}; nothing to profile.")
             self.wanted = False
             return
-        from torch.profiler import ProfilerActivity, profile, schedule
-
         self._first_step = first_step
         self._start = max(cfg.start_step, first_step)
         warmup = 1 if self._start > first_step else 0
@@ -121,8 +121,6 @@ class StepProfiler:
     def _add_metadata(self) -> None:
         # Read back by shardwise.observe.trace: ProfilerStep#k is trainer step first_step + k.
         # Kineto keeps metadata only while it collects, i.e. from the warm-up step on.
-        from torch.profiler import ProfilerAction
-
         if self._metadata_added or self._prof.current_action == ProfilerAction.NONE:
             return
         self._metadata_added = True
@@ -150,8 +148,6 @@ class StepProfiler:
 
     # ------------------------------------------------------------------ trace export
     def _export(self, prof: Any) -> None:
-        from shardwise.observe.trace import format_summary, load_trace, summarize
-
         path = trace_path(self.run_dir, self.rank)
         # export_chrome_trace writes in place; a reader must never see half a trace.
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")

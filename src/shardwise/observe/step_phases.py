@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.observe.phase_table import PHASES, format_table  # noqa: F401 - re-exported
 
@@ -138,8 +140,6 @@ class StepPhases:
         Inside a DDP wrapper the plain module's input hook starts the forward: what DDP does before
         it (syncing buffers, rebuilding buckets on the second step) waits for the other ranks.
         """
-        from torch.nn.parallel import DistributedDataParallel
-
         if isinstance(model, DistributedDataParallel):
             self._handles.append(model.module.register_forward_pre_hook(self._forward_begins))
         self._handles.append(model.register_forward_hook(self._forward_done))
@@ -353,8 +353,6 @@ class StepPhases:
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 

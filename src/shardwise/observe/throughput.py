@@ -20,12 +20,16 @@ import json
 import os
 import platform
 import re
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardwise.fsutil import atomic_write_json
+from shardwise.plan.presets import gpu
 
 # torch.cuda.get_device_name() substrings -> the planner's GPU catalog keys (plan.presets.GPUS).
 # Checked in order: the more specific names first.
@@ -59,8 +63,6 @@ def _compute_dtype(precision: str) -> torch.dtype:
 def device_peak(device: torch.device, precision: str, *, cache_dir: str | Path | None = None) -> Peak:
     """Return this device's peak for ``precision`` (catalog on CUDA, a measured matmul on the CPU)."""
     if device.type == "cuda":
-        from shardwise.plan.presets import gpu
-
         name = torch.cuda.get_device_name(device)
         key = catalog_gpu(name)
         if key is None:
@@ -106,8 +108,6 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.float32, n: int = 512, seco
 
 def cpu_matmul_peak(dtype: torch.dtype = torch.float32, *, cache_dir: str | Path | None = None) -> float:
     """This machine's CPU matmul peak in TFLOP/s, measured once and cached per CPU, threads and dtype."""
-    from shardwise.fsutil import atomic_write_json
-
     path, key = _cache_path(cache_dir), _machine_key(dtype)
     try:
         cached = json.loads(path.read_text())
@@ -176,8 +176,6 @@ class ThroughputMeter:
 
     def summary(self) -> dict[str, Any]:
         """Medians over the windows (each window weighs its steps), with the counting inputs."""
-        import statistics
-
         def median(key: str) -> float:
             values = [w[key] for w in self.windows for _ in range(int(w["steps"]))]
             return statistics.median(values) if values else 0.0

@@ -94,7 +94,7 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, run_dir: Path, cfg: RunConfig, toml: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # defers torch
 
         self.log_dir = run_dir / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
@@ -120,7 +120,7 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def __init__(self, run_dir: Path, cfg: RunConfig, log_cfg: LogConfig) -> None:
-        import wandb
+        import wandb  # defers wandb (optional)
 
         # Offline unless the user chose otherwise (in the config, or the WANDB_MODE they set).
         mode = log_cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
@@ -146,7 +146,7 @@ class MlflowTracker(Tracker):
     MAX_BATCH = 100  # MLflow's limit on params (and metrics: 1000) per log_batch call
 
     def __init__(self, run_dir: Path, cfg: RunConfig, log_cfg: LogConfig) -> None:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # defers mlflow (optional)
 
         uri = log_cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
         if not uri:
@@ -161,7 +161,7 @@ class MlflowTracker(Tracker):
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self.client.create_experiment(experiment_name))
         self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # defers mlflow (optional)
 
         # Long values (model.overrides of a big custom model) are cut to MLflow's oldest limit.
         params = [Param(k, str(v)[:500]) for k, v in flat_config(cfg).items()]
@@ -169,7 +169,7 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, params=params[i:i + self.MAX_BATCH])
 
     def log(self, record: dict[str, Any]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # defers mlflow (optional)
 
         now_ms = int(time.time() * 1000)
         step = int(record.get("step", 0))
@@ -178,7 +178,7 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # defers mlflow (optional)
 
         final = _numeric({k: v for k, v in (summary or {}).items() if k.startswith("final_")
                           or k in ("tokens_per_s", "step_time_s", "wall_s")})

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.optim.optimizer import _get_scalar_dtype
 
 from shardwise.optim.muon import _is_dtensor  # one DTensor test for both sharding-aware optimizers
@@ -32,8 +33,6 @@ from shardwise.optim.muon import _is_dtensor  # one DTensor test for both shardi
 def _item(t: torch.Tensor) -> float:
     """A 0-d tensor's value; a DTensor's (Partial or replicated) reduced first. A rehearsal's fake
     tensors have no value: any number plays the same step (shapes, bytes, collectives)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     t = t.full_tensor() if _is_dtensor(t) else t
     return 1.0 if is_fake(t) else t.item()
 

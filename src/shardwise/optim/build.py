@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from shardwise.config import OptimizerConfig, TrainConfig
+from shardwise.optim.adafactor import Adafactor
+from shardwise.optim.muon import MuonAdamW
 from shardwise.optim.rules import check_optimizer  # noqa: F401 - re-exported (the trainer asks here)
 from shardwise.runtime.optim import adamw_implementation
 
@@ -71,12 +73,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig, o: OptimizerConfig | None 
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=o.eps, **adamw_implementation(device))
     if o.name == "muon":
-        from shardwise.optim.muon import MuonAdamW
-
         return MuonAdamW(groups, lr=t.lr, betas=t.betas, eps=o.eps, **adamw_implementation(device))
     if o.name == "adafactor":
-        from shardwise.optim.adafactor import Adafactor
-
         return Adafactor(groups, lr=t.lr, beta2_decay=o.adafactor_beta2_decay)
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=o.momentum, nesterov=o.nesterov, foreach=True)

@@ -33,6 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
+)
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _adjust_lr, _zeropower_via_newtonschulz
 
 from shardwise.errors import ShardwiseError
@@ -141,8 +148,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
@@ -240,16 +245,12 @@ def _gather_plan(param: torch.Tensor, plans: dict[Any, Any]) -> _Gather | None:
     if any(pl.is_partial() for pl in placements):
         raise ShardwiseError(f"Muon got a parameter with placements {placements}: a Partial (unreduced) "
                              "parameter cannot be orthogonalised; this is a strategy bug.")
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
-
     ndim = param.dim()
     # FSDP over a column-wise TP shard is a _StridedShard, not a Shard (torch 2.13): both cut a dim.
     shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, (Shard, _StridedShard))]
     if not any(placements[d].dim % ndim >= ndim - 2 for d in shard_dims):
         return None  # only the expert dim (or nothing) is cut: whole matrices here
     if id(param) not in plans:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         # Shapes and mesh coordinates only: torch's offset arithmetic reads small tensors on the host,
         # which a rehearsal's fake mode would refuse (they hold no data of the run).
         with unset_fake_temporarily():
@@ -259,8 +260,6 @@ def _gather_plan(param: torch.Tensor, plans: dict[Any, Any]) -> _Gather | None:
 
 def _make_plan(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], shard_dims: list[int],
                groups: dict[Any, Any]) -> _Gather:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     group = _shard_group(mesh, shard_dims, groups)
     sizes = [mesh.size(d) for d in shard_dims]
     mine = list(mesh.get_coordinate())
@@ -280,8 +279,6 @@ def _make_plan(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...], s
 
 
 def _local_shape_here(mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(local), tuple(offset)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.errors import ConfigError
+from shardwise.errors import CheckpointError, ConfigError
 
 # Checkpoints written before the optimizer was recorded were all AdamW's (the only one then).
 BEFORE_RECORDING = "adamw"
@@ -38,9 +38,8 @@ def saved_state(source: str) -> tuple[dict[str, Any], str]:
     A checkpoint that cannot be read yields no state (and so no optimizer check): loading it then
     raises the checkpoint's own error, on every rank alike (``load_checkpoint``).
     """
-    from shardwise.errors import CheckpointError
-    from shardwise.runtime.checkpoint.locate import resolve_checkpoint
-    from shardwise.runtime.checkpoint.manifest import read_manifest
+    from shardwise.runtime.checkpoint.locate import resolve_checkpoint  # defers torch
+    from shardwise.runtime.checkpoint.manifest import read_manifest  # defers torch
 
     try:
         path = resolve_checkpoint(source)

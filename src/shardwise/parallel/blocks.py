@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from shardwise.families import FAMILIES, LLAMA_LIKE
+from shardwise.models.gpt import GPT
 
 # Where known model families keep their repeated blocks (checked in this order); anything else is
 # found by the generic search for a container of same-class children.
@@ -119,8 +120,6 @@ def transformer_blocks(model: nn.Module) -> nn.Module | None:
 def model_family(model: nn.Module) -> str:
     """The model's family as the registry names it: "gpt" (built-in GPT), a Hugging Face
     ``model_type`` for ``HFCausalLM`` models ("llama", "gpt2", ...), or "" when unknown."""
-    from shardwise.models.gpt import GPT
-
     if isinstance(model, GPT):
         return "gpt"
     hf = getattr(model, "hf", None)

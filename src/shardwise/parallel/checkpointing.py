@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.config import AC_MODES
 from shardwise.errors import ConfigError
+from shardwise.parallel.blocks import transformer_blocks
 
 
 def _ops(namespace: Any, names: tuple[str, ...]) -> set[Any]:
@@ -56,8 +58,6 @@ def op_sac_policy() -> Callable[..., Any]:
     decision both times. The planner's ``selective-op`` bytes follow the same rule
     (``plan.memory.op_sac_saved``).
     """
-    from torch.utils.checkpoint import CheckpointPolicy
-
     matmuls = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -72,8 +72,6 @@ def op_sac_policy() -> Callable[..., Any]:
 
 
 def _op_sac_context() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(op_sac_policy())
 
 
@@ -93,8 +91,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     """Return ``model`` with the chosen transformer blocks wrapped in non-reentrant checkpointing."""
     if mode == "none":
         return model
-    from shardwise.parallel.blocks import transformer_blocks
-
     container = transformer_blocks(model)
     if container is None:
         raise ConfigError(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.blocks import transformer_blocks
 
 if TYPE_CHECKING:
     from shardwise.config import ParallelConfig
@@ -95,8 +96,6 @@ def apply_compile(model: nn.Module) -> nn.Module:
     Blocks already compiled are left alone (a composition may call this once per stage view). A
     model with no block container is compiled whole, in place.
     """
-    from shardwise.parallel.blocks import transformer_blocks
-
     container = transformer_blocks(model)
     if container is None:
         if not is_compiled(model):

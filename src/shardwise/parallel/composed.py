@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
@@ -40,7 +42,9 @@ from shardwise.parallel.pp import (
     prune_to_stages,
     stage_view,
 )
+from shardwise.parallel.pp_hf_moe import mute_hf_moe_inference
 from shardwise.parallel.pp_ties import StageTies
+from shardwise.parallel.ties import tied_groups
 from shardwise.parallel.tp import (
     apply_tp,
     check_tp_model,
@@ -49,6 +53,7 @@ from shardwise.parallel.tp import (
     split_mixed_param_groups,
     tp_loss_context,
 )
+from shardwise.pp_schedules import compile_refusal
 from shardwise.strategies import COMPOSED_MESH as MESH_DIMS
 
 __all__ = ["MESH_DIMS", "ModelParallelStrategy"]
@@ -84,8 +89,6 @@ class ModelParallelStrategy(Strategy):
 
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         if self.layout.pp > 1:
-            from shardwise.pp_schedules import compile_refusal
-
             refusal = compile_refusal(self.layout.pp_schedule)
             if refusal:
                 return refusal
@@ -102,8 +105,6 @@ class ModelParallelStrategy(Strategy):
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # fp16 (refused under PP): gradients are DTensor shards under TP/FSDP, so an inf found on one
         # rank must skip the step everywhere; the sharded scaler all-reduces its found-inf flag.
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler(device=device.type)
 
     # ------------------------------------------------------------ parallelize's steps
@@ -119,8 +120,6 @@ class ModelParallelStrategy(Strategy):
             return model
         self._ranges = list(layout.stage_ranges)
         self._stage_ids = layout.stage_ids(ctx.mesh["pp"].get_local_rank())  # type: ignore[index]
-        from shardwise.parallel.ties import tied_groups
-
         ties = tied_groups(model)  # before the split cuts an embedding from its tied head
         # MoE aux losses ride on their layers' outputs (parallel/moe_pp.py); hooked before the
         # pruning so that every rank of an MoE model has one, whichever layers its stages hold.
@@ -164,8 +163,6 @@ class ModelParallelStrategy(Strategy):
         self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
         if self.moe_aux is not None:
             self.moe_aux.mute_metadata_inference(self.pipeline.stages)
-        from shardwise.parallel.pp_hf_moe import mute_hf_moe_inference
-
         mute_hf_moe_inference(self.pipeline.stages)  # HF MoE stages (pp_hf_moe.py); others untouched
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
@@ -178,8 +175,6 @@ class ModelParallelStrategy(Strategy):
             # One FSDP unit per transformer block plus the root, as under plain fsdp.
             return apply_fsdp(module, dp_mesh, ctx.options, expert_mesh=ctx.expert_mesh)
         if self.dp_kind == "ddp" and self.layout.dp > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             # find_unused_parameters=True turns off DDP's bucket rebuild after the first iteration.
             # That rebuild records the parameters in gradient-ready order until the next forward;

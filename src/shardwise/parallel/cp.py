@@ -70,7 +70,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.errors import ConfigError
-from shardwise.models.masking import attention_mask_4d, real_token_mask, split_inputs
+from shardwise.families import CP_FAMILIES, MOE_FAMILIES
+from shardwise.models.gpt import CausalSelfAttention
+from shardwise.models.masking import attention_mask_4d, layer_kind, real_token_mask, split_inputs
+from shardwise.parallel.blocks import model_family
+from shardwise.parallel.cp_ring import ring_attention, ring_index, ring_split, ring_unavailable
+from shardwise.parallel.tp import tp_shape_sizes
 
 __all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_aligned", "chunk_batch", "cp_multiple",
            "gather_heads",
@@ -92,8 +97,6 @@ def resolve_cp_impl(impl: str, device_type: str) -> str:
                           "CPU and CUDA attention kernels directly. Use parallel.cp_impl = 'alltoall' (or 'auto'), "
                           "which runs on every device.")
     if impl == "ring":
-        from shardwise.parallel.cp_ring import ring_unavailable
-
         why = ring_unavailable()
         if why:
             raise ConfigError(f"parallel.cp_impl = 'ring' cannot run here: {why}. Use parallel.cp_impl = 'alltoall'.")
@@ -299,8 +302,6 @@ class _RingMode(_CPMode):
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False) -> torch.Tensor:
-        from shardwise.parallel.cp_ring import ring_attention
-
         if dropout_p:
             raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
                               "mask); set the model's attention dropout to 0.")
@@ -345,8 +346,6 @@ def _two_chunk_mask(mask: torch.Tensor, n: int) -> bool:
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    from shardwise.models.gpt import CausalSelfAttention
-
     found = [m for m in model.modules() if isinstance(m, CausalSelfAttention)]
     if not found and hasattr(model, "hf"):
         found = [m for name, m in model.hf.named_modules() if name.endswith("self_attn")]
@@ -356,8 +355,6 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 def check_cp_family(family: str, cp: int) -> None:
     """ConfigError unless context parallel runs on ``family`` (``shardwise.families``); needs no model,
     so a run is refused before its data is read."""
-    from shardwise.families import CP_FAMILIES, MOE_FAMILIES
-
     if cp == 1 or family in CP_FAMILIES:
         return
     other = (" Its experts split with expert parallel (parallel.ep), and tp, pp and fsdp run on it."
@@ -372,9 +369,6 @@ def check_cp_model(model: nn.Module, cp: int, tp: int = 1, impl: str = "alltoall
     heads divisible by cp: the ring keeps every head on every rank and has no such rule)."""
     if cp == 1:
         return
-    from shardwise.parallel.blocks import model_family
-    from shardwise.parallel.tp import tp_shape_sizes
-
     family = model_family(model)
     check_cp_family(family or type(model).__name__, cp)
     if not _attention_modules(model):
@@ -400,8 +394,6 @@ def _sliding_window(model: nn.Module, attn: nn.Module) -> int | None:
     index = getattr(attn, "layer_idx", None)
     if hf is None or index is None:
         return None
-    from shardwise.models.masking import layer_kind
-
     if layer_kind(hf.config, index) != "sliding_attention":
         return None
     return int(hf.config.sliding_window)
@@ -432,8 +424,6 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
     def global_positions(n: int, device: Any) -> torch.Tensor:
         """The global positions of this rank's ``n`` tokens (a chunk, or the ring's two chunks)."""
         if state.impl == "ring":
-            from shardwise.parallel.cp_ring import ring_index
-
             return ring_index(n * cp, cp_rank, cp, device)
         return torch.arange(n, device=device) + cp_rank * n
 
@@ -468,8 +458,6 @@ def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, impl: str = "alltoall
         raise ConfigError(f"the sequence length {seq} must be divisible by {how}. Change the sequence length "
                           "(model block_size / seq_len).")
     if impl == "ring":
-        from shardwise.parallel.cp_ring import ring_split
-
         return ring_split(x, cp_rank, cp)
     chunk = seq // cp
     return x[:, cp_rank * chunk:(cp_rank + 1) * chunk]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel import deepspeed_checkpoint
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.deepspeed_config import (
     RunValues,
@@ -208,8 +210,6 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def checkpoint_io(self) -> Any:
-        from shardwise.parallel import deepspeed_checkpoint
-
         return deepspeed_checkpoint
 
     def describe_config(self) -> str:
@@ -246,8 +246,6 @@ class ZeRO3NVMeStrategy(ZeRO3OffloadStrategy):
 @contextlib.contextmanager
 def _quiet_deepspeed() -> Any:
     """DeepSpeed logs its whole config and every op load at INFO; shardwise logs the run itself."""
-    import logging
-
     log = logging.getLogger("DeepSpeed")
     level = log.level
     log.setLevel(logging.WARNING)

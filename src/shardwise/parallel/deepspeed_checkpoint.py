@@ -19,7 +19,10 @@ from the converted copy (``_load_universal``).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
 import shutil
@@ -28,10 +31,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
 from shardwise.job.identity import process_record
+from shardwise.parallel.deepspeed_config import offload_devices
+from shardwise.parallel.deepspeed_setup import import_deepspeed
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, _read_rank_file
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint, rotate
 from shardwise.runtime.checkpoint.manifest import (
@@ -54,6 +60,7 @@ from shardwise.runtime.collective import barrier, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.collective import world_size as global_world
 from shardwise.runtime.rng import capture_rng_state, restore_rng_state
+from shardwise.runtime.scheduler import restore_scheduler
 
 ENGINE = "deepspeed"
 
@@ -136,13 +143,11 @@ def save(session: Any, root: str | os.PathLike, model: nn.Module, optimizer: Any
 
 def swaps_to_nvme(ds_config: dict[str, Any]) -> bool:
     """Whether the engine swaps state to NVMe (where DeepSpeed's checkpoint load does not restore it)."""
-    from shardwise.parallel.deepspeed_config import offload_devices
-
     return "nvme" in offload_devices(ds_config)
 
 
 def _ds_version() -> str:
-    import deepspeed
+    import deepspeed  # defers deepspeed (optional)
 
     return str(deepspeed.__version__)
 
@@ -158,8 +163,6 @@ def foreign_error(path: Path, manifest: dict[str, Any]) -> CheckpointError:
 def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: Any, *, loader: Any = None,
          scheduler: Any = None, restore_rng: bool = True) -> LoadedCheckpoint:
     """Verify, then restore the engine's state, the data position and this rank's RNG (collective)."""
-    from shardwise.runtime.scheduler import restore_scheduler
-
     engine = session.strategy.engine
     rank, world = global_rank(), global_world()
     path_or_err: tuple[str | None, str | None]
@@ -266,11 +269,7 @@ def _load_universal(engine: Any, path: Path, saved_world: int, world: int, with_
 
 def _convert_universal(source: Path, target: Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of one checkpoint directory, in this process (quietly)."""
-    import argparse
-    import contextlib
-    import io
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # defers deepspeed (optional)
 
     shutil.rmtree(target.parent, ignore_errors=True)
     args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
@@ -299,10 +298,8 @@ def verify_nested(path: Path, manifest: dict[str, Any]) -> list[str]:
 
 def read_full_state(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The consolidated fp32 weights of a verified DeepSpeed checkpoint (ZeRO shards merged)."""
-    from shardwise.parallel.deepspeed_setup import import_deepspeed
-
     import_deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # defers deepspeed (optional)
 
     problems = verify_files(path, manifest) + verify_nested(path, manifest)
     if problems:
@@ -317,8 +314,6 @@ def engine_entries(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, torc
     Names are the model's own (the Session's model, e.g. ``hf.model.layers.0...`` for a Hugging
     Face model), as in a DCP checkpoint, so the same exporters apply.
     """
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-
     state = read_full_state(path, manifest)
     entries = {n: TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.size(), [])
                for n, v in state.items()}

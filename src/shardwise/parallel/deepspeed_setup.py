@@ -17,6 +17,10 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -27,6 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 from shardwise.errors import ConfigError
+from shardwise.fsutil import atomic_write_json
 
 # Swapped per parameter under ZeRO-Infinity with both offloads on NVMe: the fp32 master weight
 # and AdamW's two moments (optimizer swapper), plus the parameter itself (parameter swapper),
@@ -38,9 +43,6 @@ LIBAIO_HEADER = "/usr/include/libaio.h"
 
 def deepspeed_identity() -> tuple[str, str]:
     """(version, install path) of the deepspeed package this interpreter imports, without importing it."""
-    import importlib.metadata
-    import importlib.util
-
     spec = importlib.util.find_spec("deepspeed")
     path = str(Path(spec.origin).parent.resolve()) if spec is not None and spec.origin else ""
     try:
@@ -57,10 +59,7 @@ BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "TORCH_CUDA_ARCH_LIST
 def extensions_key() -> str:
     """The build cache's key: DeepSpeed's version and install path, torch's and Python's versions, the
     compiler flags. Two environments with any of them different build (and keep) their own ops."""
-    import hashlib
-    import sys
-
-    import torch
+    import torch  # defers torch
 
     parts = [*deepspeed_identity(), torch.__version__, sys.version.split()[0], sys.platform,
              *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
@@ -75,7 +74,7 @@ def extensions_root() -> Path:
 
 def prepare_environment() -> None:
     """Set the environment DeepSpeed reads at import time (callers' own values win)."""
-    import torch
+    import torch  # defers torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -152,7 +151,7 @@ def build_ops() -> list[str]:
 def _compatible_builders() -> list:
     """DeepSpeed's builders of ``JIT_OPS`` that this machine can build (async I/O only with Linux AIO)."""
     import_deepspeed()
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # defers deepspeed (optional)
 
     builders = []
     for kind in JIT_OPS:
@@ -173,8 +172,6 @@ def _built(root: Path, name: str) -> bool:
 
 
 def _last_build(name: str) -> str:
-    import json
-
     try:
         seconds = json.loads((extensions_root() / BUILD_TIMES).read_text()).get(name)
     except (OSError, ValueError, AttributeError):
@@ -185,10 +182,6 @@ def _last_build(name: str) -> str:
 
 
 def _record_build(name: str, seconds: float) -> None:
-    import json
-
-    from shardwise.fsutil import atomic_write_json
-
     path = extensions_root() / BUILD_TIMES
     try:
         times = json.loads(path.read_text())
@@ -205,8 +198,6 @@ def _record_build(name: str, seconds: float) -> None:
 
 def check_deepspeed_installed() -> None:
     """Raise ConfigError when deepspeed is not installed, without importing it (fast)."""
-    import importlib.util
-
     if importlib.util.find_spec("deepspeed") is None:
         import_deepspeed()  # raises the install message
 

@@ -31,18 +31,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
+from shardwise.models.moe import expert_counts, moe_layers
+from shardwise.plan.moe import ep_candidates, ep_degrees
 
 __all__ = ["ExpertDispatcher", "apply_ep", "check_moe_model", "route_moe", "shard_experts"]
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
-    from shardwise.models.moe import moe_layers
-
     return moe_layers(model)
 
 
@@ -63,8 +67,6 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
                 "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
         return
     # The rules' owner is torch-free (plan/moe.py): the planner's search asks the same functions.
-    from shardwise.plan.moe import ep_candidates, ep_degrees
-
     if layout.ep > 1:
         counts = {name: int(layer.n_experts) for name, layer in layers}
         bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
@@ -128,8 +130,6 @@ class ExpertDispatcher:
         return counts.view(ep, local).sum(1).tolist(), recv.view(ep, local).tolist(), recv.view(ep, local).sum(0)
 
     def dispatch(self, module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         tokens, counts = inputs
         ep, local = self.ep, self.local
         send_splits, grid, local_counts = self._splits(tokens, counts)
@@ -151,8 +151,6 @@ class ExpertDispatcher:
         return got[perm_t], local_counts
 
     def combine(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         perm, send_splits, recv_splits = self._state.pop()
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -162,8 +160,6 @@ class ExpertDispatcher:
 def apply_ep(model: nn.Module, layout: Layout, ep_mesh: Any) -> None:
     """Split every MoE layer's experts over the ``ep_mesh`` ranks (a ``Shard(0)`` DTensor) and install
     the token dispatch around them; ``shard_experts`` then FSDP-shards them over the rest."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     group = ep_mesh.get_group()
     for _, layer in _moe_layers(model):
         experts = layer.experts
@@ -183,8 +179,6 @@ def shard_experts(model: nn.Module, expert_mesh: Any, dp: int, fsdp_kwargs: dict
     """FSDP2-shard every expert-parallel experts module of ``model`` over ``expert_mesh`` (its own
     units, before the dense ones, which then skip them); ``dp``: the data-parallel ranks whose mean
     the gradients are; ``fsdp_kwargs``: the dense units' mixed-precision and offload policies."""
-    from torch.distributed.fsdp import fully_shard
-
     for _, layer in _moe_layers(model):
         experts = layer.experts
         if getattr(experts, "ep_dispatcher", None) is None:
@@ -210,10 +204,6 @@ def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispat
     ``down_e(act(gate_e x) * up_e x)`` (gate and up concatenated in ``gate_up_proj[e]``), returned,
     weighted by the router's top-k weights and summed per token, as transformers does.
     """
-    import torch.nn.functional as F
-
-    from shardwise.models.moe import expert_counts
-
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         flat = top_k_index.reshape(-1)
         counts = expert_counts(flat, dispatcher.n_experts)

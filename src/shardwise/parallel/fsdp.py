@@ -36,12 +36,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardwise.config import ParallelConfig
 from shardwise.device import backend_for
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import BLOCK_PATHS, OuterModules, find_blocks, outer_modules, transformer_blocks
+from shardwise.parallel.ep import shard_experts
 from shardwise.parallel.precision import fsdp_mp_policy
+from shardwise.parallel.tp import clip_grads, split_mixed_param_groups
 
 __all__ = ["BLOCK_PATHS", "apply_fsdp", "find_blocks", "reshard_all", "transformer_blocks", "wrap_units"]
 
@@ -75,8 +79,6 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = Non
     ``reshard_after_forward=False`` gives ZeRO-2, ``offload=True`` keeps shards on the CPU.
     ``expert_mesh``: the mesh owner's expert-FSDP view, when the expert-parallel step split experts.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
     options = options or ParallelConfig()
     common: dict[str, Any] = {"mesh": mesh, "mp_policy": fsdp_mp_policy(options.precision)}
     if offload:
@@ -86,8 +88,6 @@ def apply_fsdp(model: nn.Module, mesh: Any, options: ParallelConfig | None = Non
     else:
         common["offload_policy"] = OffloadPolicy()
     if expert_mesh is not None:
-        from shardwise.parallel.ep import shard_experts
-
         # Experts first (split over the ep ranks, sharded over the rest): the units below skip them.
         # Their gradients are the mean over every data-parallel rank of this (dense) mesh.
         shard_experts(model, expert_mesh, mesh.size(), common)
@@ -128,8 +128,6 @@ def reshard_all(model: nn.Module) -> None:
     the next training step; resharding right away keeps evaluation from raising memory between
     steps.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -189,23 +187,17 @@ class FSDPStrategy(Strategy):
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        ctx: ParallelContext) -> torch.optim.Optimizer:
         if self.layout.ep > 1:  # experts live on the EP mesh, dense parameters on the dp mesh
-            from shardwise.parallel.tp import split_mixed_param_groups
-
             return split_mixed_param_groups(optimizer)
         return optimizer
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, ctx: ParallelContext) -> torch.Tensor:
         if self.layout.ep > 1:  # one norm per mesh, reduced over it, then combined
-            from shardwise.parallel.tp import clip_grads
-
             return clip_grads(list(model.parameters()), max_norm)
         return super().clip_grad_norm(model, max_norm, ctx)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # Each rank sees only its gradient shard: an inf on one rank must skip the step on all,
         # so the found-inf flag is all-reduced (FSDP's ShardedGradScaler; works on DTensor grads).
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler(device=device.type)
 
     def process_group_backend(self, device: torch.device) -> str:

@@ -26,10 +26,12 @@ Session, e.g. torch's ``fake`` backend for a full-scale rehearsal on one machine
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardwise.layout import Layout
 
@@ -101,8 +103,6 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
 
     Called once per run, on every rank in the same order (mesh construction is collective).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
     dense = world._unflatten(0, layout.mesh_shape, layout.mesh_dim_names)
     batch = sparse = None
@@ -126,6 +126,4 @@ def background_io_group(timeout_s: float) -> Any:
     """A gloo group over every rank for work done beside training (the background checkpoint writer's
     planning and publish gathers): its collectives never interleave with training's on the default
     group, and on CUDA it is the CPU backend DCP's async_save needs. Collective: every rank calls it."""
-    import datetime
-
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.models.moe import MoE, _pending
+
 __all__ = ["AuxLossAutoScaler", "StageAux", "attach_pp_aux"]
 
 
@@ -60,13 +62,9 @@ class StageAux:
         self._mark: list[int] = []
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        from shardwise.models.moe import _pending
-
         self._mark.append(len(_pending))
 
     def _after(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        from shardwise.models.moe import _pending
-
         mark = self._mark.pop()
         if len(_pending) == mark:  # evaluation, or a checkpointed block's recomputation
             return output
@@ -131,8 +129,6 @@ def attach_pp_aux(model: nn.Module, pp_group: Any) -> StageAux | None:
     Also points ``take_moe_stats`` at the pipeline group (``model.moe_pp_group``), so routing
     statistics cover every stage's layers.
     """
-    from shardwise.models.moe import MoE
-
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     model.moe_pp_group = pp_group
     # A Hugging Face MoE model: its last stage puts the all-layers aux loss on its output with this

@@ -31,6 +31,8 @@ from torch import nn
 
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compile import apply_compile
+from shardwise.parallel.cp import apply_cp, check_cp_model
+from shardwise.parallel.ep import check_moe_model, route_moe
 
 if TYPE_CHECKING:
     from shardwise.parallel.base import ParallelContext, Strategy
@@ -53,12 +55,8 @@ def parallelize(model: nn.Module, strategy: Strategy, ctx: ParallelContext) -> n
 
 def check_dimensions(model: nn.Module, ctx: ParallelContext) -> None:
     """Raise ConfigError where ``model``'s shape does not fit the layout's cp or ep (a meta model works)."""
-    from shardwise.parallel.ep import check_moe_model
-
     check_moe_model(model, ctx.layout)
     if ctx.layout.cp > 1:
-        from shardwise.parallel.cp import check_cp_model
-
         check_cp_model(model, ctx.layout.cp, ctx.layout.tp, ctx.cp_state.impl)
 
 
@@ -66,14 +64,10 @@ def apply_context_parallel(model: nn.Module, ctx: ParallelContext) -> None:
     """CP: every attention runs on this rank's sequence chunk with its cp group (``parallel/cp.py``)."""
     if ctx.layout.cp == 1:
         return
-    from shardwise.parallel.cp import apply_cp
-
     group, _ = ctx.meshes.cp_group()
     apply_cp(model, group, ctx.layout.cp_rank(ctx.rank), ctx.layout.cp, ctx.cp_state)
 
 
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext) -> None:
     """EP: MoE routing statistics over the dp group; experts split over the ``ep`` view (``parallel/ep.py``)."""
-    from shardwise.parallel.ep import route_moe
-
     route_moe(model, ctx.layout, ctx.meshes)

@@ -43,27 +43,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.errors import ConfigError
+from shardwise.families import no_stage_split
 from shardwise.layout import Layout, stage_layer_ranges
+from shardwise.models.gpt import GPT
+from shardwise.models.masking import split_inputs
+from shardwise.parallel.blocks import model_family
+from shardwise.parallel.pp_gpt2 import GPT2Stage, check_gpt2_pp_model, prune_gpt2_to_stages
+from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family, hf_stage, n_layers, prune_hf_to_stages
+from shardwise.parallel.pp_ties import check_stage_ties
+from shardwise.parallel.tp import local_value
 from shardwise.pp_schedules import schedule_info, stage_rank
+from shardwise.runtime.token_loss import is_token_sum
 
 __all__ = ["Pipeline", "autocast_forward", "check_pp_model", "fixed_shape_collate", "n_pipeline_blocks",
            "prune_to_stages", "stage_layer_ranges", "stage_view"]
 
 
 def _is_gpt(model: nn.Module) -> bool:
-    from shardwise.models.gpt import GPT
-
     return isinstance(model, GPT)
 
 
 def _is_gpt2(model: nn.Module) -> bool:
     """GPT-2 has its own stage split (``pp_gpt2.py``: fused q/k/v, learned positions); the other
     Hugging Face families share the Llama one (``pp_hf.py``)."""
-    from shardwise.parallel.blocks import model_family
-
     return model_family(model) == "gpt2"
 
 
@@ -71,33 +80,22 @@ def n_pipeline_blocks(model: nn.Module) -> int:
     """The number of blocks the pipeline splits into stages (GPT blocks or HF decoder layers)."""
     if _is_gpt(model):
         return len(model.blocks)
-    from shardwise.parallel.pp_hf import n_layers
-
     return n_layers(model)
 
 
 def check_pp_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
-    from shardwise.families import no_stage_split
-    from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family
-
     if not _is_gpt(model):
         if not hf_pp_family(model):
-            from shardwise.parallel.blocks import model_family
-
             family = model_family(model)
             what = f"the Hugging Face {family} model" if family else type(model).__name__
             raise ConfigError(
                 f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
                 "this model.")
         if _is_gpt2(model):
-            from shardwise.parallel.pp_gpt2 import check_gpt2_pp_model
-
             check_gpt2_pp_model(model)
         else:
             check_hf_pp_model(model)
-    from shardwise.parallel.pp_ties import check_stage_ties
-
     check_stage_ties(model, layout)
     layout.with_blocks(n_pipeline_blocks(model), "blocks")  # raises when the stages cannot be cut
 
@@ -105,12 +103,8 @@ def check_pp_model(model: nn.Module, layout: Layout) -> None:
 def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
     """Delete from ``model`` (in place) every part no local stage owns; return it (the union)."""
     if _is_gpt2(model):
-        from shardwise.parallel.pp_gpt2 import prune_gpt2_to_stages
-
         return prune_gpt2_to_stages(model, stage_ids, ranges)
     if not _is_gpt(model):
-        from shardwise.parallel.pp_hf import prune_hf_to_stages
-
         return prune_hf_to_stages(model, stage_ids, ranges)
     n_stages = len(ranges)
     owned = {str(i) for s in stage_ids for i in ranges[s]}
@@ -134,12 +128,8 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
     Hugging Face models get an ``HFStage`` (``parallel/pp_hf.py``), built on the same rule.
     """
     if _is_gpt2(union):
-        from shardwise.parallel.pp_gpt2 import GPT2Stage
-
         return GPT2Stage(union, stage, ranges)
     if not _is_gpt(union):
-        from shardwise.parallel.pp_hf import hf_stage
-
         return hf_stage(union, stage, ranges)
     last = stage == len(ranges) - 1
     view = type(union).__new__(type(union))
@@ -189,8 +179,6 @@ def _forward_only_v_schedule(stages: list[PipelineStage], kwargs: dict[str, Any]
     if this stage doesn't have backward"). Both schedules use the same V placement, so ZBV's action
     list with only the forwards (communication re-derived by torch's own lowering) evaluates either.
     """
-    from torch.distributed.pipelining import schedules as torch_schedules
-
     schedule = pipelining.ScheduleZBVZeroBubble(stages, **kwargs)
     forward = torch_schedules._ComputationType.FORWARD
     order = {rank: torch_schedules._add_unshard_reshard(
@@ -214,7 +202,7 @@ def fixed_shape_collate(collate_fn: Callable) -> Callable:
     cut to the batch's longest row (``data.collate``): the padding is masked and its labels -100,
     so no number changes; the cost is the padding's compute.
     """
-    from shardwise.data.collate import collate_rows
+    from shardwise.data.collate import collate_rows  # defers numpy
 
     if collate_fn is collate_rows:
         return functools.partial(collate_rows, trim=False)
@@ -306,8 +294,6 @@ class Pipeline:
         if train and all(flag for flag in flags if flag is not None):
             yield  # set up for training: no shape inference in this run
             return
-        from torch.distributed.fsdp import FSDPModule
-
         # Only FSDP's parameters lose theirs (other gradients stay, summed in the order they came).
         kept = [(p, p.grad) for stage in self.stages for m in stage.submod.modules() if isinstance(m, FSDPModule)
                 for p in m.parameters() if p.grad is not None]
@@ -330,8 +316,6 @@ class Pipeline:
         shape, ``_fit_shapes``) after DDP built its buckets leaves the reducer expecting a backward
         and the next step fails inside DDP. Under ``no_sync`` that forward arms nothing.
         """
-        from torch.nn.parallel import DistributedDataParallel
-
         with contextlib.ExitStack() as stack:
             for stage in self.stages:
                 if isinstance(stage.submod, DistributedDataParallel):
@@ -355,8 +339,6 @@ class Pipeline:
         self._cp_state, self._cp_masks = cp_state, None
         if cp_state is None or cp_state.mask is None:
             return
-        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-
         _, pieces = split_args_kwargs_into_chunks((), {"mask": cp_state.mask}, self.n_microbatches)
         self._cp_masks = [piece["mask"] for piece in pieces]
         # torch's shape inference (first step, or a new batch shape) runs a forward of microbatch
@@ -378,9 +360,6 @@ class Pipeline:
         ``cp_state``: the cp group's state holding the batch's whole-sequence mask (context parallel).
         Every rank of the pipeline returns the same value, broadcast from the last stage.
         """
-        from shardwise.models.masking import split_inputs
-        from shardwise.runtime.token_loss import is_token_sum
-
         ids, extra = split_inputs(inputs)
         self.layout.check_batch(ids.shape[0])
         self._loss_fn = loss_fn
@@ -411,8 +390,6 @@ class Pipeline:
             # gradient), and the next evaluation likewise.
             for sched in (self.schedule, self._eval_schedule):
                 _uninitialise(sched)
-        from shardwise.parallel.tp import local_value
-
         if not train and (rows := self._rows(losses, ids.device)) is not None:
             return rows
         if self.has_last:
@@ -430,8 +407,6 @@ class Pipeline:
         """An evaluation's per-row values (its loss_fn returned a 1-D tensor per microbatch),
         concatenated, on every stage; None for one loss. The last stage alone saw them: it sends
         their number first (-1: one loss), then the values."""
-        from shardwise.parallel.tp import local_value
-
         rows = None
         if self.has_last and losses and losses[0].dim() > 0:
             # The schedule holds what _scaled_loss returned: undo the scale, as for one loss.

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.pretrained import load_pretrained
 from shardwise.parallel.pp_hf import _build_mask, stage_attention_mask, stage_hf, stage_input, varlen_kwargs
 
 __all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
@@ -86,8 +87,6 @@ class GPT2Stage(nn.Module):
     def load_pretrained(self) -> None:
         """Read this stage's tensors (only those) from the pretrained folder; collective like DCP."""
         if self.pretrained is not None:
-            from shardwise.models.pretrained import load_pretrained
-
             load_pretrained(self.hf, self.pretrained)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,

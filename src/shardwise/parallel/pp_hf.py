@@ -35,11 +35,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.errors import ConfigError
 from shardwise.families import PP_FAMILIES
+from shardwise.models import varlen
 from shardwise.models.masking import attention_mask_4d, layer_kind
+from shardwise.models.pretrained import load_pretrained
 from shardwise.parallel.blocks import model_family
+from shardwise.parallel.pp_hf_moe import stage_routing
 
 __all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "hf_stage", "prune_hf_to_stages"]
 
@@ -149,8 +153,6 @@ class HFStage(nn.Module):
         self.hf = stage_hf(src_hf, "model", model, self.last)
         # Mixture-of-experts families: the routers' all-layer sums ride beside the hidden states
         # (parallel/pp_hf_moe.py); None for a dense model.
-        from shardwise.parallel.pp_hf_moe import stage_routing
-
         self.moe_routing = stage_routing(src_hf, list(model.layers.values()), self.last)
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)
@@ -165,8 +167,6 @@ class HFStage(nn.Module):
     def load_pretrained(self) -> None:
         """Read this stage's tensors (only those) from the pretrained folder; collective like DCP."""
         if self.pretrained is not None:
-            from shardwise.models.pretrained import load_pretrained
-
             load_pretrained(self.hf, self.pretrained)
 
     def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -214,8 +214,6 @@ class HFStage(nn.Module):
 def varlen_kwargs(hf: nn.Module, doc_ids: torch.Tensor | None) -> dict[str, Any]:
     """The attention keywords of a packed microbatch for a model switched to variable-length
     attention (``models.varlen``; as ``HFCausalLM.forward`` passes them), else none."""
-    from shardwise.models import varlen
-
     if doc_ids is None or not varlen.enabled(hf):
         return {}
     cu, longest = varlen.cu_seqlens(doc_ids)
@@ -228,8 +226,6 @@ def stage_input(x: torch.Tensor, sp_mesh: Any, position_ids: torch.Tensor | None
     shard wrapped back into the sequence-sharded DTensor the HF code expects (``set_sequence_parallel``)."""
     if sp_mesh is None:
         return x
-    from torch.distributed.tensor import DTensor, Shard
-
     # The global length: a record batch's length need not divide by tp (dynamic padding; torch
     # shards it unevenly), so it comes from the side inputs, which span the whole sequence; a token
     # stream's length is a multiple of tp.
@@ -258,7 +254,7 @@ def _attention_kind(config: Any, index: int) -> str:
 
 def _build_mask(kind: str, config: Any, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> Any:
-    from transformers import masking_utils
+    from transformers import masking_utils  # defers transformers (optional)
 
     fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
           else masking_utils.create_causal_mask)

@@ -40,7 +40,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from shardwise.models.hf_moe import all_layers_aux
+from shardwise.models.masking import real_token_mask
+from shardwise.models.moe import queue_aux_loss
+from shardwise.parallel.moe_pp import AuxLossAutoScaler
 
 __all__ = ["StageRouting", "mute_hf_moe_inference", "stage_routing"]
 
@@ -58,8 +64,6 @@ class StageRouting:
     def carry(self, side: torch.Tensor | None, hidden: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's side output: ``side`` (the previous stages' sums, None on the first) plus the
         sums of the routers this forward ran. On the last stage, also record the aux loss."""
-        from shardwise.models.masking import real_token_mask
-
         rec = self.recorder
         seen, rec.seen = rec.seen, []
         n_experts = rec.n_experts
@@ -94,8 +98,6 @@ class StageRouting:
         group = rec.stats_group
         ranks = 1
         if group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(packed, group=group)
             ranks = dist.get_world_size(group)
         global_counts = packed[:-1].view(len(seen), n_experts)
@@ -119,16 +121,11 @@ class StageRouting:
         stage_aux = getattr(self.recorder, "pp_aux", None)
         if aux is None or stage_aux is None:
             return hidden
-        from shardwise.parallel.moe_pp import AuxLossAutoScaler
-
         stage_aux._values.append(aux.detach())  # the reported loss includes it (StageAux.reported)
         return AuxLossAutoScaler.apply(hidden, aux, stage_aux.grad_scale)
 
     def _finish(self, side: torch.Tensor, real: torch.Tensor, ranks: int, layers: list[Any]) -> None:
         """The all-layer aux loss of this micro-batch (last stage), as ``_Recorder.finish`` forms it."""
-        from shardwise.models.hf_moe import all_layers_aux
-        from shardwise.models.moe import queue_aux_loss
-
         rec = self.recorder
         aux = all_layers_aux(rec.config, rec.n_experts, side[1].detach(), side[0], real.double().clamp(min=1),
                              rec.n_layers, ranks)

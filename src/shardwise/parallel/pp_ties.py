@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout
@@ -168,8 +169,6 @@ class StageTies:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of ``t`` (a DTensor's local shard, sharing its storage)."""
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - in-place collectives need the storage
 
 

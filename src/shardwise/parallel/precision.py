@@ -17,6 +17,7 @@ float32 under FSDP2 (torchtitan's default), so the all-reduce/reduce-scatter add
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardwise.errors import ConfigError
 
@@ -35,8 +36,6 @@ def storage_dtype(precision: str) -> torch.dtype | None:
 
 def fsdp_mp_policy(precision: str) -> object:
     """Return the FSDP2 MixedPrecisionPolicy for ``precision`` (a no-op policy for fp32/bf16-true)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     dtype = compute_dtype(precision)
     if dtype is None:
         return MixedPrecisionPolicy()

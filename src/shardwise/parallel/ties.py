@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
 
@@ -38,8 +40,6 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _placements(param: torch.Tensor) -> tuple:
-    from torch.distributed.tensor import DTensor
-
     return tuple(param.placements) if isinstance(param, DTensor) else ()
 
 
@@ -74,8 +74,6 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
 
 def _fsdp_unit(model: nn.Module, name: str) -> str:
     """The path of the innermost FSDP module holding parameter ``name`` ('' for the root or none)."""
-    from torch.distributed.fsdp import FSDPModule
-
     unit, path, node = "", "", model
     for part in name.split(".")[:-1]:
         node = getattr(node, part)

@@ -24,6 +24,7 @@ from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import model_family, tp_plan_family
 from shardwise.parallel.ties import retie, tied_groups
+from shardwise.parallel.tp_gpt2 import split_qkv
 from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value",
@@ -89,8 +90,6 @@ def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) ->
     family = tp_plan_family(model)
     plan: TPPlan = PLANS[family](sequence_parallel)
     if family == "gpt2":
-        from shardwise.parallel.tp_gpt2 import split_qkv
-
         # The fused q/k/v projection becomes three column-splittable ones (see tp_gpt2).
         split_qkv(model, tp_mesh.size())
     ties = tied_groups(model)

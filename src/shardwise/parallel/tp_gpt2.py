@@ -29,11 +29,12 @@ loading, the optimizer, the checkpoints and the Hugging Face export ask it (one 
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardwise.errors import ConfigError
@@ -65,8 +66,6 @@ class Conv1DColwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if not _is_conv1d(module):
             return super()._apply(module, device_mesh)
-        from functools import partial
-
         return distribute_module(
             module, device_mesh,
             lambda _n, m, mesh: _distribute(m, mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
@@ -80,8 +79,6 @@ class Conv1DRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if not _is_conv1d(module):
             return super()._apply(module, device_mesh)
-        from functools import partial
-
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh,
@@ -286,8 +283,6 @@ def _fuse_values(values: list[Any], dim: int) -> Any:
     first = values[0]
     if not isinstance(first, torch.Tensor) or first.ndim == 0:
         return first
-    from torch.distributed.tensor import DTensor
-
     dim %= first.ndim
     with torch.no_grad():
         if not isinstance(first, DTensor):
@@ -309,8 +304,6 @@ def _part_value(fused: Any, index: int, like: Any, dim: int) -> Any:
         return fused
     if like.ndim == 0:
         return fused.detach().clone()  # one tensor per part: Adam increments ``step`` in place
-    from torch.distributed.tensor import DTensor
-
     dim %= like.ndim
     width = like.shape[dim]
     if fused.shape[dim] != width * len(PARTS):

@@ -35,6 +35,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from shardwise.parallel.tp_gpt2 import Conv1DColwise, Conv1DRowwise
+
 
 @dataclass
 class TPPlan:
@@ -138,8 +140,6 @@ def gpt2_plan(sequence_parallel: bool) -> TPPlan:
     up as ``(1, T, hidden)`` and reduce-scattered along the sequence like the token embeddings, so
     the two sequence shards add up; the residual stream stays a DTensor as in the Llama plan.
     """
-    from shardwise.parallel.tp_gpt2 import Conv1DColwise, Conv1DRowwise
-
     resid = Shard(1) if sequence_parallel else Replicate()
     local = not sequence_parallel
     top: dict[str, ParallelStyle] = {

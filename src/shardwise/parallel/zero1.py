@@ -16,6 +16,7 @@ import inspect
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext
@@ -29,8 +30,6 @@ class ZeRO1Strategy(DDPStrategy):
                        ctx: ParallelContext) -> torch.optim.Optimizer:
         if ctx.world_size == 1:
             return optimizer  # nothing to shard across
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         if optimizer.state:
             raise ConfigError("zero1 needs a fresh optimizer (no step taken) to shard its state.")
         groups = [dict(g) for g in optimizer.param_groups]

@@ -10,11 +10,13 @@ from typing import Any
 
 from shardwise.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
 from shardwise.errors import ConfigError, unknown_choice
+from shardwise.families import CP_FAMILIES
 from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.optim.rules import check_optimizer
 from shardwise.plan.choices import FALLBACKS, SEARCHABLE, degree_sets, stages_per_rank_choices
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
-from shardwise.plan.cp import CP_IMPLS
+from shardwise.plan.cp import CP_IMPLS, chunked_loss_off, cp_impl_for, cp_multiple
+from shardwise.plan.finetune import shell_word
 from shardwise.plan.memory import (
     CHECKPOINT_MODES,
     GRAD_SYNC_MODES,
@@ -28,10 +30,11 @@ from shardwise.plan.memory import (
     precision,
 )
 from shardwise.plan.moe import ep_degrees
+from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
-from shardwise.plan.presets import GPU, Link
+from shardwise.plan.presets import GPU, Link, link
 from shardwise.plan.spec import ModelSpec
-from shardwise.pp_schedules import tied_weights_refusal
+from shardwise.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
 from shardwise.strategies import REGISTRY, StrategyInfo
 
 GIB = 1024**3
@@ -75,8 +78,6 @@ class Cluster:
         Precedence for each link: the --intra-gbs/--inter-gbs override, then an explicit link
         preset, then the GPU's own figure (a --gpu-spec), then the GPU's default preset.
         """
-        from shardwise.plan.presets import link
-
         g = self.gpus_per_node
         intra = self.intra_gbs or (self.intra.per_gpu_gbs(g) if self.intra else None) or self.gpu.intra_gbs \
             or link(self.gpu.intra_link).per_gpu_gbs(g)
@@ -164,8 +165,6 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
-        from shardwise.pp_schedules import schedule_info
-
         unknown = set(self.search) - set(SEARCHABLE) - set(FALLBACKS)
         if unknown:
             raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches "
@@ -199,15 +198,11 @@ def replicas(layout: Layout) -> int:
 
 def layout_cp_impl(spec: ModelSpec, layout: Layout, work: Workload) -> str:
     """The parallel.cp_impl this layout runs cp with under ``work.cp_impl`` (plan/cp.py cp_impl_for)."""
-    from shardwise.plan.cp import cp_impl_for
-
     return cp_impl_for(work.cp_impl, spec.n_heads, layout.tp, layout.cp) or work.cp_impl
 
 
 def loss_chunked(spec: ModelSpec, layout: Layout, work: Workload) -> bool:
     """Whether the runtime chunks this candidate's loss (plan/cp.chunked_loss_off: the runtime's rule)."""
-    from shardwise.plan.cp import chunked_loss_off
-
     return work.kernels.loss == "torch" and not chunked_loss_off(
         spec.family, spec.vocab, spec.hidden, work.loss_chunks, tp=layout.tp, pp=layout.pp)
 
@@ -317,8 +312,6 @@ def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
 def _compile_refusal(work: Workload, tp: int, pp: int, cp: int) -> str:
     """Why the runtime refuses ``train.compile`` for these degrees ('' when it compiles): the same
     rules preflight applies (context parallel, the zero-bubble schedules' split backward)."""
-    from shardwise.pp_schedules import compile_refusal
-
     if cp > 1:
         return "context parallel's attention (all-to-all or ring) is not compiled"
     return (compile_refusal(work.pp_schedule) or "") if pp > 1 else ""
@@ -338,8 +331,6 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     (``choices.degree_sets``) are left out quietly where the runtime refuses them (e.g. ep under ddp);
     pinned ones (``--cp``, ``--ep``) say why.
     """
-    from shardwise.plan.cp import chunked_loss_off, cp_impl_for
-
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
     layouts: list[Layout] = []
@@ -418,8 +409,6 @@ def refused_degrees(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None,
     empty without a word): context parallel for a family whose attention the runtime cannot split
     (the Hugging Face MoE families among them), and an expert-parallel degree above the data-parallel
     one (the runtime's expert groups are FSDP shard ranks only)."""
-    from shardwise.families import CP_FAMILIES
-
     out = []
     if cp and cp > 1 and spec.family and spec.family not in CP_FAMILIES:
         kind = "mixture-of-experts " if spec.moe is not None else ""
@@ -439,8 +428,6 @@ def refused_degrees(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None,
 
 def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None, cp: int | None = None,
                       ep: int | None = None, cp_impl: str = "auto", seq: int = 0) -> None:
-    from shardwise.plan.cp import cp_impl_for, cp_multiple
-
     for flag, value in (("--cp", cp), ("--ep", ep)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}.")
@@ -519,8 +506,6 @@ def stored_precisions(work: Workload, layout: Layout) -> tuple[Precision, Precis
     layouts under ``Kernels.state`` "fp32-params", exactly what ``train`` keeps (plan/predict.py:
     fp32 state, FSDP2's 16-bit gathers and fp32 reduces, autocast's fp32 gradients), so the plan's
     columns are ``train --dry-run``'s; else the workload's precision as given."""
-    from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
-
     if work.kernels.state != "fp32-params" or layout.external is not None:
         return precision(work.precision), None
     runtime = TRAIN_PRECISION[work.precision]
@@ -623,8 +608,6 @@ def launch_commands(cand: Candidate, cluster: Cluster, work: Workload, run_name:
     if not work.recipe:
         return []
     lay = cand.layout
-    from shardwise.plan.finetune import shell_word
-
     settings = " ".join(f"--set {shell_word(s)}" for s in train_settings(cand, work))
     args = f"{shlex.quote(work.recipe)} --strategy {lay.strategy} {settings}"
     g, n = cluster.gpus_per_node, cluster.nodes

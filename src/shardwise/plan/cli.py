@@ -7,8 +7,10 @@ import dataclasses
 import json
 import sys
 
-from shardwise.config import parse_loss_chunks
+from shardwise.config import load_raw, parse_loss_chunks, parse_override
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.families import FAMILIES, RECORD_KINDS
+from shardwise.models.hf_config import bundled_configs
 from shardwise.plan import finetune, offload, presets, spec
 from shardwise.plan.advice import (
     GIB,
@@ -21,13 +23,23 @@ from shardwise.plan.advice import (
     runtime_batch,
 )
 from shardwise.plan.cost import flops_per_token
-from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES, OPTIMIZERS, PRECISIONS, TRAIN_SPELLINGS
+from shardwise.plan.cpu_target import cpu_target
+from shardwise.plan.memory import (
+    CHECKPOINT_MODES,
+    GRAD_SYNC_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    TRAIN_SPELLINGS,
+    StateBytes,
+    staging_host_bytes,
+)
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
 from shardwise.plan.search import device_gib, gib, make_plan, searched, tps
 from shardwise.plan.stacks import stack_settings
 from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
+from shardwise.rehearse.plan import format_rows, rehearse_candidates
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -175,8 +187,6 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
     config.json, or the factory) and the planned sequence length, so a command runs as printed with
     any recipe. A bare parameter count names no model: no recipe, no command.
     """
-    from shardwise.models.hf_config import bundled_configs
-
     warnings: list[str] = []
     if args.objective == "dpo" and args.pretrained is None:
         raise ConfigError("--objective dpo plans preference tuning of a pretrained model: give its folder with "
@@ -226,8 +236,6 @@ def gpu_from_args(args: argparse.Namespace) -> presets.GPU:
         raise ConfigError("give either --gpu or --gpu-spec, not both (a spec file can start from a catalog "
                           "GPU with base = \"h100-sxm\").")
     if is_cpu_target(args):
-        from shardwise.plan.cpu_target import cpu_target
-
         return presets.customize_gpu(cpu_target(args.gpus_per_node), memory_gib=args.gpu_memory_gib,
                                      tflops=args.gpu_tflops)
     base = presets.load_gpu_spec(args.gpu_spec) if args.gpu_spec else presets.gpu(args.gpu or "h100-sxm")
@@ -257,8 +265,6 @@ def _resolve_target_defaults(args: argparse.Namespace) -> None:
 def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> None:
     """Refuse, before planning, what ``train`` would refuse in every printed command: a sequence above
     the model's positions, a pinned degree the model's family cannot use (``shardwise.families``)."""
-    from shardwise.families import FAMILIES
-
     family = FAMILIES.get(model.family or "")
     if family is None:
         return
@@ -278,9 +284,6 @@ def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -
 
 def _trains_records(recipe: str, sets: tuple[str, ...]) -> bool:
     """Whether the printed command trains on chat/instruct records (``families.RECORD_KINDS``)."""
-    from shardwise.config import load_raw, parse_override
-    from shardwise.families import RECORD_KINDS
-
     given = dict(parse_override(s) for s in sets)
     return given.get("data.kind", load_raw(recipe).get("data", {}).get("kind")) in RECORD_KINDS
 
@@ -487,8 +490,6 @@ def staging_line(pred: RunPrediction, cluster: Cluster, offload_host_bytes: int)
     """What the run's asynchronous checkpoints (``checkpoint.mode``'s default) hold in host memory: each
     rank's stored state once more (plan.memory.staging_host_bytes), and whether that fits beside the
     run on a node (80 % of its host RAM, as the offload check); where not, the sync mode."""
-    from shardwise.plan.memory import StateBytes, staging_host_bytes
-
     per_rank = max(staging_host_bytes(StateBytes(params=r.param_bytes + r.host_param_bytes,
                                                  optimizer=r.optim_bytes + r.host_optim_bytes))
                    for r in pred.ranks)
@@ -508,8 +509,6 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     if getattr(args, "rehearse", 0):
         # The top recommendations played at full size on this machine (shardwise.rehearse).
-        from shardwise.rehearse.plan import format_rows, rehearse_candidates
-
         rows = rehearse_candidates(plan, args.rehearse)
         if args.json:
             print(json.dumps({**plan_to_dict(plan), "rehearsed": rows}, indent=2))

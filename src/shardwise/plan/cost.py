@@ -43,6 +43,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
+from shardwise.plan.pipeline import idle_ratio
 from shardwise.plan.spec import ModelSpec
 
 
@@ -352,8 +353,6 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         total += p2p
         # Idle time per schedule (plan/pipeline.py): compute * (p-1)/(v*m) for 1F1B-like schedules,
         # a third of that for the zero-bubble ones.
-        from shardwise.plan.pipeline import idle_ratio
-
         bubble = compute * idle_ratio(layout.pp_schedule, pp, grad_accum, layout.pp_stages_per_rank)
     exposed += cp_exposed + ep_exposed
     total += cp_s + ep_s

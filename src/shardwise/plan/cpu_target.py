@@ -22,7 +22,7 @@ GLOO_LOOPBACK_GBS = 2.0
 @functools.cache
 def measured_matmul_tflops(n: int = 1024, repeats: int = 3) -> float:
     """The best fp32 matmul rate of this process over ``repeats`` n x n products, TFLOPS."""
-    import torch
+    import torch  # defers torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)  # warm-up: thread pool and allocation

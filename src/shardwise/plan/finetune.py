@@ -13,14 +13,19 @@ no tokenizer, ``$TOKENIZER``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardwise.config import toml_string
+from shardwise.config import LoraConfig, toml_string
+from shardwise.data.records import RECORD_SUFFIXES, is_hf_disk, read_records, record_kind
 from shardwise.errors import ConfigError
 from shardwise.families import RECORD_KINDS
 from shardwise.models.adapter import tokenizer_home
-from shardwise.plan.spec import ModelSpec, from_hf_config
+from shardwise.models.pretrained import inspect_pretrained
+from shardwise.plan.spec import ModelSpec, from_hf_config, from_module
 
 if TYPE_CHECKING:
     from shardwise.models.pretrained import PretrainedFolder
@@ -37,8 +42,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 def checked_folder(path: str) -> PretrainedFolder:
     """The pretrained folder (or LoRA adapter folder and its base), checked the way ``train`` checks it."""
-    from shardwise.models.pretrained import inspect_pretrained
-
     return inspect_pretrained(path)
 
 
@@ -53,11 +56,9 @@ def pretrained_spec(path: str, lora_rank: int = 0, lora_targets: tuple[str, ...]
             raise ConfigError("--lora-targets names the modules that get LoRA adapters: give --lora RANK too.")
         spec = from_hf_config(pretrained.path)
         return _named(spec, folder.name)
-    import torch
+    import torch  # defers torch
 
-    from shardwise.config import LoraConfig
-    from shardwise.models.hf import build_hf_model
-    from shardwise.plan.spec import from_module
+    from shardwise.models.hf import build_hf_model  # defers torch
 
     with torch.device("meta"):
         model = build_hf_model(pretrained=str(folder), lora=LoraConfig(rank=lora_rank, targets=list(lora_targets)))
@@ -65,8 +66,6 @@ def pretrained_spec(path: str, lora_rank: int = 0, lora_targets: tuple[str, ...]
 
 
 def _named(spec: ModelSpec, name: str) -> ModelSpec:
-    import dataclasses
-
     return dataclasses.replace(spec, name=name)
 
 
@@ -77,10 +76,6 @@ def has_tokenizer(folder: Path) -> bool:
 def data_kind(path: str) -> str:
     """What ``train`` would read from ``path``: "chat" or "instruct" records (the first record
     decides, ``data.records.record_kind``), else "text"."""
-    import json
-
-    from shardwise.data.records import RECORD_SUFFIXES, is_hf_disk, read_records, record_kind
-
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--data {path!r} does not exist; pass the file or folder the run will train on.")
@@ -145,8 +140,6 @@ def finetune_sets(path: str, seq: int, lora_rank: int = 0, lora_targets: tuple[s
 def shell_word(setting: str) -> str:
     """One ``--set`` value for a shell: single-quoted, or double-quoted where it holds a placeholder
     the shell must expand (the rest of such a value is plain: a key and '=')."""
-    import shlex
-
     if any(p in setting for p in PLACEHOLDERS):
         if any(c in setting for c in '"`\\') or setting.count("$") != 1:
             raise ValueError(f"cannot quote {setting!r} around a placeholder")

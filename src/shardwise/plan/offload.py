@@ -23,10 +23,14 @@ transfer, plus the optimizer step (which does not overlap: it runs between steps
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.plan.advice import TRAIN_PRECISION, _grad_accum, predict_step_time
+from shardwise.plan.finetune import shell_word
+from shardwise.plan.memory import Layout
 
 GIB = 2**30
 
@@ -126,11 +130,6 @@ def offload_compute(spec: Any, cluster: Any, work: Any) -> tuple[float, int, int
     own layout: fully sharded data parallel over every GPU of the job, at the workload's
     micro-batch, accumulation and checkpointing (full where the search leaves it open: the state
     leaves the GPU precisely because memory is short). Positive for any model."""
-    import dataclasses
-
-    from shardwise.plan.advice import _grad_accum, predict_step_time
-    from shardwise.plan.memory import Layout
-
     world = cluster.world
     if "checkpoint" in getattr(work, "search", ()):
         work = dataclasses.replace(work, checkpoint="full")
@@ -150,9 +149,6 @@ def offload_advice(spec: Any, cluster: Any, work: Any, cands: list[Any],
     (ZeRO-3 partitions the state over all ranks), at the workload's own micro-batch, accumulation
     and checkpointing -- from the cost model (``offload_compute``), never another candidate's.
     """
-    from shardwise.plan.advice import TRAIN_PRECISION
-    from shardwise.plan.finetune import shell_word
-
     del cands  # the rows never borrow a GPU candidate's compute or batch
     compute_s, mb, accum = offload_compute(spec, cluster, work)
     host_gib = cluster.host_ram_gib or cluster.gpu.host_ram_gib

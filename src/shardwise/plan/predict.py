@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config import parse_loss_chunks
 from shardwise.layout import Layout
 from shardwise.layout import ranks_per_node as rank_count_per_node
+from shardwise.plan.cp import chunked_loss_off
 from shardwise.plan.memory import (
     SHARDWISE_KERNELS,
     Kernels,
@@ -33,6 +35,8 @@ from shardwise.plan.memory import (
     memory_breakdown,
     state_bytes,
 )
+from shardwise.plan.preference import reference_for
+from shardwise.plan.spec import from_module
 
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
@@ -193,9 +197,6 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     tokens per sample (1 for images: activations are then not modelled); ``loss_chunks`` is
     ``train.loss_chunks`` (the chunked loss's logits where the runtime's rule turns it on).
     """
-    from shardwise.config import parse_loss_chunks
-    from shardwise.plan.cp import chunked_loss_off
-
     chunks = parse_loss_chunks(loss_chunks)
     chunked = not chunked_loss_off(spec.family, spec.vocab, spec.hidden, chunks, tp=layout.tp, pp=layout.pp)
     prec = RUNTIME_PRECISIONS[precision]
@@ -255,8 +256,7 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
     """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
     arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes.
     ``plain_ce``: the loss is the token-mean CE (``Workload.plain_token_ce``), else never chunked."""
-    from shardwise.plan.preference import reference_for
-    from shardwise.runtime.auto import resolve_precision
+    from shardwise.runtime.auto import resolve_precision  # defers torch
 
     # "auto" as this machine's ranks resolve it (a run's own config is already resolved).
     return predict_run(spec, layout, precision=resolve_precision(cfg.parallel.precision).value, seq=seq,
@@ -274,8 +274,6 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
 def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",
                       ranks_per_node: int | None = None, plain_ce: bool = True) -> RunPrediction:
     """``predict_for_spec`` for an ``nn.Module`` (a meta-device copy is enough)."""
-    from shardwise.plan.spec import from_module
-
     spec = from_module(model, name=name or model_name(cfg.model))
     return predict_for_spec(spec, layout, cfg, seq=seq, ranks_per_node=ranks_per_node, plain_ce=plain_ce)
 

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
+from shardwise.models.gpt_config import GPT_PRESETS
 from shardwise.plan.spec import ModelSpec, from_gpt2_like, from_gpt_config, from_llama_like, moe_llama_spec
 
 
 def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
     def build() -> ModelSpec:
-        from shardwise.models.gpt_config import GPT_PRESETS  # torch-free: plan stays fast
-
         return from_gpt_config(GPT_PRESETS[size], name=f"gpt-{size}")
 
     return build

@@ -32,7 +32,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
-from shardwise.plan.advice import RUNTIME_RESERVE_GIB
+from shardwise.plan.advice import (
+    RUNTIME_RESERVE_GIB,
+    Plan,
+    candidate_layouts,
+    evaluate,
+    launch_commands,
+    layout_key,
+    replicas,
+)
 from shardwise.plan.choices import (
     CHECKPOINT_SEARCH,
     FALLBACK_OPTIMIZER,
@@ -42,6 +50,8 @@ from shardwise.plan.choices import (
     grad_sync_choices,
     micro_batch_choices,
 )
+from shardwise.plan.offload import offload_advice
+from shardwise.strategies import REGISTRY
 
 if TYPE_CHECKING:
     from shardwise.plan.advice import Candidate, Cluster, Plan, Workload
@@ -175,9 +185,6 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
            calib: Calibration | None = None, cp: int | None = None,
            ep: int | None = None) -> tuple[list[Candidate], list[str]]:
     """One candidate per layout (its best settings), best first; and the layouts left out, with why."""
-    from shardwise.plan.advice import candidate_layouts, evaluate, layout_key, replicas
-    from shardwise.strategies import REGISTRY
-
     order = {name: i for i, name in enumerate(REGISTRY)}
     global_batch, micro_batches = micro_batch_choices(work, cluster)
     groups: dict[tuple, list[Candidate]] = {}
@@ -218,8 +225,6 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
 def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None = None, pp: int | None = None,
               calib: Calibration | None = None, cp: int | None = None, ep: int | None = None) -> Plan:
     """Search every layout and open setting; recommend the best fitting one (see module docstring)."""
-    from shardwise.plan.advice import Plan, launch_commands
-
     calib = calib or cluster.calibration
     warnings: list[str] = []
     if not calib.fitted_runs:
@@ -276,8 +281,6 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
                             "host memory (the offload layouts); --optimizer adamw plans one.")
         else:
             # The decision table's last row: ZeRO-3 with CPU / NVMe offload (plan.offload owns the math).
-            from shardwise.plan.offload import offload_advice
-
             offload, commands, line = offload_advice(spec, cluster, work, cands)
             warnings.append(line)
     elif not work.recipe:

@@ -16,6 +16,8 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.families import HF_FAMILIES, LLAMA_LIKE, MOE_FAMILIES
+from shardwise.models.gpt_config import gpt_param_shapes
+from shardwise.models.hf_config import read_hf_config, resolve_hf_config, with_canonical_keys
 from shardwise.plan.moe import MoEInfo, moe_of_gpt
 
 # Architecture families the activation model knows (see memory.activation_bytes):
@@ -295,8 +297,6 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
 def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
     """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``), in any
     key spelling transformers writes (``models.hf_config.with_canonical_keys``)."""
-    from shardwise.models.hf_config import with_canonical_keys
-
     cfg = with_canonical_keys(cfg)
     model_type = str(cfg.get("model_type", "")).lower()
     try:
@@ -347,8 +347,6 @@ def _spec_of(cfg: dict[str, Any], model_type: str, name: str) -> ModelSpec:
 
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Spec from a ``config.json`` path, a folder holding one, or a bundled name (as ``model.hf_config``)."""
-    from shardwise.models.hf_config import read_hf_config, resolve_hf_config
-
     try:
         p = resolve_hf_config(path)
     except ConfigError:
@@ -372,7 +370,7 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
     from ``module.config`` (or ``module.hf.config`` for a wrapped Hugging Face model) when it looks
     like a GPTConfig or an HF config.
     """
-    from shardwise.parallel.blocks import find_blocks, model_family
+    from shardwise.parallel.blocks import find_blocks, model_family  # defers torch
 
     blocks = find_blocks(module)
     unit_of: dict[str, int] = {}
@@ -407,8 +405,6 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
 
 def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
     """Spec of shardwise's own ``GPT(cfg)``, exact, from its torch-free parameter list."""
-    from shardwise.models.gpt_config import gpt_param_shapes
-
     params = []
     for pname, shape in gpt_param_shapes(cfg):
         unit = int(pname.split(".")[1]) if pname.startswith("blocks.") else ROOT_UNIT
@@ -422,14 +418,14 @@ def from_gpt_config(cfg: Any, name: str = "gpt") -> ModelSpec:
 
 def from_factory(spec: str) -> ModelSpec:
     """Spec from ``module:function`` returning an nn.Module; the call runs under the meta device."""
-    import torch
+    import torch  # defers torch
 
-    from shardwise.workloads import import_factory
+    from shardwise.workloads import import_factory  # defers torch
 
     fn: Callable[[], Any] = import_factory(spec, "--model-factory")
     with torch.device("meta"):
         model = fn()
-    from torch import nn
+    from torch import nn  # defers torch
 
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model-factory {spec!r} returned {type(model).__name__}, not an nn.Module.")

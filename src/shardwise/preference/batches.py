@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardwise.data.instruct import IGNORE_INDEX
-from shardwise.data.preference import Pairs
+from shardwise.data.preference import Pairs, load_pairs
 
 
 class PairSet(Dataset):
@@ -105,8 +105,6 @@ class PairCollator:
 
 def load_preference(dc: Any, pc: Any, block_size: int) -> tuple[PairSet, PairSet, PairCollator, dict[str, Any]]:
     """(train pairs, validation pairs, their collator, facts: notes, vocab_size, max_token_id) of ``dc``."""
-    from shardwise.data.preference import load_pairs
-
     train, val, tok = load_pairs(dc, pc, block_size)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     sets = PairSet(train), PairSet(val)

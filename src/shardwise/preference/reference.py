@@ -29,8 +29,11 @@ import torch
 from torch import nn
 
 from shardwise.models.names import clean_name
+from shardwise.parallel.parallelize import parallelize
+from shardwise.preference import pipeline as pipe
 from shardwise.preference.objective import answer_logps, pair_scores
 from shardwise.runtime.ledger import storage_bytes
+from shardwise.runtime.meta_init import MetaInitUnsupported, record_build
 
 REFERENCE_FILE = "reference_logps.npz"
 
@@ -42,7 +45,7 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     peft's ``enable_adapters(False)`` also flips the adapters' ``requires_grad``, which DDP's reducer
     and FSDP2's hooks would see between two forwards; only the flag the layers' forward reads is
     switched here."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # defers peft (optional)
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     before = [m._disable_adapters for m in layers]
@@ -60,8 +63,6 @@ def score_batch(session: Any, model: nn.Module, inputs: Any, targets: dict[str, 
     """(chosen, rejected) summed log-probs of one batch's pairs under ``model``, in eval mode, without
     gradients. ``width``: under pipeline parallel, the rows' fixed width (``preference.pipeline``)."""
     if width:
-        from shardwise.preference import pipeline as pipe
-
         inputs, target, per_row = pipe.pipeline_batch(inputs, targets, None, width)
 
         def per_answer(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -90,9 +91,6 @@ def _in_eval(session: Any, model: nn.Module, inputs: Any, target: torch.Tensor, 
 def frozen_copy(session: Any, factory: Callable[[], nn.Module], policy: nn.Module) -> nn.Module:
     """A frozen copy of ``policy`` sharded exactly like it (same strategy, mesh and units), holding
     the policy's current values; nothing of it trains."""
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.runtime.meta_init import MetaInitUnsupported, record_build
-
     rng = torch.get_rng_state()  # building must not move the run's random stream
     try:
         model, program = record_build(factory)

@@ -15,16 +15,15 @@ import time
 
 import torch
 
+from shardwise.device import select_device
 from shardwise.reference import common
+from shardwise.workloads import build_workload
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, out = common.parse_args("accelerate", argv)
     t = cfg.train
-    from accelerate import Accelerator
-
-    from shardwise.device import select_device
-    from shardwise.workloads import build_workload
+    from accelerate import Accelerator  # defers accelerate (optional)
 
     rank, world, local_rank = common.dist_env()
     on_cpu = select_device(local_rank).type == "cpu"

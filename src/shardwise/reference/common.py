@@ -16,6 +16,7 @@ built-in trainer exactly, so the final losses agree and only the step's cost dif
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -29,10 +30,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.config import RunConfig, TrainConfig, load_config
+from shardwise.fsutil import atomic_write_text
+from shardwise.parallel.fsdp import transformer_blocks
+from shardwise.runtime import ledger
 from shardwise.runtime.auto import compile_flag, peer_defaults
+from shardwise.runtime.optim import adamw_implementation
 
 
 def parse_args(impl: str, argv: list[str] | None = None) -> tuple[RunConfig, Path]:
@@ -64,10 +70,6 @@ def finish(model: nn.Module, *, destroy: bool = True) -> None:
     ``Session._release_reducers``. ``destroy=False`` where the framework destroys the group itself
     (Accelerate's ``end_training``).
     """
-    import gc
-
-    from torch.nn.parallel import DistributedDataParallel
-
     # Framework wrappers (Fabric's module, Accelerate's) are not always nn.Module parents of the
     # DDP object: look through their usual attributes too.
     seen: list[Any] = [model, getattr(model, "module", None), getattr(model, "_forward_module", None)]
@@ -86,8 +88,6 @@ def compile_blocks(model: nn.Module, t: Any) -> nn.Module:
     (before DDP/FSDP wrap them), so compiled shardwise runs meet compiled plain loops."""
     if compile_flag(getattr(t, "compile", "false")) != "true":
         return model
-    from shardwise.parallel.fsdp import transformer_blocks
-
     container = transformer_blocks(model)
     for name, block in list(container.named_children()) if container is not None else []:
         container.register_module(name, torch.compile(block))
@@ -103,8 +103,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def adamw(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW on ``param_groups`` with the kernel shardwise's trainer picks for ``device`` (fused on
     CUDA and the CPU), so the comparison measures the loop, not two AdamW implementations."""
-    from shardwise.runtime.optim import adamw_implementation
-
     return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas,
                              **adamw_implementation(device))
 
@@ -184,15 +182,11 @@ class Record:
     def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Bytes in parameters, gradients and optimizer state after the last optimizer step, before
         zero_grad and evaluation: the moment the trainer's ledger measures (same counting rules)."""
-        from shardwise.runtime import ledger
-
         self.bytes = {"param_bytes": ledger.param_bytes(model), "grad_bytes": ledger.grad_bytes(model),
                       "optim_bytes": ledger.optimizer_bytes(optimizer)}
 
     def summary(self) -> dict[str, Any]:
         """Every rank's memory (a collective: all ranks call it) plus the run's figures."""
-        from shardwise.runtime import ledger
-
         peak, source = ledger.peak_bytes(self.device)
         mine = {"rank": dist.get_rank(), **self.bytes, "peak_bytes": peak, "peak_source": source}
         ranks: list[Any] = [None] * dist.get_world_size()
@@ -208,8 +202,6 @@ class Record:
 
     def write(self, out: Path, summary: dict[str, Any]) -> None:
         if dist.get_rank() == 0:
-            from shardwise.fsutil import atomic_write_text
-
             out.mkdir(parents=True, exist_ok=True)
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
             atomic_write_text(out / "summary.json", json.dumps(clean, indent=2) + "\n")

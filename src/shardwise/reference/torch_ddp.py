@@ -11,16 +11,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.device import backend_for, select_device
 from shardwise.reference import common
+from shardwise.workloads import build_workload
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, out = common.parse_args("torch-ddp", argv)
     t = cfg.train
     rank, world, local_rank = common.dist_env()
-    from shardwise.device import backend_for, select_device
-    from shardwise.workloads import build_workload
-
     device = select_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

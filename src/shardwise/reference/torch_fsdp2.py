@@ -17,17 +17,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from shardwise.device import backend_for, select_device
+from shardwise.parallel.fsdp import transformer_blocks
 from shardwise.reference import common
+from shardwise.workloads import build_workload
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, out = common.parse_args("torch-fsdp2", argv)
     t = cfg.train
     rank, world, local_rank = common.dist_env()
-    from shardwise.device import backend_for, select_device
-    from shardwise.parallel.fsdp import transformer_blocks
-    from shardwise.workloads import build_workload
-
     device = select_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -11,7 +11,16 @@ import argparse
 import json
 from typing import Any
 
+from shardwise.cli import _add_run_options
+from shardwise.config import load_config, to_toml
+from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError
+from shardwise.job.train import dry_run_prediction, resolve_run
+from shardwise.plan.advice import Cluster
+from shardwise.plan.predict import model_name
+from shardwise.plan.presets import gpu
+from shardwise.rehearse import launch, report
+from shardwise.rehearse.report import format_text
 
 # No rendezvous is started; multi-node flag checks want an endpoint, and the loopback one resolves.
 _NO_RENDEZVOUS = "127.0.0.1:29500"
@@ -19,8 +28,6 @@ _NO_RENDEZVOUS = "127.0.0.1:29500"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``rehearse`` sub-command to the main CLI's sub-parsers."""
-    from shardwise.cli import _add_run_options
-
     p = subparsers.add_parser(
         "rehearse", help="play ranks of a run at its full size on this machine (fake devices and collectives) "
         "and measure their memory against the plan",
@@ -53,8 +60,6 @@ def add_rehearse_options(p: argparse.ArgumentParser) -> None:
 
 def title_of(run: Any, gpu_name: str, nnodes: int) -> str:
     """e.g. ``llama-3-70b on 4x8 h100-sxm, fsdp tp=2``."""
-    from shardwise.plan.predict import model_name
-
     layout = run.layout
     degrees = " ".join(f"{n}={getattr(layout, n)}" for n in ("dp_replicate", "tp", "pp", "cp", "ep")
                        if getattr(layout, n) > 1)
@@ -83,13 +88,7 @@ def check_fake_rehearsable(layout: Any) -> None:
 
 def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     """Resolve the run as ``train`` does, play its ranks and return the report (``report.build``)."""
-    from shardwise.config import load_config, to_toml
-    from shardwise.data.cache import read_only
-    from shardwise.job.train import dry_run_prediction, resolve_run
-    from shardwise.parallel.implementations import get_strategy
-    from shardwise.plan.advice import Cluster
-    from shardwise.plan.presets import gpu
-    from shardwise.rehearse import launch, report
+    from shardwise.parallel.implementations import get_strategy  # defers torch
 
     if args.nnodes < 1 or args.steps < 1 or args.jobs < 1:
         raise ConfigError(f"--nnodes, --steps and --jobs must be >= 1, got {args.nnodes}, {args.steps}, {args.jobs}.")
@@ -124,8 +123,6 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from shardwise.rehearse.report import format_text
-
     result = rehearse(args)
     print(json.dumps(result, indent=2, default=str) if args.json else format_text(result))
     return {"runs": 0, "refused": 2}.get(result["outcome"], 1)

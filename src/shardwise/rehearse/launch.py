@@ -52,7 +52,7 @@ def default_ranks(layout: Any) -> list[int]:
 
 def check_device(device: str) -> None:
     """Refuse a device this machine cannot play ranks on."""
-    import torch
+    import torch  # defers torch
 
     if device not in DEVICES:
         raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}.")

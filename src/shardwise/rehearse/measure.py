@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # MemTracker's kinds (``_MemRefType`` values) -> the planner's ledger columns.
@@ -62,8 +64,6 @@ _PROPAGATING = threading.local()
 
 def _mark_sharding_propagation() -> None:
     """Wrap DTensor's shape propagation (once per process) so the tracker knows when it runs."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
     inner = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
     if inner is None or getattr(inner, "_shardwise_marked", False):
         return  # a torch without it (nothing to wrap) or already wrapped
@@ -164,8 +164,6 @@ class CollectiveLog(TorchDispatchMode):
     def __init__(self, group_names: dict[str, str]) -> None:
         super().__init__()
         registry = CommDebugMode()
-        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
-
         self._ops = set(registry.comm_registry) | set(c10d_collective_ops)
         self.group_names = group_names  # process-group name -> mesh dimension name
         self.counts: dict[tuple[str, str], list[int]] = {}

@@ -8,6 +8,8 @@ import argparse
 from typing import Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan.advice import train_settings
+from shardwise.rehearse.cli import rehearse
 
 GIB = 2**30
 
@@ -15,9 +17,6 @@ GIB = 2**30
 def rehearse_candidates(plan: Any, k: int, *, device: str = "cpu", steps: int = 2) -> list[dict[str, Any]]:
     """One row per rehearsed candidate (best first): its name, the plan's peak, the outcome, the
     measured peak of its highest played rank, and the rehearsal's verdict."""
-    from shardwise.plan.advice import train_settings
-    from shardwise.rehearse.cli import rehearse
-
     if not plan.workload.recipe:
         raise ShardwiseError("plan --rehearse needs a model the runtime can build (--model, --hf-config or "
                              "--pretrained), not a bare parameter count.")

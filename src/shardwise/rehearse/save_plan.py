@@ -13,16 +13,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from shardwise.runtime.checkpoint.state import model_state, optimizer_state
 
 
 def local_save_plan(model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
                     trainable_only: bool = False) -> dict[str, Any]:
     """Write items and bytes of this rank's part of a checkpoint (model and optimizer)."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    from shardwise.runtime.checkpoint.state import model_state, optimizer_state
-
     state = {"model": model_state(model, trainable_only), "optim": optimizer_state(model, optimizer, trainable_only)}
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, is_coordinator=rank == 0)

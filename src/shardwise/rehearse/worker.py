@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import load_config
+from shardwise.errors import ShardwiseError
+
 # Played ranks on a CPU build hold fake ``cpu`` tensors: FSDP2's fully_shard asks
 # torch.cuda.current_device(), which a CPU build refuses, even for fake ``cuda`` tensors.
 DEVICES = ("cpu", "cuda")
@@ -38,8 +41,8 @@ class PlaySpec:
 
 
 def _fake_group(rank: int, world_size: int, nproc: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.distributed as dist  # defers torch
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # defers torch
 
     # The Session reads the standard torchrun variables; LOCAL_RANK 0 picks this machine's one GPU.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
@@ -50,12 +53,12 @@ def _fake_group(rank: int, world_size: int, nproc: int) -> None:
 
 def _allocator(device: str) -> tuple[Any, Any]:
     """(the tensor mode the steps run in, the Session's ``allocate`` hook)."""
-    import torch
+    import torch  # defers torch
 
     if device == "cuda":
         # Real tensors, uninitialised: the values do not matter to memory or time.
         return contextlib.nullcontext(), lambda module, target: module.to_empty(device=target)
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode  # defers torch
 
     # Non-fake inputs: the batches come from the real data loader and are converted on entry.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -69,14 +72,13 @@ def _allocator(device: str) -> tuple[Any, Any]:
 
 def play_rank(spec: PlaySpec) -> dict[str, Any]:
     """Prepare the model for this rank, run ``spec.steps`` real steps, and return the measurements."""
-    import torch
+    import torch  # defers torch
 
-    from shardwise.config import load_config
-    from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes
-    from shardwise.rehearse.save_plan import local_save_plan
-    from shardwise.runtime.session import Session
-    from shardwise.runtime.trainer import build_optimizer
-    from shardwise.workloads import build_workload
+    from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes  # defers torch
+    from shardwise.rehearse.save_plan import local_save_plan  # defers torch
+    from shardwise.runtime.session import Session  # defers torch
+    from shardwise.runtime.trainer import build_optimizer  # defers numpy and torch
+    from shardwise.workloads import build_workload  # defers torch
 
     started = time.perf_counter()
     _fake_group(spec.rank, spec.world_size, spec.nproc)
@@ -96,7 +98,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     prepared_s = time.perf_counter() - started
     collate_fn = workload.collate_fn
     if collate_fn is not None and session.layout.pp > 1:
-        from shardwise.parallel.pp import fixed_shape_collate
+        from shardwise.parallel.pp import fixed_shape_collate  # defers torch
 
         collate_fn = fixed_shape_collate(collate_fn)
     # Drawn before the tensor mode is entered: the loader's sampler reads real values.
@@ -150,8 +152,6 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.errors import ShardwiseError
-
     argv = sys.argv[1:] if argv is None else argv
     spec = PlaySpec(**json.loads(Path(argv[0]).read_text(encoding="utf-8")))
     try:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 
 from shardwise.config import AUTO, RunConfig, replace_in
+from shardwise.device import accelerator_count
+from shardwise.fsutil import atomic_write_json
 from shardwise.parallel.compile import compile_refusal
 
 # Priors until this machine has measured the job (see the module docstring for their sources).
@@ -72,8 +74,6 @@ def device_type(device: torch.device | str | None = None) -> str:
     """The device type this process trains on ("cuda" when a GPU is visible, else "cpu")."""
     if device is not None:
         return torch.device(device).type
-    from shardwise.device import accelerator_count
-
     return "cuda" if accelerator_count() else "cpu"
 
 
@@ -191,8 +191,6 @@ def record_run(key: str, compiled: bool, step_times_s: list[float],
     The steady step is the median after the first ``WARMUP_STEPS``; a compiled run's compile time
     is what its first steps took beyond that many steady steps.
     """
-    from shardwise.fsutil import atomic_write_json
-
     if len(step_times_s) <= WARMUP_STEPS + 2:
         return None
     steady = sorted(step_times_s[WARMUP_STEPS:])[len(step_times_s[WARMUP_STEPS:]) // 2]

@@ -32,9 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from shardwise.parallel.tp_gpt2 import fused_sources
 
 __all__ = ["InitProgram", "MetaInitUnsupported", "is_meta_module", "local_region", "record_build"]
 
@@ -243,8 +247,6 @@ class InitProgram:
         destinations: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         # A tensor the strategy cut out of a recorded one (GPT-2's c_attn split into q/k/v for TP,
         # parallel/tp_gpt2.py) takes its slice of the recorded value along its output features.
-        from shardwise.parallel.tp_gpt2 import fused_sources
-
         parts = fused_sources(model)
         for name, tensor in _named_tensors(model):
             fqn = name_of(name)
@@ -397,11 +399,7 @@ def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:
 def local_region(dest: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """(the tensor this rank holds of ``dest``, where it lies in the full value): all of a plain
     tensor, a DTensor's local shard and its slices of the global tensor."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(dest, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(dest.shape, dest.device_mesh, dest.placements)
         return dest.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
     return dest, tuple(slice(0, s) for s in dest.shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 
 def adamw_implementation(device: torch.device | str) -> dict[str, bool]:
@@ -13,7 +14,5 @@ def adamw_implementation(device: torch.device | str) -> dict[str, bool]:
     201 ms, the for-loop 188 ms; fused and foreach agree to 2.4e-7 (rounding of the same update).
     The for-loop kernel (torch's CPU default) also reads each parameter's step counter on the host.
     """
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
     kind = torch.device(device).type
     return {"fused": True} if kind in _get_fused_kernels_supported_devices() else {"foreach": True}

@@ -40,7 +40,7 @@ def capture_rng_state() -> dict[str, Any]:
         "torch_cpu": _encode(torch.get_rng_state()),
     }
     with contextlib.suppress(ImportError):
-        import numpy as np
+        import numpy as np  # defers numpy
 
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
@@ -64,7 +64,7 @@ def check_rng_state(state: Any) -> None:
         torch.Generator().set_state(_decode(state["torch_cpu"]))
         if "numpy" in state:
             with contextlib.suppress(ImportError):
-                import numpy as np
+                import numpy as np  # defers numpy
 
                 n = state["numpy"]
                 np.random.RandomState().set_state((n["kind"], np.array(n["keys"], dtype=np.uint32),
@@ -84,7 +84,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_decode(state["torch_cpu"]))
     if "numpy" in state:
         with contextlib.suppress(ImportError):
-            import numpy as np
+            import numpy as np  # defers numpy
 
             n = state["numpy"]
             np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"],

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import random
@@ -36,25 +37,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import logs
-from shardwise.config import FIRST_STEP_TIMEOUT_S, ParallelConfig
+from shardwise.config import FIRST_STEP_TIMEOUT_S, INIT_MODES, ParallelConfig
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.job import lifeline
 from shardwise.job.identity import launch_id as launch_id_from_env
+from shardwise.job.watchdog import Watchdog
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
+from shardwise.loss import install_chunked_head, parse_loss_chunks, token_loss_context
 from shardwise.models.moe import discard_aux_losses, moe_layers
 from shardwise.models.names import clean_name
+from shardwise.observe.step_phases import StepPhases
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.compile import check_compile, compile_loss, compile_refusal
+from shardwise.parallel.cp import CPState, chunk_aligned, chunk_batch, resolve_cp_impl
 from shardwise.parallel.implementations import get_strategy
+from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
+from shardwise.parallel.ties import check_ties, tied_groups
+from shardwise.parallel.tp_gpt2 import fused_sources
 from shardwise.runtime.auto import resolve_compile, resolve_precision
+from shardwise.runtime.checkpoint.background import BackgroundWriter, close_writer, resolve_mode, summarize
+from shardwise.runtime.checkpoint.load import load_checkpoint
+from shardwise.runtime.checkpoint.pieces import standard_pieces
+from shardwise.runtime.checkpoint.save import prepare_save, save_checkpoint
+from shardwise.runtime.collective import raise_on_every_rank
 from shardwise.runtime.data import ShardedLoader
 from shardwise.runtime.ledger import grad_bytes
+from shardwise.runtime.meta_init import MetaInitUnsupported, is_meta_module, record_build
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.scheduler import prepare_scheduler, scheduler_state
 
@@ -77,7 +94,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     with contextlib.suppress(ImportError):
-        import numpy as np
+        import numpy as np  # defers numpy
 
         np.random.seed(seed % 2**32)
 
@@ -107,8 +124,6 @@ class Session:
         self.compile = False
         self._collective_timeout_s = collective_timeout_s
         # Chunked output head + cross-entropy (shardwise.loss), installed on the model in prepare().
-        from shardwise.loss import parse_loss_chunks
-
         self.loss_chunks = loss_chunks
         parse_loss_chunks(loss_chunks)
         self.loss_plan: Any = None
@@ -120,8 +135,6 @@ class Session:
             self.rank = dist.get_rank()
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             # A rank started by torchrun (or `shardwise launch`) dies with its agent and launcher.
-            from shardwise.job import lifeline
-
             lifeline.start(f"rank {self.rank}")
         if not logs.is_configured():  # the application's (or the trainer's) own setup wins
             logs.configure(self.rank)
@@ -222,8 +235,6 @@ class Session:
         self.cp_impl = "alltoall"  # parallel.cp_impl resolved (parallel.cp.resolve_cp_impl)
         self.cp_rank = self.layout.cp_rank(self.rank)
         if self.layout.cp > 1:
-            from shardwise.parallel.cp import CPState, resolve_cp_impl
-
             self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
             self.cp_state = CPState(self.cp_impl)
         self.ctx = ParallelContext(self.world_size, self.rank, self.device, options, self.layout, self.mesh,
@@ -250,8 +261,6 @@ class Session:
     def _build_meshes(self) -> Any:
         if self.world_size == 1 and not dist.is_initialized():
             return None
-        from shardwise.parallel.mesh import build_meshes
-
         return build_meshes(self.layout, self.device.type)
 
     # ------------------------------------------------------------------ build
@@ -266,9 +275,6 @@ class Session:
         parameters as usual; ``prepare`` re-points it. A factory that cannot run on the meta
         device (it reads tensor values while building) is built eagerly instead; ``notes`` says why.
         """
-        from shardwise.config import INIT_MODES
-        from shardwise.runtime.meta_init import MetaInitUnsupported, record_build
-
         if init not in INIT_MODES:
             raise ConfigError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}.")
         if self._prepared:
@@ -289,8 +295,6 @@ class Session:
 
     def _materializer(self, model: nn.Module) -> Callable[[nn.Module], None] | None:
         """The strategy's hook that allocates and fills a meta model's (shards of) tensors, or None."""
-        from shardwise.runtime.meta_init import is_meta_module
-
         if self._built is None or self._built[0] is not model:
             if is_meta_module(model):
                 raise ShardwiseError(
@@ -375,15 +379,11 @@ class Session:
             model = model.to(storage_dtype(self.options.precision))
         # The chunked loss head replaces the model's head on the whole, plain model (it changes no
         # parameter; a pipeline's last stage keeps it).
-        from shardwise.loss import install_chunked_head
-
         self.loss_plan = install_chunked_head(model, self.loss_chunks, tp=self.layout.tp, pp=self.layout.pp)
         if self.loss_plan.enabled:
             self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
                               f"{self.loss_chunks}); the whole logits tensor is never built")
         # The one parallelize order (parallel/parallelize.py): split -> TP -> CP -> EP -> AC -> compile -> DP.
-        from shardwise.parallel.ties import check_ties, tied_groups
-
         ties = tied_groups(model)
         prepared = parallelize(model, self.strategy, self.ctx)
         check_ties(prepared, ties, clean_name)  # a tied embedding/head is still one tensor, in one unit
@@ -409,8 +409,6 @@ class Session:
         scheduler, error = prepare_scheduler(scheduler, given, optimizer, groups_before)
         if self.is_distributed:
             # Pipeline stages regroup different parameters: a refusal on one rank is one on all.
-            from shardwise.runtime.collective import raise_on_every_rank
-
             raise_on_every_rank(error, ShardwiseError)
         elif error:
             raise ShardwiseError(error)
@@ -445,8 +443,6 @@ class Session:
             new_params[clean_name(n)] = p  # without DDP's "module." and checkpoint-wrapper prefixes
         # A parameter the strategy cut in slices (GPT-2's c_attn as q/k/v under TP, parallel/tp_gpt2.py)
         # is optimized as its slices, in the same param group.
-        from shardwise.parallel.tp_gpt2 import fused_sources
-
         by_name = dict(prepared.named_parameters())
         sliced: dict[str, list[torch.Tensor]] = {}
         for part, piece in fused_sources(prepared).items():
@@ -547,8 +543,6 @@ class Session:
         a packed/padded batch's whole-sequence mask goes to the attention (parallel.cp.chunk_batch)."""
         if self.layout.cp == 1:
             return inputs, targets
-        from shardwise.parallel.cp import chunk_batch
-
         # The chunk's real tokens go to an MoE model's routers only (another model never sees the key),
         # and not through a pipeline, whose stages take their side inputs by name (parallel/pp_hf.py;
         # preflight refuses MoE + cp + pp on padded rows).
@@ -566,8 +560,6 @@ class Session:
         tokens by cut the same way as the labels, then ``sequence_sum`` of its partial sums."""
         if self.layout.cp == 1:
             return t
-        from shardwise.parallel.cp import chunk_aligned
-
         return chunk_aligned(t, self.cp_rank, self.layout.cp, self.cp_impl, fill)
 
     def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -577,8 +569,6 @@ class Session:
         that include the cp ranks) gives each parameter the gradient of that loss."""
         if self.layout.cp == 1:
             return t
-        from torch.distributed.nn.functional import all_reduce
-
         group, _ = self.meshes.cp_group()
         return all_reduce(t, group=group)
 
@@ -586,8 +576,6 @@ class Session:
         """The loss to call on ``model(inputs)``: per-token losses of the chunked head where it is on."""
         if self.loss_plan is None or not self.loss_plan.enabled:
             return contextlib.nullcontext(loss_fn)
-        from shardwise.loss import token_loss_context
-
         return token_loss_context(model, loss_fn, targets)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -666,8 +654,6 @@ class Session:
         on every rank at each logging step: rank 0 gets the slowest rank and spread per phase, and a
         line naming a consistently slow rank. The built-in trainer does all of this.
         """
-        from shardwise.observe.step_phases import StepPhases
-
         assert self.model is not None, "call session.prepare() first"
         if self.phases is None:
             self.phases = StepPhases(self.rank, self.world_size, self.device, is_distributed=self.is_distributed)
@@ -791,9 +777,6 @@ class Session:
         background (runtime.checkpoint.background). A save first waits for one in flight and
         raises its CheckpointError if it failed.
         """
-        from shardwise.runtime.checkpoint.pieces import standard_pieces
-        from shardwise.runtime.checkpoint.save import prepare_save, save_checkpoint
-
         t0 = time.perf_counter()
         self.wait_checkpoint()
         wait_s = time.perf_counter() - t0
@@ -846,8 +829,6 @@ class Session:
         Raises ConfigError for an asynchronous mode under an engine that writes its own files
         (DeepSpeed). See ``runtime.checkpoint.background.resolve_mode``.
         """
-        from shardwise.runtime.checkpoint.background import resolve_mode
-
         engine = self.strategy_name if self.strategy.checkpoint_io() is not None else None
         self.checkpoint_mode, note = resolve_mode(mode, self.device.type, engine)
         self._pinned_staging = mode == "async-pinned"
@@ -857,8 +838,6 @@ class Session:
         return note
 
     def _background_writer(self) -> Any:
-        from shardwise.runtime.checkpoint.background import BackgroundWriter
-
         if self._ckpt_writer is None:
             self._ckpt_writer = BackgroundWriter(pinned=self._pinned_staging,
                                                  timeout_s=self._collective_timeout_s, log=self.log)
@@ -913,8 +892,6 @@ class Session:
     @property
     def checkpoint_stats(self) -> dict[str, Any]:
         """Background saves so far: count, blocked/write seconds, bytes, waits, staging buffer bytes."""
-        from shardwise.runtime.checkpoint.background import summarize
-
         return summarize(self._ckpt_writer, self.checkpoint_mode)
 
     def load(self, path: str | os.PathLike, model: nn.Module | None = None,
@@ -926,9 +903,6 @@ class Session:
         and model shapes first and raises CheckpointError on every rank when they do not match.
         ``scheduler`` (default: the one prepare() returned) continues from its saved state.
         """
-        from shardwise.runtime.checkpoint.load import load_checkpoint
-        from shardwise.runtime.checkpoint.pieces import standard_pieces
-
         model = model or self.model
         assert model is not None, "call session.prepare() first, or pass the model"
         scheduler = scheduler if scheduler is not None else self.scheduler
@@ -963,8 +937,6 @@ class Session:
         other long phases of your own loop. Before the first ``step()`` a rank may be silent for
         ``first_step_timeout_s`` (at least ``timeout_s``): that step compiles and warms up.
         """
-        from shardwise.job.watchdog import Watchdog
-
         if self._watchdog is None:
             self._watchdog = Watchdog(run_dir, self.rank, timeout_s, attempt=attempt,
                                       launch_id=self.launch_id,
@@ -985,8 +957,6 @@ class Session:
         # Ordered shutdown: the background checkpoint writer finishes (its threads use the process
         # groups), then the groups are destroyed, then the interpreter may exit.
         if self._ckpt_writer is not None:
-            from shardwise.runtime.checkpoint.background import close_writer
-
             close_writer(self._ckpt_writer, self.log)  # kept: checkpoint_stats still reads it
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -1002,8 +972,6 @@ class Session:
         # and the process deadlocks at exit (pytorch/pytorch#56297). Dropping the Reducer while the
         # group is still registered leaves destroy_process_group, which releases the GIL, as the
         # last holder. The DDP wrapper cannot synchronise gradients after close() in any case.
-        from torch.nn.parallel import DistributedDataParallel
-
         if self.model is None:
             return
         for module in self.model.modules():
@@ -1011,8 +979,6 @@ class Session:
                 # The C++ Logger holds the Reducer too.
                 for attr in ("reducer", "logger"):
                     module.__dict__.pop(attr, None)
-        import gc
-
         gc.collect()  # reference cycles through the wrapper may still hold a Reducer
 
     def __enter__(self) -> Session:

@@ -26,6 +26,7 @@ from shardwise import logs
 from shardwise.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError, count_of
 from shardwise.job import faults
+from shardwise.job.lifeline import launcher_record
 from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
@@ -36,6 +37,7 @@ from shardwise.optim.build import check_optimizer, optimizer_name
 from shardwise.optim.schedule import lr_at as schedule_lr
 from shardwise.optim.schedule import set_lr
 from shardwise.optim.switch import resets_state, saved_state
+from shardwise.parallel.pp import fixed_shape_collate
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
@@ -188,8 +190,6 @@ class Trainer:
                                            plain_ce=self.workload.plain_token_ce)
         collate_fn = self.workload.collate_fn
         if collate_fn is not None and self.session.layout.pp > 1:
-            from shardwise.parallel.pp import fixed_shape_collate
-
             collate_fn = fixed_shape_collate(collate_fn)
         self.train_loader = self.session.dataloader(self.workload.train_set, t.micro_batch_size,
                                                     seed=t.seed, num_workers=cfg.data.num_workers,
@@ -657,8 +657,6 @@ class Trainer:
     def _kill_target(self) -> int:
         """This rank, or with ``debug.kill_launcher`` the launcher that started the job (its process
         record is in the ranks' environment, job.lifeline)."""
-        from shardwise.job.lifeline import launcher_record
-
         record = launcher_record()
         return int(record["pid"]) if self.cfg.debug.kill_launcher and record else os.getpid()
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shardwise.config import CHECKPOINT_MODES
@@ -175,8 +176,6 @@ class BackgroundWriter:
         if self._stager is not None and not _reusable(self._stager):
             self._stager = None  # torch 2.11 closed it after its last stage: make one anew
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             # The copy runs on the stager's own thread (wait_staged() before the weights change);
             # pinned, non-blocking copies only where there is a CUDA device to copy from.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False,

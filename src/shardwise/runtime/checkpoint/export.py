@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import default_file_mode
+from shardwise.parallel.deepspeed_checkpoint import read_full_state
 from shardwise.runtime.checkpoint.load import dcp_error
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
@@ -81,8 +83,6 @@ def read_full_model_state(source: str | os.PathLike) -> tuple[dict[str, torch.Te
     path = resolve_checkpoint(source)
     manifest = read_manifest(path)
     if manifest.get("engine") == "deepspeed":  # ZeRO shards, consolidated by DeepSpeed's zero_to_fp32
-        from shardwise.parallel.deepspeed_checkpoint import read_full_state
-
         return read_full_state(path, manifest), manifest
     identities: dict[str, list[int]] = {}
     problems = verify_files(path, manifest, identities=identities)
@@ -106,8 +106,6 @@ def read_full_model_state(source: str | os.PathLike) -> tuple[dict[str, torch.Te
 
 def export_weights(source: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
     """Write a checkpoint's full model weights to a safetensors file; return what was written."""
-    from safetensors.torch import save_file
-
     weights, manifest = read_full_model_state(source)
     out = Path(out)
     if out.suffix != ".safetensors":

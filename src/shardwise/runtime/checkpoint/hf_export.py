@@ -31,10 +31,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import default_file_mode
+from shardwise.models.hf import _build_config, _no_init_weights, _transformers
+from shardwise.models.lora import lora_config_from_dict, peft_adapter_name
+from shardwise.models.pretrained import inspect_pretrained, load_pretrained, tensor_groups
+from shardwise.parallel.deepspeed_checkpoint import engine_entries
+from shardwise.parallel.tp_gpt2 import PARTS
 from shardwise.runtime.checkpoint.export import _model_entries
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
@@ -80,8 +86,6 @@ class _Checkpoint:
         self._engine_state: dict[str, torch.Tensor] | None = None
         if self.manifest.get("engine") == "deepspeed":
             # ZeRO shards consolidated by DeepSpeed's zero_to_fp32 (files verified just above).
-            from shardwise.parallel.deepspeed_checkpoint import engine_entries
-
             self._engine_state, self.tensors = engine_entries(self.path, self.manifest)
             return
         # Shapes checked against the manifest before anything is allocated (a forged .metadata
@@ -163,8 +167,6 @@ def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 
 def _write_model_files(folder: Path, names: list[str], sizes: dict[str, int], read: Callable[[list[str]], dict],
                        max_bytes: int, metadata: dict[str, str]) -> dict[str, Any]:
-    from safetensors.torch import save_file
-
     groups = _shards(sizes, max_bytes)
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups, start=1):
@@ -194,8 +196,6 @@ def _copy_companions(info: dict[str, Any], folder: Path) -> list[str]:
 
 def _hf_skeleton(config: dict[str, Any]) -> Any:
     """The transformers model of ``config`` on the meta device (names, shapes and tying only)."""
-    from shardwise.models.hf import _transformers
-
     transformers = _transformers()
     cfg = transformers.AutoConfig.for_model(config["model_type"],
                                             **{k: v for k, v in config.items() if k != "model_type"})
@@ -223,8 +223,6 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
     ``base``: the pretrained folder (merge weights, tokenizer files to copy); default: the one the
     run trained from, as its manifest records it.
     """
-    from shardwise.models.pretrained import tensor_groups
-
     ck = _Checkpoint(source)
     info = _with_base(ck.export, base)
     max_bytes = parse_size(max_shard_size)
@@ -285,8 +283,6 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
 
 def _split_parts(name: str, tensors: dict[str, Any]) -> list[str] | None:
     """The checkpoint names of ``name``'s q/k/v slices (``parallel/tp_gpt2.py``), or None."""
-    from shardwise.parallel.tp_gpt2 import PARTS
-
     stem, _, leaf = name.rpartition(".")
     parts = [f"{stem}.{part}.{leaf}" for part in PARTS]
     return parts if all(p in tensors for p in parts) else None
@@ -296,8 +292,6 @@ def _with_base(info: dict[str, Any], base: str | os.PathLike | None) -> dict[str
     """The export info with the pretrained folder replaced by ``base`` (checked), when given."""
     if base is None:
         return info
-    from shardwise.models.pretrained import inspect_pretrained
-
     folder = inspect_pretrained(str(base))
     return {**info, "pretrained": str(folder.source.resolve()),
             "pretrained_base": str(folder.path.resolve()) if folder.adapter is not None else None}
@@ -319,8 +313,6 @@ def _numel(ck: _Checkpoint, info: dict[str, Any], name: str, state: dict[str, to
 
 def _adapter_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
     """The LoRA adapter tensors under the names PEFT's save_pretrained writes."""
-    from shardwise.models.lora import peft_adapter_name
-
     names = [n for n in ck.tensors if peft_adapter_name(n) is not None]
     if not names:
         raise CheckpointError(f"checkpoint {ck.path} holds no LoRA adapter tensors.")
@@ -329,12 +321,8 @@ def _adapter_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
 
 def _merged_state(ck: _Checkpoint, info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The base model with the adapters merged in (peft's merge_and_unload), as a state dict."""
-    from peft import get_peft_model
-    from peft.utils import set_peft_model_state_dict
-
-    from shardwise.models.hf import _build_config, _no_init_weights, _transformers
-    from shardwise.models.lora import lora_config_from_dict
-    from shardwise.models.pretrained import inspect_pretrained, load_pretrained, tensor_groups
+    from peft import get_peft_model  # defers peft (optional)
+    from peft.utils import set_peft_model_state_dict  # defers peft (optional)
 
     base = info.get("pretrained")
     if not base or not Path(base).is_dir():
@@ -367,10 +355,6 @@ def export_peft(source: str | os.PathLike, out: str | os.PathLike,
     ``base`` is written as the adapter's ``base_model_name_or_path`` (default: the folder the run
     trained from).
     """
-    from safetensors.torch import save_file
-
-    from shardwise.models.lora import lora_config_from_dict
-
     ck = _Checkpoint(source)
     info = _with_base(ck.export, base)
     if not info.get("lora"):

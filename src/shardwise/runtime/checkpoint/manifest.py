@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shardwise.errors import CheckpointError
+from shardwise.parallel.tp_gpt2 import split_names
 
 FORMAT = "shardwise-checkpoint"
 FORMAT_VERSION = 1
@@ -312,8 +313,6 @@ def shape_mismatch(saved: dict[str, list], mine: dict[str, list], limit: int = 4
 
 def incompatible_error(path: Path, diffs: list[str], saved_names: Any = ()) -> CheckpointError:
     """The error for a checkpoint saved from a model of another shape (``saved_names``: its tensors)."""
-    from shardwise.parallel.tp_gpt2 import split_names
-
     # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tp_gpt2.py); checkpoints
     # hold the fused c_attn whatever the layout, but those of shardwise before that held the slices.
     split = bool(split_names(saved_names))

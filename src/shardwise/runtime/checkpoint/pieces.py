@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.errors import ShardwiseError
+from shardwise.parallel.tp_gpt2 import split_names
 from shardwise.runtime.checkpoint.state import (
     model_state,
     optimizer_state,
@@ -99,8 +100,6 @@ class RankPiece(Piece):
 def _saved_split(saved_keys: set[str]) -> bool:
     """Whether a checkpoint holds GPT-2's c_attn as q/k/v slices (``parallel/tp_gpt2.py``): written
     under TP by shardwise before checkpoints held the fused tensor whatever the layout."""
-    from shardwise.parallel.tp_gpt2 import split_names
-
     return bool(split_names(saved_keys))
 
 

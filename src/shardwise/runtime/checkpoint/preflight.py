@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
+from shardwise.parallel.tp_gpt2 import fuse_shapes
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,
@@ -70,8 +71,6 @@ def _check(path: Path, shapes: dict[str, list] | None) -> Path:
     if problems:
         raise corruption_error(path, problems)
     if shapes is not None:
-        from shardwise.parallel.tp_gpt2 import fuse_shapes
-
         # GPT-2 saved under TP by an earlier shardwise holds c_attn as q/k/v slices: it loads under TP
         # (the ranks refuse it, with the way out, under a layout without TP).
         saved = manifest["model_tensors"]

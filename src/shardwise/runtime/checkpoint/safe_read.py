@@ -27,12 +27,14 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 
@@ -186,8 +188,6 @@ class SafeFileSystemReader(FileSystemReader):
         if problem:
             raise CheckpointError(f"{meta_path} is not safe to load: {problem}. The checkpoint was "
                                   "altered or was not written by shardwise; do not load it.")
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -198,8 +198,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, but non-tensor entries are read with ``weights_only=True``."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:

@@ -22,6 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from shardwise.parallel.pp_ties import rename_copy_keys
+from shardwise.parallel.tp_gpt2 import fuse_state, has_split_qkv, unfuse_state
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -32,8 +36,6 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     first. Saving the inner optimizer instead gives each rank's share under the parameters'
     names, which DCP merges across ranks and reads back under any other partition or strategy.
     """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
@@ -53,8 +55,6 @@ def _options(trainable_only: bool) -> StateDictOptions:
 
 
 def _fused(model: nn.Module, state: dict[str, Any], fused: bool) -> dict[str, Any]:
-    from shardwise.parallel.tp_gpt2 import fuse_state, has_split_qkv
-
     return fuse_state(state) if fused and has_split_qkv(model) else state
 
 
@@ -72,8 +72,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool = False, fused: bool = True) -> dict[str, Any]:
     """The optimizer's state as this rank holds it, keyed by parameter name (flattened); ``fused`` as
     in ``model_state``."""
-    from shardwise.parallel.pp_ties import rename_copy_keys
-
     state = get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
     # A pipeline's last-stage copy of a tied weight saves its state under the original's name.
     return _fused(model, rename_copy_keys(model, state, to_original=True), fused)
@@ -81,8 +79,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _unfused(model: nn.Module, state: dict[str, Any], own: Any) -> dict[str, Any]:
     """``state`` (fused or sliced names) under the model's own names and layout (``own()`` gives them)."""
-    from shardwise.parallel.tp_gpt2 import has_split_qkv, unfuse_state
-
     return unfuse_state(state, own()) if has_split_qkv(model) else state
 
 
@@ -93,8 +89,6 @@ def set_model_state(model: nn.Module, state: dict[str, Any], trainable_only: boo
 
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                         trainable_only: bool = False) -> None:
-    from shardwise.parallel.pp_ties import rename_copy_keys
-
     local = _local_optimizer(optimizer)
     state = _unfused(model, state, lambda: get_optimizer_state_dict(model, local, options=_options(trainable_only)))
     state = rename_copy_keys(model, state, to_original=False)
