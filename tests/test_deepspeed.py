@@ -42,7 +42,7 @@ sample_tokens = 0
 
 # A user's file as they bring it: every value shardwise knows left to "auto", ZeRO-3 + CPU offload.
 # (NVMe offload trains and saves, but DeepSpeed 0.19.8 does not restore swapped state on load:
-# shardwise refuses that resume, see deepspeed_checkpoint.load.)
+# shardwise refuses that resume, see runtime/checkpoint/deepspeed_engine.py load.)
 USER_DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
     "train_batch_size": "auto", "gradient_clipping": "auto",

@@ -151,7 +151,7 @@ def test_planner_offload_math():
 
 
 def test_nvme_state_is_recognised_for_the_resume_refusal():
-    from shardwise.parallel.deepspeed_checkpoint import swaps_to_nvme
+    from shardwise.runtime.checkpoint.deepspeed_engine import swaps_to_nvme
 
     assert swaps_to_nvme(builtin_config("zero3-nvme", VALUES))
     assert not swaps_to_nvme(builtin_config("zero3-offload", VALUES)) and not swaps_to_nvme({})

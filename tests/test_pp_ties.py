@@ -27,9 +27,9 @@ pytest.importorskip("transformers")
 
 from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
 from shardwise.layout import resolve_layout  # noqa: E402
+from shardwise.models.gpt2_qkv import fuse_split_state  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.parallel.pp import check_pp_model  # noqa: E402
-from shardwise.parallel.tp_gpt2 import fuse_split_state  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from tests.helpers.hf import VOCAB, reference_losses, save_tiny  # noqa: E402
 from tests.test_pp_hf import _full_name, save_llama  # noqa: E402

@@ -54,7 +54,7 @@ def test_single_process_first_loss_equals_transformers(folders):
 @pytest.mark.slow
 def test_every_strategy_loads_and_matches_transformers(folders):
     # One spawn of 2 ranks for all cases. GPT-2 under tp reads its fused c_attn from sharded files
-    # into the split q/k/v (parallel/tp_gpt2.py).
+    # into the split q/k/v (models/gpt2_qkv.py).
     cases, expect = [], []
     for name, strategies in (("llama-sharded", ("ddp", "fsdp", "tp", "fsdp+tp", "zero2", "hsdp")),
                              ("llama", ("fsdp",)), ("gpt2-sharded", ("ddp", "fsdp", "tp")), ("gpt2", ("zero1",))):

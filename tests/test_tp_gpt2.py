@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from shardwise.config import ParallelConfig
-from shardwise.parallel.tp_gpt2 import fuse_split_state
+from shardwise.models.gpt2_qkv import fuse_split_state
 from shardwise.runtime.checkpoint.pieces import ModelPiece, OptimizerPiece
 from shardwise.runtime.checkpoint.state import model_state, optimizer_state
 from shardwise.runtime.session import Session
@@ -277,7 +277,8 @@ def test_gpt2_tp_checks_heads_and_takes_lora_on_every_projection(gpt2_folder):
 
 def test_checkpoint_names_fuse_and_cut_back():
     """Model and flattened optimizer entries of q/k/v fuse to c_attn's names and layout and back."""
-    from shardwise.parallel.tp_gpt2 import fuse_shapes, fuse_state, split_names, unfuse_state
+    from shardwise.models.gpt2_qkv import fuse_shapes, split_names
+    from shardwise.runtime.checkpoint.state import fuse_state, unfuse_state
 
     stem = "hf.transformer.h.0.attn.c_attn"
     parts = {p: torch.randn(8, 4) for p in "qkv"}

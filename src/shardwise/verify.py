@@ -201,7 +201,7 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
             parts: list[Any] = [None] * session.world_size
             dist.all_gather_object(parts, params)
             params = {k: v for part in parts for k, v in part.items()}
-        from shardwise.parallel.tp_gpt2 import fuse_split_state  # defers torch
+        from shardwise.models.gpt2_qkv import fuse_split_state  # defers torch
 
         params = fuse_split_state(params)  # GPT-2 under TP trains c_attn as q/k/v: compare it fused
         from shardwise.models.moe import moe_layers  # defers torch

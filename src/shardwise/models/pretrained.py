@@ -310,7 +310,7 @@ def check_model_tensors(folder: PretrainedFolder, hf: nn.Module) -> dict[str, st
     tensors.update(hf.named_buffers(remove_duplicate=False))
     mapping: dict[str, str] = {}
     missing, wrong = [], []
-    from shardwise.parallel.tp_gpt2 import fused_sources  # defers torch
+    from shardwise.models.gpt2_qkv import fused_sources  # defers torch
 
     parts = fused_sources(hf)
     tied = tie_sources(hf)

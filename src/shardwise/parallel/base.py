@@ -182,9 +182,9 @@ class Strategy:
         """Whole parameters on the CPU where DCP cannot gather them (None: use DCP)."""
         return None
 
-    def checkpoint_io(self) -> Any:
-        """A module with ``save``/``load`` replacing DCP checkpoints (None: DCP)."""
-        return None
+    # Who writes this strategy's checkpoint tensors (runtime/checkpoint/engines.py): PyTorch DCP,
+    # or an engine that owns its files ("deepspeed").
+    checkpoint_engine = "dcp"
 
     def generation_unsupported(self) -> str | None:
         """Why ``model.generate`` cannot run under this strategy, or None when it can."""

@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel import deepspeed_checkpoint
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.deepspeed_config import (
     RunValues,
@@ -68,6 +67,7 @@ class DeepSpeedStrategy(Strategy):
 
     impl = "deepspeed"
     owns_step = True
+    checkpoint_engine = "deepspeed"  # ZeRO partitions in DeepSpeed's own files (runtime/checkpoint/deepspeed_engine.py)
 
     def __init__(self, layout: Any) -> None:
         super().__init__(layout)
@@ -208,9 +208,6 @@ class DeepSpeedStrategy(Strategy):
         for name, b in module.named_buffers():
             out[name] = b.detach().to("cpu", copy=True)
         return out
-
-    def checkpoint_io(self) -> Any:
-        return deepspeed_checkpoint
 
     def describe_config(self) -> str:
         return json.dumps(self.ds_config, indent=1, sort_keys=True) if self.ds_config else "{}"

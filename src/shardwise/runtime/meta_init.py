@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise.parallel.tp_gpt2 import fused_sources
+from shardwise.models.gpt2_qkv import fused_sources
 
 __all__ = ["InitProgram", "MetaInitUnsupported", "is_meta_module", "local_region", "record_build"]
 

@@ -50,6 +50,7 @@ from shardwise.job.watchdog import Watchdog
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.loss import install_chunked_head, parse_loss_chunks, token_loss_context
+from shardwise.models.gpt2_qkv import fused_sources
 from shardwise.models.moe import discard_aux_losses, moe_layers
 from shardwise.models.names import clean_name
 from shardwise.observe.step_phases import StepPhases
@@ -62,9 +63,9 @@ from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.ties import check_ties, tied_groups
-from shardwise.parallel.tp_gpt2 import fused_sources
 from shardwise.runtime.auto import resolve_compile, resolve_precision
 from shardwise.runtime.checkpoint.background import BackgroundWriter, close_writer, resolve_mode, summarize
+from shardwise.runtime.checkpoint.engines import engine_for
 from shardwise.runtime.checkpoint.load import load_checkpoint
 from shardwise.runtime.checkpoint.pieces import standard_pieces
 from shardwise.runtime.checkpoint.save import prepare_save, save_checkpoint
@@ -797,7 +798,7 @@ class Session:
             self._watchdog.beat(phase="checkpoint save")
         if self.phases is not None:
             self.phases.start("checkpoint")
-        engine_io = self.strategy.checkpoint_io()
+        engine_io = engine_for(self.strategy.checkpoint_engine)
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
             if async_:
                 self.set_checkpoint_mode("async")  # refused by name
@@ -829,7 +830,7 @@ class Session:
         Raises ConfigError for an asynchronous mode under an engine that writes its own files
         (DeepSpeed). See ``runtime.checkpoint.background.resolve_mode``.
         """
-        engine = self.strategy_name if self.strategy.checkpoint_io() is not None else None
+        engine = self.strategy_name if engine_for(self.strategy.checkpoint_engine) is not None else None
         self.checkpoint_mode, note = resolve_mode(mode, self.device.type, engine)
         self._pinned_staging = mode == "async-pinned"
         if self._ckpt_writer is not None:
@@ -909,7 +910,7 @@ class Session:
         optimizer = optimizer if optimizer is not None else self.optimizer
         loader = loader if loader is not None else self.loader
         self.wait_staged()  # the weights are about to be overwritten
-        engine_io = self.strategy.checkpoint_io()
+        engine_io = engine_for(self.strategy.checkpoint_engine)
         if engine_io is not None:  # an engine's own files inside shardwise's protocol (DeepSpeed)
             loaded = engine_io.load(self, path, model, optimizer, loader=loader, scheduler=scheduler,
                                     restore_rng=restore_rng)

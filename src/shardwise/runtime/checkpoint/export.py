@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import default_file_mode
-from shardwise.parallel.deepspeed_checkpoint import read_full_state
+from shardwise.runtime.checkpoint.engines import engine_for
 from shardwise.runtime.checkpoint.load import dcp_error
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
-from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
+from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, engine_of, read_manifest, verify_files
 from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from shardwise.runtime.checkpoint.state import single_process_ok
 
@@ -82,8 +82,9 @@ def read_full_model_state(source: str | os.PathLike) -> tuple[dict[str, torch.Te
     """Consolidated full model weights of a checkpoint, read in this process without a process group."""
     path = resolve_checkpoint(source)
     manifest = read_manifest(path)
-    if manifest.get("engine") == "deepspeed":  # ZeRO shards, consolidated by DeepSpeed's zero_to_fp32
-        return read_full_state(path, manifest), manifest
+    engine = engine_for(engine_of(manifest))
+    if engine is not None:  # e.g. DeepSpeed's ZeRO shards, consolidated by its zero_to_fp32
+        return engine.read_full_state(path, manifest), manifest
     identities: dict[str, list[int]] = {}
     problems = verify_files(path, manifest, identities=identities)
     if problems:

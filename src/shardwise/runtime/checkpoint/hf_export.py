@@ -36,14 +36,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import default_file_mode
+from shardwise.models.gpt2_qkv import PARTS
 from shardwise.models.hf import _build_config, _no_init_weights, _transformers
 from shardwise.models.lora import lora_config_from_dict, peft_adapter_name
 from shardwise.models.pretrained import inspect_pretrained, load_pretrained, tensor_groups
-from shardwise.parallel.deepspeed_checkpoint import engine_entries
-from shardwise.parallel.tp_gpt2 import PARTS
+from shardwise.runtime.checkpoint.engines import engine_for
 from shardwise.runtime.checkpoint.export import _model_entries
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
-from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, read_manifest, verify_files
+from shardwise.runtime.checkpoint.manifest import DCP_METADATA, corruption_error, engine_of, read_manifest, verify_files
 from shardwise.runtime.checkpoint.safe_read import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from shardwise.runtime.checkpoint.state import single_process_ok
 
@@ -84,9 +84,10 @@ class _Checkpoint:
         if problems:
             raise corruption_error(self.path, problems)
         self._engine_state: dict[str, torch.Tensor] | None = None
-        if self.manifest.get("engine") == "deepspeed":
-            # ZeRO shards consolidated by DeepSpeed's zero_to_fp32 (files verified just above).
-            self._engine_state, self.tensors = engine_entries(self.path, self.manifest)
+        engine = engine_for(engine_of(self.manifest))
+        if engine is not None:
+            # e.g. DeepSpeed's ZeRO shards, consolidated by its zero_to_fp32 (files verified just above).
+            self._engine_state, self.tensors = engine.engine_entries(self.path, self.manifest)
             return
         # Shapes checked against the manifest before anything is allocated (a forged .metadata
         # cannot make an export allocate more than the checkpoint's files hold).

@@ -16,8 +16,10 @@ from torch import nn
 from shardwise.errors import CheckpointError, count_of
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import (
+    DCP,
     DCP_METADATA,
     corruption_error,
+    engine_of,
     incompatible_error,
     open_regular,
     read_manifest,
@@ -47,6 +49,33 @@ class LoadedCheckpoint:
     notes: list[str] = field(default_factory=list)
 
 
+
+def resolve_everywhere(source: str | os.PathLike) -> Path:
+    """The checkpoint ``source`` names, resolved once on rank 0 and handed to every rank (collective).
+
+    One resolution, so all ranks read the same checkpoint even if a save publishes a newer ``latest``
+    meanwhile; its error is raised on every rank alike. Every engine's load starts here.
+    """
+    path_or_err: tuple[str | None, str | None]
+    try:
+        path_or_err = (str(resolve_checkpoint(source)), None) if global_rank() == 0 else (None, None)
+    except CheckpointError as e:
+        path_or_err = (None, str(e))
+    path_or_err = gather(path_or_err)[0]
+    first_error([path_or_err[1]], CheckpointError)
+    return Path(path_or_err[0])
+
+
+def foreign_engine_error(path: Path, manifest: dict[str, Any], engine: str) -> CheckpointError:
+    """A checkpoint written by another engine than the one this strategy loads with: the way across."""
+    wrote, strategy = engine_of(manifest), manifest.get("strategy")
+    who = {"deepspeed": "DeepSpeed", DCP: "PyTorch DCP"}
+    return CheckpointError(
+        f"checkpoint {path} was written by {who.get(wrote, wrote)} (strategy {strategy!r}), and this strategy "
+        f"loads only checkpoints written by {who.get(engine, engine)}. To continue from its weights, export them "
+        f"(`shardwise ckpt export {path} --format hf` or `--format safetensors`) and start from that folder "
+        "(model.pretrained), or resume with the strategy that wrote it.")
+
 def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     *, world_size: int, loader: Any = None, scaler: Any = None,
                     restore_rng: bool = True, trainable_only: bool = False,
@@ -64,25 +93,14 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
                                  restore_rng=restore_rng)
     tensor_pieces, manifest_pieces, rank_pieces = split_pieces(pieces)
     rank = global_rank()
-    # Rank 0 resolves 'latest' once, so all ranks read the same checkpoint even if a save lands now.
-    path_or_err: tuple[str | None, str | None]
-    try:
-        path_or_err = (str(resolve_checkpoint(source)), None) if rank == 0 else (None, None)
-    except CheckpointError as e:
-        path_or_err = (None, str(e))
-    path_or_err = gather(path_or_err)[0]
-    first_error([path_or_err[1]], CheckpointError)
-    path = Path(path_or_err[0])
-
+    path = resolve_everywhere(source)
     try:
         manifest: dict[str, Any] | None = read_manifest(path)
         error = None
     except CheckpointError as e:
         manifest, error = None, str(e)
-    if error is None and manifest.get("engine") == "deepspeed":
-        error = (f"checkpoint {path} was written by DeepSpeed (strategy {manifest['strategy']!r}) and loads only "
-                 f"under a DeepSpeed strategy. To continue under another one, export its weights (`shardwise ckpt "
-                 f"export {path} --format safetensors` or `--format hf`) and start from them (model.pretrained).")
+    if error is None and engine_of(manifest) != DCP:
+        error = str(foreign_engine_error(path, manifest, DCP))
     raise_on_every_rank(error, CheckpointError)
     assert manifest is not None
 
@@ -164,10 +182,10 @@ def load_checkpoint(source: str | os.PathLike, model: nn.Module, optimizer: torc
     extra, extra0, error = None, None, None
     try:
         if manifest["world_size"] == world_size and f"rng-rank{rank}.json" in manifest["files"]:
-            extra = _read_rank_file(path, f"rng-rank{rank}.json")
+            extra = read_rank_file(path, f"rng-rank{rank}.json")
         elif (any(p.from_rank0_when_resharded for p in rank_pieces.values())
               and "rng-rank0.json" in manifest["files"]):
-            extra0 = _read_rank_file(path, "rng-rank0.json")
+            extra0 = read_rank_file(path, "rng-rank0.json")
     except CheckpointError as e:
         error = str(e)
     raise_on_every_rank(error, CheckpointError)
@@ -200,7 +218,7 @@ def _restore(piece: Piece, name: str, state: Any, path: Path, loaded: LoadedChec
         raise CheckpointError(piece.load_error(name, path, e)) from None
 
 
-def _read_rank_file(path: Path, name: str) -> dict[str, Any]:
+def read_rank_file(path: Path, name: str) -> dict[str, Any]:
     """A verified rng-rank<r>.json, checked to hold RNG streams (and scaler state) as shardwise writes them."""
     fd = open_regular(path / name)
     with os.fdopen(fd, "rb") as f:

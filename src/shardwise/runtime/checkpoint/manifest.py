@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shardwise.errors import CheckpointError
-from shardwise.parallel.tp_gpt2 import split_names
+from shardwise.models.gpt2_qkv import split_names
 
 FORMAT = "shardwise-checkpoint"
 FORMAT_VERSION = 1
@@ -25,10 +25,18 @@ PARTIAL_PREFIX = ".partial-"
 # the checkpoint is published.
 PARTIAL_OWNER = ".owner.json"
 DCP_METADATA = ".metadata"
+# Who wrote a checkpoint's tensors (the manifest's "engine"; absent: PyTorch DCP). The engines that
+# own their files are listed in ``checkpoint.engines``.
+DCP = "dcp"
 STEP_DIR_RE = re.compile(r"step-\d{8,}")
 # A manifest describes a few thousand tensors at most; anything far larger is not one.
 MAX_MANIFEST_BYTES = 64 * 2**20
 
+
+
+def engine_of(manifest: dict[str, Any]) -> str:
+    """The engine that wrote a checkpoint's tensors ("dcp" unless the manifest names another)."""
+    return str(manifest.get("engine") or DCP)
 
 def step_dir_name(step: int) -> str:
     """Directory name of the checkpoint taken after ``step`` optimizer steps."""
@@ -218,7 +226,7 @@ def schema_problem(manifest: dict[str, Any]) -> str | None:
         if not (isinstance(info, dict) and _is_int(info.get("bytes")) and isinstance(info.get("sha256"), str)
                 and re.fullmatch(r"[0-9a-f]{64}", info["sha256"])):
             return f"files[{name!r}] is not {{bytes, sha256}}"
-    if DCP_METADATA not in manifest["files"] and manifest.get("engine") != "deepspeed":
+    if DCP_METADATA not in manifest["files"] and engine_of(manifest) == DCP:
         return f"it lists no {DCP_METADATA}"
     for name, spec in manifest["model_tensors"].items():
         problem = _tensor_spec_problem(name, spec)

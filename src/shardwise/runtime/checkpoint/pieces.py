@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardwise.errors import ShardwiseError
-from shardwise.parallel.tp_gpt2 import split_names
+from shardwise.models.gpt2_qkv import split_names
 from shardwise.runtime.checkpoint.state import (
     model_state,
     optimizer_state,

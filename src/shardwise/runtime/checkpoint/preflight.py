@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
-from shardwise.parallel.tp_gpt2 import fuse_shapes
+from shardwise.models.gpt2_qkv import fuse_shapes
 from shardwise.runtime.checkpoint.locate import resolve_checkpoint
 from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,

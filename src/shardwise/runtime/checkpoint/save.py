@@ -305,7 +305,7 @@ def _write_manifest_and_publish(root: Path, partial: Path, final: Path, job: str
     # A rank whose launcher was killed meanwhile exits here rather than publish (lifeline).
     ensure_alive()
     try:
-        _publish(root, partial, final, job)
+        publish(root, partial, final, job)
     except OSError:
         # Renamed into place but 'latest' could not be written: take it back out, so the run
         # directory says exactly what 'latest' says (the previous checkpoint).
@@ -315,7 +315,8 @@ def _write_manifest_and_publish(root: Path, partial: Path, final: Path, job: str
         raise
 
 
-def _publish(root: Path, partial: Path, final: Path, job: str) -> None:
+def publish(root: Path, partial: Path, final: Path, job: str) -> None:
+    """Rename a written ``partial`` directory to ``final`` (atomic) and point ``latest`` at it (rank 0)."""
     if os.path.lexists(final):
         # Re-saving a step (after resuming from an older checkpoint): move the old one aside
         # first, since rename() cannot replace a non-empty directory. This job's own is then

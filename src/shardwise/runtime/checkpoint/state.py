@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Replicate
 
+from shardwise.models.gpt2_qkv import PARTS, fused_dim, has_split_qkv, split_names
 from shardwise.parallel.pp_ties import rename_copy_keys
-from shardwise.parallel.tp_gpt2 import fuse_state, has_split_qkv, unfuse_state
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -113,3 +114,93 @@ def single_process_ok() -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
         yield
+
+
+# ------------------------------------------------------------- GPT-2's split q/k/v (models/gpt2_qkv.py)
+def _fusable_placements(t: Any, dim: int) -> list[Any]:
+    """``t``'s placements with every mesh dim that shards its dim ``dim`` replicated instead."""
+    return [Replicate() if getattr(p, "dim", None) is not None and p.dim % t.ndim == dim else p
+            for p in t.placements]
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+def _fuse_values(values: list[Any], dim: int) -> Any:
+    """The parts' entries as the fused tensor's: tensors concatenated along ``dim`` (the output
+    features); scalars (Adam's ``step``) and hyper-parameters are shared, q's is kept."""
+    first = values[0]
+    if not isinstance(first, torch.Tensor) or first.ndim == 0:
+        return first
+    dim %= first.ndim
+    with torch.no_grad():
+        if not isinstance(first, DTensor):
+            return torch.cat([v.detach() for v in values], dim=dim)
+        # Each part is column-split across the TP ranks ([q_r | k_r | v_r] is not one block of the
+        # fused tensor): gather ``dim`` over the mesh dims that split it, keep the others (FSDP's
+        # row shards of a Conv1D part are the same rows in the three parts), and concatenate locally.
+        placements = _fusable_placements(first, dim)
+        local = torch.cat([v.detach().redistribute(v.device_mesh, placements).to_local() for v in values], dim=dim)
+        shape = list(first.shape)
+        shape[dim] = sum(v.shape[dim] for v in values)
+        return DTensor.from_local(local, first.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(tuple(shape)))
+
+def _part_value(fused: Any, index: int, like: Any, dim: int) -> Any:
+    """Part ``index`` of a fused entry (as ``_fuse_values`` made it, cut along ``dim``), laid out as ``like``."""
+    if not isinstance(like, torch.Tensor):
+        return fused
+    if like.ndim == 0:
+        return fused.detach().clone()  # one tensor per part: Adam increments ``step`` in place
+    dim %= like.ndim
+    width = like.shape[dim]
+    if fused.shape[dim] != width * len(PARTS):
+        raise ValueError(f"a fused q/k/v entry of {fused.shape[dim]} output features (dim {dim}) does not hold three "
+                         f"parts of {width}")
+    with torch.no_grad():
+        if not isinstance(fused, DTensor):
+            return fused.detach().narrow(dim, index * width, width).clone()
+        # The fused entry's ``dim`` is whole on every rank (see _fuse_values): slice it locally,
+        # then scatter it as the part is laid out (a local chunk for the TP split).
+        local = fused.to_local().narrow(dim, index * width, width).contiguous()
+        whole = DTensor.from_local(local, fused.device_mesh, fused.placements, run_check=False,
+                                   shape=like.shape, stride=_contiguous_stride(tuple(like.shape)))
+        if isinstance(like, DTensor):
+            return whole.redistribute(like.device_mesh, like.placements)
+        return whole.full_tensor()
+
+def fuse_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A model or (flattened) optimizer state dict of a split model under the fused names.
+
+    Collective when the parts are DTensors (their output features are gathered over the TP ranks).
+    """
+    groups = split_names(state)
+    if not groups:
+        return state
+    first = {parts[0]: fused for fused, parts in groups.items()}
+    rest = {p for parts in groups.values() for p in parts[1:]}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if name in first:
+            fused = first[name]
+            out[fused] = _fuse_values([state[p] for p in groups[fused]], fused_dim(fused))
+        elif name not in rest:
+            out[name] = value
+    return out
+
+def unfuse_state(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """``loaded`` (fused names, as ``fuse_state`` gives) under the names and layout of ``like``
+    (the split model's own state dict): each fused entry cut into its q/k/v parts. Entries
+    ``loaded`` holds under a part's own name (a checkpoint that saved the parts) are kept."""
+    groups = split_names(like)
+    if not groups:
+        return loaded
+    part_of = {p: (fused, i) for fused, parts in groups.items() for i, p in enumerate(parts)}
+    out = {name: value for name, value in loaded.items() if name not in groups}
+    for name, (fused, index) in part_of.items():
+        if name not in out and fused in loaded:
+            out[name] = _part_value(loaded[fused], index, like[name], fused_dim(fused))
+    return out

@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints inside shardwise's checkpoint protocol.
+"""DeepSpeed checkpoints inside shardwise's checkpoint protocol: the engine ``engines.ENGINES`` lists.
 
 The engine writes its own files (``mp_rank_00_model_states.pt``, one
 ``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank) straight into this job's
@@ -38,8 +38,8 @@ from shardwise.fsutil import atomic_write_text
 from shardwise.job.identity import process_record
 from shardwise.parallel.deepspeed_config import offload_devices
 from shardwise.parallel.deepspeed_setup import import_deepspeed
-from shardwise.runtime.checkpoint.load import LoadedCheckpoint, _read_rank_file
-from shardwise.runtime.checkpoint.locate import resolve_checkpoint, rotate
+from shardwise.runtime.checkpoint.load import LoadedCheckpoint, foreign_engine_error, read_rank_file, resolve_everywhere
+from shardwise.runtime.checkpoint.locate import rotate
 from shardwise.runtime.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -47,6 +47,7 @@ from shardwise.runtime.checkpoint.manifest import (
     PARTIAL_OWNER,
     body_checksum,
     corruption_error,
+    engine_of,
     fingerprint,
     read_manifest,
     removed_error,
@@ -55,7 +56,7 @@ from shardwise.runtime.checkpoint.manifest import (
     step_dir_name,
     verify_files,
 )
-from shardwise.runtime.checkpoint.save import _publish, partial_dir_name
+from shardwise.runtime.checkpoint.save import partial_dir_name, publish
 from shardwise.runtime.collective import barrier, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.collective import world_size as global_world
@@ -131,7 +132,7 @@ def save(session: Any, root: str | os.PathLike, model: nn.Module, optimizer: Any
         manifest["checksum"] = body_checksum(manifest)
         atomic_write_text(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
         (partial / PARTIAL_OWNER).unlink(missing_ok=True)
-        _publish(root, partial, final, job)
+        publish(root, partial, final, job)
         rotate(root, keep_last, job)
         # DeepSpeed copies its recovery scripts beside the checkpoint; `shardwise ckpt export` does
         # their job, and a checkpoints root holds only checkpoints.
@@ -152,33 +153,18 @@ def _ds_version() -> str:
     return str(deepspeed.__version__)
 
 
-def foreign_error(path: Path, manifest: dict[str, Any]) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} was written by strategy {manifest.get('strategy')!r} (PyTorch DCP), and DeepSpeed "
-        "strategies load only their own checkpoints. To continue from its weights, export them "
-        f"(`shardwise ckpt export {path} --format hf` or `--format safetensors`) and start from that "
-        "folder (model.pretrained), or resume with the strategy that wrote it.")
-
-
 def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: Any, *, loader: Any = None,
          scheduler: Any = None, restore_rng: bool = True) -> LoadedCheckpoint:
     """Verify, then restore the engine's state, the data position and this rank's RNG (collective)."""
     engine = session.strategy.engine
     rank, world = global_rank(), global_world()
-    path_or_err: tuple[str | None, str | None]
-    try:
-        path_or_err = (str(resolve_checkpoint(source)), None) if rank == 0 else (None, None)
-    except CheckpointError as e:
-        path_or_err = (None, str(e))
-    path_or_err = gather(path_or_err)[0]
-    raise_on_every_rank(path_or_err[1], CheckpointError)
-    path = Path(path_or_err[0])
+    path = resolve_everywhere(source)
     manifest: dict[str, Any] | None = None
     error = None
     try:
         manifest = read_manifest(path)
-        if manifest.get("engine") != ENGINE:
-            error = str(foreign_error(path, manifest))
+        if engine_of(manifest) != ENGINE:
+            error = str(foreign_engine_error(path, manifest, ENGINE))
         elif swaps_to_nvme(session.strategy.ds_config or {}):
             error = (f"cannot resume from {path} under NVMe offload: DeepSpeed {_ds_version()} restores ZeRO-3 "
                      "state into the swapped-out buffers of offload_optimizer/offload_param = nvme without "
@@ -220,7 +206,7 @@ def load(session: Any, source: str | os.PathLike, model: nn.Module, optimizer: A
         note = restore_scheduler(scheduler, manifest.get("scheduler"), str(path))
         if note:
             loaded.notes.append(note)
-    extra = _read_rank_file(path, f"rng-rank{rank}.json")
+    extra = read_rank_file(path, f"rng-rank{rank}.json")
     loaded.rng = extra["rng"]
     if restore_rng:
         restore_rng_state(loaded.rng)
