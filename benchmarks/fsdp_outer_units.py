@@ -54,8 +54,8 @@ def _units(model: torch.nn.Module) -> list[int]:
 
 
 def measure(rank: int, world_size: int, separate: bool) -> dict:
-    from shardwise.parallel import fsdp
     from shardwise.parallel.blocks import OuterModules
+    from shardwise.parallel.data import fsdp
     from shardwise.runtime import ledger
     from shardwise.runtime.session import Session
 

@@ -8,12 +8,12 @@ free); "predicted" is the planner's ``activation_bytes`` for ``seq / cp`` tokens
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --seqs 4096 16384 --cps 1 2 4
 
-``--impl ring``: ``parallel.cp_impl = ring`` (torch's load-balanced ring attention, parallel/cp_ring.py)
+``--impl ring``: ``parallel.cp_impl = ring`` (torch's load-balanced ring attention, parallel/context/ring.py)
 instead of the all-to-all.
 
 ``--packed N``: every sequence is packed documents of N tokens (``doc_ids`` / ``position_ids``,
 models.masking), so attention runs with the whole sequence's document mask (a dense ``seq^2``
-bool per row on every rank, built by parallel.cp.chunk_batch under cp) instead of plain causal.
+bool per row on every rank, built by parallel.context.cp.chunk_batch under cp) instead of plain causal.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
     # Activations: RSS after this process's first forward minus before it (no backward yet; a
     # later forward would reuse memory the allocator kept from the previous step).
     from shardwise.loss import token_loss_context
-    from shardwise.parallel.cp import split_sequence
+    from shardwise.parallel.context.cp import split_sequence
 
     def inputs(x: torch.Tensor) -> object:
         if not packed:
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
     x, y = data[0, :, :-1], data[0, :, 1:]
     before = _rss_mib()
     if packed and world > 1:
-        from shardwise.parallel.cp import chunk_batch
+        from shardwise.parallel.context.cp import chunk_batch
 
         xs, ys = chunk_batch(inputs(x), y, session.cp_rank, world, session.cp_state)  # the mask counts too
     elif world > 1:

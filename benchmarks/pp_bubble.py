@@ -141,7 +141,7 @@ def _gpt_layer_costs(overrides: list[str], rows: int, microbatches: int,
 
     from shardwise.layout import stage_layer_ranges
     from shardwise.models.gpt import GPT, GPT_PRESETS
-    from shardwise.parallel.pp import stage_view
+    from shardwise.parallel.pipeline.pp import stage_view
     from shardwise.testing import lm_loss
 
     sets = dict(item.split("=", 1) for item in overrides)

@@ -1,4 +1,4 @@
-"""Ring attention's per-block kernels (parallel/cp_ring.py) on one device, against plain SDPA.
+"""Ring attention's per-block kernels (parallel/context/ring.py) on one device, against plain SDPA.
 
 A ring step runs one attention kernel on a block of queries against a block of keys and merges
 the results; here one block is the whole sequence, so each kernel's output and gradients must
@@ -23,7 +23,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from shardwise.parallel import cp_ring
+    from shardwise.parallel.context import ring as cp_ring
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=4096)

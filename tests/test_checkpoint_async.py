@@ -196,7 +196,7 @@ def test_damaged_metadata_is_reported_once(tmp_path):
 
 
 def test_hang_message_gives_each_ranks_age(tmp_path):
-    from shardwise.job.watchdog import describe_hang
+    from shardwise.runtime.watchdog import describe_hang
 
     (tmp_path / "hang-rank1.json").write_text(json.dumps({
         "rank": 1, "attempt": 0, "step": 3, "phase": "train", "seconds_since_progress": 21.4,

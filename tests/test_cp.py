@@ -12,7 +12,7 @@ from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.layout import Layout, resolve_layout
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.cp import resolve_cp_impl
+from shardwise.parallel.context.cp import resolve_cp_impl
 from shardwise.testing import fixed_batches, run_distributed, train_fixed_batches
 from shardwise.workloads import cross_entropy_loss
 
@@ -128,7 +128,7 @@ def test_dp_shard_counting_cp_is_refused_with_what_changed() -> None:
 
 
 def test_cp_refuses_heads_it_cannot_split() -> None:
-    from shardwise.parallel.cp import check_cp_model
+    from shardwise.parallel.context.cp import check_cp_model
 
     with pytest.raises(ConfigError, match="must divide the attention heads"):
         check_cp_model(GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=6, n_embd=12)), 4)

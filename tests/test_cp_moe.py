@@ -116,7 +116,7 @@ def test_a_chunks_padding_is_left_out_of_the_routers_balance() -> None:
     """Without a chunk's ``real_tokens`` the packed case above would differ from one process: the
     routers would balance over padding (the defect the test above rules out at 2 and 4 ranks)."""
     from shardwise.models.masking import real_token_mask
-    from shardwise.parallel.cp import CPState, chunk_batch
+    from shardwise.parallel.context.cp import CPState, chunk_batch
 
     (x, y), = packed_batches(1, BATCH, SEQ, VOCAB)
     assert not bool(real_token_mask(x).all())  # the batches have padding
@@ -138,7 +138,7 @@ def test_the_moe_families_without_cp_are_refused_by_name(family: str) -> None:
     with no dead-end suggestion (no "train on unpacked text")."""
     from shardwise.errors import ConfigError
     from shardwise.families import MOE_FAMILIES
-    from shardwise.parallel.cp import check_cp_family
+    from shardwise.parallel.context.cp import check_cp_family
 
     assert family in MOE_FAMILIES
     with pytest.raises(ConfigError) as refused:

@@ -111,7 +111,7 @@ def test_cp_on_packed_text_and_records_equals_one_process(tmp_path):
 
 def test_chunk_batch_keeps_the_whole_sequence_mask_and_cuts_tokens_and_positions():
     from shardwise.models.masking import attention_mask_4d
-    from shardwise.parallel.cp import CPState, chunk_batch
+    from shardwise.parallel.context.cp import CPState, chunk_batch
 
     ids = torch.arange(1, 15).view(2, 7)
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, -1, -1, -1]])
@@ -141,7 +141,7 @@ def test_a_chunk_mask_without_the_whole_sequence_is_refused():
     import torch.nn.functional as F
 
     from shardwise.errors import ConfigError
-    from shardwise.parallel.cp import CPState, _UlyssesMode
+    from shardwise.parallel.context.cp import CPState, _UlyssesMode
 
     q = torch.zeros(1, 2, 4, 8)
     refused = pytest.raises(ConfigError, match="attention mask built for one chunk.*session.forward_backward")

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.cp import resolve_cp_impl, split_sequence
-from shardwise.parallel.cp_ring import ring_index
+from shardwise.parallel.context.cp import resolve_cp_impl, split_sequence
+from shardwise.parallel.context.ring import ring_index
 from shardwise.testing import run_distributed
 
 
@@ -30,7 +30,7 @@ def _doc_mask(seq: int) -> torch.Tensor:
 def _ring_vs_dense(rank: int, world: int) -> list[tuple[str, float]]:
     import torch.distributed as dist
 
-    from shardwise.parallel.cp_ring import ring_attention
+    from shardwise.parallel.context.ring import ring_attention
 
     # cp=4 over all ranks; cp=2 over {0, 1} and {2, 3} (every rank creates every group, same order).
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -82,7 +82,7 @@ def test_head_tail_layout_and_ring_rules() -> None:
 
 def test_ring_has_no_head_divisibility_rule() -> None:
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.parallel.cp import check_cp_model
+    from shardwise.parallel.context.cp import check_cp_model
 
     model = GPT(GPTConfig(vocab_size=8, block_size=24, n_layer=1, n_head=4, n_embd=16))
     with pytest.raises(ConfigError, match="cp_impl = 'ring' has no such rule"):
@@ -91,7 +91,7 @@ def test_ring_has_no_head_divisibility_rule() -> None:
 
 
 def test_a_mask_for_one_ranks_tokens_is_refused_under_ring() -> None:
-    from shardwise.parallel.cp import CPState, _RingMode, _two_chunk_mask
+    from shardwise.parallel.context.cp import CPState, _RingMode, _two_chunk_mask
 
     # What transformers builds from a ring rank's jumping positions (two "documents"): recognised.
     at = torch.arange(4)

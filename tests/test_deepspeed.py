@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from shardwise.parallel.deepspeed_setup import LIBAIO_HEADER
+from shardwise.parallel.deepspeed.setup import LIBAIO_HEADER
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, run_cli, small_text
 
 pytest.importorskip("deepspeed")

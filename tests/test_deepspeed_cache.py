@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT ops are cached per build key (parallel/deepspeed_setup.py): two environments (two
+"""DeepSpeed's JIT ops are cached per build key (parallel/deepspeed/setup.py): two environments (two
 install paths of deepspeed on one machine) each build once into their own folder and then reuse it,
 instead of rebuilding each other's. DeepSpeed itself is faked: no compiler runs here."""
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.parallel import deepspeed_setup as ds
+from shardwise.parallel.deepspeed.strategy import setup as ds
 
 
 class FakeBuilder:

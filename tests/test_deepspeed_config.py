@@ -10,8 +10,8 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
-from shardwise.parallel.deepspeed_config import RunValues, builtin_config, fill, offload_devices
-from shardwise.parallel.deepspeed_setup import check_nvme_path
+from shardwise.parallel.deepspeed.config import RunValues, builtin_config, fill, offload_devices
+from shardwise.parallel.deepspeed.setup import check_nvme_path
 from shardwise.strategies import strategy_info
 
 VALUES = RunValues(grad_accum_steps=2, dp_size=2, precision="bf16-mixed", micro_batch_size=4, lr=3e-4,
@@ -117,7 +117,7 @@ def test_preflight_refuses_before_any_rank(tmp_path):
 def test_nvme_preflight_sizes_the_swap_per_node(tmp_path, monkeypatch):
     """ZeRO-3 partitions over every rank of the job: each node's disk holds 1/nodes of the state."""
     pytest.importorskip("deepspeed")
-    from shardwise.parallel import deepspeed as ds_strategy
+    from shardwise.parallel.deepspeed.strategy import strategy as ds_strategy
     from shardwise.preflight import check_run, meta_model
     from shardwise.workloads import build_workload
 
@@ -191,13 +191,13 @@ def test_a_killed_build_leaves_no_lock_that_hangs_the_next_run():
     """torch waits forever on the ``lock`` a killed JIT build leaves in the op's folder; the next
     run's build_ops (under shardwise's flock, which dies with its holder) clears it and loads."""
     pytest.importorskip("deepspeed")
-    from shardwise.parallel.deepspeed_setup import prepare_environment
+    from shardwise.parallel.deepspeed.setup import prepare_environment
 
     prepare_environment()
     root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     (root / "cpu_adam").mkdir(parents=True, exist_ok=True)
     (root / "cpu_adam" / "lock").touch()  # what a build killed midway leaves
-    code = "from shardwise.parallel.deepspeed_setup import build_ops; print(*build_ops())"
+    code = "from shardwise.parallel.deepspeed.setup import build_ops; print(*build_ops())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "cpu_adam" in done.stdout.split(), done.stdout + done.stderr
     assert not (root / "cpu_adam" / "lock").exists()

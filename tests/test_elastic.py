@@ -58,7 +58,7 @@ def test_a_launcher_killed_during_a_background_write_resumes_bit_exactly(tmp_pat
     import json
     import time
 
-    from shardwise.job.identity import same_process_alive
+    from shardwise.runtime.identity import same_process_alive
 
     data = small_text(tmp_path)
     common = ["train", "--nproc", "2", "--strategy", "ddp", *cli_args(fast_overrides(data))]

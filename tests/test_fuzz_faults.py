@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shardwise.cli import main
-from shardwise.job.faults import DISK_FULL_ENV, SIGNAL_ENV
 from shardwise.runtime.checkpoint.locate import complete_checkpoints
+from shardwise.runtime.faults import DISK_FULL_ENV, SIGNAL_ENV
 from tests.helpers.ckpt import cli_args, fast_overrides, final_weights, losses, small_text
 
 STEPS, EVERY = 6, 2

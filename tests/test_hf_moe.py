@@ -127,7 +127,7 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, aux_
     """One 2-rank spawn: Mixtral under fsdp, fsdp ep=2 (saving at step 2), the ep=2 checkpoint
     resumed under plain fsdp for steps 3-4, and Qwen3-MoE under fsdp ep=2. Then Qwen2-MoE under
     pp=2 (1F1B, 4 micro-batches): transformers' all-layers aux loss with the routers' sums carried
-    across the stage boundary (parallel/pp_hf_moe.py) equals one process accumulating the same
+    across the stage boundary (parallel/pipeline/hf_moe.py) equals one process accumulating the same
     micro-batches, 5 steps; the first loss is plain transformers' on each micro-batch. And a 4-layer
     Mixtral under the zero-bubble ZBV schedule (stages 0 and 3 on rank 0, the routing sums crossing
     back to it; backward split into input and weight passes)."""
@@ -217,7 +217,7 @@ def test_four_ranks_ep2_reads_and_trains_strided_expert_shards(folders, aux_fold
     hsdp (2 groups x shard 2) with ep=2: each group splits the experts, the groups replicate them.
     Then fsdp+tp (tp 2 x dp 2) with ep=2: attention split over TP, experts whole on both TP ranks
     and split over the 2 dp ranks, as the built-in MoE GPT does. Then fsdp+pp (pp 2 x dp 2) with
-    ep=2 on Qwen2-MoE: the carried router sums (parallel/pp_hf_moe.py) with counts over both dp
+    ep=2 on Qwen2-MoE: the carried router sums (parallel/pipeline/hf_moe.py) with counts over both dp
     replicas, against one process accumulating the same 4 global micro-batches (pipeline
     micro-batch j of both replicas: rows j and 4 + j)."""
     ref = hf_moe_train(0, 1, folders["mixtral"])

@@ -42,7 +42,7 @@ def test_registry_is_the_single_list_of_strategies():
     # Mixture-of-experts families: TP for attention and dense parts (experts whole on each TP rank).
     assert REGISTRY["fsdp+tp"].supports("mixtral") and REGISTRY["fsdp+tp+pp"].supports("gpt2")
     assert REGISTRY["pp"].supports("gpt") and REGISTRY["ddp+pp"].supports("qwen3")
-    assert REGISTRY["pp"].supports("gpt2") and REGISTRY["pp"].supports("mixtral")  # MoE: parallel/pp_hf_moe.py
+    assert REGISTRY["pp"].supports("gpt2") and REGISTRY["pp"].supports("mixtral")  # MoE: parallel/pipeline/hf_moe.py
     assert not REGISTRY["pp"].supports("")
     assert REGISTRY["fsdp"].supports("") and REGISTRY["fsdp+tp+pp"].families == ("gpt", *LLAMA_LIKE, "gpt2",
                                                                                   *MOE_FAMILIES)

@@ -124,7 +124,7 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
     # counts all-reduced again) and records nothing.
     assert_parity(reference[1], ranks[0][-1])
     # Pipeline parallel (2 stages, 2 pipeline micro-batches): each stage's aux losses ride on its
-    # MoE outputs (parallel/moe_pp.py); one process accumulating the same 2 micro-batches. With
+    # MoE outputs (parallel/pipeline/moe.py); one process accumulating the same 2 micro-batches. With
     # activation checkpointing the recomputed forward adds no second aux loss.
     assert_pipeline_parity(reference[2], [r[-3] for r in ranks])
     assert_pipeline_parity(reference[2], [r[-2] for r in ranks])
@@ -309,7 +309,7 @@ def test_verify_moe_under_pipeline_parallel_splits_the_reference(tmp_path, cli_e
     """``shardwise verify`` on moe-nano under fsdp+pp with ep 2 (4 ranks: 2 stages x dp 2): the
     reference accumulates the pipeline's micro-batches (each has its own aux loss), so the
     parameters agree to rounding (2.1e-3 without). The built-in trainer's path: before the MoE
-    layers stood aside in torch's stage metadata inference (parallel/moe_pp.py) its expert
+    layers stood aside in torch's stage metadata inference (parallel/pipeline/moe.py) its expert
     all-to-alls hung this run in the first step."""
     import json
     import sys

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.job.identity import process_record, same_process_alive
+from shardwise.runtime.identity import process_record, same_process_alive
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 
 LOCK_FILE = ".shardwise.lock"
@@ -144,7 +144,7 @@ def test_a_lock_whose_launcher_is_gone_but_a_rank_lives_is_refused(tmp_path, cap
 
 _CHILD = (
     "import sys, time\n"
-    "from shardwise.job import lifeline\n"
+    "from shardwise.runtime import lifeline\n"
     "lifeline.set_parent_death_signal = lambda *a: False  # the portable path alone\n"
     "lifeline.start('rank 0')\n"
     "print('ready', flush=True)\n"
@@ -155,7 +155,7 @@ _CHILD = (
 @pytest.mark.parametrize("who", ["parent", "launcher"])
 def test_lifeline_thread_alone_stops_an_orphan(tmp_path, cli_env, who):
     """Without the parent-death signal (non-Linux), the lifeline thread still ends the orphan."""
-    from shardwise.job.lifeline import ORPHAN_EXIT_CODE, launcher_env
+    from shardwise.runtime.lifeline import ORPHAN_EXIT_CODE, launcher_env
 
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     env = dict(cli_env, **(launcher_env() if who == "parent" else {}))
@@ -195,7 +195,7 @@ def test_a_lock_held_on_another_host_is_taken_over_only_when_its_rank_heartbeats
     no second host is needed."""
     from shardwise.errors import ConfigError
     from shardwise.job.runlock import LOCK_FILE, RunLock
-    from shardwise.job.watchdog import STALE_HEARTBEAT_S
+    from shardwise.runtime.watchdog import STALE_HEARTBEAT_S
 
     host = "gpu-node-17.example"
     ranks = [{"host": host, "pid": 4000 + r, "start_time": 777 + r, "boot_id": "b", "rank": r} for r in (0, 1)]

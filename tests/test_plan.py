@@ -163,7 +163,7 @@ def test_multi_node_adds_hsdp_and_pipeline():
                      Workload(seq=4096, global_batch=64, checkpoint="full"))
     names = {c.layout.strategy for c in plan.candidates}
     assert {"hsdp", "fsdp+tp"} <= names and plan.recommended is not None
-    # The runtime's pipeline cuts Llama-family Hugging Face models too (parallel/pp_hf.py).
+    # The runtime's pipeline cuts Llama-family Hugging Face models too (parallel/pipeline/hf.py).
     assert any(c.layout.pp_enabled for c in plan.candidates)
     gpt = make_plan(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=2),
                     Workload(seq=256, global_batch=16))

@@ -134,7 +134,7 @@ def test_moe_models_search_ep_and_the_printed_ep_command_dry_runs():
     train, torchrun = pinned.commands
     assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
     tp_cmd = next(c for c in pinned.candidates if c.layout.tp > 1)
-    assert tp_cmd.layout.sequence_parallel  # MoE runs with sequence parallel (parallel/tp_plans.py)
+    assert tp_cmd.layout.sequence_parallel  # MoE runs with sequence parallel (parallel/tensor/plans.py)
 
 
 def test_searching_the_new_degrees_stays_under_a_second():
@@ -145,7 +145,7 @@ def test_searching_the_new_degrees_stays_under_a_second():
 
 
 def test_tp_keeps_moe_routers_and_experts_whole():
-    """What parallel/tp.py does to an MoE block, the planner counts: attention splits over the TP
+    """What parallel/tensor/tp.py does to an MoE block, the planner counts: attention splits over the TP
     ranks, the router and the routed experts stay whole on each (expert parallel splits them)."""
     from shardwise.plan.memory import _local_params
 
@@ -158,8 +158,8 @@ def test_tp_keeps_moe_routers_and_experts_whole():
 
 
 def test_moe_models_get_pipeline_layouts_where_the_runtime_cuts_them():
-    """The built-in MoE GPT runs under pp (parallel/moe_pp.py): the search offers it, and the
-    pinned command resolves as train --dry-run does; HF MoE families are cut too (parallel/pp_hf_moe.py)."""
+    """The built-in MoE GPT runs under pp (parallel/pipeline/moe.py): the search offers it, and the
+    pinned command resolves as train --dry-run does; HF MoE families are cut too (parallel/pipeline/hf_moe.py)."""
     plan, _ = _plan("--model", "gpt-moe-lab", "--nodes", "2", "--gpus-per-node", "2", "--checkpoint", "none",
                     "--micro-batch", "1")
     assert {"ddp+pp(pp2)", "fsdp+pp(pp2)"} <= {c.name for c in plan.candidates}

@@ -48,7 +48,7 @@ def test_ring_bytes_and_time_per_layer_by_hand():
 
 def test_the_planners_cp_rules_are_the_runtimes():
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.parallel import cp as runtime
+    from shardwise.parallel.context import cp as runtime
 
     assert CP_IMPLS == runtime.CP_IMPLS
     for cp in (1, 2, 3, 4, 8):

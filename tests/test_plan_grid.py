@@ -134,7 +134,7 @@ def test_every_candidate_and_printed_command_resolves_over_the_grid(monkeypatch)
     monkeypatch.setattr(advice, "memory_breakdown", memory_breakdown)
     # The NVMe offload commands check the swap disk's free space: give this machine a large one
     # (the plan is for the cluster's nodes, not for the machine the test runs on).
-    from shardwise.parallel import deepspeed_setup
+    from shardwise.parallel.deepspeed.strategy import setup as deepspeed_setup
 
     monkeypatch.setattr(deepspeed_setup.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**60, 0, 2**60))
     plans = checked = 0
@@ -257,13 +257,13 @@ def test_interleaved_pipeline_from_the_plan_cli():
 
 
 def test_hf_moe_models_are_planned_with_a_pinned_pipeline():
-    # Mixtral has a stage split (parallel/pp_hf_moe.py): a pinned --pp is planned, not refused.
+    # Mixtral has a stage split (parallel/pipeline/hf_moe.py): a pinned --pp is planned, not refused.
     plan = plan_cli.build_plan(plan_args("--model", "mixtral-8x7b", "--nodes", "2", "--pp", "2"))
     assert plan.candidates and all(c.layout.pp == 2 for c in plan.candidates)
 
 
 def test_gpt2_pipeline_candidates_pass_train_dry_run_and_v_schedules_are_refused_for_its_tied_head():
-    # GPT-2 has a stage split (parallel/pp_gpt2.py) and ties its head: pp is offered with 1F1B; a V
+    # GPT-2 has a stage split (parallel/pipeline/gpt2.py) and ties its head: pp is offered with 1F1B; a V
     # schedule under a data-parallel wrapper is not (pp_schedules.tied_weights_refusal, the runtime's rule).
     plan = plan_cli.build_plan(plan_args("--model", "gpt2", "--gpus-per-node", "2", "--pp", "2"))
     assert plan.recommended.layout.pp == 2
@@ -275,7 +275,7 @@ def test_gpt2_pipeline_candidates_pass_train_dry_run_and_v_schedules_are_refused
 
 
 def test_gpt2_tensor_parallel_candidates_pass_train_dry_run():
-    # GPT-2 has a TP plan (parallel/tp_gpt2.py): the planner offers tp, and its command resolves.
+    # GPT-2 has a TP plan (parallel/tensor/gpt2.py): the planner offers tp, and its command resolves.
     plan = plan_cli.build_plan(plan_args("--model", "gpt2", "--tp", "2"))
     assert plan.recommended.layout.tp == 2
     assert "--set parallel.tp=2" in plan.commands[0]
@@ -286,7 +286,7 @@ def test_gpt2_tensor_parallel_candidates_pass_train_dry_run():
 def test_planner_stage_split_and_blocks_are_the_runtimes():
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.parallel.blocks import find_blocks
-    from shardwise.parallel.pp import prune_to_stages
+    from shardwise.parallel.pipeline.pp import prune_to_stages
 
     spec = model_preset("gpt-lab")
     layout = Layout("pp", pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2, pp_first_stage_fewer=1)

@@ -2,7 +2,7 @@
 
 Tolerance (the model in float64, 5 AdamW steps at lr=1e-3): losses and final parameters within
 1e-9 (tests.test_tp.LOSS_ATOL / PARAM_ATOL). The microbatch split only reorders the gradient sums
-(loss / (m * A) per microbatch, see shardwise/parallel/pp.py); the derivation of the bound is in
+(loss / (m * A) per microbatch, see shardwise/parallel/pipeline/pp.py); the derivation of the bound is in
 ``shardwise.testing.default_dtype``.
 """
 
@@ -13,7 +13,7 @@ from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS
-from shardwise.parallel.pp import check_pp_model, stage_layer_ranges
+from shardwise.parallel.pipeline.pp import check_pp_model, stage_layer_ranges
 from shardwise.testing import run_distributed
 from tests.helpers.mp import merged_params, mp_cases, mp_train
 from tests.test_tp import LOSS_ATOL, assert_parity
@@ -219,7 +219,7 @@ def _accumulate_around_eval(rank: int, world_size: int, strategy: str) -> float:
 def test_an_evaluation_inside_an_accumulation_window_keeps_the_gradients():
     """torch's schedules set their stages up again when a run switches between training and
     evaluation, and that set-up drops every FSDP parameter's gradient: the first micro-batch's
-    gradients were lost under fsdp+pp (parallel/pp.py sets them aside). Same ranks, same weights,
+    gradients were lost under fsdp+pp (parallel/pipeline/pp.py sets them aside). Same ranks, same weights,
     the same two micro-batches: the gradients must be equal, bit for bit."""
     for strategy in ("fsdp+pp", "pp"):
         assert run_distributed(_accumulate_around_eval, 2, timeout_s=200, strategy=strategy) == [0.0, 0.0], strategy

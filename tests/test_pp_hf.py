@@ -1,4 +1,4 @@
-"""Pipeline parallel on pretrained Hugging Face Llama-family models (parallel/pp_hf.py).
+"""Pipeline parallel on pretrained Hugging Face Llama-family models (parallel/pipeline/hf.py).
 
 A tiny 4-layer Llama saved with save_pretrained; every run is compared with plain transformers (+
 peft for LoRA) on one process: the first loss equal, the losses of later steps and the weights
@@ -15,7 +15,7 @@ from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.layout import resolve_layout  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
-from shardwise.parallel.pp import check_pp_model  # noqa: E402
+from shardwise.parallel.pipeline.pp import check_pp_model  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from tests.helpers.hf import VOCAB, hf_cases, reference_losses  # noqa: E402
 

@@ -13,7 +13,7 @@ comparison, fp32), through the built-in trainer's step:
   chat on the Qwen2 with ``model.attention = "varlen"`` (each stage attends document by document
   from the microbatch's cu_seqlens, no mask). Under a
   pipeline the trainer keeps record batches at their full row length
-  (``parallel.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
+  (``parallel.pipeline.pp.fixed_shape_collate``). The loss is the token sum over the global batch's trained
   tokens, summed over the microbatches. In the same spawn: the trainer's validation loss (token
   mean) of packed chat records under pp, and the packing proof: every token's loss of a packed
   and of a padded chat batch through the two stages (``session.eval_loss``) equals one process's,
@@ -144,7 +144,7 @@ def test_pp_on_packed_text_and_records_equals_one_process(tmp_path, data, gpt2):
             tmp_path, d["model"], d["instruct"], "instruct", "ddp+pp", "parallel.nproc=2", "data.pack=false",
             "model.overrides.block_size=96", "train.grad_accum_steps=2", 'parallel.activation_checkpointing="full"'),
         # GPT-2's learned positions restart per record on the first stage; its tied head stays
-        # exact without a data-parallel wrapper (parallel/pp_ties.py).
+        # exact without a data-parallel wrapper (parallel/pipeline/ties.py).
         "gpt2-chat-packed-pp-1f1b": _sft(tmp_path, gpt2, d["chat"], "chat", "pp", "parallel.nproc=2",
                                          "model.overrides.block_size=192", 'parallel.pp_schedule="1f1b"'),
         # Variable-length attention (models/varlen.py): every stage attends per document from the

@@ -1,5 +1,5 @@
-"""Pipeline parallel on models that tie their output head to the embedding (parallel/pp_ties.py) and on
-GPT-2 (parallel/pp_gpt2.py), against one process of plain transformers.
+"""Pipeline parallel on models that tie their output head to the embedding (parallel/pipeline/ties.py) and on
+GPT-2 (parallel/pipeline/gpt2.py), against one process of plain transformers.
 
 Tiny pretrained folders made with save_pretrained (a 4-layer Llama with tie_word_embeddings = true,
 a 2-layer GPT-2, which ties wte and lm_head). One spawn of 2 gloo ranks runs, fp32, AdamW at
@@ -29,7 +29,7 @@ from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
 from shardwise.layout import resolve_layout  # noqa: E402
 from shardwise.models.gpt2_qkv import fuse_split_state  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
-from shardwise.parallel.pp import check_pp_model  # noqa: E402
+from shardwise.parallel.pipeline.pp import check_pp_model  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from tests.helpers.hf import VOCAB, reference_losses, save_tiny  # noqa: E402
 from tests.test_pp_hf import _full_name, save_llama  # noqa: E402

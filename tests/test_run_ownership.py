@@ -34,7 +34,7 @@ LOCK_FILE = ".shardwise.lock"  # job.runlock.LOCK_FILE (imported lazily: the tes
 
 
 def process_start_time(pid: int) -> int | None:
-    from shardwise.job.identity import process_start_time as start_time
+    from shardwise.runtime.identity import process_start_time as start_time
 
     return start_time(pid)
 

@@ -58,13 +58,13 @@ def test_verify_ddp_and_fsdp_on_instruction_data_equal_one_process(tmp_path):
     cases["fsdp-ep2-qwen2moe-chat-packed"] = _cfg(tmp_path, moe_folder, chat, "chat", "fsdp", *moe,
                                                   "model.overrides.output_router_logits=true")
     # The built-in MoE GPT again, with context parallel: each rank trains on half of every packed row,
-    # and its routers leave the padding of that half out (the chunk's real_tokens, parallel/cp.py).
+    # and its routers leave the padding of that half out (the chunk's real_tokens, parallel/context/cp.py).
     cases["fsdp-cp2-ep2-moe-gpt-chat-packed"] = _cfg(tmp_path, "", chat, "chat", "fsdp", *moe, "parallel.cp=2",
                                                      'model.preset="moe-nano"', f'data.tokenizer="{model}"',
                                                      recipe="gpt-shakespeare")
     # The same folder under pp=2 (1F1B, 4 micro-batches of one packed row): the routers' sums cross
     # the stage boundary and the last stage adds transformers' all-layers aux loss (weighted 0.5)
-    # beside the token-sum cross-entropy (parallel/pp_hf_moe.py); the reference accumulates the
+    # beside the token-sum cross-entropy (parallel/pipeline/hf_moe.py); the reference accumulates the
     # same 4 micro-batches (verify's split).
     cases["pp-qwen2moe-chat-packed"] = _cfg(tmp_path, moe_folder, chat, "chat", "pp", *moe[1:],
                                             "model.overrides.output_router_logits=true",

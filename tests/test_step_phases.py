@@ -2,7 +2,7 @@
 phase within two logging windows, a run without one names nobody, and each rank's phases add up to
 its step time.
 
-The slowness is planted with the fault injection ``SHARDWISE_DEBUG_SLOW`` (job/faults.py): one rank
+The slowness is planted with the fault injection ``SHARDWISE_DEBUG_SLOW`` (runtime/faults.py): one rank
 sleeps before each batch it reads (data) or at the start of its forward. The delay (0.25 s) is
 several times a nano model's step here, so the slow rank's phase is far beyond the naming threshold
 (``SLOW_FRACTION`` of the step) while the others' phases stay as they were.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shardwise.config import load_config
-from shardwise.job.faults import SLOW_ENV
 from shardwise.observe.step_phases import PHASES, StepPhases, format_table
+from shardwise.runtime.faults import SLOW_ENV
 from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed
 

@@ -2,7 +2,7 @@
 
 The end-to-end proof (a tied Llama under fsdp+tp, dp 2 x tp 2, equal to one process) runs in
 test_composed's 4-rank spawn; GPT-2 with eager init under tp in test_tp_gpt2's 2-rank spawn; ties cut
-across pipeline stages (one copy per end stage, parallel/pp_ties.py) in test_pp_ties.
+across pipeline stages (one copy per end stage, parallel/pipeline/ties.py) in test_pp_ties.
 """
 
 import pytest

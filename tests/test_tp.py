@@ -14,7 +14,7 @@ from shardwise.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
-from shardwise.parallel.tp import check_tp_model
+from shardwise.parallel.tensor.tp import check_tp_model
 from shardwise.testing import default_dtype, run_distributed
 from tests.helpers.mp import hf_train, merged_params, mp_train
 

@@ -264,7 +264,7 @@ def test_gpt2_tp_checks_heads_and_takes_lora_on_every_projection(gpt2_folder):
     from shardwise.config import LoraConfig
     from shardwise.errors import ConfigError
     from shardwise.models.hf import build_hf_model
-    from shardwise.parallel.tp import check_tp_model
+    from shardwise.parallel.tensor.tp import check_tp_model
 
     with torch.device("meta"):
         model = build_hf_model(pretrained=str(gpt2_folder))

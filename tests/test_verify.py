@@ -115,7 +115,7 @@ def test_activation_checkpointing_needs_blocks():
 
 def test_transformer_blocks_are_found_generically():
     from shardwise.models.gpt import GPT, GPT_PRESETS
-    from shardwise.parallel.fsdp import transformer_blocks, wrap_units
+    from shardwise.parallel.data.fsdp import transformer_blocks, wrap_units
     from tests.helpers.models import ResidualMLP
 
     gpt = GPT(GPT_PRESETS["nano"])

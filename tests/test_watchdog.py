@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shardwise.job.watchdog import HANG_EXIT_CODE, Watchdog, describe_hang
+from shardwise.runtime.watchdog import HANG_EXIT_CODE, Watchdog, describe_hang
 from tests.helpers.ckpt import cli_args, fast_overrides, run_cli, small_text
 
 TIMEOUT_S = 3
@@ -22,7 +22,7 @@ MARGIN_S = 90
 
 def test_watchdog_unit_fires_on_a_stuck_process(tmp_path):
     script = (
-        "import time; from shardwise.job.watchdog import Watchdog\n"
+        "import time; from shardwise.runtime.watchdog import Watchdog\n"
         f"w = Watchdog({str(tmp_path)!r}, rank=0, timeout_s=1.0).start()\n"
         "w.beat(5, 'train')\n"
         "time.sleep(60)\n"
@@ -78,7 +78,7 @@ def test_persistent_hang_under_restarts_still_ends_nonzero(tmp_path, cli_env):
 
 # ------------------------------------------------------------------ only this launch's ranks
 _HANG_SCRIPT = (
-    "import time; from shardwise.job.watchdog import Watchdog\n"
+    "import time; from shardwise.runtime.watchdog import Watchdog\n"
     "w = Watchdog({run!r}, rank=0, timeout_s=1.0, launch_id='this-launch').start()\n"
     "w.beat(5, 'train')\n"
     "time.sleep(60)\n"
@@ -98,7 +98,7 @@ def _heartbeat(run, rank: int, **info) -> None:
 def test_watchdog_never_signals_a_process_outside_its_launch(tmp_path):
     import socket
 
-    from shardwise.job.identity import boot_id, process_start_time
+    from shardwise.runtime.identity import boot_id, process_start_time
 
     host = socket.gethostname()
     victims = [_bystander() for _ in range(4)]
@@ -131,8 +131,8 @@ def test_watchdog_never_signals_a_process_outside_its_launch(tmp_path):
 
 
 def test_heartbeats_record_launch_id_and_process_start_time(tmp_path):
-    from shardwise.job.identity import process_start_time
-    from shardwise.job.watchdog import Watchdog
+    from shardwise.runtime.identity import process_start_time
+    from shardwise.runtime.watchdog import Watchdog
 
     w = Watchdog(tmp_path, rank=0, timeout_s=30, poll_s=0.05, launch_id="L1").start()
     try:
@@ -146,7 +146,7 @@ def test_heartbeats_record_launch_id_and_process_start_time(tmp_path):
 
 
 def test_launch_id_from_the_launcher_or_derived_under_plain_torchrun(monkeypatch):
-    from shardwise.job.identity import LAUNCH_ID_ENV, launch_id
+    from shardwise.runtime.identity import LAUNCH_ID_ENV, launch_id
 
     monkeypatch.setenv(LAUNCH_ID_ENV, "from-launcher")
     assert launch_id() == "from-launcher"

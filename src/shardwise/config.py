@@ -303,7 +303,7 @@ class ParallelConfig:
     pp_microbatches: int = setting(0, ge=0, le=2**20)  # 0: 2 x stages
     pp_stages_per_rank: int = setting(1, gt=0, le=1024)
     pp_first_stage_fewer: int = setting(0, ge=0, le=10**4)
-    # How context parallel runs attention (shardwise.parallel.cp): "alltoall" (Ulysses, any device),
+    # How context parallel runs attention (shardwise.parallel.context.cp): "alltoall" (Ulysses, any device),
     # "ring" (torch's context_parallel, CUDA only), "auto" (the one the device runs).
     cp_impl: str = setting("auto", choices=("auto", "alltoall", "ring"), label="parallel.cp_impl")
     # Data-parallel degree of the model-parallel compositions (0: world / (tp x pp)). Mesh order
@@ -315,7 +315,7 @@ class ParallelConfig:
     dp_replicate: int = setting(0, ge=0, le=MAX_RANKS)
     dp_shard: int = setting(0, ge=0, le=MAX_RANKS)
     # Context parallel: cp ranks share the data-parallel index and each keeps seq / cp tokens of every
-    # sequence (shardwise.parallel.cp); they are part of the data-parallel dimension, which DDP/FSDP
+    # sequence (shardwise.parallel.context.cp); they are part of the data-parallel dimension, which DDP/FSDP
     # average gradients over: FSDP shards over dp_shard x cp.
     cp: int = setting(1, gt=0, le=MAX_RANKS)
     # Expert parallel: MoE experts split over groups of ep ranks borrowed from the data-parallel
@@ -326,7 +326,7 @@ class ParallelConfig:
     # Under gradient accumulation (see GRAD_SYNC_MODES): "step" (fewest collectives) or
     # "microbatch" (FSDP/ZeRO-2 keep gradients sharded between micro-batches; for big models).
     grad_sync: str = setting("step", choices=GRAD_SYNC_MODES, label="parallel.grad_sync mode")
-    # DeepSpeed kinds (parallel/deepspeed.py): zero3-nvme's swap directory, and the
+    # DeepSpeed kinds (parallel/deepspeed/strategy.py): zero3-nvme's swap directory, and the
     # user's ds_config.json for strategy "deepspeed" ("auto" values filled from this config).
     nvme_path: str = setting("", text="path")
     deepspeed_config: str = setting("", text="path")

@@ -5,7 +5,7 @@ others are Hugging Face ``model_type`` values. Everything that asks "can this mo
 tensor-parallelised / cut into pipeline stages / built from a Hugging Face config?" reads this
 table: the strategy table (``shardwise.strategies``), the TP plans, the block finder, the Hugging
 Face config reader and the planner's spec reader. Adding a family is one row here (plus its TP
-plan in ``parallel/tp_plans.py`` when ``tp_plan`` is set).
+plan in ``parallel/tensor/plans.py`` when ``tp_plan`` is set).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Family:
     layers follow the Llama layout (q/k/v/o_proj, gate/up/down_proj) and share one TP plan.
     ``tp_plan``: has a tensor-parallel plan. ``pp_split``: the pipeline can cut it into stages.
     ``moe``: has mixture-of-experts layers (expert parallel applies). ``cp``: context parallel's
-    all-to-all attention knows its attention modules (``parallel/cp.py``). ``plain_head``: the
+    all-to-all attention knows its attention modules (``parallel/context/cp.py``). ``plain_head``: the
     last hidden states go straight into a bias-free ``lm_head`` whose output is the logits (no
     soft-capping or scaling), so the chunked loss (``shardwise.loss``) can replace it.
     """
@@ -63,16 +63,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen2", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
     Family("qwen3", llama_like=True, tp_plan=True, pp_split=True, cp=True, plain_head=True),
-    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tp_gpt2.py; LoRA
-    # adapters on it too); its stage split (parallel/pp_gpt2.py) keeps the tied wte/lm_head as one
-    # copy per stage (pp_ties.py).
+    # GPT-2: fused Conv1D q/k/v, split in three from outside under TP (parallel/tensor/gpt2.py; LoRA
+    # adapters on it too); its stage split (parallel/pipeline/gpt2.py) keeps the tied wte/lm_head as one
+    # copy per stage (pipeline/ties.py).
     Family("gpt2", tp_plan=True, pp_split=True),
     # Mixture-of-experts families as transformers >= 5 builds them: fused 3-D experts
     # (``mlp.experts.gate_up_proj`` / ``down_proj``) behind a top-k router (``mlp.gate``); see
     # ``models/hf_moe.py``. Their attention (and any dense MLP) takes the Llama TP plan; the MoE
-    # blocks' routers and experts stay whole on every TP rank (``parallel/tp.py``). Their stages are
-    # the Llama family's (``parallel/pp_hf.py``), carrying the routers' all-layer sums for
-    # transformers' aux loss (``parallel/pp_hf_moe.py``). Context parallel runs on Mixtral and
+    # blocks' routers and experts stay whole on every TP rank (``parallel/tensor/tp.py``). Their stages are
+    # the Llama family's (``parallel/pipeline/hf.py``), carrying the routers' all-layer sums for
+    # transformers' aux loss (``parallel/pipeline/hf_moe.py``). Context parallel runs on Mixtral and
     # Qwen3-MoE (their attention is Llama's; the routers' counts are summed over the data dimension,
     # cp ranks included: tests/test_cp_moe.py); Qwen2-MoE and OLMoE are not tested with it yet.
     Family("mixtral", moe=True, tp_plan=True, pp_split=True, cp=True),

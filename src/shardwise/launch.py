@@ -18,8 +18,8 @@ from pathlib import Path
 
 from shardwise.errors import ConfigError
 from shardwise.job.agent import REPORT_ENV
-from shardwise.job.lifeline import launcher_env
 from shardwise.job.multinode import check_endpoint_resolves, parse_nnodes
+from shardwise.runtime.lifeline import launcher_env
 
 MAX_NODES = 4096
 MAX_NPROC = 4096

@@ -383,7 +383,7 @@ class Layout:
     # ------------------------------------------------------------------ reporting
     def describe(self, cp_impl: str = "alltoall") -> str:
         """A few lines for people: strategy, mesh, degrees, pipeline and blocks; ``cp_impl``: the
-        context-parallel attention the run resolved (``parallel.cp.resolve_cp_impl``)."""
+        context-parallel attention the run resolved (``parallel.context.cp.resolve_cp_impl``)."""
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         lines = [
             f"layout: {self.strategy} on {self.world_size} rank(s) - {self.info.description}",

@@ -1,6 +1,6 @@
 """The pipeline schedules shardwise runs, as data: one owner for their names, constraints and placement.
 
-Torch-free (config validation, the layout and the planner read it); ``parallel/pp.py`` maps a name
+Torch-free (config validation, the layout and the planner read it); ``parallel/pipeline/pp.py`` maps a name
 to its ``torch.distributed.pipelining`` class. Every rule a schedule imposes on the layout lives
 here, and ``check_schedule`` raises one ConfigError naming it, before any rank starts:
 
@@ -136,7 +136,7 @@ def compile_refusal(schedule: str) -> str | None:
 
 def tied_weights_refusal(layout: Any) -> str:
     """Why a model whose output head is tied to its input embedding cannot run on ``layout`` ('' when it
-    can): the one rule, asked by the runtime (``parallel/pp_ties.py``) and the planner.
+    can): the one rule, asked by the runtime (``parallel/pipeline/ties.py``) and the planner.
 
     The pipeline keeps one copy of the tied tensor on the first and one on the last stage, their
     gradients summed. When one rank runs both stages (the V placement) the tie stays one tensor

@@ -36,7 +36,7 @@ class Preflight:
     strategy: Strategy
     workload: Workload
     meta_model: nn.Module | None
-    cp_impl: str = "alltoall"  # parallel.cp_impl as this machine resolves it (parallel.cp.resolve_cp_impl)
+    cp_impl: str = "alltoall"  # parallel.cp_impl as this machine resolves it (parallel.context.cp.resolve_cp_impl)
 
 
 def resolve_config(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = None
@@ -79,7 +79,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
     if layout.cp > 1:
         import torch  # defers torch
 
-        from shardwise.parallel.cp import resolve_cp_impl  # defers torch
+        from shardwise.parallel.context.cp import resolve_cp_impl  # defers torch
 
         cp_impl = resolve_cp_impl(cfg.parallel.cp_impl, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.train.compile == "true":  # "auto" turns compile off where it cannot run (runtime.auto)
@@ -90,7 +90,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         check_compile(strategy, resolved.parallel, "cuda" if torch.cuda.is_available() else "cpu")
     if layout.cp > 1 and cfg.model.kind == "hf":
         # A rule that needs no data is checked before the data is read (and tokenised).
-        from shardwise.parallel.cp import check_cp_family  # defers torch
+        from shardwise.parallel.context.cp import check_cp_family  # defers torch
 
         try:
             # The last of model.pretrained's folders holds config.json (the base of an adapter folder).
@@ -116,8 +116,8 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         from shardwise.loss import plan_chunked_head  # defers torch
 
         plan_chunked_head(meta, cfg.train.loss_chunks, tp=layout.tp, pp=layout.pp, plain_ce=workload.plain_token_ce)
-        # Mixture of experts: ep divides every layer's experts (parallel/ep.py; the degree rules are the layout's).
-        from shardwise.parallel.ep import check_moe_model  # defers torch
+        # Mixture of experts: ep divides every layer's experts (parallel/experts/ep.py; degree rules: the layout).
+        from shardwise.parallel.experts.ep import check_moe_model  # defers torch
 
         check_moe_model(meta, layout)
         if layout.cp > 1 and layout.pp > 1 and workload.token_loss:
@@ -125,7 +125,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
 
             if moe_layers(meta):
                 # The routers' aux losses count real tokens only (models/moe.py). Without a pipeline
-                # a cp rank's chunk carries its real tokens (parallel.cp.chunk_batch); a pipeline
+                # a cp rank's chunk carries its real tokens (parallel.context.cp.chunk_batch); a pipeline
                 # stage takes its side inputs by name and has no place for them yet.
                 raise ConfigError(
                     "a mixture-of-experts model on records or packed rows does not run with context parallel "
@@ -133,7 +133,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
                     "routers would count the rows' padding in the load-balancing loss, which one process "
                     "leaves out. Drop one of the two: cp with ep/tp/fsdp, or pp without cp, both run on this data.")
         if layout.cp > 1:
-            from shardwise.parallel.cp import check_cp_model  # defers torch
+            from shardwise.parallel.context.cp import check_cp_model  # defers torch
 
             check_cp_model(meta, layout.cp, layout.tp, cp_impl)
         blocks = find_blocks(meta)

@@ -120,7 +120,7 @@ _STRATEGIES = (
     StrategyInfo("fsdp-offload", "fsdp", "ZeRO-3 with parameters, gradients and optimizer state kept on the CPU",
                  ("dp",), ("dp",), "fsdp", "parameters, gradients, optimizer state (in host memory)",
                  offload=True),
-    # The DeepSpeed engine (parallel/deepspeed.py): ZeRO-3 with CPU/NVMe offload, or the user's
+    # The DeepSpeed engine (parallel/deepspeed/strategy.py): ZeRO-3 with CPU/NVMe offload, or the user's
     # ds_config.json. One implementation each: they differ in where their DeepSpeed config comes from.
     StrategyInfo("zero3-offload", "zero3-offload",
                  "DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to host memory",

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 from shardwise.config import load_config, replace_in, to_toml
 from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.job.identity import new_launch_id
 from shardwise.job.rundir import holds_run, lock_run_dir
 from shardwise.job.train import ResolvedRun, dry_run_report
 from shardwise.launch import LaunchSpec, run_torchrun
 from shardwise.models.names import clean_name
 from shardwise.preflight import check_run
+from shardwise.runtime.identity import new_launch_id
 from shardwise.verify_resume import verify_resume
 
 if TYPE_CHECKING:  # torch is imported where it is used: `shardwise plan` registers this module too
@@ -207,7 +207,7 @@ def run_steps(cfg: Any, steps: int, out_dir: str | Path) -> dict[str, Any] | Non
         from shardwise.models.moe import moe_layers  # defers torch
 
         layout = session.layout
-        # MoE aux losses are per pipeline micro-batch (parallel/moe_pp.py): the reference splits too.
+        # MoE aux losses are per pipeline micro-batch (parallel/pipeline/moe.py): the reference splits too.
         split = layout.pp_microbatches if layout.pp > 1 and moe_layers(trainer.model) else 1
         result = {"losses": losses, "params": params, "dp_size": session.dp_size, "split": split,
                   "world_size": session.world_size, "strategy": session.strategy_name,
@@ -246,7 +246,7 @@ def reference_config(cfg: Any, dp_size: int, split: int = 1) -> Any:
 
     ``split``: the strategy's micro-batches are cut into that many micro-batches that the loss
     treats separately (a mixture-of-experts model's aux loss under pipeline parallel is one per
-    pipeline micro-batch, ``parallel/moe_pp.py``), so the reference accumulates as many smaller
+    pipeline micro-batch, ``parallel/pipeline/moe.py``), so the reference accumulates as many smaller
     ones. The sampler interleaves the dp ranks' rows, so pipeline micro-batch j of every replica
     together is contiguous block j of the global micro-batch: the same rows.
     """

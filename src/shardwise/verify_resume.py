@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
-from shardwise.job.faults import SIGNAL_ENV
+from shardwise.runtime.faults import SIGNAL_ENV
 
 
 @dataclass

@@ -80,7 +80,7 @@ def routing_check(rank: int, world_size: int, ep: int, tokens: int = 37, n_exper
     import torch.distributed as dist
     from torch import nn
 
-    from shardwise.parallel.ep import ExpertDispatcher
+    from shardwise.parallel.experts.ep import ExpertDispatcher
 
     group_ranks = [r for r in range(world_size) if r // ep == rank // ep]
     groups = [dist.new_group([g * ep + i for i in range(ep)]) for g in range(world_size // ep)]

@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from shardwise.fsutil import atomic_write_json
-from shardwise.job import lifeline
+from shardwise.runtime import lifeline
 
 REPORT_ENV = "SHARDWISE_AGENT_REPORT"
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardwise.job.watchdog import HANG_EXIT_CODE, describe_hang
+from shardwise.runtime.watchdog import HANG_EXIT_CODE, describe_hang
 
 INTERRUPTED_EXIT_CODE = 130
 

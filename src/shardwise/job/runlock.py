@@ -40,8 +40,8 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json
-from shardwise.job.identity import process_record, same_process_alive
-from shardwise.job.watchdog import STALE_HEARTBEAT_S, heartbeat_times, rank_alive_by_heartbeat
+from shardwise.runtime.identity import process_record, same_process_alive
+from shardwise.runtime.watchdog import STALE_HEARTBEAT_S, heartbeat_times, rank_alive_by_heartbeat
 
 LOCK_FILE = ".shardwise.lock"
 GUARD_FILE = ".shardwise.lock.guard"

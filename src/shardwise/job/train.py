@@ -24,16 +24,16 @@ from shardwise.config import check_text, load_config, replace_in, to_toml
 from shardwise.data.cache import read_only
 from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.fsutil import atomic_write_text, real_path
-from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
 from shardwise.job.multinode import agree, check_rdzv_id, rendezvous_id, slurm_environment
 from shardwise.job.outcome import report_ranks
 from shardwise.job.resume_config import adopt_run_config
-from shardwise.job.rundir import admit_run, check_claim, clear_launch_reports, default_run_dir, lock_run_dir
+from shardwise.job.rundir import admit_run, check_claim, clear_launch_reports, lock_run_dir
 from shardwise.job.worker import INTERNAL_EXIT_CODE, describe_unexpected
 from shardwise.launch import LaunchSpec, check_launch_flags, nccl_flight_recorder_env, run_torchrun
 from shardwise.plan.predict import predict_for_model
 from shardwise.preflight import check_run
-from shardwise.run_files import CHECKPOINTS_DIR
+from shardwise.run_files import CHECKPOINTS_DIR, default_run_dir
+from shardwise.runtime.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
 
 if TYPE_CHECKING:
     from shardwise.config import RunConfig

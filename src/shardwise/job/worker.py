@@ -19,10 +19,10 @@ from typing import Any, TextIO
 from shardwise.config import load_config
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
-from shardwise.job import lifeline
-from shardwise.job.identity import JOB_ID_ENV, LAUNCH_ID_ENV, launch_id
 from shardwise.job.rundir import claim_run_dir
 from shardwise.job.runlock import register_rank
+from shardwise.runtime import lifeline
+from shardwise.runtime.identity import JOB_ID_ENV, LAUNCH_ID_ENV, launch_id
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 
 GPT-2's attention fuses q, k and v into one ``c_attn`` (transformers' ``Conv1D``, weight ``(in,
 out)``) whose output is ``[q | k | v]``. Tensor parallel replaces it, from outside the model, by a
-``SplitQKV`` of three ``Conv1D`` (``c_attn.q``, ``.k``, ``.v``; ``parallel/tp_gpt2.py`` makes the
+``SplitQKV`` of three ``Conv1D`` (``c_attn.q``, ``.k``, ``.v``; ``parallel/tensor/gpt2.py`` makes the
 split and shards it). Pretrained files, transformers, PEFT and shardwise's checkpoints all keep the
 fused ``c_attn.weight``/``c_attn.bias`` (``c_attn.base_layer.weight`` and
 ``c_attn.lora_B.<adapter>.weight`` under LoRA), so every reader of a split model's state asks here

@@ -81,8 +81,8 @@ class HFMoELayer:
         self.recorder = recorder
         self.reset_stats()
 
-    # Set by parallel.ep.route_moe. One group for every block of a model, kept by the recorder:
-    # pipeline stages read it there (parallel/pp_hf_moe.py), whichever blocks they hold.
+    # Set by parallel.experts.ep.route_moe. One group for every block of a model, kept by the recorder:
+    # pipeline stages read it there (parallel/pipeline/hf_moe.py), whichever blocks they hold.
     @property
     def stats_group(self) -> Any:
         return self.recorder.stats_group
@@ -109,7 +109,7 @@ def all_layers_aux(config: Any, n_experts: int, counts: torch.Tensor, prob_sum: 
     """transformers' load-balancing loss over all layers (module docstring), from this rank's sums:
     ``counts`` the top-k slots per expert over all layers and the global batch (all-reduced),
     ``prob_sum`` this rank's router-probability sums over all layers, ``global_rows`` N, ``ranks`` R.
-    Times ``router_aux_loss_coef``. The pipeline's last stage forms it too (``parallel/pp_hf_moe.py``)."""
+    Times ``router_aux_loss_coef``. The pipeline's last stage forms it too (``parallel/pipeline/hf_moe.py``)."""
     f = counts.double() / (global_rows * n_layers)
     # This rank's probability sums times R / (N L): their mean over the R ranks is one process's S / (N L).
     weight = (ranks / (global_rows * n_layers)).to(prob_sum.dtype)
@@ -124,7 +124,7 @@ class _Recorder:
         self.config = config
         self.n_layers, self.n_experts = n_layers, n_experts  # of the whole model (pipeline stages hold a share)
         self.stats_group: Any = None
-        self.pp_aux: Any = None  # under a pipeline: parallel/moe_pp.attach_pp_aux (pp_hf_moe.py uses it)
+        self.pp_aux: Any = None  # under a pipeline: parallel/pipeline.moe.attach_pp_aux (pipeline/hf_moe.py uses it)
         self.seen: list[tuple[HFMoELayer, torch.Tensor, torch.Tensor]] = []
         self.real: torch.Tensor | None = None  # the forward's real-token mask (None: every token)
 
@@ -194,7 +194,7 @@ def attach_hf_moe(hf: nn.Module) -> list[HFMoELayer]:
         block.shardwise_moe = layer  # found by models.moe.moe_layers
         layers.append(layer)
     hf.register_forward_hook(recorder.finish)
-    # Pipeline stages find it here, after the cut (parallel/pp_hf_moe.py); a plain attribute.
+    # Pipeline stages find it here, after the cut (parallel/pipeline/hf_moe.py); a plain attribute.
     hf.shardwise_moe_recorder = recorder
     return layers
 

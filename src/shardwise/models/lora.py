@@ -6,7 +6,7 @@ same initialisation, the same random draws) and freezes everything else. In plac
 module paths stay those of the Hugging Face model (``model.layers.0.self_attn.q_proj`` gains a
 ``base_layer``, ``lora_A.default`` and ``lora_B.default``): FSDP still finds one unit per decoder
 layer, and the tensor-parallel plans find the base layers by their usual names
-(``parallel/tp_plans.py``).
+(``parallel/tensor/plans.py``).
 
 Only the adapters are trainable, so only they reach the optimizer and the checkpoints; the frozen
 base comes from ``model.pretrained`` every time. ``peft_adapter_name`` maps a checkpoint name to the

@@ -15,7 +15,7 @@ A batch's inputs are either a ``(B, T)`` tensor of token ids or a mapping with t
   balancing (``real_token_mask``) where neither key above is given; it implies no attention mask.
   Under context parallel the Session adds it to an MoE model's chunks only.
 
-Under context parallel, ``shardwise.parallel.cp.chunk_batch`` builds the whole sequence's mask with
+Under context parallel, ``shardwise.parallel.context.cp.chunk_batch`` builds the whole sequence's mask with
 ``attention_mask_4d`` from these keys before the sequence is cut; the model gets its chunk of
 ``input_ids`` and ``position_ids``, and of ``real_tokens`` where the batch has padding.
 """

@@ -1,15 +1,15 @@
 """Mixture-of-experts feed-forward for the built-in GPT: softmax top-k router, dropless dispatch.
 
 Plain single-device code, like the rest of the model. Two seams let parallel code act from outside
-without the model knowing (``shardwise.parallel.ep``):
+without the model knowing (``shardwise.parallel.experts.ep``):
 
 * ``GroupedExperts.forward(tokens, counts)`` takes the tokens already sorted by expert and the
   number per expert. Expert parallelism wraps exactly this call (torchtitan's ``distribute_module``
   input/output hooks): tokens go to the rank holding their expert and come back in the same order.
 * ``MoE.stats_group``: the process group over which the router's token counts are summed for the
-  load-balancing loss (None: this process alone). Set by ``parallel.ep.route_moe``.
+  load-balancing loss (None: this process alone). Set by ``parallel.experts.ep.route_moe``.
 
-Under pipeline parallel a forward hook (``parallel/moe_pp.py``) takes each forward's aux loss out
+Under pipeline parallel a forward hook (``parallel/pipeline/moe.py``) takes each forward's aux loss out
 of ``_pending`` and attaches it to the layer's output (Megatron's aux-loss auto-scaler), and
 ``take_moe_stats`` gathers the layers of every stage (``model.moe_pp_group``).
 
@@ -208,7 +208,7 @@ class MoE(nn.Module):
         self.shared = (SharedExperts(cfg.n_embd, cfg.expert_hidden * cfg.moe_shared_experts, cfg.bias)
                        if cfg.moe_shared_experts else None)
         self.drop = nn.Dropout(cfg.dropout)
-        self.stats_group: Any = None  # set from outside (parallel.ep.route_moe); None: this process
+        self.stats_group: Any = None  # set from outside (parallel.experts.ep.route_moe); None: this process
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -328,7 +328,7 @@ def take_moe_stats(model: nn.Module) -> dict[str, float]:
         z += float(layer.window_z)
         calls += layer.window_calls
         layer.reset_stats()
-    pp_group = getattr(model, "moe_pp_group", None)  # set by parallel/moe_pp.py under pipeline parallel
+    pp_group = getattr(model, "moe_pp_group", None)  # set by parallel/pipeline/moe.py under pipeline parallel
     if not per_layer and pp_group is None:
         return {}
     group = next((layer.stats_group for _, layer in layers if layer.stats_group is not None), None)

@@ -244,7 +244,7 @@ def tie_sources(hf: nn.Module) -> dict[str, str]:
     """{name: name of the tensor it is tied to} as transformers declares the model's ties, when the
     config ties them (``tie_word_embeddings``); ``save_pretrained`` writes only the target.
 
-    A pipeline's last stage holds the head without the embedding (``parallel/pp_ties.py``), so the
+    A pipeline's last stage holds the head without the embedding (``parallel/pipeline/ties.py``), so the
     head's alias is not among its registered names: this says where the files keep it.
     """
     if not getattr(getattr(hf, "config", None), "tie_word_embeddings", False):

@@ -19,7 +19,7 @@ This path cuts each packed row into its documents instead and attends within eac
   with the mask transformers builds for it (the same mask functions as ``sdpa``).
 
 ``enable(model)`` switches an ``HFCausalLM`` to it (``HFCausalLM.forward``, and each pipeline stage
-for its microbatch, ``parallel.pp_hf.varlen_kwargs``, then pass the documents' ``cu_seqlens``
+for its microbatch, ``parallel.pipeline.hf.varlen_kwargs``, then pass the documents' ``cu_seqlens``
 instead of the 4-D mask); ``kernel(...)`` says which kernel a batch gets. Context parallelism keeps
 the mask path (its all-to-all attention takes the whole sequence's mask).
 """

@@ -38,7 +38,7 @@ class ParallelContext:
     compile: bool = False
     # The mesh owner (``parallel/mesh.py``): every view and group a dimension uses; None on one process.
     meshes: Any = None
-    # Context parallel: where ``chunk_batch`` leaves each batch's whole-sequence mask (parallel.cp.CPState).
+    # Context parallel: where ``chunk_batch`` leaves each batch's whole-sequence mask (parallel.context.cp.CPState).
     cp_state: Any = None
 
     @property
@@ -158,7 +158,7 @@ class Strategy:
             norm = norm.full_tensor()
         return norm
 
-    # ---- hooks for strategies that run an engine of their own (DeepSpeed, parallel/deepspeed.py)
+    # ---- hooks for strategies that run an engine of their own (DeepSpeed, parallel/deepspeed/strategy.py)
     # True when backward and the optimizer step go through the strategy (``backward``/``step``).
     owns_step = False
 

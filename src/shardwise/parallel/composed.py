@@ -32,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config import ParallelConfig
 from shardwise.layout import Layout
 from shardwise.parallel.base import ParallelContext, Strategy
-from shardwise.parallel.fsdp import apply_fsdp, reshard_all
-from shardwise.parallel.moe_pp import StageAux, attach_pp_aux
-from shardwise.parallel.pp import (
+from shardwise.parallel.data.fsdp import apply_fsdp, reshard_all
+from shardwise.parallel.pipeline.hf_moe import mute_hf_moe_inference
+from shardwise.parallel.pipeline.moe import StageAux, attach_pp_aux
+from shardwise.parallel.pipeline.pp import (
     Pipeline,
     autocast_forward,
     check_pp_model,
@@ -42,10 +43,8 @@ from shardwise.parallel.pp import (
     prune_to_stages,
     stage_view,
 )
-from shardwise.parallel.pp_hf_moe import mute_hf_moe_inference
-from shardwise.parallel.pp_ties import StageTies
-from shardwise.parallel.ties import tied_groups
-from shardwise.parallel.tp import (
+from shardwise.parallel.pipeline.ties import StageTies
+from shardwise.parallel.tensor.tp import (
     apply_tp,
     check_tp_model,
     clip_grads,
@@ -53,6 +52,7 @@ from shardwise.parallel.tp import (
     split_mixed_param_groups,
     tp_loss_context,
 )
+from shardwise.parallel.ties import tied_groups
 from shardwise.pp_schedules import compile_refusal
 from shardwise.strategies import COMPOSED_MESH as MESH_DIMS
 
@@ -70,8 +70,8 @@ class ModelParallelStrategy(Strategy):
         # while dp == 1, as under "tp" and "pp").
         self.dp_kind = "fsdp" if layout.info.dp_kind == "fsdp" else "ddp"
         self.pipeline: Pipeline | None = None
-        self.ties: StageTies | None = None  # tied weights the stage split cut apart (pp_ties.py)
-        self.moe_aux: StageAux | None = None  # MoE aux losses under PP (parallel/moe_pp.py)
+        self.ties: StageTies | None = None  # tied weights the stage split cut apart (pipeline/ties.py)
+        self.moe_aux: StageAux | None = None  # MoE aux losses under PP (parallel/pipeline/moe.py)
 
     # ------------------------------------------------------------ up-front checks
     def check_model(self, model: nn.Module) -> None:
@@ -121,7 +121,7 @@ class ModelParallelStrategy(Strategy):
         self._ranges = list(layout.stage_ranges)
         self._stage_ids = layout.stage_ids(ctx.mesh["pp"].get_local_rank())  # type: ignore[index]
         ties = tied_groups(model)  # before the split cuts an embedding from its tied head
-        # MoE aux losses ride on their layers' outputs (parallel/moe_pp.py); hooked before the
+        # MoE aux losses ride on their layers' outputs (parallel/pipeline/moe.py); hooked before the
         # pruning so that every rank of an MoE model has one, whichever layers its stages hold.
         self.moe_aux = attach_pp_aux(model, ctx.mesh["pp"].get_group())  # type: ignore[index]
         model = prune_to_stages(model, self._stage_ids, self._ranges)
@@ -140,7 +140,7 @@ class ModelParallelStrategy(Strategy):
         mesh = ctx.mesh
         parts = [stage_view(model, s, ranges) for s in stage_ids] if pp > 1 else [model]
         if pp > 1 and tp > 1 and layout.sequence_parallel:
-            for part in parts:  # HF stages re-wrap the sequence shard they receive (pp_hf.py)
+            for part in parts:  # HF stages re-wrap the sequence shard they receive (pipeline/hf.py)
                 if hasattr(part, "set_sequence_parallel"):
                     part.set_sequence_parallel(mesh["tp"])  # type: ignore[index]
         if self.dp_kind == "fsdp":
@@ -156,14 +156,14 @@ class ModelParallelStrategy(Strategy):
         if pp == 1:
             return wrapped[0]
         if self.ties is not None:
-            self.ties.sync_weights()  # both copies of a tied embedding/head start equal (pp_ties.py)
+            self.ties.sync_weights()  # both copies of a tied embedding/head start equal (pipeline/ties.py)
         if self.uses_autocast() and opts.precision == "bf16-mixed":  # fp16 is refused under PP
             for part in parts:
                 autocast_forward(part, ctx.device.type, torch.bfloat16)
         self.pipeline = Pipeline(wrapped, stage_ids, layout, ctx.mesh["pp"].get_group(), ctx.device)  # type: ignore[index]
         if self.moe_aux is not None:
             self.moe_aux.mute_metadata_inference(self.pipeline.stages)
-        mute_hf_moe_inference(self.pipeline.stages)  # HF MoE stages (pp_hf_moe.py); others untouched
+        mute_hf_moe_inference(self.pipeline.stages)  # HF MoE stages (pipeline/hf_moe.py); others untouched
         # The union: this rank's parts under their single-device names, for the optimizer,
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model
@@ -214,7 +214,7 @@ class ModelParallelStrategy(Strategy):
             if self.ties is not None:
                 self.ties.mark_backward()
             aux, m = self.moe_aux, self.pipeline.n_microbatches
-            if aux is not None:  # the pipeline's per-micro-batch loss scale (parallel/pp.py)
+            if aux is not None:  # the pipeline's per-micro-batch loss scale (parallel/pipeline/pp.py)
                 aux.grad_scale = 1.0 / (m * session.grad_accum_steps)
             with tp_loss_context(tp):
                 loss = self.pipeline.run(inputs, targets, loss_fn, session.grad_accum_steps, train=True,
@@ -246,7 +246,7 @@ class ModelParallelStrategy(Strategy):
         if self.ties is None:
             return clip_grads(params, max_norm, pp_group)
         # Every step passes here before the optimizer: the tied copies' gradients are summed first,
-        # and the norm counts the tied tensor once, as one process does (pp_ties.py).
+        # and the norm counts the tied tensor once, as one process does (pipeline/ties.py).
         self.ties.sync_grads()
         return clip_grads(params, max_norm, pp_group, counted=self.ties.counted(params))
 

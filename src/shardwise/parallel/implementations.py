@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.composed import ModelParallelStrategy
-from shardwise.parallel.ddp import DDPStrategy
-from shardwise.parallel.deepspeed import DeepSpeedStrategy, ZeRO3NVMeStrategy, ZeRO3OffloadStrategy
-from shardwise.parallel.fsdp import FSDPStrategy
-from shardwise.parallel.zero1 import ZeRO1Strategy
+from shardwise.parallel.data.ddp import DDPStrategy
+from shardwise.parallel.data.fsdp import FSDPStrategy
+from shardwise.parallel.data.zero1 import ZeRO1Strategy
+from shardwise.parallel.deepspeed.strategy import DeepSpeedStrategy, ZeRO3NVMeStrategy, ZeRO3OffloadStrategy
 
 if TYPE_CHECKING:
     from shardwise.layout import Layout

@@ -82,7 +82,7 @@ class Meshes:
         """(the 2-rank group joining this rank's pipeline stage ``first`` and ``last`` ranks of its
         (dp, tp) coordinate, the global rank of its ``first`` end); (None, -1) for a rank in neither.
 
-        A tied embedding/head cut by the stage split is kept equal over it (``pp_ties.py``). Every
+        A tied embedding/head cut by the stage split is kept equal over it (``pipeline/ties.py``). Every
         rank creates every pair once, in the same order (``new_group`` is collective)."""
         ranks = self.dense.mesh  # (pp, dp, tp)
         me = dist.get_rank()

@@ -31,8 +31,8 @@ from torch import nn
 
 from shardwise.parallel.checkpointing import apply_activation_checkpointing
 from shardwise.parallel.compile import apply_compile
-from shardwise.parallel.cp import apply_cp, check_cp_model
-from shardwise.parallel.ep import check_moe_model, route_moe
+from shardwise.parallel.context.cp import apply_cp, check_cp_model
+from shardwise.parallel.experts.ep import check_moe_model, route_moe
 
 if TYPE_CHECKING:
     from shardwise.parallel.base import ParallelContext, Strategy
@@ -61,7 +61,7 @@ def check_dimensions(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext) -> None:
-    """CP: every attention runs on this rank's sequence chunk with its cp group (``parallel/cp.py``)."""
+    """CP: every attention runs on this rank's sequence chunk with its cp group (``parallel/context/cp.py``)."""
     if ctx.layout.cp == 1:
         return
     group, _ = ctx.meshes.cp_group()
@@ -69,5 +69,5 @@ def apply_context_parallel(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext) -> None:
-    """EP: MoE routing statistics over the dp group; experts split over the ``ep`` view (``parallel/ep.py``)."""
+    """EP: MoE routing statistics over the dp group; experts split over the ``ep`` view (``parallel/experts/ep.py``)."""
     route_moe(model, ctx.layout, ctx.meshes)

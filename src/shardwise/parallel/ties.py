@@ -88,7 +88,7 @@ def check_ties(model: nn.Module, groups: list[list[str]], name_of: Callable[[str
     still one tensor in the parallelised ``model`` and, under FSDP, held by one unit.
 
     ``name_of`` maps the parallelised model's names to the built model's (wrapper prefixes removed).
-    Names a pipeline stage pruned away are not checked (``parallel/pp_ties.py`` keeps those copies equal).
+    Names a pipeline stage pruned away are not checked (``parallel/pipeline/ties.py`` keeps those copies equal).
     """
     if not groups:
         return

@@ -386,7 +386,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     errors.append(e)
                     continue
                 if spec.tied_embeddings and (why := tied_weights_refusal(layout)):
-                    errors.append(ConfigError(why))  # the runtime's rule (parallel/pp_ties.py)
+                    errors.append(ConfigError(why))  # the runtime's rule (parallel/pipeline/ties.py)
                     continue
                 # (pairs: runtime_batch makes a pipeline's micro-batch a multiple of its microbatches)
                 if work.objective == "dpo" and (why := dpo_layout_refusal(layout, False, work.dpo_reference)):

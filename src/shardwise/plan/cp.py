@@ -43,7 +43,7 @@ __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_IMPLS", "alltoall_bytes_per_layer", "all
 # checks the two agree.
 LONG_SEQ = 8192  # from this sequence length on, the planner offers cp candidates
 
-# The runtime's cp rules (shardwise.parallel.cp: CP_IMPLS, cp_multiple, check_cp_model's head rule)
+# The runtime's cp rules (shardwise.parallel.context.cp: CP_IMPLS, cp_multiple, check_cp_model's head rule)
 # restated torch-free; tests/test_plan_cp_ring.py checks they agree.
 CP_IMPLS = ("auto", "alltoall", "ring")
 

@@ -206,10 +206,10 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
     return params
 
 
-# The row-parallel linear layers of the tensor-parallel plans (``parallel/tp_plans.py``; the rest
+# The row-parallel linear layers of the tensor-parallel plans (``parallel/tensor/plans.py``; the rest
 # are column-parallel), by their last name. Kept here as names: the planner does not import torch.
 ROWWISE_LAYERS = ("o_proj", "down_proj", "proj")
-# What an MoE block keeps whole on every TP rank (``parallel/tp.py`` skips it; experts are split by
+# What an MoE block keeps whole on every TP rank (``parallel/tensor/tp.py`` skips it; experts are split by
 # expert parallelism instead): routers, routed experts, shared experts (built-in GPT, Hugging Face).
 MOE_WHOLE_PARTS = (".router.", ".mlp.gate.", ".experts.", ".mlp.shared.", ".shared_expert.", ".shared_expert_gate.")
 
@@ -217,7 +217,7 @@ MOE_WHOLE_PARTS = (".router.", ".mlp.gate.", ".experts.", ".mlp.shared.", ".shar
 def _tp_split(p: ParamInfo) -> bool:
     """Whether tensor parallel splits ``p`` (else every TP rank holds it whole).
 
-    LoRA adapters follow their base layer (``tp_plans.with_lora``): a column-parallel base splits
+    LoRA adapters follow their base layer (``tensor.plans.with_lora``): a column-parallel base splits
     ``lora_B`` and keeps ``lora_A`` whole, a row-parallel base splits ``lora_A`` and keeps ``lora_B``.
     """
     if len(p.shape) < 2 or any(part in p.name for part in MOE_WHOLE_PARTS):

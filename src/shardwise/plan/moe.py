@@ -105,7 +105,7 @@ def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act
 def ep_degrees(n_experts: int) -> list[int]:
     """EP degrees an MoE layer of ``n_experts`` admits: the divisors of the count (each rank of an
     expert group holds ``n_experts / ep`` whole experts). The one owner of that rule: the planner's
-    ``--ep`` check, its search and the runtime's ``parallel.ep.check_moe_model`` ask it."""
+    ``--ep`` check, its search and the runtime's ``parallel.experts.ep.check_moe_model`` ask it."""
     if n_experts <= 0:
         return [1]
     return [d for d in range(1, n_experts + 1) if n_experts % d == 0]

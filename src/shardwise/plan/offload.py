@@ -10,7 +10,7 @@ mixed precision DeepSpeed also keeps a 2-byte compute copy. With both offloads:
 * ``zero3-offload``: all of it in host RAM (the node's share: ``params x bytes``, since the
   ranks of a node partition the model between them, each holding 1/N).
 * ``zero3-nvme``: weights, moments and the parameter copy on NVMe (16 bytes per parameter,
-  ``deepspeed_setup.NVME_BYTES_PER_PARAM``); host RAM holds the gradients' fp32 partitions plus
+  ``deepspeed.setup.NVME_BYTES_PER_PARAM``); host RAM holds the gradients' fp32 partitions plus
   pinned swap buffers (a few buffers of ``swap_buffer_bytes`` per rank).
 
 Step time adds, to the GPU compute the cost model predicts, the traffic each step must move:

@@ -165,7 +165,7 @@ class PreferenceStep:
 
         A live reference scores every micro-batch of the step before the first training forward:
         under pipeline parallel each switch between evaluation and training sets torch's schedule
-        up again (a forward and backward of shape inference, parallel/pp.py), so one block of
+        up again (a forward and backward of shape inference, parallel/pipeline/pp.py), so one block of
         evaluations per step costs one set-up instead of one per micro-batch."""
         s = self.session
         loss_sum = torch.zeros((), device=s.device)

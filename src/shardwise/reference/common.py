@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shardwise.config import RunConfig, TrainConfig, load_config
 from shardwise.fsutil import atomic_write_text
-from shardwise.parallel.fsdp import transformer_blocks
+from shardwise.parallel.data.fsdp import transformer_blocks
 from shardwise.runtime import ledger
 from shardwise.runtime.auto import compile_flag, peer_defaults
 from shardwise.runtime.optim import adamw_implementation

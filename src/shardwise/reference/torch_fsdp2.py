@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardwise.device import backend_for, select_device
-from shardwise.parallel.fsdp import transformer_blocks
+from shardwise.parallel.data.fsdp import transformer_blocks
 from shardwise.reference import common
 from shardwise.workloads import build_workload
 

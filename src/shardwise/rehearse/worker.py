@@ -98,7 +98,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     prepared_s = time.perf_counter() - started
     collate_fn = workload.collate_fn
     if collate_fn is not None and session.layout.pp > 1:
-        from shardwise.parallel.pp import fixed_shape_collate  # defers torch
+        from shardwise.parallel.pipeline.pp import fixed_shape_collate  # defers torch
 
         collate_fn = fixed_shape_collate(collate_fn)
     # Drawn before the tensor mode is entered: the loader's sampler reads real values.

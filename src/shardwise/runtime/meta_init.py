@@ -246,7 +246,7 @@ class InitProgram:
         self._retie(model, name_of)
         destinations: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         # A tensor the strategy cut out of a recorded one (GPT-2's c_attn split into q/k/v for TP,
-        # parallel/tp_gpt2.py) takes its slice of the recorded value along its output features.
+        # parallel/tensor/gpt2.py) takes its slice of the recorded value along its output features.
         parts = fused_sources(model)
         for name, tensor in _named_tensors(model):
             fqn = name_of(name)

@@ -44,9 +44,6 @@ from shardwise import logs
 from shardwise.config import FIRST_STEP_TIMEOUT_S, INIT_MODES, ParallelConfig
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.job import lifeline
-from shardwise.job.identity import launch_id as launch_id_from_env
-from shardwise.job.watchdog import Watchdog
 from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.loss import install_chunked_head, parse_loss_chunks, token_loss_context
@@ -57,12 +54,13 @@ from shardwise.observe.step_phases import StepPhases
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import find_blocks
 from shardwise.parallel.compile import check_compile, compile_loss, compile_refusal
-from shardwise.parallel.cp import CPState, chunk_aligned, chunk_batch, resolve_cp_impl
+from shardwise.parallel.context.cp import CPState, chunk_aligned, chunk_batch, resolve_cp_impl
 from shardwise.parallel.implementations import get_strategy
 from shardwise.parallel.mesh import build_meshes
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.precision import check_precision, storage_dtype
 from shardwise.parallel.ties import check_ties, tied_groups
+from shardwise.runtime import lifeline
 from shardwise.runtime.auto import resolve_compile, resolve_precision
 from shardwise.runtime.checkpoint.background import BackgroundWriter, close_writer, resolve_mode, summarize
 from shardwise.runtime.checkpoint.engines import engine_for
@@ -71,10 +69,12 @@ from shardwise.runtime.checkpoint.pieces import standard_pieces
 from shardwise.runtime.checkpoint.save import prepare_save, save_checkpoint
 from shardwise.runtime.collective import raise_on_every_rank
 from shardwise.runtime.data import ShardedLoader
+from shardwise.runtime.identity import launch_id as launch_id_from_env
 from shardwise.runtime.ledger import grad_bytes
 from shardwise.runtime.meta_init import MetaInitUnsupported, is_meta_module, record_build
 from shardwise.runtime.progress import ProgressBar
 from shardwise.runtime.scheduler import prepare_scheduler, scheduler_state
+from shardwise.runtime.watchdog import Watchdog
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "mean": dist.ReduceOp.SUM}
@@ -196,7 +196,7 @@ class Session:
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         # What an engine strategy (DeepSpeed) fills its "auto" values from, set before prepare():
-        # micro_batch_size, weight_decay (the built-in trainer sets them; see parallel/deepspeed.py).
+        # micro_batch_size, weight_decay (the built-in trainer sets them; see parallel/deepspeed/strategy.py).
         self.engine_hints: dict[str, Any] = {}
         # observe.step_phases.StepPhases once time_phases() was called: forward_backward, step and
         # save mark their phases in it.
@@ -232,8 +232,8 @@ class Session:
         self.mesh = self.meshes.dense if self.meshes is not None else None
         self.dp_rank, self.dp_size = self.layout.dp_coords(self.rank)
         # Context parallel: which sequence chunk this rank holds (the layout's coordinate) and how.
-        self.cp_state: Any = None  # parallel.cp.CPState: the whole-sequence mask of the batch being run
-        self.cp_impl = "alltoall"  # parallel.cp_impl resolved (parallel.cp.resolve_cp_impl)
+        self.cp_state: Any = None  # parallel.context.cp.CPState: the whole-sequence mask of the batch being run
+        self.cp_impl = "alltoall"  # parallel.cp_impl resolved (parallel.context.cp.resolve_cp_impl)
         self.cp_rank = self.layout.cp_rank(self.rank)
         if self.layout.cp > 1:
             self.cp_impl = resolve_cp_impl(options.cp_impl, self.device.type)
@@ -351,7 +351,7 @@ class Session:
         given = optimizer
         groups_before = len(optimizer.param_groups) if isinstance(optimizer, torch.optim.Optimizer) else 0
         # Every name of each parameter: a pipeline's last stage holds a tied head without its
-        # embedding, i.e. under the tie's second name (parallel/pp_ties.py).
+        # embedding, i.e. under the tie's second name (parallel/pipeline/ties.py).
         names: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(n)
@@ -442,7 +442,7 @@ class Session:
         new_params = {}
         for n, p in prepared.named_parameters():
             new_params[clean_name(n)] = p  # without DDP's "module." and checkpoint-wrapper prefixes
-        # A parameter the strategy cut in slices (GPT-2's c_attn as q/k/v under TP, parallel/tp_gpt2.py)
+        # A parameter the strategy cut in slices (GPT-2's c_attn as q/k/v under TP, parallel/tensor/gpt2.py)
         # is optimized as its slices, in the same param group.
         by_name = dict(prepared.named_parameters())
         sliced: dict[str, list[torch.Tensor]] = {}
@@ -541,11 +541,11 @@ class Session:
 
     def _cp_chunk(self, inputs: Any, targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """This rank's sequence chunk of a batch under context parallel (the batch itself otherwise);
-        a packed/padded batch's whole-sequence mask goes to the attention (parallel.cp.chunk_batch)."""
+        a packed/padded batch's whole-sequence mask goes to the attention (parallel.context.cp.chunk_batch)."""
         if self.layout.cp == 1:
             return inputs, targets
         # The chunk's real tokens go to an MoE model's routers only (another model never sees the key),
-        # and not through a pipeline, whose stages take their side inputs by name (parallel/pp_hf.py;
+        # and not through a pipeline, whose stages take their side inputs by name (parallel/pipeline/hf.py;
         # preflight refuses MoE + cp + pp on padded rows).
         if self._routes is None:
             self._routes = self.model is not None and bool(moe_layers(self.model))
@@ -666,7 +666,7 @@ class Session:
         """``step`` under an engine strategy: the engine clips, steps and zeroes the gradients."""
         self.last_grad_norm = self.strategy.step(self, optimizer, max_norm)
         # The engine decides inside its step; a non-finite norm or loss is reported (and the
-        # trainer stops on it) rather than skipped: see parallel/deepspeed.py.
+        # trainer stops on it) rather than skipped: see parallel/deepspeed/strategy.py.
         self.last_step_skipped = False
         if self._watchdog is not None:
             self._watchdog.beat(phase="train")

@@ -23,7 +23,7 @@ Under pipeline parallel the schedule cuts each micro-batch again into its own mi
 runs the loss on each piece. A token SUM adds up over the pieces, whereas a mean loss is averaged
 over them, so the schedule must know which it has: ``token_sum`` marks a loss function as a sum
 (``token_sum_loss`` is one; the trainer marks its scaled wrapper) and ``is_token_sum`` is what the
-pipeline asks (``parallel.pp.Pipeline.run``).
+pipeline asks (``parallel.pipeline.pp.Pipeline.run``).
 """
 
 from __future__ import annotations

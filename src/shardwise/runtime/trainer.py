@@ -25,9 +25,6 @@ from torch import nn
 from shardwise import logs
 from shardwise.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError, count_of
-from shardwise.job import faults
-from shardwise.job.lifeline import launcher_record
-from shardwise.job.rundir import RunDir
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks
 from shardwise.observe.phase_table import format_table as format_phase_table
@@ -37,18 +34,20 @@ from shardwise.optim.build import check_optimizer, optimizer_name
 from shardwise.optim.schedule import lr_at as schedule_lr
 from shardwise.optim.schedule import set_lr
 from shardwise.optim.switch import resets_state, saved_state
-from shardwise.parallel.pp import fixed_shape_collate
+from shardwise.parallel.pipeline.pp import fixed_shape_collate
 from shardwise.plan.cost import flops_per_token
 from shardwise.plan.predict import compare as compare_prediction
 from shardwise.plan.predict import format_comparison, model_name, predict_for_spec
 from shardwise.plan.spec import from_module
 from shardwise.preference.step import build_objective
-from shardwise.runtime import ledger
+from shardwise.runtime import faults, ledger
 from shardwise.runtime.auto import job_key, record_run, resolved_config
 from shardwise.runtime.checkpoint.locate import latest_checkpoint, resume_source
 from shardwise.runtime.checkpoint.preflight import truncate_metrics
 from shardwise.runtime.collective import gather
+from shardwise.runtime.lifeline import launcher_record
 from shardwise.runtime.rng import restore_rng_state
+from shardwise.runtime.run_dir import RunDir
 from shardwise.runtime.session import Session
 from shardwise.runtime.token_loss import step_scale, token_sum, token_sum_loss
 from shardwise.workloads import Workload, build_workload

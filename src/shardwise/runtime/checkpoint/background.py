@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from shardwise.config import CHECKPOINT_MODES
 from shardwise.errors import CheckpointError, ConfigError
-from shardwise.job import faults
 from shardwise.parallel.mesh import background_io_group
+from shardwise.runtime import faults
 from shardwise.runtime.checkpoint.save import PreparedSave, describe_io_failure, finish_save
 from shardwise.runtime.checkpoint.state import single_process_ok
 from shardwise.runtime.collective import distributed

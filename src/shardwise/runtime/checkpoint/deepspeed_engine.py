@@ -35,9 +35,8 @@ from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorag
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text
-from shardwise.job.identity import process_record
-from shardwise.parallel.deepspeed_config import offload_devices
-from shardwise.parallel.deepspeed_setup import import_deepspeed
+from shardwise.parallel.deepspeed.config import offload_devices
+from shardwise.parallel.deepspeed.setup import import_deepspeed
 from shardwise.runtime.checkpoint.load import LoadedCheckpoint, foreign_engine_error, read_rank_file, resolve_everywhere
 from shardwise.runtime.checkpoint.locate import rotate
 from shardwise.runtime.checkpoint.manifest import (
@@ -60,6 +59,7 @@ from shardwise.runtime.checkpoint.save import partial_dir_name, publish
 from shardwise.runtime.collective import barrier, gather, raise_on_every_rank
 from shardwise.runtime.collective import rank as global_rank
 from shardwise.runtime.collective import world_size as global_world
+from shardwise.runtime.identity import process_record
 from shardwise.runtime.rng import capture_rng_state, restore_rng_state
 from shardwise.runtime.scheduler import restore_scheduler
 

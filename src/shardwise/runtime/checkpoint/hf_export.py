@@ -283,7 +283,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool 
 
 
 def _split_parts(name: str, tensors: dict[str, Any]) -> list[str] | None:
-    """The checkpoint names of ``name``'s q/k/v slices (``parallel/tp_gpt2.py``), or None."""
+    """The checkpoint names of ``name``'s q/k/v slices (``parallel/tensor/gpt2.py``), or None."""
     stem, _, leaf = name.rpartition(".")
     parts = [f"{stem}.{part}.{leaf}" for part in PARTS]
     return parts if all(p in tensors for p in parts) else None

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import what_is
-from shardwise.job.identity import same_process_alive
 from shardwise.run_files import CHECKPOINTS_DIR
 from shardwise.runtime.checkpoint.manifest import (
     LATEST,
@@ -26,6 +25,7 @@ from shardwise.runtime.checkpoint.manifest import (
     is_step_dir_name,
     resume_instead,
 )
+from shardwise.runtime.identity import same_process_alive
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -321,7 +321,7 @@ def shape_mismatch(saved: dict[str, list], mine: dict[str, list], limit: int = 4
 
 def incompatible_error(path: Path, diffs: list[str], saved_names: Any = ()) -> CheckpointError:
     """The error for a checkpoint saved from a model of another shape (``saved_names``: its tensors)."""
-    # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tp_gpt2.py); checkpoints
+    # GPT-2 under tensor parallel trains its fused c_attn as c_attn.q/k/v (parallel/tensor/gpt2.py); checkpoints
     # hold the fused c_attn whatever the layout, but those of shardwise before that held the slices.
     split = bool(split_names(saved_names))
     hint = (" It is a GPT-2 checkpoint saved under tensor parallel by an earlier shardwise, which stored c_attn "

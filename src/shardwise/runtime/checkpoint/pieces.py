@@ -98,7 +98,7 @@ class RankPiece(Piece):
 
 # ---------------------------------------------------------------------------------- DCP pieces
 def _saved_split(saved_keys: set[str]) -> bool:
-    """Whether a checkpoint holds GPT-2's c_attn as q/k/v slices (``parallel/tp_gpt2.py``): written
+    """Whether a checkpoint holds GPT-2's c_attn as q/k/v slices (``parallel/tensor/gpt2.py``): written
     under TP by shardwise before checkpoints held the fused tensor whatever the layout."""
     return bool(split_names(saved_keys))
 

@@ -32,9 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import atomic_write_text, fsync_dir
-from shardwise.job import faults
-from shardwise.job.identity import launch_id, process_record
-from shardwise.job.lifeline import ensure_alive
+from shardwise.runtime import faults
 from shardwise.runtime.checkpoint.locate import checkpoint_job, rotate
 from shardwise.runtime.checkpoint.manifest import (
     DCP_METADATA,
@@ -54,6 +52,8 @@ from shardwise.runtime.checkpoint.pieces import JsonPiece, Piece, split_pieces, 
 from shardwise.runtime.checkpoint.state import single_process_ok
 from shardwise.runtime.collective import barrier, distributed, gather
 from shardwise.runtime.collective import rank as global_rank
+from shardwise.runtime.identity import launch_id, process_record
+from shardwise.runtime.lifeline import ensure_alive
 
 
 def partial_dir_name(step: int, job: str) -> str:

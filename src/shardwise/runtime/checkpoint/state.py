@@ -3,7 +3,7 @@
 Both go through ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
 ``set_state_dict``), whose keys are the plain model's parameter names under DDP, FSDP2 and DTensor
 TP alike, so DCP can reshard a checkpoint onto any other strategy and rank count. A tensor a
-strategy trains in slices (GPT-2's fused ``c_attn`` as q/k/v under TP, ``parallel/tp_gpt2.py``) is
+strategy trains in slices (GPT-2's fused ``c_attn`` as q/k/v under TP, ``parallel/tensor/gpt2.py``) is
 named and shaped as the unsplit model has it, so that too resumes under any layout.
 """
 
@@ -26,7 +26,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardwise.models.gpt2_qkv import PARTS, fused_dim, has_split_qkv, split_names
-from shardwise.parallel.pp_ties import rename_copy_keys
+from shardwise.parallel.pipeline.ties import rename_copy_keys
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """Tensor parallel (+ optional sequence parallel): split each layer's matrices across the ``tp`` ranks.
 
-Applied from outside with ``parallelize_module`` and the per-family plans in ``tp_plans.py``; the
+Applied from outside with ``parallelize_module`` and the per-family plans in ``tensor/plans.py``; the
 model code stays single-device. This module also holds what every model-parallel strategy needs
 at step time: the shape checks, the vocabulary-parallel loss context and a gradient norm that is
 correct when parameters are DTensors and/or split across pipeline stages.
@@ -23,9 +23,9 @@ from shardwise.families import LLAMA_LIKE, no_tp_plan
 from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import model_family, tp_plan_family
+from shardwise.parallel.tensor.gpt2 import split_qkv
+from shardwise.parallel.tensor.plans import PLANS, TPPlan, with_lora
 from shardwise.parallel.ties import retie, tied_groups
-from shardwise.parallel.tp_gpt2 import split_qkv
-from shardwise.parallel.tp_plans import PLANS, TPPlan, with_lora
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value",
            "split_mixed_param_groups", "tp_loss_context", "tp_shape_sizes", "total_grad_norm"]
@@ -202,7 +202,7 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: Any = None
     """Clip gradients to ``max_norm`` (0: only measure) and return the pre-clip global norm.
 
     ``counted``: the parameters the norm adds up (default ``params``); a pipeline's second copy of a
-    tied weight is clipped but not counted (``parallel/pp_ties.py``).
+    tied weight is clipped but not counted (``parallel/pipeline/ties.py``).
     """
     norm = total_grad_norm(params if counted is None else counted, pp_group)
     if max_norm > 0:

@@ -43,9 +43,9 @@ from shardwise.config import ParallelConfig
 from shardwise.device import backend_for
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import BLOCK_PATHS, OuterModules, find_blocks, outer_modules, transformer_blocks
-from shardwise.parallel.ep import shard_experts
+from shardwise.parallel.experts.ep import shard_experts
 from shardwise.parallel.precision import fsdp_mp_policy
-from shardwise.parallel.tp import clip_grads, split_mixed_param_groups
+from shardwise.parallel.tensor.tp import clip_grads, split_mixed_param_groups
 
 __all__ = ["BLOCK_PATHS", "apply_fsdp", "find_blocks", "reshard_all", "transformer_blocks", "wrap_units"]
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext, Strategy
-from shardwise.parallel.deepspeed_config import (
+from shardwise.parallel.deepspeed.config import (
     RunValues,
     builtin_config,
     fill,
@@ -53,7 +53,7 @@ from shardwise.parallel.deepspeed_config import (
     offload_devices,
     read_user_config,
 )
-from shardwise.parallel.deepspeed_setup import (
+from shardwise.parallel.deepspeed.setup import (
     build_ops,
     check_deepspeed_installed,
     check_libaio,

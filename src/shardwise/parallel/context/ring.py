@@ -20,7 +20,7 @@ Function, with the kernel of the device the tensors live on:
 
 Load balancing (torch's head-tail sharding, the ring's ``enable_load_balance``): the sequence is cut
 into ``2 cp`` chunks and cp rank ``r`` holds chunks ``r`` and ``2cp-1-r`` (``ring_index``), so every
-rank has the same causal work at every ring step. ``parallel.cp.chunk_batch`` cuts batches that way
+rank has the same causal work at every ring step. ``parallel.context.cp.chunk_batch`` cuts batches that way
 under ring and the position hooks give each token its global position.
 
 Packed documents / padded records: the whole sequence's mask (``CPState.mask``, built by

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.fsutil import atomic_write_json
-from shardwise.job.identity import launch_id as launch_id_from_env
-from shardwise.job.identity import process_record, same_process_alive
+from shardwise.runtime.identity import launch_id as launch_id_from_env
+from shardwise.runtime.identity import process_record, same_process_alive
 
 HANG_EXIT_CODE = 3
 

@@ -1,5 +1,5 @@
 """Hugging Face mixture-of-experts models under pipeline parallel: transformers' all-layers aux loss,
-exact, with routers on every stage (``parallel/pp_hf.py`` cuts the model; ``models/hf_moe.py``
+exact, with routers on every stage (``parallel/pipeline/hf.py`` cuts the model; ``models/hf_moe.py``
 forms the same loss on one process).
 
 transformers' load-balancing loss is one number over ALL layers' routing at once (L MoE layers,
@@ -9,14 +9,14 @@ N real tokens of the global micro-batch, E experts, R data-parallel ranks)::
 
 C_e (top-k slots expert e got, no gradient) and S_e (its router-probability sum, differentiable)
 are sums over every layer, so no stage can form it from its own layers: the built-in GPT's
-per-layer aux losses (``parallel/moe_pp.py``, Megatron's auto-scaler) do not apply, the product
+per-layer aux losses (``parallel/pipeline/moe.py``, Megatron's auto-scaler) do not apply, the product
 of two all-layer sums does not split into per-layer terms. Instead each stage's output carries,
 beside the hidden states, one small fp32 side tensor ``[[S], [C]]`` of shape ``(2, E)``: the running
 sums over the layers so far of this micro-batch. Stage s adds its layers' sums (S over this rank's
 real tokens, C summed over the data-parallel group in the same all-reduce the one-process path
 makes); the last stage holds the all-layer S and C and forms ``aux`` (with the R / N scale of
 ``models/hf_moe.py``). It joins the micro-batch's loss the way the built-in GPT's aux losses do
-under a pipeline (``moe_pp.py``): Megatron's ``AuxLossAutoScaler`` puts it on the last stage's final hidden
+under a pipeline (``pipeline/moe.py``): Megatron's ``AuxLossAutoScaler`` puts it on the last stage's final hidden
 states with the gradient scale the pipeline gives each micro-batch's loss, ``1 / (micro-batches x
 accumulation)``, for a mean loss and a token-sum loss alike (the token-sum loss adds up over the
 micro-batches; an aux loss inside it would be counted once per micro-batch instead of averaged), and
@@ -30,7 +30,7 @@ channel an ordinary differentiable one.
 
 Stage metadata inference (torch runs each stage once on placeholder tensors at its first step) must
 not count tokens, all-reduce or run the experts (under expert parallel their all-to-alls would meet
-peers that are elsewhere, as ``moe_pp.py`` explains): the MoE blocks return ``0 * x`` then and the
+peers that are elsewhere, as ``pipeline/moe.py`` explains): the MoE blocks return ``0 * x`` then and the
 side tensor is zero, still on the autograd path where the real one is, so torch sizes and wires its
 gradient exactly as in the real steps.
 """
@@ -46,7 +46,7 @@ from torch import nn
 from shardwise.models.hf_moe import all_layers_aux
 from shardwise.models.masking import real_token_mask
 from shardwise.models.moe import queue_aux_loss
-from shardwise.parallel.moe_pp import AuxLossAutoScaler
+from shardwise.parallel.pipeline.moe import AuxLossAutoScaler
 
 __all__ = ["StageRouting", "mute_hf_moe_inference", "stage_routing"]
 

@@ -1,6 +1,6 @@
 """Pipeline stages for Hugging Face GPT-2-family models (``GPT2LMHeadModel`` as ``HFCausalLM``).
 
-The same rules as the Llama family's (``parallel/pp_hf.py``), on GPT-2's layout
+The same rules as the Llama family's (``parallel/pipeline/hf.py``), on GPT-2's layout
 (``hf.transformer.{wte, wpe, drop, h, ln_f}`` and ``hf.lm_head``):
 
 * the blocks move from the ``nn.ModuleList`` ``transformer.h`` into an ``nn.ModuleDict`` keyed by
@@ -13,7 +13,7 @@ The same rules as the Llama family's (``parallel/pp_hf.py``), on GPT-2's layout
   causal attention and positions without them); the last stage holds ``ln_f`` and ``lm_head`` and
   returns logits. Nothing but one activation tensor crosses a stage boundary;
 * GPT-2 ties ``lm_head`` to ``wte``: the two stages keep one copy each, summed gradients keep them
-  equal (``parallel/pp_ties.py``).
+  equal (``parallel/pipeline/ties.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.pretrained import load_pretrained
-from shardwise.parallel.pp_hf import _build_mask, stage_attention_mask, stage_hf, stage_input, varlen_kwargs
+from shardwise.parallel.pipeline.hf import _build_mask, stage_attention_mask, stage_hf, stage_input, varlen_kwargs
 
 __all__ = ["GPT2Stage", "check_gpt2_pp_model", "prune_gpt2_to_stages"]
 
@@ -63,7 +63,7 @@ def prune_gpt2_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[ra
 
 class GPT2Stage(nn.Module):
     """One pipeline stage of a GPT-2 ``HFCausalLM``: token ids or hidden states in, hidden states or
-    logits out. Shares its modules with the union under the same names, like ``pp_hf.HFStage``."""
+    logits out. Shares its modules with the union under the same names, like ``pipeline.hf.HFStage``."""
 
     def __init__(self, union: nn.Module, stage: int, ranges: list[range]) -> None:
         super().__init__()

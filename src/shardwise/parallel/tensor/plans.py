@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from shardwise.parallel.tp_gpt2 import Conv1DColwise, Conv1DRowwise
+from shardwise.parallel.tensor.gpt2 import Conv1DColwise, Conv1DRowwise
 
 
 @dataclass
@@ -134,7 +134,7 @@ def gpt2_plan(sequence_parallel: bool) -> TPPlan:
     """Return the TP plan for Hugging Face GPT-2 wrapped as ``HFCausalLM`` (``.hf``).
 
     Its projections are ``Conv1D`` (weight ``(in, out)``), hence the Conv1D-aware styles, and its
-    fused ``c_attn`` is first split into ``c_attn.q/k/v`` (``parallel/tp_gpt2.py``). The input
+    fused ``c_attn`` is first split into ``c_attn.q/k/v`` (``parallel/tensor/gpt2.py``). The input
     embedding is usually tied to ``lm_head``: both split the vocabulary rows (``Shard(0)`` of the
     one ``(vocab, hidden)`` weight), so the tie survives. Under SP the learned positions are looked
     up as ``(1, T, hidden)`` and reduce-scattered along the sequence like the token embeddings, so
@@ -204,7 +204,7 @@ def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, Para
       output, and ``B`` stays whole, adding the full ``B A x`` to the reduced base output.
 
     A planned path inside a wrapped layer (GPT-2's ``attn.c_attn.q`` when LoRA wraps ``c_attn``,
-    whose base layer and ``B`` were split into q/k/v by ``tp_gpt2.split_qkv``) names a part of the
+    whose base layer and ``B`` were split into q/k/v by ``tensor.gpt2.split_qkv``) names a part of the
     base layer: its style goes to ``base_layer.q`` and ``B``'s own ``q`` part is column-wise too.
     """
     out: dict[str, ParallelStyle] = {}

@@ -132,7 +132,7 @@ def attach_pp_aux(model: nn.Module, pp_group: Any) -> StageAux | None:
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     model.moe_pp_group = pp_group
     # A Hugging Face MoE model: its last stage puts the all-layers aux loss on its output with this
-    # object's scale and reporting (parallel/pp_hf_moe.py); no per-layer hooks.
+    # object's scale and reporting (parallel/pipeline/hf_moe.py); no per-layer hooks.
     recorder = getattr(getattr(model, "hf", None), "shardwise_moe_recorder", None)
     if not layers and recorder is None:
         return None

@@ -14,7 +14,7 @@ sets the attention's ``split_size`` to the local width. The model code is untouc
 A LoRA-wrapped ``c_attn`` (peft: ``base(x) + B(A(x)) * scale``, ``A``: in -> r, ``B``: r -> 3 x
 hidden) is split the same way inside its wrapper: the base layer becomes the ``SplitQKV`` and each
 adapter's ``B`` a ``SplitQKV`` of three ``nn.Linear`` (r -> hidden) holding the q, k and v rows of
-``B``. The TP plan then splits each part column-wise (``tp_plans.with_lora``), so each rank's ``B``
+``B``. The TP plan then splits each part column-wise (``tensor.plans.with_lora``), so each rank's ``B``
 parts produce exactly its ``[q_r | k_r | v_r]`` columns of the update, and ``A`` stays whole on
 every rank (its gradient is summed over the TP ranks by the parts' input all-reduce, as for any
 column-parallel adapter).

@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.base import ParallelContext
-from shardwise.parallel.ddp import DDPStrategy
+from shardwise.parallel.data.ddp import DDPStrategy
 
 
 class ZeRO1Strategy(DDPStrategy):

@@ -1,6 +1,6 @@
 """Pipeline stages for Hugging Face causal LMs of the Llama family (llama, mistral, qwen2, qwen3).
 
-The built-in GPT is cut by ``parallel/pp.py``; a transformers model needs three more things, all
+The built-in GPT is cut by ``parallel/pipeline/pp.py``; a transformers model needs three more things, all
 done here from outside (the HF code is not touched):
 
 * **Layer names that survive the cut.** ``model.layers`` is an ``nn.ModuleList``, whose names are
@@ -12,7 +12,7 @@ done here from outside (the HF code is not touched):
 * **A stage forward.** ``HFStage`` runs what ``LlamaModel.forward`` runs, restricted to its slice:
   the first stage embeds token ids, every stage builds the rotary cos/sin and the causal mask(s)
   its layers need from the microbatch's ``position_ids`` / ``doc_ids`` / ``attention_mask``
-  (keyword inputs the schedule hands every stage, ``parallel/pp.py``; plain causal positions
+  (keyword inputs the schedule hands every stage, ``parallel/pipeline/pp.py``; plain causal positions
   without them), so nothing but one activation tensor crosses a stage boundary; the last stage
   applies the final norm and the head and returns logits for the loss.
 * **Per-stage weights.** Nothing here reads weights: the union holds only this rank's tensors, so
@@ -43,7 +43,7 @@ from shardwise.models import varlen
 from shardwise.models.masking import attention_mask_4d, layer_kind
 from shardwise.models.pretrained import load_pretrained
 from shardwise.parallel.blocks import model_family
-from shardwise.parallel.pp_hf_moe import stage_routing
+from shardwise.parallel.pipeline.hf_moe import stage_routing
 
 __all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "hf_stage", "prune_hf_to_stages"]
 
@@ -55,7 +55,7 @@ def hf_pp_family(model: nn.Module) -> str:
 
 
 def hf_stage(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
-    """The stage module of a Llama-family Hugging Face union (GPT-2's is ``pp_gpt2.GPT2Stage``)."""
+    """The stage module of a Llama-family Hugging Face union (GPT-2's is ``pipeline.gpt2.GPT2Stage``)."""
     return HFStage(union, stage, ranges)
 
 
@@ -86,7 +86,7 @@ def check_hf_pp_model(model: nn.Module) -> None:
     """Raise ConfigError when a Hugging Face model cannot be cut into pipeline stages.
 
     A tied embedding and head are no reason to refuse: the two stages keep one copy each
-    (``parallel/pp_ties.py``, which refuses the layouts where that cannot be exact).
+    (``parallel/pipeline/ties.py``, which refuses the layouts where that cannot be exact).
     """
     layers = _inner(model).layers
     if not isinstance(layers, nn.ModuleList) or len(layers) != n_layers(model):
@@ -152,7 +152,7 @@ class HFStage(nn.Module):
         model.rotary_emb = src.rotary_emb  # every stage computes the positions its layers need
         self.hf = stage_hf(src_hf, "model", model, self.last)
         # Mixture-of-experts families: the routers' all-layer sums ride beside the hidden states
-        # (parallel/pp_hf_moe.py); None for a dense model.
+        # (parallel/pipeline/hf_moe.py); None for a dense model.
         self.moe_routing = stage_routing(src_hf, list(model.layers.values()), self.last)
         # What pretrained loading and the FSDP materialiser need from the union.
         self.pretrained = getattr(union, "pretrained", None)
@@ -173,7 +173,7 @@ class HFStage(nn.Module):
                 doc_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Any:
         """``x``: token ids (first stage) or hidden states; the keywords are the microbatch's side inputs
         of a packed or padded batch (``models.masking``), which the schedule hands every stage.
-        ``routing``: an MoE model's carried router sums from the previous stage (``pp_hf_moe.py``);
+        ``routing``: an MoE model's carried router sums from the previous stage (``pipeline/hf_moe.py``);
         an MoE stage before the last returns ``(hidden, routing)``."""
         model, config = self.hf.model, self.hf.config
         hidden = model.embed_tokens(x) if self.first else stage_input(x, self._sp_mesh, position_ids, doc_ids,

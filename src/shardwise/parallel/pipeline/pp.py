@@ -55,10 +55,10 @@ from shardwise.layout import Layout, stage_layer_ranges
 from shardwise.models.gpt import GPT
 from shardwise.models.masking import split_inputs
 from shardwise.parallel.blocks import model_family
-from shardwise.parallel.pp_gpt2 import GPT2Stage, check_gpt2_pp_model, prune_gpt2_to_stages
-from shardwise.parallel.pp_hf import check_hf_pp_model, hf_pp_family, hf_stage, n_layers, prune_hf_to_stages
-from shardwise.parallel.pp_ties import check_stage_ties
-from shardwise.parallel.tp import local_value
+from shardwise.parallel.pipeline.gpt2 import GPT2Stage, check_gpt2_pp_model, prune_gpt2_to_stages
+from shardwise.parallel.pipeline.hf import check_hf_pp_model, hf_pp_family, hf_stage, n_layers, prune_hf_to_stages
+from shardwise.parallel.pipeline.ties import check_stage_ties
+from shardwise.parallel.tensor.tp import local_value
 from shardwise.pp_schedules import schedule_info, stage_rank
 from shardwise.runtime.token_loss import is_token_sum
 
@@ -71,8 +71,8 @@ def _is_gpt(model: nn.Module) -> bool:
 
 
 def _is_gpt2(model: nn.Module) -> bool:
-    """GPT-2 has its own stage split (``pp_gpt2.py``: fused q/k/v, learned positions); the other
-    Hugging Face families share the Llama one (``pp_hf.py``)."""
+    """GPT-2 has its own stage split (``pipeline/gpt2.py``: fused q/k/v, learned positions); the other
+    Hugging Face families share the Llama one (``pipeline/hf.py``)."""
     return model_family(model) == "gpt2"
 
 
@@ -125,7 +125,7 @@ def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
 
     A fresh module (not a copy) so that wrappers (DDP, FSDP) and hooks put on a stage never
     leak onto the union; attribute order matches GPT so the stage's FQNs are the union's.
-    Hugging Face models get an ``HFStage`` (``parallel/pp_hf.py``), built on the same rule.
+    Hugging Face models get an ``HFStage`` (``parallel/pipeline/hf.py``), built on the same rule.
     """
     if _is_gpt2(union):
         return GPT2Stage(union, stage, ranges)
@@ -334,7 +334,7 @@ class Pipeline:
         return run
 
     def _take_cp_masks(self, cp_state: Any) -> None:
-        """Cut the batch's whole-sequence mask (``parallel.cp.chunk_batch`` left it in ``cp_state``)
+        """Cut the batch's whole-sequence mask (``parallel.context.cp.chunk_batch`` left it in ``cp_state``)
         into the schedule's microbatches, with torch's own splitting, so microbatch i gets rows i."""
         self._cp_state, self._cp_masks = cp_state, None
         if cp_state is None or cp_state.mask is None:

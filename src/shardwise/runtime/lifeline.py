@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Any
 
-from shardwise.job.identity import process_record, same_process_alive
+from shardwise.runtime.identity import process_record, same_process_alive
 
 LAUNCHER_ENV = "SHARDWISE_LAUNCHER"  # JSON process record (host, pid, start time, boot id)
 ORPHAN_EXIT_CODE = 137  # what a SIGKILL would report: the process was stopped from outside

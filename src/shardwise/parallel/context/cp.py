@@ -29,7 +29,7 @@ changes). The mask costs ``S^2`` bytes per row on every rank, as in one process.
 
 Under pipeline parallel each cp rank's chunk flows through the stages (the cp group of a stage
 holds the same stage on every member): ``chunk_batch(..., positions=True)`` gives every stage the
-chunk's global positions, and ``parallel.pp.Pipeline`` points ``CPState`` at each microbatch's
+chunk's global positions, and ``parallel.pipeline.pp.Pipeline`` points ``CPState`` at each microbatch's
 slice of the whole-sequence mask while a stage runs that microbatch.
 
 A token-sum loss (``runtime.token_loss``, what records and packed text train on) divides by the
@@ -48,7 +48,7 @@ heads to the query heads itself when it builds a mask, and it builds one when a 
 the all-to-all takes the original kv heads back from such a repeat (the module's
 ``num_key_value_groups``), so every rank of a cp group exchanges the same shapes.
 
-``parallel.cp_impl``: ``alltoall`` is the scheme above. ``ring`` (``cp_ring.py``) drives torch's own
+``parallel.cp_impl``: ``alltoall`` is the scheme above. ``ring`` (``context/ring.py``) drives torch's own
 ring attention (``_templated_ring_attention`` and its backward, with torch's load-balanced head-tail
 causal sharding) with the device's attention kernel: the CPU flash kernel on gloo, the CUDA flash /
 memory-efficient kernels on NCCL; torch's public ``context_parallel`` cannot be used on CPU (no
@@ -74,8 +74,8 @@ from shardwise.families import CP_FAMILIES, MOE_FAMILIES
 from shardwise.models.gpt import CausalSelfAttention
 from shardwise.models.masking import attention_mask_4d, layer_kind, real_token_mask, split_inputs
 from shardwise.parallel.blocks import model_family
-from shardwise.parallel.cp_ring import ring_attention, ring_index, ring_split, ring_unavailable
-from shardwise.parallel.tp import tp_shape_sizes
+from shardwise.parallel.context.ring import ring_attention, ring_index, ring_split, ring_unavailable
+from shardwise.parallel.tensor.tp import tp_shape_sizes
 
 __all__ = ["CP_IMPLS", "CPState", "apply_cp", "check_cp_model", "chunk_aligned", "chunk_batch", "cp_multiple",
            "gather_heads",
@@ -87,7 +87,7 @@ CP_IMPLS = ("auto", "alltoall", "ring")
 def resolve_cp_impl(impl: str, device_type: str) -> str:
     """The implementation ``parallel.cp_impl`` stands for on ``device_type``; ConfigError where none runs.
 
-    ``auto`` is ``alltoall`` on every device: the ring (``parallel.cp_impl = ring``, cp_ring.py) runs on
+    ``auto`` is ``alltoall`` on every device: the ring (``parallel.cp_impl = ring``, context/ring.py) runs on
     CPU/gloo and has been verified there; its CUDA kernels are wired from the same code but have not run on
     a GPU yet, so it is not picked without being asked for."""
     if impl not in CP_IMPLS:
@@ -267,7 +267,7 @@ class _UlyssesMode(_CPMode):
                 "context parallel (parallel.cp > 1) runs attention over the whole sequence, but the model was "
                 "called with an attention mask built for one chunk. Pass packed/padded batches (doc_ids, "
                 "attention_mask) whole to session.forward_backward / eval_loss, which build the whole sequence's "
-                "mask from every token's document ids (shardwise.parallel.cp.chunk_batch).")
+                "mask from every token's document ids (shardwise.parallel.context.cp.chunk_batch).")
         if dropout_p:
             raise ConfigError("context parallel does not support attention dropout (each rank would draw its own "
                               "mask); set the model's attention dropout to 0.")
@@ -318,7 +318,7 @@ class _RingMode(_CPMode):
                 "context parallel (parallel.cp_impl = 'ring') runs attention over the whole sequence, but the model "
                 "was called with an attention mask built for this rank's tokens. Pass packed/padded batches "
                 "(doc_ids, attention_mask) whole to session.forward_backward / eval_loss, which build the whole "
-                "sequence's mask from every token's document ids (shardwise.parallel.cp.chunk_batch).")
+                "sequence's mask from every token's document ids (shardwise.parallel.context.cp.chunk_batch).")
         # Otherwise a mask the model built on its tokens is not used: this rank's tokens are two distant
         # chunks, whose positions jump, which transformers reads as two packed documents (the mask
         # _two_chunk_mask recognises). The batch's real mask is the whole sequence's (state.mask).
@@ -449,7 +449,7 @@ def apply_cp(model: nn.Module, group: Any, cp_rank: int, cp: int, state: CPState
 
 def split_sequence(x: torch.Tensor, cp_rank: int, cp: int, impl: str = "alltoall") -> torch.Tensor:
     """This rank's tokens of dim 1 (the sequence) of ``x``: a contiguous chunk, or under ``ring`` chunks
-    ``cp_rank`` and ``2cp-1-cp_rank`` of ``2 cp`` (``cp_ring.ring_index``)."""
+    ``cp_rank`` and ``2cp-1-cp_rank`` of ``2 cp`` (``context.ring.ring_index``)."""
     seq, multiple = x.shape[1], cp_multiple(cp, impl)
     if seq % multiple:
         how = (f"2 x parallel.cp = {multiple}: under cp_impl = 'ring' each rank takes two of {multiple} equal "

@@ -1,0 +1,1 @@
+"""DeepSpeed's engine as a strategy: its config, the op build and the strategy itself."""
