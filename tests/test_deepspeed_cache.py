@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.parallel.deepspeed.strategy import setup as ds
+from shardwise.parallel.deepspeed import setup as ds
 
 
 class FakeBuilder:

@@ -117,7 +117,7 @@ def test_preflight_refuses_before_any_rank(tmp_path):
 def test_nvme_preflight_sizes_the_swap_per_node(tmp_path, monkeypatch):
     """ZeRO-3 partitions over every rank of the job: each node's disk holds 1/nodes of the state."""
     pytest.importorskip("deepspeed")
-    from shardwise.parallel.deepspeed.strategy import strategy as ds_strategy
+    from shardwise.parallel.deepspeed import strategy as ds_strategy
     from shardwise.preflight import check_run, meta_model
     from shardwise.workloads import build_workload
 

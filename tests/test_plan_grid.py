@@ -134,7 +134,7 @@ def test_every_candidate_and_printed_command_resolves_over_the_grid(monkeypatch)
     monkeypatch.setattr(advice, "memory_breakdown", memory_breakdown)
     # The NVMe offload commands check the swap disk's free space: give this machine a large one
     # (the plan is for the cluster's nodes, not for the machine the test runs on).
-    from shardwise.parallel.deepspeed.strategy import setup as deepspeed_setup
+    from shardwise.parallel.deepspeed import setup as deepspeed_setup
 
     monkeypatch.setattr(deepspeed_setup.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**60, 0, 2**60))
     plans = checked = 0

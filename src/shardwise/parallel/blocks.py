@@ -8,6 +8,7 @@ blocks into stages, and the planner counts parameters per block; every one of th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -136,3 +137,14 @@ def tp_plan_family(model: nn.Module) -> str:
     # Mixture-of-experts families share Llama's attention and dense-MLP names (models/hf_moe.py).
     f = FAMILIES.get(family)
     return "llama" if f is not None and f.moe and f.tp_plan else ""
+
+
+def submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """``model``'s module at the dotted ``path`` ("mlp.gate_proj"), or None where a part is missing
+    or ``None`` (a pipeline stage that does not own it)."""
+    node: Any = model
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node

@@ -38,20 +38,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.errors import ConfigError
-from shardwise.families import PP_FAMILIES
 from shardwise.models import varlen
 from shardwise.models.masking import attention_mask_4d, layer_kind
 from shardwise.models.pretrained import load_pretrained
-from shardwise.parallel.blocks import model_family
 from shardwise.parallel.pipeline.hf_moe import stage_routing
 
-__all__ = ["HFStage", "check_hf_pp_model", "hf_pp_family", "hf_stage", "prune_hf_to_stages"]
+__all__ = ["HFStage", "check_hf_pp_model", "hf_stage", "prune_hf_to_stages"]
 
-
-def hf_pp_family(model: nn.Module) -> str:
-    """The Hugging Face family of ``model`` if the pipeline can cut it ('' otherwise)."""
-    family = model_family(model)
-    return family if family in PP_FAMILIES and family != "gpt" else ""
 
 
 def hf_stage(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:

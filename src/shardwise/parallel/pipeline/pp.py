@@ -1,10 +1,10 @@
 """Pipeline parallel: split the model's layers into stages and run them with a PyTorch schedule.
 
-Stages come from the built-in GPT, which is built for this: its blocks live in an ``nn.ModuleDict``
-keyed "0".."n-1" and ``tok_emb``/``pos_emb``/``ln_f``/``lm_head`` may be ``None``. Each rank keeps
-one GPT with everything it does not own deleted (its *union* model: parameter names are the
-single-device ones, so checkpoints line up across layouts), and each local stage is a light view
-of that union holding only the stage's own parts. Schedules, microbatching and the point-to-point
+Stages come from the model family's split (``parallel/adapters.py``: the built-in GPT in
+``gpt.py``, the Llama-like Hugging Face families in ``hf.py``, GPT-2 in ``gpt2.py``). Each rank
+keeps one model with everything it does not own deleted (its *union* model: parameter names are
+the single-device ones, so checkpoints line up across layouts), and each local stage is a light
+view of that union holding only the stage's own parts. Schedules, microbatching and the point-to-point
 activation traffic are ``torch.distributed.pipelining``: every schedule in ``pp_schedules.py``
 (GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero-bubble, ZBV, DualPipeV).
 
@@ -50,13 +50,11 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.errors import ConfigError
-from shardwise.families import no_stage_split
+from shardwise.families import PP_FAMILIES, no_stage_split
 from shardwise.layout import Layout, stage_layer_ranges
-from shardwise.models.gpt import GPT
 from shardwise.models.masking import split_inputs
+from shardwise.parallel.adapters import StageSplit, adapter_for
 from shardwise.parallel.blocks import model_family
-from shardwise.parallel.pipeline.gpt2 import GPT2Stage, check_gpt2_pp_model, prune_gpt2_to_stages
-from shardwise.parallel.pipeline.hf import check_hf_pp_model, hf_pp_family, hf_stage, n_layers, prune_hf_to_stages
 from shardwise.parallel.pipeline.ties import check_stage_ties
 from shardwise.parallel.tensor.tp import local_value
 from shardwise.pp_schedules import schedule_info, stage_rank
@@ -66,97 +64,37 @@ __all__ = ["Pipeline", "autocast_forward", "check_pp_model", "fixed_shape_collat
            "prune_to_stages", "stage_layer_ranges", "stage_view"]
 
 
-def _is_gpt(model: nn.Module) -> bool:
-    return isinstance(model, GPT)
-
-
-def _is_gpt2(model: nn.Module) -> bool:
-    """GPT-2 has its own stage split (``pipeline/gpt2.py``: fused q/k/v, learned positions); the other
-    Hugging Face families share the Llama one (``pipeline/hf.py``)."""
-    return model_family(model) == "gpt2"
+def _split_of(model: nn.Module) -> StageSplit:
+    adapter = adapter_for(model)
+    if adapter is None or model_family(model) not in PP_FAMILIES:
+        family = model_family(model)
+        what = f"the Hugging Face {family} model" if family else type(model).__name__
+        raise ConfigError(
+            f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
+            "this model.")
+    return adapter.stages
 
 
 def n_pipeline_blocks(model: nn.Module) -> int:
     """The number of blocks the pipeline splits into stages (GPT blocks or HF decoder layers)."""
-    if _is_gpt(model):
-        return len(model.blocks)
-    return n_layers(model)
+    return _split_of(model).n_blocks(model)
 
 
 def check_pp_model(model: nn.Module, layout: Layout) -> None:
     """Raise ConfigError unless ``model`` can be cut into the layout's pipeline stages."""
-    if not _is_gpt(model):
-        if not hf_pp_family(model):
-            family = model_family(model)
-            what = f"the Hugging Face {family} model" if family else type(model).__name__
-            raise ConfigError(
-                f"{no_stage_split(what)}. Use tensor parallel or a data-parallel/sharded strategy (ddp, fsdp) for "
-                "this model.")
-        if _is_gpt2(model):
-            check_gpt2_pp_model(model)
-        else:
-            check_hf_pp_model(model)
+    _split_of(model).check(model)
     check_stage_ties(model, layout)
     layout.with_blocks(n_pipeline_blocks(model), "blocks")  # raises when the stages cannot be cut
 
 
 def prune_to_stages(model: nn.Module, stage_ids: list[int], ranges: list[range]) -> nn.Module:
     """Delete from ``model`` (in place) every part no local stage owns; return it (the union)."""
-    if _is_gpt2(model):
-        return prune_gpt2_to_stages(model, stage_ids, ranges)
-    if not _is_gpt(model):
-        return prune_hf_to_stages(model, stage_ids, ranges)
-    n_stages = len(ranges)
-    owned = {str(i) for s in stage_ids for i in ranges[s]}
-    for key in list(model.blocks.keys()):
-        if key not in owned:
-            del model.blocks[key]
-    if 0 not in stage_ids:
-        model.tok_emb = None
-        model.pos_emb = None
-    if n_stages - 1 not in stage_ids:
-        model.ln_f = None
-        model.lm_head = None
-    return model
+    return _split_of(model).prune(model, stage_ids, ranges)
 
 
 def stage_view(union: nn.Module, stage: int, ranges: list[range]) -> nn.Module:
-    """Return a GPT holding only stage ``stage``'s parts, sharing its modules with ``union``.
-
-    A fresh module (not a copy) so that wrappers (DDP, FSDP) and hooks put on a stage never
-    leak onto the union; attribute order matches GPT so the stage's FQNs are the union's.
-    Hugging Face models get an ``HFStage`` (``parallel/pipeline/hf.py``), built on the same rule.
-    """
-    if _is_gpt2(union):
-        return GPT2Stage(union, stage, ranges)
-    if not _is_gpt(union):
-        return hf_stage(union, stage, ranges)
-    last = stage == len(ranges) - 1
-    view = type(union).__new__(type(union))
-    nn.Module.__init__(view)
-    view.config = union.config
-    view.tok_emb = union.tok_emb if stage == 0 else None
-    view.pos_emb = union.pos_emb if stage == 0 else None
-    view.drop = union.drop
-    view.blocks = nn.ModuleDict({str(i): union.blocks[str(i)] for i in ranges[stage]})
-    view.ln_f = union.ln_f if last else None
-    view.lm_head = union.lm_head if last else None
-    _keyword_inputs(view)
-    return view
-
-
-def _keyword_inputs(view: nn.Module) -> None:
-    """Let a GPT stage take its side inputs by keyword, as the schedule passes them (module docstring).
-
-    The GPT reads them from its input mapping; a stage after the first gets hidden states as the
-    mapping's ``input_ids`` (its forward uses them as such when it has no embedding)."""
-    forward = view.forward
-
-    @functools.wraps(forward)
-    def keyword_forward(x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
-        return forward({"input_ids": x, **extra} if extra else x)
-
-    view.forward = keyword_forward
+    """Stage ``stage``'s module, sharing its parts with ``union`` (its family's, ``parallel/adapters.py``)."""
+    return _split_of(union).stage(union, stage, ranges)
 
 
 def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:

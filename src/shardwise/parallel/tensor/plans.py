@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from shardwise.parallel.blocks import submodule
 from shardwise.parallel.tensor.gpt2 import Conv1DColwise, Conv1DRowwise
 
 
@@ -189,7 +190,27 @@ def moe_block_styles(sequence_parallel: bool, local_output: bool) -> dict[str, P
         output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=local_output)}
 
 
-PLANS = {"gpt": gpt_plan, "gpt2": gpt2_plan, "llama": llama_plan}
+# ------------------------------------------------------------------ what each plan splits
+# The sizes tensor parallel must divide, per layout (the layout's one rule: ``layout.tp_indivisible``).
+def gpt_sizes(model: nn.Module) -> dict[str, int]:
+    c = model.config  # type: ignore[union-attr]
+    return {"n_head": c.n_head, "n_embd": c.n_embd, "mlp hidden (4 x n_embd)": 4 * c.n_embd}
+
+
+def gpt2_sizes(model: nn.Module) -> dict[str, int]:
+    c = model.hf.config  # type: ignore[union-attr]
+    return {"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd}
+
+
+def llama_sizes(model: nn.Module) -> dict[str, int]:
+    c = model.hf.config  # type: ignore[union-attr]
+    sizes = {"num_attention_heads": c.num_attention_heads,
+             "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+             "hidden_size": c.hidden_size}
+    # An MoE block's experts stay whole under TP: only dense MLPs split their width.
+    if any(submodule(block, "mlp.gate_proj") is not None for block in model.hf.model.layers):  # type: ignore[union-attr]
+        sizes["intermediate_size"] = c.intermediate_size
+    return sizes
 
 
 def with_lora(plan: dict[str, ParallelStyle], root: nn.Module) -> dict[str, ParallelStyle]:

@@ -22,9 +22,9 @@ from shardwise.errors import ConfigError
 from shardwise.families import LLAMA_LIKE, no_tp_plan
 from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
-from shardwise.parallel.blocks import model_family, tp_plan_family
-from shardwise.parallel.tensor.gpt2 import split_qkv
-from shardwise.parallel.tensor.plans import PLANS, TPPlan, with_lora
+from shardwise.parallel.adapters import adapter_for
+from shardwise.parallel.blocks import model_family, submodule
+from shardwise.parallel.tensor.plans import TPPlan, with_lora
 from shardwise.parallel.ties import retie, tied_groups
 
 __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_value",
@@ -32,31 +32,16 @@ __all__ = ["LLAMA_LIKE", "apply_tp", "check_tp_model", "clip_grads", "local_valu
 
 
 def tp_shape_sizes(model: nn.Module) -> dict[str, int]:
-    """Return the sizes tensor parallel must divide (heads, KV heads, hidden, MLP width)."""
-    family = tp_plan_family(model)
-    if family == "gpt":
-        c = model.config  # type: ignore[union-attr]
-        return {"n_head": c.n_head, "n_embd": c.n_embd, "mlp hidden (4 x n_embd)": 4 * c.n_embd}
-    if family == "gpt2":
-        c = model.hf.config  # type: ignore[union-attr]
-        return {"n_head": c.n_head, "n_embd": c.n_embd, "n_inner": c.n_inner or 4 * c.n_embd}
-    if family == "llama":
-        c = model.hf.config  # type: ignore[union-attr]
-        sizes = {"num_attention_heads": c.num_attention_heads,
-                 "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                 "hidden_size": c.hidden_size}
-        # An MoE block's experts stay whole under TP: only dense MLPs split their width.
-        if any(_get(block, "mlp.gate_proj") is not None for block in model.hf.model.layers):  # type: ignore[union-attr]
-            sizes["intermediate_size"] = c.intermediate_size
-        return sizes
-    return {}
+    """Return the sizes tensor parallel must divide (heads, KV heads, hidden, MLP width): its family's."""
+    adapter = adapter_for(model)
+    return adapter.tp_sizes(model) if adapter is not None else {}
 
 
 def check_tp_model(model: nn.Module, tp: int) -> None:
     """Raise ConfigError unless ``model`` has a TP plan and ``tp`` divides every sharded size."""
     if tp == 1:
         return
-    if not tp_plan_family(model):
+    if adapter_for(model) is None:
         family = model_family(model)
         what = f"the {family} model" if family else type(model).__name__
         raise ConfigError(
@@ -72,42 +57,33 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
         )
 
 
-def _get(model: nn.Module, path: str) -> nn.Module | None:
-    node: Any = model
-    for part in path.split("."):
-        node = getattr(node, part, None)
-        if node is None:
-            return None
-    return node
-
-
 def apply_tp(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> nn.Module:
     """Return ``model`` with its family's TP plan applied in place on the 1-D ``tp_mesh``.
 
     Parts set to ``None`` (a pipeline stage that does not own the embeddings or the head) are
     skipped, so the same call works on every pipeline stage.
     """
-    family = tp_plan_family(model)
-    plan: TPPlan = PLANS[family](sequence_parallel)
-    if family == "gpt2":
-        # The fused q/k/v projection becomes three column-splittable ones (see tp_gpt2).
-        split_qkv(model, tp_mesh.size())
+    adapter = adapter_for(model)
+    assert adapter is not None, "check_tp_model refuses a model without a TP plan first"
+    plan: TPPlan = adapter.tp_plan(sequence_parallel)
+    if adapter.before_tp is not None:  # e.g. GPT-2's fused q/k/v made three column-splittable ones
+        adapter.before_tp(model, tp_mesh.size())
     ties = tied_groups(model)
-    top = {name: style for name, style in plan.top.items() if _get(model, name) is not None}
+    top = {name: style for name, style in plan.top.items() if submodule(model, name) is not None}
     if top:
         parallelize_module(model, tp_mesh, with_lora(top, model))
-    blocks = _get(model, plan.blocks_path)
+    blocks = submodule(model, plan.blocks_path)
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or []):
         # LoRA-wrapped layers: the plan's style goes to the base layer, the adapters follow it.
         # An MoE block has no dense MLP: its router and experts stay whole on every TP
         # rank (experts may be split by expert parallelism instead), so those entries are skipped.
         styles = dict(plan.block)
-        if is_moe_layer(_get(block, "mlp")):
+        if is_moe_layer(submodule(block, "mlp")):
             styles.update(plan.moe_block)
         # After with_lora, which may move a path into a LoRA layer (GPT-2's split c_attn under LoRA).
         parallelize_module(block, tp_mesh,
                            {path: style for path, style in with_lora(styles, block).items()
-                            if _get(block, path) is not None})
+                            if submodule(block, path) is not None})
     # parallelize_module gave the tied embedding and head a DTensor each: one tensor again, before
     # anything else wraps the model (parallel/ties.py says what breaks otherwise).
     retie(model, ties)
