@@ -40,8 +40,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing
 
-from shardwise.config import ConfigError  # noqa: E402
-from shardwise.families import CP_FAMILIES  # noqa: E402
+from shardwise.core.config import ConfigError  # noqa: E402
+from shardwise.core.families import CP_FAMILIES  # noqa: E402
+from shardwise.core.strategies import REGISTRY  # noqa: E402
 from shardwise.plan.advice import (  # noqa: E402
     GIB,
     RUNTIME_RESERVE_GIB,
@@ -59,7 +60,6 @@ from shardwise.plan.memory import Kernels, Layout  # noqa: E402
 from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
 from shardwise.plan.stacks import stack_settings  # noqa: E402
-from shardwise.strategies import REGISTRY  # noqa: E402
 
 DATA = Path(__file__).with_name("published_runs.json")
 GENERATIONS = ("a100", "h100")

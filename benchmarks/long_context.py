@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, seq: int, steps: int, layers: int, hidden: int,
           vocab: int, packed: int = 0, impl: str = "alltoall") -> dict:
     import torch
 
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.runtime.session import Session
     from shardwise.workloads import cross_entropy_loss

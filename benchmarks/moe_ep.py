@@ -18,7 +18,7 @@ import torch
 
 
 def rank_fn(rank: int, world_size: int, preset: str, steps: int, batch: int, ep: int) -> dict:
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.models.moe import with_aux_loss
     from shardwise.runtime import ledger

@@ -37,7 +37,7 @@ def _batches(tokens: torch.Tensor, steps: int, rows: int, seq: int, seed: int) -
 
 def rank_fn(rank: int, world_size: int, optimizer: str, strategy: str, preset: str, steps: int,
             global_batch: int) -> dict:
-    from shardwise.config import OptimizerConfig, ParallelConfig, TrainConfig
+    from shardwise.core.config import OptimizerConfig, ParallelConfig, TrainConfig
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.optim.build import build_optimizer
     from shardwise.optim.schedule import set_lr

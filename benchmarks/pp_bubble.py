@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.core.pp_schedules import SCHEDULES as TABLE
 from shardwise.plan.pipeline import bubble_fraction
-from shardwise.pp_schedules import SCHEDULES as TABLE
 
 # Every schedule: one stage per rank for GPipe/1F1B, two for the others (the V ones need exactly 2).
 SCHEDULES = tuple((name, 2 if info.multi_stage else 1) for name, info in TABLE.items())
@@ -69,7 +69,7 @@ def _step_time(out: Path, strategy: str, nproc: int, steps: int, overrides: list
     return wall, (cpu - cpu_short) / (steps - 2)
 
 
-# torch's class for each schedule name (shardwise.pp_schedules owns the mapping).
+# torch's class for each schedule name (shardwise.core.pp_schedules owns the mapping).
 def _torch_class(name: str) -> Any:
     import torch.distributed.pipelining as pipelining
 
@@ -139,7 +139,7 @@ def _gpt_layer_costs(overrides: list[str], rows: int, microbatches: int,
 
     import torch
 
-    from shardwise.layout import stage_layer_ranges
+    from shardwise.core.layout import stage_layer_ranges
     from shardwise.models.gpt import GPT, GPT_PRESETS
     from shardwise.parallel.pipeline.pp import stage_view
     from shardwise.testing import lm_loss
@@ -178,7 +178,7 @@ def _gpt_layer_costs(overrides: list[str], rows: int, microbatches: int,
 def _stage_costs_of(layers: list[dict], n_stages: int) -> list[dict]:
     """Each stage's F, B, I, W as the sum of its layers' (``layout.stage_layer_ranges``); torch runs
     the first stage's whole backward as W (no input gradient to send)."""
-    from shardwise.layout import stage_layer_ranges
+    from shardwise.core.layout import stage_layer_ranges
 
     out = []
     for s, r in enumerate(stage_layer_ranges(len(layers), n_stages)):

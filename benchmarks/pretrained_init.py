@@ -116,7 +116,7 @@ def _load_rank(rank: int, world_size: int, folder: str, strategy: str, tp: int, 
                vocab: int) -> dict:
     import torch
 
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
     from shardwise.models.hf import build_hf_model
     from shardwise.runtime.session import Session
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.runtime.trainer import Trainer  # noqa: E402
 from tests.helpers.sft import chat_records, save_qwen2, write_jsonl  # noqa: E402
 

@@ -33,7 +33,7 @@ def _tokenizer(folder: Path, text: str, vocab: int) -> Path:
 
 
 def main() -> int:
-    from shardwise.config import DataConfig
+    from shardwise.core.config import DataConfig
     from shardwise.data.shakespeare import bundled_text_path
     from shardwise.data.text import load_text
     from shardwise.runtime.data import ShardedLoader

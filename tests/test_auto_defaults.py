@@ -4,8 +4,8 @@ for the device, explicit values win, and a run's config.toml records what was ch
 import pytest
 import torch
 
-from shardwise.config import from_dict, load_config, to_toml
-from shardwise.layout import resolve_layout
+from shardwise.core.config import from_dict, load_config, to_toml
+from shardwise.core.layout import resolve_layout
 from shardwise.parallel.implementations import get_strategy
 from shardwise.runtime import auto
 from shardwise.runtime.auto import CompileRecord, resolve_compile, resolve_precision

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from shardwise.cli import main
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.errors import CheckpointError
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime.checkpoint.export import export_weights, inspect_checkpoint

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardwise.config import DataConfig, ModelConfig, load_config
+from shardwise.core.config import DataConfig, ModelConfig, load_config
 from shardwise.data.cifar import CIFAR_MEAN, CIFAR_STD, load_cifar10, write_fake_cifar10
 from shardwise.errors import ConfigError
 from shardwise.models.cnn import build_cnn, cnn_config, cnn_flops_per_sample, cnn_param_count

@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.parallel.compile import check_compile
 from shardwise.parallel.implementations import get_strategy
 from shardwise.testing import run_command, run_distributed

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig, load_config
+from shardwise.core.config import ParallelConfig, load_config
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.parallel.composed import MESH_DIMS
 from shardwise.testing import run_command, run_distributed
 from tests.helpers.hf import VOCAB, hf_case

@@ -1,6 +1,6 @@
 import pytest
 
-from shardwise.config import load_config, parse_override, to_toml
+from shardwise.core.config import load_config, parse_override, to_toml
 from shardwise.errors import ConfigError
 
 

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from shardwise.config import load_config, to_toml
-from shardwise.config_version import CONFIG_VERSION, upgrade
+from shardwise.core.config import load_config, to_toml
+from shardwise.core.config_version import CONFIG_VERSION, upgrade
 from shardwise.errors import ConfigError
 from tests.helpers.ckpt import cli_args, fast_overrides, run_cli, small_text
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import Layout, resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout, resolve_layout
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.context.cp import resolve_cp_impl
 from shardwise.testing import fixed_batches, run_distributed, train_fixed_batches
@@ -162,7 +162,7 @@ def test_planner_counts_cp_and_chunked_logits() -> None:
 
 
 def test_refused_before_any_rank_starts() -> None:
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.preflight import check_run
 
     def check(world: int, *overrides: str) -> None:

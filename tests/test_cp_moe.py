@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.testing import fixed_batches, run_distributed, train_fixed_batches
 
 SEQ, VOCAB, STEPS, BATCH = 16, 64, 4, 4
@@ -136,8 +136,8 @@ def test_a_chunks_padding_is_left_out_of_the_routers_balance() -> None:
 def test_the_moe_families_without_cp_are_refused_by_name(family: str) -> None:
     """Qwen2-MoE and OLMoE have no cp proof here: one refusal that names the family and what does run,
     with no dead-end suggestion (no "train on unpacked text")."""
+    from shardwise.core.families import MOE_FAMILIES
     from shardwise.errors import ConfigError
-    from shardwise.families import MOE_FAMILIES
     from shardwise.parallel.context.cp import check_cp_family
 
     assert family in MOE_FAMILIES

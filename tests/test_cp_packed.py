@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import load_config, replace_in  # noqa: E402
+from shardwise.core.config import load_config, replace_in  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import chat_records, instruct_records, save_qwen2, verify_cases, write_jsonl  # noqa: E402

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
+from shardwise.core.strategies import strategy_info
 from shardwise.errors import ConfigError
 from shardwise.parallel.deepspeed.config import RunValues, builtin_config, fill, offload_devices
 from shardwise.parallel.deepspeed.setup import check_nvme_path
-from shardwise.strategies import strategy_info
 
 VALUES = RunValues(grad_accum_steps=2, dp_size=2, precision="bf16-mixed", micro_batch_size=4, lr=3e-4,
                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, nvme_path="/fast/swap")

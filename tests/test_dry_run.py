@@ -116,7 +116,7 @@ def test_dry_run_leaves_the_data_cache_and_run_folder_as_they_were(capsys, tmp_p
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from helpers.text import corpus_text, make_tokenizer, text_overrides
 
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.data.text import load_text
 
     tok = make_tokenizer(tmp_path / "tok")

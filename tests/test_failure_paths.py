@@ -191,7 +191,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_log(tmp_path, cli_env):
 
 
 def test_debug_collectives_is_refused_before_launch_on_cpu(tmp_path, capsys):
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.errors import ConfigError
     from shardwise.preflight import check_debug_collectives
 

@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shardwise.cli import main
-from shardwise.config import Rule, RunConfig, from_dict, load_config, rule_of, to_toml, toml_string
+from shardwise.core.config import Rule, RunConfig, from_dict, load_config, rule_of, to_toml, toml_string
 from shardwise.errors import ShardwiseError
 from tests.helpers.ckpt import small_text
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import build_parser, main
-from shardwise.config import builtin_recipes
-from shardwise.families import FAMILIES
+from shardwise.core.config import builtin_recipes
+from shardwise.core.families import FAMILIES
 from shardwise.verify import VerifyReport
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from shardwise.families import HF_FAMILIES, MOE_FAMILIES  # noqa: E402
+from shardwise.core.families import HF_FAMILIES, MOE_FAMILIES  # noqa: E402
 from shardwise.models.hf_config import KEY_SPELLINGS, read_hf_config  # noqa: E402
 from shardwise.plan.finetune import pretrained_spec  # noqa: E402
 

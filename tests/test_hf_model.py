@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from shardwise.config import DataConfig, ModelConfig, load_config
+from shardwise.core.config import DataConfig, ModelConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.workloads import build_workload
 
@@ -58,7 +58,7 @@ def test_overrides_apply_and_are_validated():
 def test_config_path_forms_and_family(tmp_path):
     assert {"llama-tiny", "gpt2-tiny"} <= set(bundled_configs())
     assert hf_family("llama-tiny") == "llama" and hf_family("gpt2-tiny.json") == "gpt2"
-    for model_type in ("mistral", "qwen2", "qwen3"):  # qwen3: one family list (shardwise.families)
+    for model_type in ("mistral", "qwen2", "qwen3"):  # qwen3: one family list (shardwise.core.families)
         folder = tmp_path / model_type
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({

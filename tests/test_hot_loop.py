@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.runtime.optim import adamw_implementation
 from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed

@@ -13,17 +13,17 @@ import sys
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig, load_config, replace_in
+from shardwise.core.config import ParallelConfig, load_config, replace_in
+from shardwise.core.families import LLAMA_LIKE, MOE_FAMILIES
+from shardwise.core.layout import Layout, resolve_layout, stage_layer_ranges
+from shardwise.core.strategies import ALIASES, REGISTRY, strategy_info, strategy_names
 from shardwise.errors import ConfigError
-from shardwise.families import LLAMA_LIKE, MOE_FAMILIES
-from shardwise.layout import Layout, resolve_layout, stage_layer_ranges
 from shardwise.parallel.implementations import get_strategy
-from shardwise.strategies import ALIASES, REGISTRY, strategy_info, strategy_names
 
 
 def test_layout_and_registry_import_without_torch(cli_env):
-    code = ("import sys, shardwise.layout, shardwise.parallel, shardwise.strategies, shardwise.plan.advice, "
-            "shardwise.config; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    code = ("import sys, shardwise.core.layout, shardwise.parallel, shardwise.core.strategies, shardwise.plan.advice, "
+            "shardwise.core.config; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -172,7 +172,7 @@ def test_session_leaves_the_callers_config_alone():
     ("fsdp+tp+pp", 8, dict(tp=2, pp=2)),
 ])
 def test_every_alias_expands_to_its_degree_set_and_back(name, world, options):
-    from shardwise.strategies import degree_set, strategy_for_degrees
+    from shardwise.core.strategies import degree_set, strategy_for_degrees
 
     layout = resolve_layout(ParallelConfig(strategy=name, **options), world)
     degrees = degree_set(name, layout.dp, tp=layout.tp, pp=layout.pp, shard=layout.dp_shard)
@@ -237,22 +237,26 @@ def test_ep_is_borrowed_from_the_fsdp_shard_ranks():
         load_config(overrides=["parallel.ep=0"])
 
 
-def test_config_layout_and_table_import_no_torch_and_reach_each_other_directly(cli_env):
-    """The owner of the run's shape is torch-free and imports its neighbours at module level only:
-    no function-local shardwise import and no "module:attr" import string."""
+def test_the_core_imports_no_torch_and_its_modules_reach_each_other_directly(cli_env):
+    """The torch-free core (``shardwise.core``: the run's shape) imports no torch, and its modules
+    import their neighbours at module level only: no function-local shardwise import and no
+    "module:attr" import string."""
     import ast
     import re
     from pathlib import Path
 
-    import shardwise
+    import shardwise.core
 
-    code = ("import sys, shardwise.config, shardwise.layout, shardwise.strategies, shardwise.families; "
+    root = Path(shardwise.core.__file__).parent
+    names = sorted(p.name for p in root.glob("*.py"))
+    assert {"config.py", "layout.py", "strategies.py", "families.py"} <= set(names)
+    modules = ", ".join(f"shardwise.core.{n[:-3]}" for n in names if n != "__init__.py")
+    code = (f"import sys, {modules}; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-    root = Path(shardwise.__file__).parent
-    for name in ("config.py", "layout.py", "strategies.py", "families.py"):
+    for name in names:
         tree = ast.parse((root / name).read_text())
         for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             for node in ast.walk(fn):

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import ledger
 from shardwise.runtime.trainer import train as train_run

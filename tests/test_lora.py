@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from shardwise.config import LoraConfig, load_config  # noqa: E402
+from shardwise.core.config import LoraConfig, load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
@@ -103,8 +103,8 @@ def test_an_adapter_folder_loads_merged_under_sharding_and_pipeline_stages(folde
 def test_planner_predicts_the_lora_runs_bytes(folder, runs):
     """The planner counts no gradient or optimizer state for the frozen base, under every layout
     (tensor parallel included): its prediction equals the ledger's measurement per rank."""
-    from shardwise.config import ParallelConfig
-    from shardwise.layout import resolve_layout
+    from shardwise.core.config import ParallelConfig
+    from shardwise.core.layout import resolve_layout
     from shardwise.plan.predict import predict_run
     from shardwise.plan.spec import from_module
 

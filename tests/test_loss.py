@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.loss import (
     chunked_cross_entropy,
@@ -107,7 +107,7 @@ def test_auto_off_where_it_does_not_pay_or_cannot_run() -> None:
 
 
 def test_config_rejects_bad_loss_chunks() -> None:
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
 
     with pytest.raises(ConfigError, match="train.loss_chunks must be"):
         load_config(None, ["train.loss_chunks=lots"])

@@ -65,7 +65,7 @@ for mod in (dist, c10d, dm):
 
 # How a caller rehearses rank r of N: start the process group first; the Session reads rank and world.
 dist.init_process_group("fake", store=FakeStore(), rank=37, world_size=256)
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.runtime.session import Session
 

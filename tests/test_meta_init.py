@@ -76,7 +76,7 @@ def test_session_build_falls_back_to_eager_with_a_note_and_refuses_foreign_meta_
 
 
 def test_trainer_meta_and_eager_runs_are_identical(tmp_path):
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.runtime.trainer import train
 
     losses = {}

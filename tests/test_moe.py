@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.models.gpt_config import gpt_active_param_count, gpt_flops_per_token, gpt_param_count, gpt_param_shapes
 from shardwise.models.moe import pop_aux_loss, take_moe_stats, with_aux_loss

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.job.multinode import expand_first_host, rendezvous_id, slurm_environment
 from shardwise.job.runlock import LOCK_FILE, RunLock, read_lock

@@ -88,7 +88,7 @@ def test_skip_mode_gives_up_after_too_many_in_a_row(tmp_path, data, capsys):
 
 
 def test_weights_holding_nan_are_never_saved(tmp_path, data):
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.runtime.trainer import Trainer
 
     cfg = load_config(None, fast_overrides(data, steps=2, micro_batch=16))

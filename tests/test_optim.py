@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.config import OptimizerConfig, ScheduleConfig, TrainConfig, load_config
+from shardwise.core.config import OptimizerConfig, ScheduleConfig, TrainConfig, load_config
 from shardwise.errors import ConfigError
 from shardwise.optim.names import OPTIMIZER_NAMES, SCHEDULE_NAMES
 from shardwise.optim.schedule import lr_at, set_lr
@@ -230,8 +230,8 @@ def test_planner_optimizer_bytes_equal_the_ledgers():
 
 
 def test_adafactor_shards_and_is_refused_only_where_its_state_is_off_the_device():
-    from shardwise.config import ParallelConfig
-    from shardwise.layout import resolve_layout
+    from shardwise.core.config import ParallelConfig
+    from shardwise.core.layout import resolve_layout
     from shardwise.optim.build import check_optimizer
 
     for strategy in ("ddp", "zero2", "fsdp", "hsdp"):

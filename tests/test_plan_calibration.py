@@ -343,7 +343,7 @@ def test_gpu_spec_file_through_the_cli(tmp_path, cli_env):
 
 
 def test_checkpoint_flag_accepts_every_runtime_mode():
-    from shardwise.config import AC_MODES
+    from shardwise.core.config import AC_MODES
     from shardwise.plan.memory import CHECKPOINT_MODES
 
     assert set(CHECKPOINT_MODES) == set(AC_MODES)  # the planner plans what the runtime can run

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from shardwise.core.layout import Layout
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout
 from shardwise.plan import cli as plan_cli
 from shardwise.plan.cost import Fabric, step_time
 from shardwise.plan.cp import CP_IMPLS, cp_candidates, cp_comm_s, cp_impl_for, cp_multiple, ring_bytes_per_layer

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("tokenizers")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.plan import cli as plan_cli  # noqa: E402
 from shardwise.testing import run_command  # noqa: E402

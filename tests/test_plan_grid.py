@@ -26,11 +26,12 @@ import pytest
 import torch
 
 from shardwise.cli import build_parser as cli_parser
-from shardwise.config import load_config
+from shardwise.core.config import load_config
+from shardwise.core.layout import Layout
+from shardwise.core.strategies import REGISTRY
 from shardwise.errors import ConfigError
 from shardwise.job.train import resolve_run
 from shardwise.job.worker import build_parser as worker_parser_factory
-from shardwise.layout import Layout
 from shardwise.plan import cli as plan_cli
 from shardwise.plan.advice import Cluster, Workload, evaluate, launch_commands
 from shardwise.plan.memory import PRECISIONS, state_bytes
@@ -38,7 +39,6 @@ from shardwise.plan.presets import GPUS, MODEL_PRESETS, gpu, model_preset
 from shardwise.plan.search import make_plan
 from shardwise.plan.spec import ROOT_UNIT, from_hf_config, from_module
 from shardwise.preflight import check_run, meta_model, resolve_config
-from shardwise.strategies import REGISTRY
 from shardwise.workloads import build_workload
 
 NODES = (1, 2, 8, 64)

@@ -167,8 +167,8 @@ def test_ties_go_to_less_memory_then_fewer_moving_parts():
     # Same speed and memory: fewer moving parts (here: no checkpointing) wins.
     same = dataclasses.replace(fsdp, checkpoint="none")
     assert "more moving parts: 1 vs 0" in reason(fsdp, same, cluster, work)
+    from shardwise.core.strategies import REGISTRY
     from shardwise.plan.search import rank_key
-    from shardwise.strategies import REGISTRY
 
     order = {n: i for i, n in enumerate(REGISTRY)}
     assert rank_key(small, order) < rank_key(big, order) and rank_key(same, order) < rank_key(fsdp, order)

@@ -9,9 +9,9 @@ Tolerance (the model in float64, 5 AdamW steps at lr=1e-3): losses and final par
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.parallel.pipeline.pp import check_pp_model, stage_layer_ranges
 from shardwise.testing import run_distributed
@@ -155,8 +155,8 @@ def test_planner_bubble_formula_is_the_idle_time_of_torchs_schedule_orders():
     import importlib.util
     from pathlib import Path
 
+    from shardwise.core.pp_schedules import SCHEDULES
     from shardwise.plan.pipeline import idle_ratio
-    from shardwise.pp_schedules import SCHEDULES
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "pp_bubble.py"
     spec = importlib.util.spec_from_file_location("pp_bubble", path)

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
+from shardwise.core.config import LoraConfig, ParallelConfig  # noqa: E402
+from shardwise.core.layout import resolve_layout  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
-from shardwise.layout import resolve_layout  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import hf_name  # noqa: E402
 from shardwise.parallel.pipeline.pp import check_pp_model  # noqa: E402

@@ -36,7 +36,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import (  # noqa: E402
@@ -91,7 +91,7 @@ def _pp_rank(rank: int, world_size: int, cases: list[dict], val_cfg, val_out: st
     import torch.nn.functional as F
 
     from shardwise import Session
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
     from shardwise.models.hf import build_hf_model
 
     out = _cp_rank(rank, world_size, cases, val_cfg, val_out)

@@ -25,8 +25,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import LoraConfig, ParallelConfig  # noqa: E402
-from shardwise.layout import resolve_layout  # noqa: E402
+from shardwise.core.config import LoraConfig, ParallelConfig  # noqa: E402
+from shardwise.core.layout import resolve_layout  # noqa: E402
 from shardwise.models.gpt2_qkv import fuse_split_state  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.parallel.pipeline.pp import check_pp_model  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import PreferenceConfig, load_config  # noqa: E402
+from shardwise.core.config import PreferenceConfig, load_config  # noqa: E402
 from shardwise.data.preference import PairRenderer, Pairs, encode_pairs, fit_pair, load_pairs  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.preference.batches import PairCollator, PairSet  # noqa: E402
@@ -119,7 +119,7 @@ def test_packed_and_concatenated_batches_give_the_same_logps(tmp_path):
 
 def test_lora_reference_equals_the_frozen_base(tmp_path):
     pytest.importorskip("peft")
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
     from shardwise.models.hf import build_hf_model
     from shardwise.preference.reference import adapters_off
 
@@ -172,7 +172,7 @@ def test_precomputed_reference_trains_exactly_as_the_live_copy_and_is_kept(tmp_p
 
 
 def _renderer(tmp_path, **dc):
-    from shardwise.config import DataConfig
+    from shardwise.core.config import DataConfig
     from shardwise.data.instruct import load_hf_tokenizer
 
     folder = tmp_path / "qwen"
@@ -229,7 +229,7 @@ def test_objective_and_data_kind_go_together(tmp_path):
 
 
 def test_planner_counts_the_reference_and_the_doubled_sequences():
-    from shardwise.layout import Layout
+    from shardwise.core.layout import Layout
     from shardwise.plan.memory import memory_breakdown, precision
     from shardwise.plan.preference import dpo_breakdown, reference_for
     from shardwise.plan.presets import model_preset

@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.ckpt import final_weights, run_cli  # noqa: E402

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytest.importorskip("trl", minversion="0.29")  # the DPOTrainer rewrite (pyproject.toml, the dev extra)
 
-from shardwise.config import DataConfig, PreferenceConfig  # noqa: E402
+from shardwise.core.config import DataConfig, PreferenceConfig  # noqa: E402
 from shardwise.data.instruct import load_hf_tokenizer  # noqa: E402
 from shardwise.data.preference import PairRenderer, encode_pairs  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import ModelConfig, load_config  # noqa: E402
+from shardwise.core.config import ModelConfig, load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models.pretrained import inspect_pretrained  # noqa: E402
 from shardwise.preflight import check_run  # noqa: E402
@@ -156,7 +156,7 @@ def test_pretrained_config_errors():
         load_config(None, ['model.pretrained="x"'])
     with pytest.raises(ConfigError, match="model.init mode 'lazy'"):
         load_config(None, ["model.init=lazy"])
-    from shardwise.config import DataConfig
+    from shardwise.core.config import DataConfig
     from shardwise.workloads import build_workload
 
     with pytest.raises(ConfigError, match="needs model.hf_config .* or model.pretrained"):

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.errors import CheckpointError, ConfigError  # noqa: E402
 from shardwise.models.hf import build_hf_model  # noqa: E402
 from shardwise.models.pretrained import inspect_pretrained  # noqa: E402

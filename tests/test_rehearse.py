@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.rehearse import cli, launch
 from shardwise.rehearse.compare import BOUNDS, Row
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.config import load_config, to_toml
+from shardwise.core.config import load_config, to_toml
 from shardwise.errors import ConfigError
 from shardwise.job.resume_config import find_run_config, plan_resume
 

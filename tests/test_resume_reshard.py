@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.runtime.trainer import Trainer
 from shardwise.testing import run_distributed
 from tests.helpers.ckpt import fast_overrides, final_weights, losses, small_text, train_rank

@@ -140,7 +140,7 @@ def test_auto_restart_of_the_same_job_without_checkpoints_starts_fresh(tmp_path,
 
 
 def test_elastic_restart_refuses_to_start_fresh_when_latest_is_missing(finished_run):
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.runtime.trainer import Trainer
 
     (finished_run / "checkpoints" / "latest").unlink()

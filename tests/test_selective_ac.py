@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import AC_MODES, load_config
+from shardwise.core.config import AC_MODES, load_config
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.checkpointing import SAC_MATMUL_OPS, apply_activation_checkpointing, op_sac_policy

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from shardwise.config import DataConfig, load_config  # noqa: E402
+from shardwise.core.config import DataConfig, load_config  # noqa: E402
 from shardwise.data.collate import RecordCollator, collate_rows  # noqa: E402
 from shardwise.data.instruct import IGNORE_INDEX, RecordRenderer, encode_records, load_hf_tokenizer  # noqa: E402
 from shardwise.data.packing import RowSequences  # noqa: E402

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from shardwise.config import DataConfig, ModelConfig  # noqa: E402
+from shardwise.core.config import DataConfig, ModelConfig  # noqa: E402
 from shardwise.data.instruct import (  # noqa: E402
     IGNORE_INDEX,
     RecordRenderer,

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from shardwise.config import DataConfig  # noqa: E402
+from shardwise.core.config import DataConfig  # noqa: E402
 from shardwise.data.instruct import IGNORE_INDEX, RecordRenderer  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from tests.helpers.text import corpus_text  # noqa: E402

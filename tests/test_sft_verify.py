@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from shardwise.config import load_config  # noqa: E402
+from shardwise.core.config import load_config  # noqa: E402
 from shardwise.testing import run_distributed  # noqa: E402
 from shardwise.verify import compare, reference_config, run_steps  # noqa: E402
 from tests.helpers.sft import (  # noqa: E402

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.observe.step_phases import PHASES, StepPhases, format_table
 from shardwise.runtime.faults import SLOW_ENV
 from shardwise.runtime.trainer import Trainer

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardwise.cli import main
-from shardwise.config import DataConfig, ModelConfig, load_config
+from shardwise.core.config import DataConfig, ModelConfig, load_config
 from shardwise.data import text as text_data
 from shardwise.errors import ConfigError
 from shardwise.models.hf import load_hf_config_dict

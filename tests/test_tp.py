@@ -10,9 +10,9 @@ derivation is in ``shardwise.testing.default_dtype``).
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardwise.parallel.tensor.tp import check_tp_model
 from shardwise.testing import default_dtype, run_distributed

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt2_qkv import fuse_split_state
 from shardwise.runtime.checkpoint.pieces import ModelPiece, OptimizerPiece
 from shardwise.runtime.checkpoint.state import model_state, optimizer_state
@@ -129,7 +129,7 @@ LORA_RUN = {**STEPS, "lr": 1e-2}
 
 
 def test_gpt2_tp_and_fsdp_tp_match_one_process_and_export_reloads(gpt2_folder, tmp_path):
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
     from tests.helpers.hf import reference_losses
 
     folder = str(gpt2_folder)
@@ -245,7 +245,7 @@ def _assert_peft_export_loads(folder, ckpt, trained: dict, out, x: torch.Tensor)
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
     from shardwise.models.hf import build_hf_model
     from shardwise.runtime.checkpoint.hf_export import export_peft
 
@@ -261,7 +261,7 @@ def _assert_peft_export_loads(folder, ckpt, trained: dict, out, x: torch.Tensor)
 
 
 def test_gpt2_tp_checks_heads_and_takes_lora_on_every_projection(gpt2_folder):
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
     from shardwise.errors import ConfigError
     from shardwise.models.hf import build_hf_model
     from shardwise.parallel.tensor.tp import check_tp_model

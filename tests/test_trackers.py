@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.observe.trackers import CsvTracker, check_trackers
 from shardwise.runtime.trainer import train

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from shardwise.cli import main
-from shardwise.config import load_config, to_toml
+from shardwise.core.config import load_config, to_toml
 from tests.helpers.ckpt import cli_args, fast_overrides, small_text
 
 

@@ -118,7 +118,7 @@ def test_enable_refuses_models_that_are_not_transformers_ones():
 
 
 def test_model_attention_varlen_trains_like_the_mask_and_is_refused_where_it_cannot_run(tmp_path):
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
     from shardwise.verify import run_steps
     from tests.helpers.sft import chat_records, save_qwen2, write_jsonl
 

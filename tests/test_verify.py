@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_layout
 from shardwise.testing import run_command
 from shardwise.verify import TOLERANCES, compare, verify_overrides
 
@@ -128,7 +128,7 @@ def test_transformer_blocks_are_found_generically():
 
 def test_verify_runs_at_the_peak_learning_rate_unless_the_warmup_is_set():
     """Under the default warmup, 5 steps barely moved the weights: a tied-weight bug passed."""
-    from shardwise.config import load_config
+    from shardwise.core.config import load_config
 
     assert load_config(None, verify_overrides([])).train.warmup_steps == 0
     assert load_config(None, verify_overrides(["train.lr=1e-3"])).train.lr == 1e-3

@@ -26,14 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import load_config, to_toml
+from shardwise.core.config import load_config, to_toml
+from shardwise.core.strategies import canonical_strategy
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_text
 from shardwise.job.rundir import holds_run, lock_run_dir, move_run_aside
 from shardwise.launch import LaunchSpec, torchrun_command
 from shardwise.reference import PAIRS, REFERENCES, check_reference, installed, is_reference
 from shardwise.runtime.identity import new_launch_id
-from shardwise.strategies import canonical_strategy
 
 COLUMNS = ("strategy", "impl", "world_size", "status", "runs", "tokens_per_s", "tokens_per_s_min",
            "tokens_per_s_max", "step_time_s", "peak_mib_per_rank", "model_state_mib_per_rank",

@@ -18,7 +18,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from shardwise.config import check_text
+from shardwise.core.config import check_text
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.habits import add_launch_habits
 from shardwise.job.multinode import rendezvous_id

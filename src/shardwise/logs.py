@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from shardwise.config import LOG_LEVELS as LEVELS  # noqa: F401 - the valid ``level`` names
+from shardwise.core.config import LOG_LEVELS as LEVELS  # noqa: F401 - the valid ``level`` names
 
 LOGGER_NAME = "shardwise"
 

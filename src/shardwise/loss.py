@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import AUTO_CHUNK_BYTES, parse_loss_chunks  # the rule lives with the setting
+from shardwise.core.config import AUTO_CHUNK_BYTES, parse_loss_chunks  # the rule lives with the setting
+from shardwise.core.families import CHUNKED_HEAD_FAMILIES
 from shardwise.errors import ConfigError
-from shardwise.families import CHUNKED_HEAD_FAMILIES
 from shardwise.parallel.blocks import model_family
 from shardwise.workloads import cross_entropy_loss
 

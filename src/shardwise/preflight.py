@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardwise.config import replace_in
+from shardwise.core.config import replace_in
+from shardwise.core.layout import Layout, resolve_layout
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.layout import Layout, resolve_layout
 from shardwise.models.adapter import model_folders
 from shardwise.models.hf_config import hf_family
 from shardwise.observe.trackers import check_trackers
@@ -21,7 +21,7 @@ from shardwise.observe.trackers import check_trackers
 if TYPE_CHECKING:
     from torch import nn
 
-    from shardwise.config import RunConfig
+    from shardwise.core.config import RunConfig
     from shardwise.parallel.base import Strategy
     from shardwise.workloads import Workload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from shardwise.config import TrainConfig, builtin_recipes, load_raw
+from shardwise.core.config import TrainConfig, builtin_recipes, load_raw
 
 
 def recipe_summary(name: str) -> str:

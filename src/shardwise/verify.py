@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import load_config, replace_in, to_toml
+from shardwise.core.config import load_config, replace_in, to_toml
 from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.job.rundir import holds_run, lock_run_dir

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from shardwise.config import DataConfig, LoraConfig, ModelConfig, PreferenceConfig, Rule, check_value
+from shardwise.core.config import DataConfig, LoraConfig, ModelConfig, PreferenceConfig, Rule, check_value
+from shardwise.core.families import DATA_KINDS, MODEL_KINDS, MOE_FAMILIES, RECORD_KINDS
 from shardwise.data.cifar import load_cifar10
 from shardwise.data.shakespeare import load_shakespeare
 from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-from shardwise.families import DATA_KINDS, MODEL_KINDS, MOE_FAMILIES, RECORD_KINDS
 from shardwise.fsutil import real_path
 from shardwise.habits import other_tools_hint
 from shardwise.models.adapter import tokenizer_home

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.data.shakespeare import bundled_text_path
 from shardwise.testing import run_command
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime.session import Session
 from shardwise.testing import fixed_batches, train_fixed_batches

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config import LoraConfig, ParallelConfig
+from shardwise.core.config import LoraConfig, ParallelConfig
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session
 from shardwise.testing import fixed_batches, lm_loss, train_fixed_batches

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.hf import build_hf_model
 from shardwise.models.moe import take_moe_stats, with_aux_loss
 from shardwise.runtime.session import Session

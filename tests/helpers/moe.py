@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.models.moe import take_moe_stats, with_aux_loss
 from shardwise.runtime import ledger

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.models.names import clean_name
 from shardwise.runtime import ledger

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import OptimizerConfig, ParallelConfig, TrainConfig
+from shardwise.core.config import OptimizerConfig, ParallelConfig, TrainConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.optim.build import build_optimizer
 from shardwise.runtime.session import Session

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime.session import Session
 from shardwise.testing import fixed_batches, train_fixed_batches

@@ -160,7 +160,7 @@ def per_record_losses(model, records: list[dict], pad_id: int, block: int) -> di
 
 def encoded_chat(model_folder: Path, records: list[dict], block: int) -> tuple[list[dict], int]:
     """``records`` rendered and tokenised by the folder's tokenizer: [{input_ids, labels}], pad id."""
-    from shardwise.config import DataConfig
+    from shardwise.core.config import DataConfig
     from shardwise.data.instruct import RecordRenderer, encode_records, load_hf_tokenizer
 
     r = RecordRenderer(load_hf_tokenizer(str(model_folder)), DataConfig(kind="chat", tokenizer=str(model_folder)))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.runtime import ledger
 from shardwise.runtime.session import Session

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.config import DataConfig, PreferenceConfig
+from shardwise.core.config import DataConfig, PreferenceConfig
 from shardwise.data.instruct import PROMPT_FIELDS, ROLES, load_hf_tokenizer, records_of_part
 from shardwise.data.records import SAMPLE_CHAT, Record
 from shardwise.errors import ConfigError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardwise.config import DataConfig
+from shardwise.core.config import DataConfig
 from shardwise.data.instruct import encoded_split, load_hf_tokenizer
 from shardwise.data.packing import RowSequences
 from shardwise.data.tokens import LMData

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.config import DataConfig
+from shardwise.core.config import DataConfig
 from shardwise.data.cache import build_root, cache_key, cache_root, exclusive, file_identity, where_built
 from shardwise.data.records import kind_hint
 from shardwise.data.tokenizer import NEEDS_TOKENIZER, TextTokenizer, load_tokenizer, tokenizer_fingerprint

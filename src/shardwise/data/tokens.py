@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from shardwise.config import TOKEN_DTYPES, DataConfig
+from shardwise.core.config import TOKEN_DTYPES, DataConfig
 from shardwise.data.cache import build_root, cache_key, cache_root, file_identity
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_json

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import apply_overrides, from_dict, load_raw, parse_override, to_dict
-from shardwise.config_version import upgrade
+from shardwise.core.config import apply_overrides, from_dict, load_raw, parse_override, to_dict
+from shardwise.core.config_version import upgrade
+from shardwise.core.run_files import CHECKPOINTS_DIR
 from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.preflight import resolve_config
-from shardwise.run_files import CHECKPOINTS_DIR
 
 # Settings whose change alters the optimisation: they change only when stated on the command line.
 OPTIMISATION_KEYS = ("train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.weight_decay",

@@ -15,11 +15,11 @@ import sys
 import tomllib
 from pathlib import Path
 
-from shardwise.config import RunConfig, check_text, to_toml
+from shardwise.core.config import RunConfig, check_text, to_toml
+from shardwise.core.run_files import CHECKPOINTS_DIR, RUN_FILES
 from shardwise.errors import ConfigError
 from shardwise.fsutil import real_path, what_is
 from shardwise.job.runlock import GUARD_FILE, LOCK_FILE, RunLock
-from shardwise.run_files import CHECKPOINTS_DIR, RUN_FILES
 
 
 def holds_run(path: Path) -> bool:

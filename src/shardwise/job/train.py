@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import check_text, load_config, replace_in, to_toml
+from shardwise.core.config import check_text, load_config, replace_in, to_toml
+from shardwise.core.run_files import CHECKPOINTS_DIR, default_run_dir
 from shardwise.data.cache import read_only
 from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.fsutil import atomic_write_text, real_path
@@ -32,12 +33,11 @@ from shardwise.job.worker import INTERNAL_EXIT_CODE, describe_unexpected
 from shardwise.launch import LaunchSpec, check_launch_flags, nccl_flight_recorder_env, run_torchrun
 from shardwise.plan.predict import predict_for_model
 from shardwise.preflight import check_run
-from shardwise.run_files import CHECKPOINTS_DIR, default_run_dir
 from shardwise.runtime.identity import JOB_ID_ENV, LAUNCH_ID_ENV, new_launch_id
 
 if TYPE_CHECKING:
-    from shardwise.config import RunConfig
-    from shardwise.layout import Layout
+    from shardwise.core.config import RunConfig
+    from shardwise.core.layout import Layout
     from shardwise.preflight import Preflight
 
 

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.errors import ShardwiseError
 from shardwise.fsutil import atomic_write_json
 from shardwise.job.rundir import claim_run_dir

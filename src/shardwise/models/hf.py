@@ -40,7 +40,7 @@ from shardwise.models.masking import hf_document_masks, split_inputs
 from shardwise.models.pretrained import check_adapter_targets, check_model_tensors, inspect_pretrained, load_pretrained
 
 if TYPE_CHECKING:
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
     from shardwise.models.pretrained import PretrainedFolder
 
 __all__ = ["SEQ_LEN_KEYS", "SUPPORTED_FAMILIES", "HFCausalLM", "build_hf_model", "bundled_config_dir",

@@ -13,10 +13,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from shardwise.core.families import HF_FAMILIES
 from shardwise.errors import ConfigError, did_you_mean
-from shardwise.families import HF_FAMILIES
 
-SUPPORTED_FAMILIES = HF_FAMILIES  # the one family list: shardwise.families
+SUPPORTED_FAMILIES = HF_FAMILIES  # the one family list: shardwise.core.families
 # Overrides that size the data, not the model (see ``workloads.block_size_of``); checked against
 # the model's position limit, then dropped.
 SEQ_LEN_KEYS = ("block_size", "seq_len")
@@ -98,7 +98,7 @@ def read_hf_config(config_path: str | Path) -> dict[str, Any]:
 
 
 def hf_family(config_path: str | Path) -> str:
-    """Return the config's model family (one of ``shardwise.families.HF_FAMILIES``); ConfigError otherwise."""
+    """Return the config's model family (one of ``shardwise.core.families.HF_FAMILIES``); ConfigError otherwise."""
     model_type = str(load_hf_config_dict(config_path).get("model_type", "")).lower()
     if model_type not in SUPPORTED_FAMILIES:
         raise ConfigError(

@@ -25,7 +25,7 @@ from shardwise.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-    from shardwise.config import LoraConfig
+    from shardwise.core.config import LoraConfig
 
 __all__ = ["ADAPTER", "apply_lora", "lora_config_from_dict", "lora_targets", "peft_adapter_name", "peft_config_dict",
            "peft_lora_config"]

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
+from shardwise.core.run_files import CHECKPOINTS_DIR
 from shardwise.errors import ConfigError
 from shardwise.models.adapter import LoraAdapter, adapter_base, is_adapter_folder, merge_adapter, read_adapter
 from shardwise.models.confine import confined_file
 from shardwise.models.hf_config import hf_family
 from shardwise.models.names import CHECKPOINT_PREFIX
 from shardwise.models.safetensors_header import FLOAT_DTYPES, read_safetensors_header
-from shardwise.run_files import CHECKPOINTS_DIR
 
 if TYPE_CHECKING:
     from torch import nn

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import RunConfig, to_toml
+from shardwise.core.config import RunConfig, to_toml
 from shardwise.observe.profiler import StepProfiler
 from shardwise.observe.trackers import Tracker, check_trackers, open_trackers
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
-from shardwise.config import ProfileConfig
+from shardwise.core.config import ProfileConfig
 from shardwise.fsutil import atomic_write_json
 from shardwise.observe.trace import format_summary, load_trace, summarize
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import TRACKERS, LogConfig, RunConfig, to_dict
+from shardwise.core.config import TRACKERS, LogConfig, RunConfig, to_dict
 from shardwise.errors import ConfigError
 from shardwise.fsutil import atomic_write_text
 

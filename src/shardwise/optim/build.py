@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import OptimizerConfig, TrainConfig
+from shardwise.core.config import OptimizerConfig, TrainConfig
 from shardwise.optim.adafactor import Adafactor
 from shardwise.optim.muon import MuonAdamW
 from shardwise.optim.rules import check_optimizer  # noqa: F401 - re-exported (the trainer asks here)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.config import OptimizerConfig
+from shardwise.core.config import OptimizerConfig
 from shardwise.errors import ConfigError
 
 # Optimizers that reduce over whole matrices, so their state and step must be on the device.

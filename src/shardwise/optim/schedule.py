@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from shardwise.errors import ConfigError
 
 if TYPE_CHECKING:
-    from shardwise.config import ScheduleConfig, TrainConfig
+    from shardwise.core.config import ScheduleConfig, TrainConfig
 
 
 def lr_at(step: int, t: TrainConfig, s: ScheduleConfig | None = None) -> float:

@@ -1,6 +1,6 @@
 """One adapter per model layout: what parallelism must know of a model's code, in one place.
 
-``families.py`` (torch-free) says what each model family supports; the code that does it per
+``core/families.py`` (torch-free) says what each model family supports; the code that does it per
 family is here, one ``ModelAdapter`` per layout of model code the runtime knows:
 
 * ``gpt``: shardwise's own GPT (``models/gpt.py``);
@@ -13,7 +13,7 @@ first (GPT-2's q/k/v split), and its pipeline stage split (block count, check, p
 module). ``adapter_for(model)`` picks one (``blocks.tp_plan_family`` names it from the family);
 ``tensor/tp.py`` and ``pipeline/pp.py`` ask nothing else. The fused q/k/v names checkpoints,
 export and LoRA see are ``models/gpt2_qkv.py`` (name-based: it applies to whatever model holds the
-split). A family with a new code layout: one adapter here, one row in ``families.py``.
+split). A family with a new code layout: one adapter here, one row in ``core/families.py``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import Layout
+from shardwise.core.strategies import StrategyInfo
 from shardwise.device import backend_for
-from shardwise.layout import Layout
-from shardwise.strategies import StrategyInfo
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from shardwise.families import FAMILIES, LLAMA_LIKE
+from shardwise.core.families import FAMILIES, LLAMA_LIKE
 from shardwise.models.gpt import GPT
 
 # Where known model families keep their repeated blocks (checked in this order); anything else is

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardwise.config import AC_MODES
+from shardwise.core.config import AC_MODES
 from shardwise.errors import ConfigError
 from shardwise.parallel.blocks import transformer_blocks
 

@@ -38,7 +38,7 @@ from shardwise.errors import ConfigError
 from shardwise.parallel.blocks import transformer_blocks
 
 if TYPE_CHECKING:
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
     from shardwise.parallel.base import Strategy
 
 

@@ -1,7 +1,7 @@
 """Model parallelism and its compositions with data parallelism on one device mesh.
 
 Strategies: ``tp``, ``pp``, ``ddp+pp``, ``fsdp+pp``, ``fsdp+tp``, ``fsdp+tp+pp`` (alias ``3d``).
-Every degree comes from the run's layout (``shardwise.layout``): ``parallel.dp`` / ``parallel.tp`` /
+Every degree comes from the run's layout (``shardwise.core.layout``): ``parallel.dp`` / ``parallel.tp`` /
 ``parallel.pp`` as given, an unset one (0 for dp, 1 for tp/pp) inferred from the world size when it
 is the only one left open, the pipeline's micro-batches and stage ranges resolved there too.
 
@@ -29,8 +29,10 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config import ParallelConfig
-from shardwise.layout import Layout
+from shardwise.core.config import ParallelConfig
+from shardwise.core.layout import Layout
+from shardwise.core.pp_schedules import compile_refusal
+from shardwise.core.strategies import COMPOSED_MESH as MESH_DIMS
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.data.fsdp import apply_fsdp, reshard_all
 from shardwise.parallel.pipeline.hf_moe import mute_hf_moe_inference
@@ -53,8 +55,6 @@ from shardwise.parallel.tensor.tp import (
     tp_loss_context,
 )
 from shardwise.parallel.ties import tied_groups
-from shardwise.pp_schedules import compile_refusal
-from shardwise.strategies import COMPOSED_MESH as MESH_DIMS
 
 __all__ = ["MESH_DIMS", "ModelParallelStrategy"]
 

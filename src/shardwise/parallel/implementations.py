@@ -1,6 +1,6 @@
 """One implementation per data-parallel kind; ``StrategyInfo.impl`` names the one a row runs.
 
-The table itself (names, aliases, degrees, dp kinds, families) is ``shardwise.strategies`` (torch-free,
+The table itself (names, aliases, degrees, dp kinds, families) is ``shardwise.core.strategies`` (torch-free,
 below config and layout); this module imports torch, so only a rank (or a check that builds one)
 imports it.
 """
@@ -17,7 +17,7 @@ from shardwise.parallel.data.zero1 import ZeRO1Strategy
 from shardwise.parallel.deepspeed.strategy import DeepSpeedStrategy, ZeRO3NVMeStrategy, ZeRO3OffloadStrategy
 
 if TYPE_CHECKING:
-    from shardwise.layout import Layout
+    from shardwise.core.layout import Layout
 
 IMPLEMENTATIONS: dict[str, type[Strategy]] = {
     "single": Strategy,

@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardwise.layout import Layout
+from shardwise.core.layout import Layout
 
 __all__ = ["Meshes", "background_io_group", "build_meshes", "flat_group"]
 

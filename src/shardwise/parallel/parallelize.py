@@ -17,7 +17,7 @@ Activation checkpointing wraps whole (already TP-sharded, CP- and EP-patched) bl
 the checkpointed blocks and must see them before DDP/FSDP hooks are installed; FSDP2 then shards
 each block as one unit; the pipeline schedule drives the wrapped stages.
 
-How to add a dimension: give the layout its degree (``shardwise/layout.py``), the mesh owner its
+How to add a dimension: give the layout its degree (``shardwise/core/layout.py``), the mesh owner its
 view (``parallel/mesh.py``), and this file one step in its place; a strategy only fills in the steps
 it overrides (``Strategy.split``, ``apply_tp``, ``wrap``), never reorders them. ``Session.prepare``
 calls ``parallelize``.

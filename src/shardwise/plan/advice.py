@@ -8,10 +8,12 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
+from shardwise.core.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
+from shardwise.core.families import CP_FAMILIES
+from shardwise.core.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
+from shardwise.core.strategies import REGISTRY, StrategyInfo
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import CP_FAMILIES
-from shardwise.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.optim.rules import check_optimizer
 from shardwise.plan.choices import FALLBACKS, SEARCHABLE, degree_sets, stages_per_rank_choices
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
@@ -34,8 +36,6 @@ from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, link
 from shardwise.plan.spec import ModelSpec
-from shardwise.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
-from shardwise.strategies import REGISTRY, StrategyInfo
 
 GIB = 1024**3
 LOSS_CHUNKS_DEFAULT = None  # train.loss_chunks = "auto", parsed (config.parse_loss_chunks)

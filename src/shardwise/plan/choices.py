@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardwise.families import CP_FAMILIES
+from shardwise.core.families import CP_FAMILIES
+from shardwise.core.pp_schedules import schedule_info
 from shardwise.plan.cp import cp_candidates, cp_impl_for, cp_multiple
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
 from shardwise.plan.moe import ep_candidates
 from shardwise.plan.pipeline import pipeline_degrees
-from shardwise.pp_schedules import schedule_info
 
 if TYPE_CHECKING:
     from shardwise.plan.advice import Cluster, Workload

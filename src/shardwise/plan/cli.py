@@ -7,9 +7,10 @@ import dataclasses
 import json
 import sys
 
-from shardwise.config import load_raw, parse_loss_chunks, parse_override
+from shardwise.core.config import load_raw, parse_loss_chunks, parse_override
+from shardwise.core.families import FAMILIES, RECORD_KINDS
+from shardwise.core.pp_schedules import PP_SCHEDULES, schedule_info
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.families import FAMILIES, RECORD_KINDS
 from shardwise.models.hf_config import bundled_configs
 from shardwise.plan import finetune, offload, presets, spec
 from shardwise.plan.advice import (
@@ -38,7 +39,6 @@ from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
 from shardwise.plan.search import device_gib, gib, make_plan, searched, tps
 from shardwise.plan.stacks import stack_settings
-from shardwise.pp_schedules import PP_SCHEDULES, schedule_info
 from shardwise.rehearse.plan import format_rows, rehearse_candidates
 
 
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", "--preset", dest="model", metavar="NAME",
                    help=f"built-in model: {', '.join(presets.MODEL_PRESETS)}")
     m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, its folder or a bundled name "
-                   "(every family in shardwise.families)")
+                   "(every family in shardwise.core.families)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="a function returning an nn.Module; called on the meta device")
     m.add_argument("--pretrained", metavar="DIR",
@@ -264,7 +264,7 @@ def _resolve_target_defaults(args: argparse.Namespace) -> None:
 
 def check_printable(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> None:
     """Refuse, before planning, what ``train`` would refuse in every printed command: a sequence above
-    the model's positions, a pinned degree the model's family cannot use (``shardwise.families``)."""
+    the model's positions, a pinned degree the model's family cannot use (``shardwise.core.families``)."""
     family = FAMILIES.get(model.family or "")
     if family is None:
         return

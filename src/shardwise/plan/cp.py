@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.config import AUTO_CHUNK_BYTES
-from shardwise.families import CHUNKED_HEAD_FAMILIES
+from shardwise.core.config import AUTO_CHUNK_BYTES
+from shardwise.core.families import CHUNKED_HEAD_FAMILIES
 
 __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_IMPLS", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens",
            "chunked_loss_off", "cp_candidates", "cp_comm_s", "cp_degree", "cp_impl_for", "cp_multiple",

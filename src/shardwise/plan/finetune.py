@@ -19,10 +19,10 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardwise.config import LoraConfig, toml_string
+from shardwise.core.config import LoraConfig, toml_string
+from shardwise.core.families import RECORD_KINDS
 from shardwise.data.records import RECORD_SUFFIXES, is_hf_disk, read_records, record_kind
 from shardwise.errors import ConfigError
-from shardwise.families import RECORD_KINDS
 from shardwise.models.adapter import tokenizer_home
 from shardwise.models.pretrained import inspect_pretrained
 from shardwise.plan.spec import ModelSpec, from_hf_config, from_module

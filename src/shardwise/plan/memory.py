@@ -19,14 +19,14 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from shardwise.core.layout import Layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.layout import Layout, stage_layer_ranges, tp_indivisible
 from shardwise.optim.names import OPTIMIZER_NAMES
 from shardwise.plan.cp import cp_degree, logits_bytes
 from shardwise.plan.moe import expert_unit_bytes
 from shardwise.plan.optim_state import tensor_state_bytes
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
-from shardwise.strategies import AC_MODES, GRAD_SYNC_MODES
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ TRAIN_SPELLINGS = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "auto": None}
 
 OPTIMIZERS = OPTIMIZER_NAMES  # the ones the trainer builds (optim/names.py)
 # The runtime's parallel.activation_checkpointing and parallel.grad_sync modes, defined once in
-# shardwise.strategies (the planner plans exactly what the runtime runs).
+# shardwise.core.strategies (the planner plans exactly what the runtime runs).
 CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused", "chunked")
 STATE_KINDS = ("fp32-params", "master-copy")

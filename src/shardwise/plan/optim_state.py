@@ -22,7 +22,7 @@ from shardwise.optim.names import OPTIMIZER_NAMES
 from shardwise.plan.spec import ROOT_UNIT, ParamInfo
 
 if TYPE_CHECKING:
-    from shardwise.layout import Layout
+    from shardwise.core.layout import Layout
     from shardwise.plan.spec import ModelSpec
 
 STEP_BYTES = 4  # torch.optim's per-tensor 0-dim fp32 ``step`` (AdamW, Adafactor)

@@ -25,7 +25,7 @@ torch's orders and prints both (equal for every schedule, p in 2..8, several m a
 
 from __future__ import annotations
 
-from shardwise.pp_schedules import schedule_info
+from shardwise.core.pp_schedules import schedule_info
 
 __all__ = ["bubble_fraction", "idle_ratio", "pipeline_degrees"]
 

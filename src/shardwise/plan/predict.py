@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config import parse_loss_chunks
-from shardwise.layout import Layout
-from shardwise.layout import ranks_per_node as rank_count_per_node
+from shardwise.core.config import parse_loss_chunks
+from shardwise.core.layout import Layout
+from shardwise.core.layout import ranks_per_node as rank_count_per_node
 from shardwise.plan.cp import chunked_loss_off
 from shardwise.plan.memory import (
     SHARDWISE_KERNELS,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shardwise.config import OBJECTIVES
+from shardwise.core.config import OBJECTIVES
 from shardwise.errors import ConfigError
 from shardwise.plan.cost import StepTime
 from shardwise.plan.memory import MemoryBreakdown, memory_breakdown

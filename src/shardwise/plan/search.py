@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from shardwise.core.strategies import REGISTRY
 from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
 from shardwise.plan.advice import (
     RUNTIME_RESERVE_GIB,
@@ -51,7 +52,6 @@ from shardwise.plan.choices import (
     micro_batch_choices,
 )
 from shardwise.plan.offload import offload_advice
-from shardwise.strategies import REGISTRY
 
 if TYPE_CHECKING:
     from shardwise.plan.advice import Candidate, Cluster, Plan, Workload

@@ -14,8 +14,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from shardwise.core.families import HF_FAMILIES, LLAMA_LIKE, MOE_FAMILIES
 from shardwise.errors import ConfigError
-from shardwise.families import HF_FAMILIES, LLAMA_LIKE, MOE_FAMILIES
 from shardwise.models.gpt_config import gpt_param_shapes
 from shardwise.models.hf_config import read_hf_config, resolve_hf_config, with_canonical_keys
 from shardwise.plan.moe import MoEInfo, moe_of_gpt
@@ -295,7 +295,7 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
 
 
 def from_hf_config_dict(cfg: dict[str, Any], name: str = "hf-config") -> ModelSpec:
-    """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.families``), in any
+    """Spec from a parsed ``config.json`` of a Hugging Face family (``shardwise.core.families``), in any
     key spelling transformers writes (``models.hf_config.with_canonical_keys``)."""
     cfg = with_canonical_keys(cfg)
     model_type = str(cfg.get("model_type", "")).lower()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from shardwise.config import RunConfig
+from shardwise.core.config import RunConfig
 from shardwise.errors import ConfigError
 
 # name -> module run by torchrun

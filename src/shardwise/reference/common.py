@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from shardwise.config import RunConfig, TrainConfig, load_config
+from shardwise.core.config import RunConfig, TrainConfig, load_config
 from shardwise.fsutil import atomic_write_text
 from shardwise.parallel.data.fsdp import transformer_blocks
 from shardwise.runtime import ledger

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from shardwise.cli import _add_run_options
-from shardwise.config import load_config, to_toml
+from shardwise.core.config import load_config, to_toml
 from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError
 from shardwise.job.train import dry_run_prediction, resolve_run

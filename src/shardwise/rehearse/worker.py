@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import load_config
+from shardwise.core.config import load_config
 from shardwise.errors import ShardwiseError
 
 # Played ranks on a CPU build hold fake ``cpu`` tensors: FSDP2's fully_shard asks

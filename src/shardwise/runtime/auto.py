@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from shardwise.config import AUTO, RunConfig, replace_in
+from shardwise.core.config import AUTO, RunConfig, replace_in
 from shardwise.device import accelerator_count
 from shardwise.fsutil import atomic_write_json
 from shardwise.parallel.compile import compile_refusal

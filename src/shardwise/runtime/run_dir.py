@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import RunConfig, to_toml
+from shardwise.core.config import RunConfig, to_toml
+from shardwise.core.run_files import CHECKPOINTS_DIR, default_run_dir
 from shardwise.fsutil import atomic_write_text
-from shardwise.run_files import CHECKPOINTS_DIR, default_run_dir
 
 
 def _clean(value: Any) -> Any:

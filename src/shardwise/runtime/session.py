@@ -41,10 +41,10 @@ from torch.distributed.nn.functional import all_reduce
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise import logs
-from shardwise.config import FIRST_STEP_TIMEOUT_S, INIT_MODES, ParallelConfig
+from shardwise.core.config import FIRST_STEP_TIMEOUT_S, INIT_MODES, ParallelConfig
+from shardwise.core.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.logs import LOGGER_NAME
 from shardwise.loss import install_chunked_head, parse_loss_chunks, token_loss_context
 from shardwise.models.gpt2_qkv import fused_sources

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardwise import logs
-from shardwise.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
+from shardwise.core.config import OptimizerConfig, RunConfig, ScheduleConfig, TrainConfig
 from shardwise.errors import CheckpointError, NonFiniteError, count_of
 from shardwise.models.moe import adds_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.observe.hooks import RunHooks

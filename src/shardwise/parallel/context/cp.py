@@ -69,8 +69,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from shardwise.core.families import CP_FAMILIES, MOE_FAMILIES
 from shardwise.errors import ConfigError
-from shardwise.families import CP_FAMILIES, MOE_FAMILIES
 from shardwise.models.gpt import CausalSelfAttention
 from shardwise.models.masking import attention_mask_4d, layer_kind, real_token_mask, split_inputs
 from shardwise.parallel.blocks import model_family
@@ -353,7 +353,7 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check_cp_family(family: str, cp: int) -> None:
-    """ConfigError unless context parallel runs on ``family`` (``shardwise.families``); needs no model,
+    """ConfigError unless context parallel runs on ``family`` (``shardwise.core.families``); needs no model,
     so a run is refused before its data is read."""
     if cp == 1 or family in CP_FAMILIES:
         return

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from shardwise.config import ParallelConfig
+from shardwise.core.config import ParallelConfig
 from shardwise.device import backend_for
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.blocks import BLOCK_PATHS, OuterModules, find_blocks, outer_modules, transformer_blocks

@@ -38,8 +38,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shardwise.core.layout import Layout
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout
 from shardwise.models.moe import expert_counts, moe_layers
 from shardwise.plan.moe import ep_candidates, ep_degrees
 

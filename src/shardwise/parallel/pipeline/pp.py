@@ -5,7 +5,7 @@ Stages come from the model family's split (``parallel/adapters.py``: the built-i
 keeps one model with everything it does not own deleted (its *union* model: parameter names are
 the single-device ones, so checkpoints line up across layouts), and each local stage is a light
 view of that union holding only the stage's own parts. Schedules, microbatching and the point-to-point
-activation traffic are ``torch.distributed.pipelining``: every schedule in ``pp_schedules.py``
+activation traffic are ``torch.distributed.pipelining``: every schedule in ``core/pp_schedules.py``
 (GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero-bubble, ZBV, DualPipeV).
 
 Loss scaling (why the result equals one big batch): the schedule calls backward itself, once per
@@ -49,15 +49,15 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.core.families import PP_FAMILIES, no_stage_split
+from shardwise.core.layout import Layout, stage_layer_ranges
+from shardwise.core.pp_schedules import schedule_info, stage_rank
 from shardwise.errors import ConfigError
-from shardwise.families import PP_FAMILIES, no_stage_split
-from shardwise.layout import Layout, stage_layer_ranges
 from shardwise.models.masking import split_inputs
 from shardwise.parallel.adapters import StageSplit, adapter_for
 from shardwise.parallel.blocks import model_family
 from shardwise.parallel.pipeline.ties import check_stage_ties
 from shardwise.parallel.tensor.tp import local_value
-from shardwise.pp_schedules import schedule_info, stage_rank
 from shardwise.runtime.token_loss import is_token_sum
 
 __all__ = ["Pipeline", "autocast_forward", "check_pp_model", "fixed_shape_collate", "n_pipeline_blocks",
@@ -184,7 +184,7 @@ class Pipeline:
         self._shapes: dict[int, tuple[int, ...]] = {}  # the batch shape each schedule last ran
         self._scale = 1.0
         kwargs = {"n_microbatches": n_microbatches, "loss_fn": self._scaled_loss, "scale_grads": False}
-        # The schedule table (pp_schedules.py) names the torch class and its stage placement;
+        # The schedule table (core/pp_schedules.py) names the torch class and its stage placement;
         # the layout already checked its rules (stages per rank, micro-batch count).
         info = schedule_info(schedule)
         cls = getattr(pipelining, info.torch_class)

@@ -46,10 +46,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.core.layout import Layout
+from shardwise.core.pp_schedules import stage_rank, tied_weights_refusal
 from shardwise.errors import ConfigError
-from shardwise.layout import Layout
 from shardwise.parallel.ties import tied_groups
-from shardwise.pp_schedules import stage_rank, tied_weights_refusal
 
 __all__ = ["StageTies", "check_stage_ties", "rename_copy_keys"]
 

@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from shardwise.core.families import LLAMA_LIKE, no_tp_plan
+from shardwise.core.layout import tp_indivisible
 from shardwise.errors import ConfigError
-from shardwise.families import LLAMA_LIKE, no_tp_plan
-from shardwise.layout import tp_indivisible
 from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.adapters import adapter_for
 from shardwise.parallel.blocks import model_family, submodule

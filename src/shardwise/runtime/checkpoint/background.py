@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from shardwise.config import CHECKPOINT_MODES
+from shardwise.core.config import CHECKPOINT_MODES
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.parallel.mesh import background_io_group
 from shardwise.runtime import faults

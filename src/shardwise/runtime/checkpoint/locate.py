@@ -14,9 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
+from shardwise.core.run_files import CHECKPOINTS_DIR
 from shardwise.errors import CheckpointError
 from shardwise.fsutil import what_is
-from shardwise.run_files import CHECKPOINTS_DIR
 from shardwise.runtime.checkpoint.manifest import (
     LATEST,
     MANIFEST,

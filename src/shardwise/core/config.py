@@ -6,7 +6,7 @@ reads raw dicts; unknown keys are errors that suggest the closest valid key.
 
 Config objects are frozen: once loaded they are never modified. Resolving a run (the strategy
 'auto' stands for, ranks per node, the run directory) returns a new object
-(``dataclasses.replace``, see ``replace_in``); every degree lives in ``shardwise.layout.Layout``.
+(``dataclasses.replace``, see ``replace_in``); every degree lives in ``shardwise.core.layout.Layout``.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from shardwise.config_version import CONFIG_VERSION, upgrade
-from shardwise.errors import ConfigError, did_you_mean, unknown_choice
-from shardwise.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
-from shardwise.habits import other_tools_hint
-from shardwise.optim.names import MUON_LR_ADJUST, ON_SWITCH, OPTIMIZER_NAMES, SCHEDULE_NAMES
-from shardwise.optim.schedule import check_schedule
-from shardwise.strategies import (  # modes live with the degrees (re-exported)
+from shardwise.core.config_version import CONFIG_VERSION, upgrade
+from shardwise.core.families import DATA_KINDS, MODEL_KINDS, PACK_MODES, packs
+from shardwise.core.strategies import (  # modes live with the degrees (re-exported)
     AC_MODES,
     GRAD_SYNC_MODES,
     PP_SCHEDULES,
     canonical_strategy,
     strategy_names,
 )
+from shardwise.errors import ConfigError, did_you_mean, unknown_choice
+from shardwise.habits import other_tools_hint
+from shardwise.optim.names import MUON_LR_ADJUST, ON_SWITCH, OPTIMIZER_NAMES, SCHEDULE_NAMES
+from shardwise.optim.schedule import check_schedule
 
 AUTO = "auto"
 # "auto": bf16-mixed on GPUs with bfloat16, fp32 elsewhere (shardwise.runtime.auto decides).
@@ -311,7 +311,7 @@ class ParallelConfig:
     dp: int = setting(0, ge=0, le=MAX_RANKS)
     # The degrees directly (torchtitan's ParallelDims): 0 = not given. With strategy 'auto' they
     # select the strategy (dp_shard=2, tp=2 is 'fsdp+tp'); with a named strategy they must agree
-    # with it. shardwise.layout owns every rule on them (products, divisibility, order).
+    # with it. shardwise.core.layout owns every rule on them (products, divisibility, order).
     dp_replicate: int = setting(0, ge=0, le=MAX_RANKS)
     dp_shard: int = setting(0, ge=0, le=MAX_RANKS)
     # Context parallel: cp ranks share the data-parallel index and each keeps seq / cp tokens of every
@@ -434,7 +434,7 @@ class LogConfig:
 class RunConfig:
     name: str = setting("gpt-shakespeare", text="name")
     out_dir: str = setting("", text="path")  # default: runs/<name>-<strategy>-<timestamp>
-    # The meaning the file's keys have (shardwise.config_version): written into every run's config.toml.
+    # The meaning the file's keys have (shardwise.core.config_version): written into every run's config.toml.
     config_version: int = setting(CONFIG_VERSION, ge=1, le=CONFIG_VERSION)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -823,7 +823,7 @@ def validate(cfg: RunConfig) -> None:
     Every field against its declared ``Rule`` first (types, finite numbers and their bounds,
     choices, text), then what relates fields to each other. What needs the world size (degrees,
     the strategy 'auto' stands for, pipeline micro-batches) is resolved by
-    ``shardwise.layout.resolve_layout``, which returns a new object.
+    ``shardwise.core.layout.resolve_layout``, which returns a new object.
     """
     check_section(cfg)
     t, p = cfg.train, cfg.parallel

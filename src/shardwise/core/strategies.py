@@ -12,7 +12,7 @@ A run's shape is a data-parallel kind (how data-parallel ranks hold model state)
 ``Layout.dp`` is the mesh's whole data dimension, dp_replicate x dp_shard x cp: cp ranks share a
 data index and FSDP shards over dp_shard x cp, as torchtitan flattens them.
 
-``shardwise.layout.Layout`` owns the degrees of one run; this module owns the names. Each row
+``shardwise.core.layout.Layout`` owns the degrees of one run; this module owns the names. Each row
 carries what the one implementation of its data-parallel kind needs (``parallel/``): the dp kind,
 offload, reshard-after-forward, the degrees it uses, the mesh dims and the model families it runs.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.core.families import PP_FAMILIES, TP_FAMILIES, no_stage_split, no_tp_plan
+from shardwise.core.pp_schedules import PP_SCHEDULES  # the schedules and their rules have their own owner
 from shardwise.errors import ConfigError, unknown_choice
-from shardwise.families import PP_FAMILIES, TP_FAMILIES, no_stage_split, no_tp_plan
-from shardwise.pp_schedules import PP_SCHEDULES  # the schedules and their rules have their own owner
 
 __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_SYNC_MODES", "MESH_ORDER",
            "PP_SCHEDULES", "REGISTRY", "StrategyInfo", "canonical_strategy",
@@ -175,7 +175,7 @@ def strategy_info(name: str) -> StrategyInfo:
     """Return the table row of ``name`` (an alias works; 'auto' does not: resolve it first)."""
     canonical = canonical_strategy(name)
     if canonical == "auto":
-        raise ConfigError("strategy 'auto' is resolved by shardwise.layout.resolve_layout from the world "
+        raise ConfigError("strategy 'auto' is resolved by shardwise.core.layout.resolve_layout from the world "
                           "size and the parallel degrees; it has no table row of its own.")
     return REGISTRY[canonical]
 

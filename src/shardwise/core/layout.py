@@ -23,9 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.errors import ConfigError
-from shardwise.pp_schedules import check_schedule, ep_refusal, stage_ids_of
-from shardwise.strategies import (
+from shardwise.core.pp_schedules import check_schedule, ep_refusal, stage_ids_of
+from shardwise.core.strategies import (
     COMPOSED_MESH,
     REGISTRY,
     StrategyInfo,
@@ -33,9 +32,10 @@ from shardwise.strategies import (
     composition_for,
     strategy_for_degrees,
 )
+from shardwise.errors import ConfigError
 
 if TYPE_CHECKING:
-    from shardwise.config import ParallelConfig
+    from shardwise.core.config import ParallelConfig
 
 __all__ = ["Layout", "data_parallel_degree", "ranks_per_node", "resolve_layout",
            "stage_layer_ranges", "tp_indivisible"]
@@ -526,7 +526,7 @@ def _from_degrees(options: ParallelConfig) -> ParallelConfig:
 
 
 # Said wherever a config's dp_shard and cp do not fit: the meaning changed once, and a config.toml
-# written before (shardwise.config_version) may still use the old one.
+# written before (shardwise.core.config_version) may still use the old one.
 _DP_SHARD_CHANGE = (
     " Note: parallel.dp_shard excludes cp (torchtitan's meaning: dp_replicate x dp_shard x cp x tp x pp = "
     "world size). A config.toml written before config_version 2 counted cp inside dp_shard: divide its "

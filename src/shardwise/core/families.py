@@ -3,7 +3,7 @@
 A family is ``ModelSpec.family`` / ``Workload.family``: "gpt" is shardwise's built-in GPT, the
 others are Hugging Face ``model_type`` values. Everything that asks "can this model be
 tensor-parallelised / cut into pipeline stages / built from a Hugging Face config?" reads this
-table: the strategy table (``shardwise.strategies``), the TP plans, the block finder, the Hugging
+table: the strategy table (``shardwise.core.strategies``), the TP plans, the block finder, the Hugging
 Face config reader and the planner's spec reader. Adding a family is one row here (plus its TP
 plan in ``parallel/tensor/plans.py`` when ``tp_plan`` is set).
 """
