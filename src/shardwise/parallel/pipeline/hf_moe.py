@@ -45,7 +45,7 @@ from torch import nn
 
 from shardwise.models.hf_moe import all_layers_aux
 from shardwise.models.masking import real_token_mask
-from shardwise.models.moe import queue_aux_loss
+from shardwise.models.moe import expert_counts, queue_aux_loss
 from shardwise.parallel.pipeline.moe import AuxLossAutoScaler
 
 __all__ = ["StageRouting", "mute_hf_moe_inference", "stage_routing"]
@@ -85,7 +85,8 @@ class StageRouting:
         # Per layer, top-k slots per expert of the real tokens, and the real-token count: one
         # all-reduce over the data-parallel group, as models/hf_moe.py makes on one forward.
         if keep is None:
-            counts = [torch.bincount(idx.reshape(-1), minlength=n_experts) for _, _, idx in seen]
+            # The same counts as bincount, in a tensor of fixed shape (fake tensors can carry it).
+            counts = [expert_counts(idx.reshape(-1), n_experts) for _, _, idx in seen]
             real = torch.tensor([rows], dtype=torch.long, device=device)
         else:
             counts = []
