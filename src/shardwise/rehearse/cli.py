@@ -46,7 +46,8 @@ def add_rehearse_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes of the rehearsed job (default 1)")
     p.add_argument("--gpu", default="h100-sxm", help="the target GPU kind: its memory budget (default h100-sxm)")
     p.add_argument("--ranks", default="", metavar="R[,R|A-B...]",
-                   help="ranks to play (default: rank 0, the first rank of the last pipeline stage, the last rank)")
+                   help="ranks to play (default: one of each role: rank 0, the first rank of the last pipeline "
+                        "stage, of the last context-parallel chunk and of the last experts, the last rank)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: fake tensors (any machine); cuda: real tensors on this machine's GPU, fake collectives")
     p.add_argument("--steps", type=int, default=3, metavar="N",

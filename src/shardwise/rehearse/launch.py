@@ -41,12 +41,30 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
 
 
 def default_ranks(layout: Any) -> list[int]:
-    """One rank of each distinct role: rank 0 (first pipeline stage, shard 0, every group's
-    first member), the first rank of the last pipeline stage (the head and loss), and the last
-    rank (the last shard of every sharded dimension, where FSDP's padding falls)."""
+    """One rank of each distinct role: rank 0 (the first pipeline stage, shard 0, every group's
+    first member, the first chunk of each sequence and the first experts); the first rank of the
+    pipeline rank that holds the last stage (the head and the loss) and of the last pipeline rank
+    (the same one, except in a V schedule, where rank 0 holds the last stage and the last rank the
+    turn of the V); the first rank holding the last chunk of each sequence (context parallel) and
+    the first holding the last experts (expert parallel); and the last rank (the last shard of
+    every sharded dimension, where FSDP's padding falls)."""
     ranks = {0, layout.world_size - 1}
+
+    def first(role: Any) -> int:
+        return next(r for r in range(layout.world_size) if role(r))
+
     if layout.pp > 1:
-        ranks.add(next(r for r in range(layout.world_size) if layout.coords(r).get("pp") == layout.pp - 1))
+        last_stage = next(p for p in range(layout.pp) if layout.holds_last_stage(p))
+        ranks.update(first(lambda r, p=p: layout.coords(r)["pp"] == p) for p in {last_stage, layout.pp - 1})
+    if layout.cp > 1:
+        ranks.add(first(lambda r: layout.cp_rank(r) == layout.cp - 1))
+    if layout.ep > 1:
+        # Expert groups are consecutive data-parallel ranks (parallel/mesh.py): the ep index is the
+        # data-parallel index modulo ep.
+        def dp_index(r: int) -> int:
+            return layout.coords(r)["dp"] if layout.info.model_parallel else r
+
+        ranks.add(first(lambda r: dp_index(r) % layout.ep == layout.ep - 1))
     return sorted(ranks)
 
 
