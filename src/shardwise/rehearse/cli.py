@@ -68,25 +68,6 @@ def title_of(run: Any, gpu_name: str, nnodes: int) -> str:
             f"{' ' + degrees if degrees else ''}")
 
 
-# What fake tensors and the fake process group cannot carry yet (found by trying, torch 2.13).
-FAKE_LIMITS = {
-    "pp": "pipeline parallel (parallel.pp > 1): torch's schedule learns each stage's input shapes by "
-          "point-to-point messages from its neighbours before the first step, and the fake process group "
-          "delivers none",
-    "cp": "context parallel (parallel.cp > 1): transformers counts a fake tensor as tracing and then builds an "
-          "explicit causal mask for the local chunk, which the context-parallel attention refuses",
-}
-
-
-def check_fake_rehearsable(layout: Any) -> None:
-    """Refuse, in one paragraph, a layout that fake tensors cannot play (``FAKE_LIMITS``)."""
-    blocked = [FAKE_LIMITS[d] for d in FAKE_LIMITS if getattr(layout, d) > 1]
-    if blocked:
-        raise ConfigError("this layout cannot be rehearsed on fake tensors: " + "; ".join(blocked) + ". Rehearse "
-                          "the same run without that dimension (its other degrees unchanged) to check the rest; "
-                          "the planner's figures for that dimension stay unchecked by a rehearsal.")
-
-
 def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     """Resolve the run as ``train`` does, play its ranks and return the report (``report.build``)."""
     from shardwise.parallel.implementations import get_strategy  # defers torch
@@ -112,8 +93,6 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                           "and runs its own collectives outside torch's fake process group: it cannot be "
                           "rehearsed. Rehearse the FSDP2 equivalent (fsdp, fsdp-offload) for the layout, or "
                           "run it on its cluster.")
-    if args.device == "cpu":
-        check_fake_rehearsable(run.layout)
     ranks = launch.parse_ranks(args.ranks, run.layout.world_size) if args.ranks else launch.default_ranks(run.layout)
     prediction = dry_run_prediction(run)
     results = launch.play(to_toml(run.config), world_size=run.layout.world_size, nproc=run.nproc, ranks=ranks,

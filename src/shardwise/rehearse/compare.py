@@ -73,4 +73,7 @@ def transient_bytes(memory: dict[str, Any]) -> int:
     """
     peak, state = memory.get("peak", {}), memory.get("after_step", {})
     persistent = sum(int(state.get(c, 0)) for c in ("param_bytes", "grad_bytes", "optim_bytes"))
-    return int(peak.get("peak_bytes", 0)) - persistent - int(peak.get("activation_bytes", 0))
+    # A pipeline rank's activations are one micro-batch's (``measure.MemoryProbe``); the planner's
+    # transients hold its other micro-batches in flight, which the peak holds as activations.
+    saved = memory.get("after_forward", {}) if memory.get("activations_per") == "micro_batch" else peak
+    return int(peak.get("peak_bytes", 0)) - persistent - int(saved.get("activation_bytes", 0))

@@ -11,6 +11,7 @@ micro-batch is alive there).
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import sys
 import threading
@@ -87,27 +88,72 @@ class _LocalMemTracker(MemTracker):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # A pipeline schedule runs each stage (a root module: the union's own forward never runs)
+        # once per micro-batch before their backwards; MemTracker takes a root's second forward for
+        # the next iteration and raises. It is the same step's next micro-batch: its statistics
+        # start again (the module's parameters and gradient hooks stay tracked, once).
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+            if parents == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
 
 _MODULE_FIELDS = (("param_bytes", "parameter_mem"), ("buffer_bytes", "buffer_mem"), ("input_bytes", "input_mem"),
                   ("output_bytes", "output_mem"))
 
 
 class MemoryProbe:
-    """MemTracker over the model and optimizer, with the step and forward moments recorded."""
+    """MemTracker over the model and optimizer, with the step and forward moments recorded.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    ``stages``: a pipeline rank's stage modules (the schedule runs them, not ``model``). The planner
+    counts one micro-batch's activations on a pipeline rank (its stages' share) and the other
+    micro-batches in flight as transients, so there the activations are read per micro-batch:
+    what each stage's forward of one micro-batch leaves saved (the largest over micro-batches),
+    summed over the rank's stages; and the transients are the peak less the state and those.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 stages: list[nn.Module] | None = None) -> None:
         _mark_sharding_propagation()
         self.tracker = _LocalMemTracker()
         self.tracker.track_external(model, optimizer)
         self.after_step: dict[str, int] = {}
         self.after_forward: dict[str, int] = {}
         self.modules: dict[str, dict[str, int]] = {}
-        self._handles = [optimizer.register_step_post_hook(self._on_step),
-                         model.register_forward_hook(self._on_forward)]
+        self.per_micro_batch = stages is not None
+        self._stage_saved: dict[int, int] = {}  # stage -> largest activation bytes one forward saved
+        self._stage_start: dict[int, int] = {}
+        self._handles = [optimizer.register_step_post_hook(self._on_step)]
+        if stages is None:
+            self._handles.append(model.register_forward_hook(self._on_forward))
+            return
+        self._hide_leaf_inputs()
+        for i, stage in enumerate(stages):
+            self._handles += [stage.register_forward_pre_hook(functools.partial(self._on_stage_start, i)),
+                              stage.register_forward_hook(functools.partial(self._on_stage_end, i))]
 
     def _largest(self, held: dict[str, int], now: dict[str, int]) -> None:
         for key, value in now.items():
             held[key] = max(held.get(key, 0), value)
+
+    def _hide_leaf_inputs(self) -> None:
+        """Keep MemTracker's module tracker off the leaf tensors a module is called with. It puts a
+        multi-grad hook on every input that requires grad, to see the module's backward begin; a
+        later pipeline stage's input is a leaf (the received activation, handed on as it is to the
+        stage's first layer), and torch 2.13 refuses such a hook inside ``autograd.grad``, which
+        the schedule runs on a stage's inputs (the metadata inference before the first step, the
+        zero-bubble schedules' input-gradient actions). Such a module's backward is then closed
+        at the end of the backward pass, as for a module called on token ids."""
+        modules = self.tracker._mod_tracker
+        pre_hook = modules._fw_pre_hook
+
+        def fw_pre_hook(module: nn.Module, inputs: Any) -> None:
+            pre_hook(module, tuple(x for x in inputs if not (isinstance(x, torch.Tensor) and x.requires_grad
+                                                              and x.grad_fn is None)))
+
+        modules._fw_pre_hook = fw_pre_hook  # an instance attribute: registered when the tracker is entered
 
     def _on_step(self, *_: Any) -> None:
         if self.tracker._depth:  # only while tracking (the collective-counting step is not)
@@ -116,6 +162,19 @@ class MemoryProbe:
     def _on_forward(self, *_: Any) -> None:
         if self.tracker._depth:
             self._largest(self.after_forward, _columns(self.tracker.get_tracker_snapshot("current")))
+
+    def _activations_now(self) -> int:
+        return _columns(self.tracker.get_tracker_snapshot("current")).get("activation_bytes", 0)
+
+    def _on_stage_start(self, stage: int, *_: Any) -> None:
+        if self.tracker._depth:
+            self._stage_start[stage] = self._activations_now()
+
+    def _on_stage_end(self, stage: int, *_: Any) -> None:
+        if self.tracker._depth and stage in self._stage_start:
+            saved = self._activations_now() - self._stage_start.pop(stage)
+            self._stage_saved[stage] = max(self._stage_saved.get(stage, 0), saved)
+            self.after_forward["activation_bytes"] = sum(self._stage_saved.values())
 
     def end_micro_batch(self) -> None:
         """Keep each module's statistics of this forward/backward (the largest over micro-batches),
@@ -140,7 +199,8 @@ class MemoryProbe:
         modules = sorted(({"module": name, **row} for name, row in self.modules.items()),
                          key=lambda r: -r["peak_bytes"])[:top]
         return {"peak": _columns(self.tracker.get_tracker_snapshot("peak")),
-                "after_step": self.after_step, "after_forward": self.after_forward, "modules": modules}
+                "after_step": self.after_step, "after_forward": self.after_forward, "modules": modules,
+                "activations_per": "micro_batch" if self.per_micro_batch else "forward"}
 
 
 def _buffer_bytes(x: Any) -> int:

@@ -70,6 +70,30 @@ def _allocator(device: str) -> tuple[Any, Any]:
     return mode, allocate
 
 
+def _one_sequence_per_row() -> None:
+    """Make transformers read a fake tensor's positions as one sequence per row, which is what
+    they are in every batch this applies to (plain token rows: the model numbers each row 0..T-1,
+    context parallel shifts a chunk's numbers by its offset, still consecutive).
+
+    transformers (``masking_utils.find_packed_sequence_indices``) asks whether a row's positions
+    restart (packed documents); a fake tensor has no values to answer with, so it counts it as
+    tracing and answers "packed", and the model then builds an explicit causal mask for the rank's
+    chunk: ``(B, 1, T, T)`` bytes a real run does not hold, and a mask context-parallel attention
+    refuses. The real run answers "one sequence" and runs SDPA with ``is_causal``. Patched in this
+    worker process only (one played rank); batches with document or padding side inputs are left
+    to transformers' own answer, which builds their mask as a real run does.
+    """
+    from torch._subclasses.fake_tensor import is_fake  # defers torch
+    from transformers import masking_utils  # defers transformers (optional)
+
+    find = masking_utils.find_packed_sequence_indices
+
+    def find_on_fake(position_ids: Any) -> Any:
+        return None if is_fake(position_ids) else find(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find_on_fake
+
+
 def play_rank(spec: PlaySpec) -> dict[str, Any]:
     """Prepare the model for this rank, run ``spec.steps`` real steps, and return the measurements."""
     import torch  # defers torch
@@ -106,9 +130,23 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     # At least two memory-tracked steps: the optimizer's state exists only from the first step's
     # end, so a peak read from the first step alone misses it (a 70B rank read 21 % low that way).
     tracked = max(2, spec.steps - 1)
-    batches = iter([next(loader) for _ in range((tracked + 1) * t.grad_accum_steps)])
-    probe = MemoryProbe(model, optimizer)
-    collectives = CollectiveLog(group_names(session.mesh))
+    drawn = [next(loader) for _ in range((tracked + 1) * t.grad_accum_steps)]
+    if spec.device == "cpu" and cfg.model.kind == "hf" and all(isinstance(x, torch.Tensor) for x, _ in drawn):
+        _one_sequence_per_row()
+    batches = iter(drawn)
+    # Under a pipeline the schedule runs the stages, never the union model's own forward.
+    pipeline = getattr(session.strategy, "pipeline", None)
+    probe = MemoryProbe(model, optimizer, stages=[s.submod for s in pipeline.stages] if pipeline else None)
+    if pipeline is not None:
+        from shardwise.rehearse.fake_p2p import LocalNeighbours, boundary_dtype, hidden_size  # defers torch
+
+        # The fake group delivers no message: the schedule's pre-step vote and shape exchange are
+        # answered on this rank (rehearse/fake_p2p.py); its steps then run as on a cluster.
+        LocalNeighbours(pipeline, hidden_size(model), boundary_dtype(cfg.parallel.precision,
+                                                                     session.layout.info.dp_kind))
+    # Context and expert parallel run on views of their own (parallel/mesh.py): their groups too.
+    views = (session.meshes.sparse, session.meshes.batch) if session.meshes is not None else ()
+    collectives = CollectiveLog({k: v for m in (*views, session.mesh) for k, v in group_names(m).items()})
     cuda = spec.device == "cuda"
     step_s: list[float] = []
 
