@@ -5,9 +5,9 @@
 For each case the planner's top recommendation is rehearsed exactly as the command ``plan``
 prints would run it (``plan --rehearse``): played ranks on fake cpu tensors in torch's fake
 process group at the full world size, memory by kind next to the plan's per-rank prediction, with
-each played rank's time and peak RSS. Where the recommendation uses a dimension fake tensors cannot
-carry (pipeline or context parallel: ``rehearse.cli.FAKE_LIMITS``), its refusal is printed
-and the best layout without that dimension is rehearsed instead (named as such).
+each played rank's time and peak RSS. Where the recommendation is refused (a layout the fake group
+cannot play, e.g. DDP, whose reducer's all-reduce yields no tensor there: docs/rehearse.md), its
+refusal is printed and the case's fallback layout is rehearsed instead (named as such).
 """
 
 from __future__ import annotations
