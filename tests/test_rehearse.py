@@ -174,6 +174,8 @@ def test_plan_rehearse_plays_the_top_recommendation(capsys: pytest.CaptureFixtur
     ({"device": "cuda"}, "--device cuda plays a rank on this machine's GPU"),
     ({"gpu": "nope"}, "unknown GPU kind 'nope'"),
     ({"strategy": "zero3-offload"}, "runs DeepSpeed's engine"),
+    ({"strategy": "ddp"}, "replicates the model with torch's DDP"),
+    ({"strategy": "zero1"}, "replicates the model with torch's DDP"),
 ])
 def test_bad_rehearsals_are_refused_before_any_rank_starts(flags: dict, message: str) -> None:
     import torch

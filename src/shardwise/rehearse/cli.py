@@ -93,6 +93,15 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                           "and runs its own collectives outside torch's fake process group: it cannot be "
                           "rehearsed. Rehearse the FSDP2 equivalent (fsdp, fsdp-offload) for the layout, or "
                           "run it on its cluster.")
+    if run.layout.info.dp_kind in ("replicate", "zero1") and run.layout.dp > 1:
+        # Found by trying (torch 2.13): the first all-reduce's future holds no tensor on the fake
+        # group, and with a hook that hands the bucket back the C++ reducer then rebuilds its buckets
+        # from the parameters' storage, which fake tensors do not have.
+        raise ConfigError(f"strategy {run.layout.strategy} replicates the model with torch's DDP, whose C++ reducer "
+                          "needs real gradient storage and a real all-reduce result: it cannot be rehearsed on "
+                          "fake tensors. Its per-rank memory is the single-process model's plus the gradient "
+                          "buckets (`train --dry-run` prints it); rehearse the sharded equivalent (fsdp, zero2, "
+                          "fsdp+pp) to check the rest of the layout.")
     ranks = launch.parse_ranks(args.ranks, run.layout.world_size) if args.ranks else launch.default_ranks(run.layout)
     prediction = dry_run_prediction(run)
     results = launch.play(to_toml(run.config), world_size=run.layout.world_size, nproc=run.nproc, ranks=ranks,
