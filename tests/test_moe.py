@@ -237,8 +237,9 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
 
 
 def test_planner_moe_math():
+    from shardwise.core.layout import ep_candidates
     from shardwise.plan.cost import flops_per_token
-    from shardwise.plan.moe import active_params, all_to_all_s, ep_candidates, expert_unit_bytes
+    from shardwise.plan.moe import active_params, all_to_all_s, expert_unit_bytes
     from shardwise.plan.presets import MOE_SPECS, model_preset
 
     mixtral, qwen = MOE_SPECS["mixtral-8x7b"](), MOE_SPECS["qwen3-30b-a3b"]()

@@ -497,6 +497,20 @@ def tp_indivisible(tp: int, sizes: Mapping[str, int | None]) -> dict[str, int]:
     return {name: size for name, size in sizes.items() if size and size % tp}
 
 
+def ep_degrees(n_experts: int) -> list[int]:
+    """EP degrees an MoE layer of ``n_experts`` admits: the divisors of the count (each rank of an
+    expert group holds ``n_experts / ep`` whole experts). The one owner of that rule: the planner's
+    ``--ep`` check and search and the runtime's ``parallel.experts.ep.check_moe_model`` ask it."""
+    if n_experts <= 0:
+        return [1]
+    return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
+
+
+def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
+    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
+    return [d for d in ep_degrees(n_experts) if dp_shard % d == 0]
+
+
 def _from_degrees(options: ParallelConfig) -> ParallelConfig:
     """``options`` with ``parallel.dp_replicate`` / ``parallel.dp_shard`` turned into the strategy
     and the dp sizes they stand for (unchanged when neither is given)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from shardwise.core.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
 from shardwise.core.families import CP_FAMILIES
-from shardwise.core.layout import data_parallel_degree, resolve_layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.layout import data_parallel_degree, ep_degrees, resolve_layout, stage_layer_ranges, tp_indivisible
 from shardwise.core.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
 from shardwise.core.strategies import REGISTRY, StrategyInfo
 from shardwise.errors import ConfigError, unknown_choice
@@ -31,7 +31,6 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
-from shardwise.plan.moe import ep_degrees
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, link

@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardwise.core.families import CP_FAMILIES
+from shardwise.core.layout import ep_candidates
 from shardwise.core.pp_schedules import schedule_info
 from shardwise.plan.cp import cp_candidates, cp_impl_for, cp_multiple
 from shardwise.plan.memory import CHECKPOINT_MODES, GRAD_SYNC_MODES
-from shardwise.plan.moe import ep_candidates
 from shardwise.plan.pipeline import pipeline_degrees
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
       rank divisible by cp, ``auto`` takes the ring where it does not). The runtime runs cp beside a pipeline,
       and a pinned ``--cp`` is tried with every pp degree; the open search tries cp only at pp = 1
       (crossing both axes multiplies the layouts about ninefold for a long-sequence 70B plan).
-    * ``ep``: for a mixture-of-experts model (plan/moe.py ``ep_candidates``: divisors of dp that
+    * ``ep``: for a mixture-of-experts model (core/layout.py ``ep_candidates``: divisors of dp that
       divide the expert count); the registry's strategies that run it are found by the layout.
 
     A pinned degree (``--tp``, ``--pp``, ``--cp``, ``--ep``) is the only value of its axis.

@@ -15,7 +15,7 @@ What MoE changes in the plan:
   rank's tokens (``tokens x top_k x hidden`` elements; the ``(ep-1)/ep`` that leave the rank), and
   backward the same again: 4 all-to-alls per layer per micro-batch (``all_to_all_s``).
 
-``ep_candidates`` lists the EP degrees a world admits, for the planner's search.
+The EP degrees a world admits (``ep_degrees``, ``ep_candidates``) are the layout's rule (core/layout.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
-__all__ = ["MoEInfo", "active_params", "all_to_all_s", "ep_candidates", "ep_degrees",
+__all__ = ["MoEInfo", "active_params", "all_to_all_s",
            "expert_bytes_per_rank", "expert_unit_bytes", "inactive_matmul_params", "moe_of_gpt"]
 
 
@@ -100,20 +100,6 @@ def all_to_all_s(spec: ModelSpec, tokens_per_rank: int, ep: int, gbs: float, act
     size = tokens_per_rank * info.top_k * info.hidden * act_bytes
     per_call = (ep - 1) / ep * size / (gbs * 1e9) + (ep - 1) * alpha_s
     return (4 + 2 * recompute) * (info.n_moe_layers if layers is None else layers) * per_call
-
-
-def ep_degrees(n_experts: int) -> list[int]:
-    """EP degrees an MoE layer of ``n_experts`` admits: the divisors of the count (each rank of an
-    expert group holds ``n_experts / ep`` whole experts). The one owner of that rule: the planner's
-    ``--ep`` check, its search and the runtime's ``parallel.experts.ep.check_moe_model`` ask it."""
-    if n_experts <= 0:
-        return [1]
-    return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
-
-
-def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
-    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
-    return [d for d in ep_degrees(n_experts) if dp_shard % d == 0]
 
 
 def moe_of_gpt(cfg: Any) -> MoEInfo | None:

@@ -38,10 +38,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from shardwise.core.layout import Layout
+from shardwise.core.layout import Layout, ep_candidates, ep_degrees
 from shardwise.errors import ConfigError
 from shardwise.models.moe import expert_counts, moe_layers
-from shardwise.plan.moe import ep_candidates, ep_degrees
 
 __all__ = ["ExpertDispatcher", "apply_ep", "check_moe_model", "route_moe", "shard_experts"]
 
@@ -66,7 +65,7 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
                 f"{type(model).__name__} has no MoE layer. Use an MoE model (e.g. model.preset = "
                 "'moe-nano', or model.overrides.n_experts) or set parallel.ep = 1.")
         return
-    # The rules' owner is torch-free (plan/moe.py): the planner's search asks the same functions.
+    # The rule's owner is torch-free (core/layout.py): the planner's search asks the same functions.
     if layout.ep > 1:
         counts = {name: int(layer.n_experts) for name, layer in layers}
         bad = next(((name, n) for name, n in counts.items() if layout.ep not in ep_degrees(n)), None)
