@@ -83,20 +83,20 @@ def test_disk_full_on_two_ranks_is_one_clean_paragraph_and_resumes_bit_exact(tmp
 
 def test_a_retried_resume_on_a_full_disk_is_refused_cleanly(tmp_path, monkeypatch, capsys):
     """The launcher's own writes (config.toml) on a full disk: a clear message, nothing started."""
-    from shardwise import fsutil
+    from shardwise.job import train as launcher
 
     data = small_text(tmp_path)
     run = tmp_path / "run"
     assert main(["train", *ONE, "--out", str(run), *cli_args(fast_overrides(data, steps=2, every=1))]) == 0
     capsys.readouterr()
-    real = fsutil.atomic_write_text
+    real = launcher.atomic_write_text
 
     def full(path, text, **kw):
         if Path(path).name == "config.toml":
             raise OSError(28, os.strerror(28), str(path))
         return real(path, text, **kw)
 
-    monkeypatch.setattr(fsutil, "atomic_write_text", full)
+    monkeypatch.setattr(launcher, "atomic_write_text", full)  # the launcher writes config.toml (job/train.py)
     code = main(["train", *ONE, "--out", str(run), "--resume", "--set", "train.steps=3"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "config.toml" in err and "No space left" in err, err
