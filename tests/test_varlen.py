@@ -165,8 +165,6 @@ def test_the_kernel_path_serves_grouped_query_heads_with_or_without_enable_gqa(m
     """The CUDA kernel is called with enable_gqa where torch has it (2.13) and with the kv heads
     repeated where it does not (2.11, the first GPU run): both give the per-document SDPA's output.
     The kernel is stood in for by the per-document SDPA path itself (on the CPU; equal heads only)."""
-    import torch.nn.attention.varlen as torch_varlen
-
     def kernel_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         if enable_gqa:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
@@ -184,7 +182,7 @@ def test_the_kernel_path_serves_grouped_query_heads_with_or_without_enable_gqa(m
     q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
     expected, _ = real(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=7)
-    monkeypatch.setattr(torch_varlen, "varlen_attn", kernel_2_13 if gqa_flag else kernel_2_11)
+    monkeypatch.setattr(varlen, "varlen_attn", kernel_2_13 if gqa_flag else kernel_2_11)  # the name it calls
     calls = []
     monkeypatch.setattr(varlen, "kernel", lambda *a, **kw: calls.append(1) or (
         "varlen_attn" if len(calls) == 1 else "per-document sdpa"))
