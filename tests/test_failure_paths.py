@@ -1,6 +1,6 @@
 """Every failure path ends with one clean paragraph, a documented exit code and no lost work.
 
-Disk full during a save (fault-injected: ``job.faults``) on 1 and 2 ranks, a rank that crashes
+Disk full during a save (fault-injected: ``runtime.faults``) on 1 and 2 ranks, a rank that crashes
 with an unexpected error, SIGINT to the launcher alone: the console shows our message and never a
 ``Traceback``; the rank log keeps the traceback; the previous checkpoint stays intact and resumes
 bit-exactly.

@@ -4,7 +4,7 @@ Each case runs a 1-rank nano job in this process (``shardwise.cli.main``: no spa
 ``SHARDWISE_DEBUG_DISK_FULL`` (a save step, shards or manifest stage, how much of a shard was
 written when the disk filled up) and/or a random
 ``SHARDWISE_DEBUG_SIGNAL`` (the process signals itself after a step, as a scheduler or Ctrl-C
-would; ``job.faults``). Invariants:
+would; ``runtime.faults``). Invariants:
 
 * the exit code is the documented one (docs/checkpoints.md "Exit codes"): 2 when a save met the
   full disk, else 130 when the signal stopped the run, else 0 -- predicted by ``expected`` from

@@ -24,7 +24,7 @@ class CheckpointError(ShardwiseError):
     """A checkpoint is missing, corrupted or incompatible with the run."""
 
 
-# `shardwise train` exit codes: 2 user error (any ShardwiseError), 3 hang (job.watchdog),
+# `shardwise train` exit codes: 2 user error (any ShardwiseError), 3 hang (runtime.watchdog),
 # 4 stopped on a non-finite loss, 130 interrupted (a checkpoint was saved).
 NONFINITE_EXIT_CODE = 4
 

@@ -129,7 +129,7 @@ def run_torchrun(spec: LaunchSpec, target: Sequence[str], env: dict[str, str] | 
     The agent is ``shardwise.job.agent`` (torchrun itself, tied to this process's life and
     without torchrun's tracebacks); with ``agent_report`` it writes the failing ranks there as
     JSON (see ``job.agent``). The agent and every rank die with this process (see
-    ``job.lifeline``), so a killed launcher leaves no rank behind.
+    ``runtime.lifeline``), so a killed launcher leaves no rank behind.
     """
     full_env = dict(os.environ, **(env or {}), **launcher_env())
     if agent_report is not None:

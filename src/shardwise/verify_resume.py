@@ -6,7 +6,7 @@ checked):
 
 1. uninterrupted for N steps;
 2. the same, stopped by SIGTERM after step k1 (the run saves its interrupt checkpoint mid-epoch,
-   exactly as under a scheduler's preemption; ``job.faults`` sends the signal);
+   exactly as under a scheduler's preemption; ``runtime.faults`` sends the signal);
 3. resumed, stopped again by SIGINT after step k2; then resumed to step N (on
    ``--resume-nproc`` ranks when given).
 

@@ -3,7 +3,7 @@
 It is torchrun itself (``torch.distributed.run``: rendezvous, restarts, multi-node), with three
 differences that keep the console to one clean paragraph and the job to one owner:
 
-* it dies with the launcher (``job.lifeline``), so its ranks do too;
+* it dies with the launcher (``runtime.lifeline``), so its ranks do too;
 * torchrun's failure reports (``ChildFailedError`` with its traceback, a ``SignalException``
   traceback on SIGTERM/SIGINT) are not printed: the failing ranks are written as JSON to
   ``SHARDWISE_AGENT_REPORT`` for the launcher, which prints one paragraph naming the rank and its

@@ -14,7 +14,7 @@ that finds it:
   the machine rebooted since) **takes it over**, with a log line: a killed job leaves its lock;
   but only when every *rank* of that job is gone too. Each rank adds itself to the lock's
   ``ranks`` (``register_rank``: host, PID, start time), so a rank that outlived its launcher
-  (which ``job.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
+  (which ``runtime.lifeline`` prevents, but a hung kernel call can delay) keeps the directory
   locked: a ``--resume`` never shares the directory with a survivor of the old job;
 * held on another host, whose processes cannot be checked from here, is judged by the heartbeats
   its ranks write into the run directory (``watchdog.heartbeat_times``): taken over when every rank

@@ -128,7 +128,7 @@ class Session:
         self.loss_chunks = loss_chunks
         parse_loss_chunks(loss_chunks)
         self.loss_plan: Any = None
-        # Names this job in heartbeats and checkpoint manifests (see job.identity): the
+        # Names this job in heartbeats and checkpoint manifests (see runtime.identity): the
         # watchdog signals only ranks of this launch, and saves rotate only this job's checkpoints.
         self.launch_id = launch_id or launch_id_from_env()
         self.rank = _env_int("RANK", 0)
@@ -181,7 +181,7 @@ class Session:
         self.optimizer: torch.optim.Optimizer | None = None
         self.loader: ShardedLoader | None = None
         self.steps_taken = 0
-        self._watchdog: Any = None  # a job.watchdog.Watchdog once watch() was called
+        self._watchdog: Any = None  # a runtime.watchdog.Watchdog once watch() was called
         # Bytes held by gradients just before the last zero_grad (read by the memory ledger).
         self.last_grad_bytes = 0
         # What build() recorded: (the meta model, its init program); None for an eager build.
@@ -932,7 +932,7 @@ class Session:
     # ------------------------------------------------------------------ hang detection
     def watch(self, run_dir: str | os.PathLike, timeout_s: float, attempt: int = 0,
               first_step_timeout_s: float = FIRST_STEP_TIMEOUT_S) -> Any:
-        """Start this rank's hang watchdog (see job.watchdog) and return it.
+        """Start this rank's hang watchdog (see runtime.watchdog) and return it.
 
         ``step()``, ``eval_loss()`` and ``save()`` count as progress; call ``heartbeat()`` in
         other long phases of your own loop. Before the first ``step()`` a rank may be silent for

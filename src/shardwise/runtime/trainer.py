@@ -655,7 +655,7 @@ class Trainer:
 
     def _kill_target(self) -> int:
         """This rank, or with ``debug.kill_launcher`` the launcher that started the job (its process
-        record is in the ranks' environment, job.lifeline)."""
+        record is in the ranks' environment, runtime.lifeline)."""
         record = launcher_record()
         return int(record["pid"]) if self.cfg.debug.kill_launcher and record else os.getpid()
 
