@@ -283,3 +283,18 @@ def test_every_rank_writes_its_shard_and_export_consolidates(tmp_path, strategy)
     plain = GPT(GPT_PRESETS["nano"])
     plain.load_state_dict(load_file(result["out"]))
     assert result["tensors"] == len(plain.state_dict())
+
+
+def test_every_strategy_names_a_checkpoint_engine_the_checkpoints_know():
+    """A strategy names its engine by string (parallel/ cannot import runtime/): each must be one the
+    checkpoint engines list, DCP or a registered one, so a save never meets an unknown name."""
+    from shardwise.parallel.implementations import IMPLEMENTATIONS
+    from shardwise.runtime.checkpoint.engines import ENGINES, engine_for
+    from shardwise.runtime.checkpoint.manifest import DCP
+
+    named = {cls.checkpoint_engine for cls in IMPLEMENTATIONS.values()}
+    assert named == {DCP, *ENGINES}, named
+    for name in named:
+        engine_for(name)  # raises CheckpointError for a name it does not know
+    with pytest.raises(CheckpointError, match="not one this shardwise knows"):
+        engine_for("megatron")

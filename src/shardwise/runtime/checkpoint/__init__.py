@@ -35,5 +35,7 @@ checkpoints, ``latest``, rotation), ``state`` (name-keyed model/optimizer state 
 (what a checkpoint holds: a dict of named Stateful pieces, each stored in DCP, in the manifest or in
 the per-rank file; adding one is one entry, see its docstring and docs/checkpoints.md), ``save``,
 ``load``, ``export`` (inspect, consolidate, write weights), ``hf_export`` (Hugging Face and PEFT
-folders) and ``preflight`` (checks before launch).
+folders), ``preflight`` (checks before launch), ``engines`` (who writes the tensors: PyTorch DCP, or
+an engine with files of its own behind one interface, ``deepspeed_engine``) and ``background``
+(asynchronous saves). The package re-exports nothing: import from the module that owns a name.
 """
