@@ -282,15 +282,9 @@ class Plan:
     offload: list[Any] = field(default_factory=list)
 
 
-def _tp_sizes(spec: ModelSpec) -> dict[str, int | None]:
-    """The sizes of ``spec`` that the runtime's TP plans split, for the layout's divisibility rule."""
-    return {"attention heads": spec.n_heads, "key/value heads": spec.kv_heads, "hidden size": spec.hidden,
-            "MLP width": spec.ffn_hidden}
-
-
 def _tp_divides(spec: ModelSpec, tp: int) -> bool:
     """Whether ``tp`` divides every size the runtime's TP plans split (asks ``layout.tp_indivisible``)."""
-    return bool(spec.n_heads) and not tp_indivisible(tp, _tp_sizes(spec))
+    return bool(spec.n_heads) and not tp_indivisible(tp, spec.tp_sizes())
 
 
 def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
@@ -450,10 +444,11 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if tp is not None:
         if tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {tp}.")
-        bad = tp_indivisible(tp, {"attention heads": spec.n_heads})
+        bad = tp_indivisible(tp, spec.tp_sizes())
         if bad:
-            divisors = [d for d in range(1, spec.n_heads + 1) if not tp_indivisible(d, bad)]
-            raise ConfigError(f"--tp {tp} does not divide the {spec.n_heads} attention heads of {spec.name}; "
+            divisors = [d for d in range(1, (spec.n_heads or 1) + 1) if not tp_indivisible(d, spec.tp_sizes())]
+            sizes = ", ".join(f"{size} {name}" for name, size in bad.items())
+            raise ConfigError(f"--tp {tp} does not divide the {sizes} of {spec.name} (tensor parallel splits each); "
                               f"allowed: {', '.join(map(str, divisors))}.")
         if cluster.gpus_per_node % tp:
             raise ConfigError(f"--tp {tp} must divide --gpus-per-node {cluster.gpus_per_node} "

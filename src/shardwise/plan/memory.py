@@ -674,10 +674,11 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
     reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
     """
-    if tp_indivisible(layout.tp, {"heads": spec.n_heads, "kv": spec.n_kv_heads}):
-        raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {spec.n_heads} attention "
-                          f"heads ({spec.n_kv_heads or spec.n_heads} key/value heads) of {spec.name}; use a "
-                          "divisor of both.")
+    bad = tp_indivisible(layout.tp, spec.tp_sizes())
+    if bad:
+        sizes = ", ".join(f"{size} {name}" for name, size in bad.items())
+        raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {sizes} of {spec.name} "
+                          "(tensor parallel splits each); use a divisor of all of them.")
     if layout.pp > 1 and spec.n_layers:
         stage_layer_ranges(spec.n_layers, layout.n_stages)  # the layout's rule: stages <= layers
 

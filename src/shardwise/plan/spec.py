@@ -82,6 +82,14 @@ class ModelSpec:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads or 1
 
+    def tp_sizes(self) -> dict[str, int | None]:
+        """The sizes the runtime's tensor-parallel plans split (``parallel/adapters.py`` per model
+        layout): attention heads, key/value heads, the hidden size and a dense MLP's width (an MoE
+        block's experts stay whole under TP). The planner's one list; ``core.layout.tp_indivisible``
+        is the one rule on it. Unknown sizes are None (a bare parameter count)."""
+        return {"attention heads": self.n_heads, "key/value heads": self.n_kv_heads or self.n_heads,
+                "hidden size": self.hidden, "MLP width": self.ffn_hidden if self.moe is None else None}
+
     @property
     def dim_head(self) -> int:
         if self.head_dim:
