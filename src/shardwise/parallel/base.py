@@ -158,6 +158,11 @@ class Strategy:
             norm = norm.full_tensor()
         return norm
 
+    @property
+    def replicates_with_ddp(self) -> bool:
+        """Whether ``wrap`` puts the model (or each pipeline stage) in torch's DDP."""
+        return False
+
     # ---- hooks for strategies that run an engine of their own (DeepSpeed, parallel/deepspeed/strategy.py)
     # True when backward and the optimizer step go through the strategy (``backward``/``step``).
     owns_step = False

@@ -168,13 +168,17 @@ class ModelParallelStrategy(Strategy):
         # state dicts and checkpoints. The stages run through the schedule, not through it.
         return model
 
+    @property
+    def replicates_with_ddp(self) -> bool:
+        return self.dp_kind == "ddp" and self.layout.dp > 1
+
     def _wrap_dp(self, module: nn.Module, ctx: ParallelContext) -> nn.Module:
         dp_mesh = ctx.mesh["dp"]  # type: ignore[index]
         if self.dp_kind == "fsdp":
             # Applied even when dp == 1, so mixed precision comes from the same policy everywhere.
             # One FSDP unit per transformer block plus the root, as under plain fsdp.
             return apply_fsdp(module, dp_mesh, ctx.options, expert_mesh=ctx.expert_mesh)
-        if self.dp_kind == "ddp" and self.layout.dp > 1:
+        if self.replicates_with_ddp:
             device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             # find_unused_parameters=True turns off DDP's bucket rebuild after the first iteration.
             # That rebuild records the parameters in gradient-ready order until the next forward;

@@ -88,12 +88,13 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                                   rdzv_endpoint=_NO_RENDEZVOUS if args.nnodes > 1 else "", max_restarts=0, out=None)
     with read_only():  # the rehearsal writes nothing outside its temporary folder
         run = resolve_run(run_args)
-    if get_strategy(run.layout).owns_step:
+    strategy = get_strategy(run.layout)
+    if strategy.owns_step:
         raise ConfigError(f"strategy {run.layout.strategy} runs DeepSpeed's engine, which allocates real buffers "
                           "and runs its own collectives outside torch's fake process group: it cannot be "
                           "rehearsed. Rehearse the FSDP2 equivalent (fsdp, fsdp-offload) for the layout, or "
                           "run it on its cluster.")
-    if run.layout.info.dp_kind in ("replicate", "zero1") and run.layout.dp > 1:
+    if strategy.replicates_with_ddp:
         # Found by trying (torch 2.13): the first all-reduce's future holds no tensor on the fake
         # group, and with a hook that hands the bucket back the C++ reducer then rebuilds its buckets
         # from the parameters' storage, which fake tensors do not have.

@@ -14,10 +14,14 @@ from shardwise.parallel.base import ParallelContext, Strategy
 class DDPStrategy(Strategy):
     impl = "ddp"
 
+    @property
+    def replicates_with_ddp(self) -> bool:
+        return self.layout.dp > 1  # DDP on one rank only adds overhead; the math is identical
+
     def wrap(self, model: nn.Module, ctx: ParallelContext) -> nn.Module:
         self.materialize(model, ctx)  # every rank holds the whole model: allocate it before DDP
-        if ctx.world_size == 1:
-            return model  # DDP on one rank only adds overhead; the math is identical.
+        if not self.replicates_with_ddp:
+            return model
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
