@@ -247,3 +247,15 @@ def test_train_precision_spellings_plan_the_same_run(capsys):
     assert planned("--precision", "bf16-mixed") == planned("--precision", "bf16") == planned("--precision", "auto")
     assert planned("--precision", "fp16-mixed") == planned("--precision", "fp16")
     assert planned("--gpu", "cpu", "--precision", "auto") == planned("--gpu", "cpu")
+
+
+def test_the_planner_checks_every_size_the_runtime_splits_under_tp():
+    """One list (ModelSpec.tp_sizes): heads, kv heads, hidden and a dense MLP's width, as the runtime's
+    TP plans split them; an MoE block's experts stay whole, so their width is not a TP size."""
+    from shardwise.plan.spec import from_llama_like
+
+    odd_mlp = from_llama_like("odd-mlp", n_layers=2, hidden=256, n_heads=8, ffn_hidden=1001, vocab=512)
+    with pytest.raises(ConfigError, match="--tp 2 does not divide the 1001 MLP width of odd-mlp"):
+        make_plan(odd_mlp, Cluster(gpu("h100-sxm")), Workload(seq=512), tp=2)
+    assert model_preset("llama-3-8b").tp_sizes()["MLP width"] == 14336
+    assert model_preset("mixtral-8x7b").tp_sizes()["MLP width"] is None
