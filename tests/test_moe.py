@@ -18,7 +18,7 @@ from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPT_PRESETS
 from shardwise.models.gpt_config import gpt_active_param_count, gpt_flops_per_token, gpt_param_count, gpt_param_shapes
-from shardwise.models.moe import pop_aux_loss, take_moe_stats, with_aux_loss
+from shardwise.models.moe import discard_aux_losses, pop_aux_loss, take_moe_stats, with_aux_loss
 from shardwise.testing import lm_loss, run_distributed
 from tests.helpers.moe import ep_suite, moe_cases, moe_train
 
@@ -65,6 +65,9 @@ def test_moe_gpt_shapes_counts_and_aux_losses():
     cfg = GPT_PRESETS["moe-nano"]
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1))
+    # An earlier test in this process may have run an MoE forward outside a Session (which discards
+    # them before each forward): start from no recorded aux loss.
+    discard_aux_losses()
     loss = with_aux_loss(lm_loss)(model(x[:, :-1]), x[:, 1:]).detach()
     stats = take_moe_stats(model)  # one forward: one call per layer
     plain = lm_loss(model(x[:, :-1]), x[:, 1:]).detach()

@@ -132,6 +132,23 @@ def test_every_candidate_and_printed_command_resolves_over_the_grid(monkeypatch)
         return breakdowns[key]
 
     monkeypatch.setattr(advice, "memory_breakdown", memory_breakdown)
+    # The checks walk a meta model's modules (a 405B model's thousands) for every command; the meta
+    # models live in workload_and_meta's cache for the whole test, so each walk is done once per model.
+    from shardwise.parallel.context import cp
+    from shardwise.parallel.experts import ep
+
+    def once_per_model(walk):
+        walks: dict = {}
+
+        def cached(model):
+            hit = walks.get(id(model))
+            if hit is None or hit[0] is not model:
+                hit = walks[id(model)] = (model, walk(model))
+            return hit[1]
+        return cached
+
+    monkeypatch.setattr(ep, "_moe_layers", once_per_model(ep._moe_layers))
+    monkeypatch.setattr(cp, "_attention_modules", once_per_model(cp._attention_modules))
     # The NVMe offload commands check the swap disk's free space: give this machine a large one
     # (the plan is for the cluster's nodes, not for the machine the test runs on).
     from shardwise.parallel.deepspeed import setup as deepspeed_setup

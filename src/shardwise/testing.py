@@ -1,11 +1,17 @@
 """The shared harness for distributed tests: real gloo processes, short timeouts, no hangs.
 
-``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` fresh processes (spawn),
-initialises a gloo process group in each with a short collective timeout, calls
-``fn(rank, world_size, **kwargs)`` and returns the list of per-rank return values. On the first
-failure every other rank is killed and the failing rank's traceback is raised; when the job runs
-past ``timeout_s`` every rank's Python stack is dumped (faulthandler) into the error before the
-processes are killed. Nothing is left running after it returns or raises.
+``run_distributed(fn, world_size, **kwargs)`` starts ``world_size`` fresh processes, initialises a
+gloo process group in each with a short collective timeout, calls ``fn(rank, world_size, **kwargs)``
+and returns the list of per-rank return values. On the first failure every other rank is killed and
+the failing rank's traceback is raised; when the job runs past ``timeout_s`` every rank's Python
+stack is dumped (faulthandler) into the error before the processes are killed.
+Nothing is left running after it returns or raises.
+
+The ranks fork from a server process that has imported torch and shardwise once (multiprocessing's
+"forkserver", where the platform has it; "spawn" elsewhere): a spawned rank spends seconds of CPU
+importing them, which across a suite of hundreds of ranks on a small machine was minutes. Each rank
+still starts clean (the server runs no torch op, holds no thread or process group) and gets the
+caller's environment of the moment, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -39,8 +45,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the server imports before it forks any rank (an import that fails is skipped: transformers
+# is an optional extra).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.runtime.session", "transformers"]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
+    return ctx
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_dir: str,
-           collective_timeout_s: float, results: Any, env: dict[str, str], kwargs: dict) -> None:
+           collective_timeout_s: float, results: Any, caller_env: dict[str, str], env: dict[str, str],
+           kwargs: dict) -> None:
+    # A forked rank inherits the server's environment, frozen when it started: take the caller's.
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env})
@@ -121,12 +144,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
 
 def _run_once(fn: Callable[..., Any], world_size: int, timeout_s: float, collective_timeout_s: float,
               env: dict[str, str] | None, kwargs: dict) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="shardwise-stacks-")
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, stack_dir, collective_timeout_s,
-                                              results, dict(env or {}), kwargs), daemon=True)
+                                              results, dict(os.environ), dict(env or {}), kwargs), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -191,7 +214,7 @@ def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = 
 def _hang_report(procs: list[Any], stack_dir: str, timeout_s: float) -> str:
     stack_files = [Path(stack_dir) / f"rank{r}.txt" for r in range(len(procs))]
     for p, f in zip(procs, stack_files):
-        # A rank without its stack file is still starting (spawn imports torch first) and has no
+        # A rank without its stack file is still starting (importing the test's module) and has no
         # SIGUSR1 handler yet: the signal would only kill it, so it is left alone.
         if p.is_alive() and f.exists():
             os.kill(p.pid, signal.SIGUSR1)

@@ -464,7 +464,10 @@ def _mlp_interior(spec: ModelSpec, e: int) -> int:
 
 
 def _has_qk_norm(spec: ModelSpec) -> bool:
-    return any(p.name.endswith("self_attn.q_norm.weight") for p in spec.params)
+    # Asked per layer per candidate; a scan of a 405B spec's parameter list each time was a third of
+    # a plan's search time: once per spec.
+    return _memo(("qk_norm", id(spec)), spec,
+                 lambda: any(p.name.endswith("self_attn.q_norm.weight") for p in spec.params))
 
 
 def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
