@@ -30,7 +30,7 @@ def cli_env():
 
 
 # ``scripts/test`` runs the suite as two concurrent shards (most tests wait on process start-up and
-# rendezvous, leaving cores idle), then the ``serial`` and ``deepspeed_ops`` tests alone:
+# rendezvous, leaving cores idle), then the ``serial`` tests alone:
 # SHARDWISE_TEST_SHARD="i/n" keeps shard i's test files. Files go whole (their module fixtures are
 # built once) to the lightest shard, heaviest first, by the seconds each file took in a sharded run
 # (tests/shard_weights.json, rewritten by scripts/shard-weights; a file it does not list counts as
@@ -68,4 +68,24 @@ def pytest_collection_modifyitems(config, items):
     dropped = [item for item in items if shard[item.path.name] != index]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    items[:] = keep
+    # DeepSpeed's engine tests last: by then the ops scripts/test builds beside the shards are ready.
+    items[:] = sorted(keep, key=lambda item: item.get_closest_marker("deepspeed_ops") is not None)
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_built(request):
+    """A ``deepspeed_ops`` test waits for the build scripts/test runs beside the shards (it writes
+    its exit code into $SHARDWISE_DS_BUILD_DONE); without that variable the ops were built first."""
+    done = os.environ.get("SHARDWISE_DS_BUILD_DONE")
+    if not done or request.node.get_closest_marker("deepspeed_ops") is None:
+        return
+    import time
+
+    deadline = time.monotonic() + 3600
+    while not os.path.exists(done):
+        if time.monotonic() > deadline:
+            pytest.fail(f"DeepSpeed's ops were not built within an hour ({done} never appeared)")
+        time.sleep(2)
+    code = Path(done).read_text().strip()
+    if code != "0":
+        pytest.fail(f"building DeepSpeed's ops failed (exit {code}; .venv/test-logs/deepspeed-build.log)")
