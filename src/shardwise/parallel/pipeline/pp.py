@@ -314,7 +314,10 @@ class Pipeline:
         try:
             with self._no_ddp_sync(), self._keep_grads(schedule, train):
                 if train:
-                    schedule.step(*args, target=target, losses=losses, **extra)
+                    # return_outputs=False: the last stage would keep every microbatch's output (the
+                    # logits) in ``output_chunks`` until the next step, through the optimizer step,
+                    # and concatenate them into one more copy, to return what training never reads.
+                    schedule.step(*args, target=target, losses=losses, return_outputs=False, **extra)
                 else:
                     schedule.eval(*args, target=target, losses=losses, **extra)
         finally:
