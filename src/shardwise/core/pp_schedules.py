@@ -20,8 +20,8 @@ from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
 
-__all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "schedule_info", "stage_ids_of",
-           "stage_rank", "tied_weights_refusal"]
+__all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "cross_rank_receives", "peak_in_flight",
+           "peak_weight_passes_due", "schedule_info", "stage_ids_of", "stage_rank", "tied_weights_refusal"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,69 @@ def stage_ids_of(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> 
 def stage_rank(schedule: str, stage: int, pp: int, stages_per_rank: int) -> int:
     """The pipeline rank that runs ``stage``."""
     return next(r for r in range(pp) if stage in stage_ids_of(schedule, r, pp, stages_per_rank))
+
+
+def peak_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
+    """The most stage-microbatches whose activations pipeline rank ``pp_rank`` holds at once in one
+    schedule step: forwarded through one of its stages, that stage's backward (input and weight
+    gradients) not finished. One stage-microbatch is one stage's activations of one microbatch (1 / v
+    of the rank's layers, v = stages per rank).
+
+    Counted on the action order torch runs (``tests/test_pp.py`` replays torch's orders for p 2..4
+    and several m and v): GPipe forwards all m microbatches first; 1F1B's stage r does min(m, p - r)
+    warm-up forwards; interleaved 1F1B's rank r (v - 1) p + 2 (p - 1 - r) warm-up forwards and one
+    more in steady state; looped BFS runs every microbatch through a stage before the next, v m; the
+    interleaved zero-bubble order holds one round (v p) until the deferred weight gradients; ZBV's
+    rank r m + 1 + r, at most both stages' p each; DualPipeV 2p + 1.
+    """
+    m, v, r = microbatches, stages_per_rank, pp_rank
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - r)
+    if schedule == "looped-bfs":
+        return v * m
+    if schedule == "interleaved-1f1b":
+        return min(v * m, (v - 1) * pp + 2 * (pp - 1 - r) + 1)
+    if schedule == "interleaved-zb":
+        return min(v * m, v * pp)
+    if schedule == "zbv":
+        return min(2 * pp, m + 1 + r)
+    if schedule == "dualpipev":
+        return min(2 * m, 2 * pp + 1)
+    raise unknown_choice("pipeline schedule", schedule, PP_SCHEDULES)
+
+
+def peak_weight_passes_due(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
+    """The most stage-microbatches of pipeline rank ``pp_rank`` whose input-gradient pass has begun
+    and whose deferred weight-gradient pass has not run (0 for a schedule that does not split its
+    backward): each keeps the gradients of its weight ops' outputs until then (torch's
+    ``stage_backward_input`` hands them to ``stage_backward_weight``).
+
+    Counted on torch's action orders (``tests/test_pp.py``): the interleaved zero-bubble order and
+    DualPipeV r + 1; ZBV 2r + 1 once m >= 2p, 1 at m = p; between the two ZBV's order is irregular
+    (p 4, m 5: 1, 2, 2, 3) and 2r + 1 is its upper bound.
+    """
+    if not schedule_info(schedule).zero_bubble:
+        return 0
+    if schedule == "zbv":
+        return 1 if microbatches <= pp else 2 * pp_rank + 1
+    return pp_rank + 1
+
+
+def cross_rank_receives(schedule: str, pp: int, stages_per_rank: int, pp_rank: int) -> int:
+    """How many (stage, direction) pairs of ``pp_rank`` receive from another rank: a stage's input
+    activations from the previous stage and its output gradients from the next, when that stage
+    runs elsewhere. torch (2.13) allocates one receive buffer per microbatch of a step for each
+    (``PipelineStage._setup_forward_recv_info``, ``_create_grad_recv_info``), kept for the run; a
+    neighbour on the same rank (the V placement's turn) hands its tensors over directly."""
+    n_stages = pp * stages_per_rank
+    count = 0
+    for stage in stage_ids_of(schedule, pp_rank, pp, stages_per_rank):
+        for neighbour in (stage - 1, stage + 1):
+            if 0 <= neighbour < n_stages and stage_rank(schedule, neighbour, pp, stages_per_rank) != pp_rank:
+                count += 1
+    return count
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:

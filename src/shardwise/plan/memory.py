@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardwise.core.layout import Layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, peak_weight_passes_due
 from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.optim.names import OPTIMIZER_NAMES
@@ -111,6 +112,13 @@ class Kernels:
         exists only after the schedule, when the pipeline's activations are freed: the peak is
         the larger of the schedule's and the reduce's (deepspeed/runtime/bf16_optimizer.py,
         engine.py, pipe/engine.py at 56c522386, the merge of the branch BLOOM trained with).
+    * ``pp_receive_buffers``: torch.distributed.pipelining (shardwise, torchtitan) allocates one
+      receive buffer per micro-batch of a schedule step for each stage input or output gradient
+      that comes from another rank, and keeps them for the run (core/pp_schedules.py
+      ``cross_rank_receives``). False: a pipeline engine that receives into the buffers of its
+      in-flight micro-batches (Megatron's p2p_communication allocates each received tensor, which
+      is that micro-batch's saved input; DeepSpeed's pipe engine keeps ``num_pipe_buffers``, the
+      in-flight count): nothing beyond the in-flight activations.
     """
 
     loss: str = "torch"
@@ -121,6 +129,7 @@ class Kernels:
     grad_allreduce_after_backward: bool = False
     grad_buffer: str = "ddp"
     state: str = "fp32-params"
+    pp_receive_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.state not in STATE_KINDS:
@@ -701,7 +710,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                         for s in (0, layout.pp - 1)), key=lambda m: m.total)
     layers_here = len(layout.rank_layers(stage)) if layout.pp > 1 else (spec.n_layers or 1)
     # Pipeline rank ``stage``: its blocks, the embeddings on the first, the head and the loss on the
-    # last, and (1F1B) up to pp - stage micro-batches in flight. With one stage, both ends are local.
+    # last, and its schedule's micro-batches in flight. With one stage, both ends are local.
     # Context parallel (plan/cp.py): each rank's activations are those of seq / cp tokens.
     act = activation_bytes(spec, seq // cp_degree(layout), micro_batch, prec.act, checkpoint=checkpoint, tp=layout.tp,
                            sp=layout.sequence_parallel, attention=attention, n_layers=layers_here,
@@ -754,12 +763,31 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if act.recompute_peak:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
-        # GPipe and looped BFS run every micro-batch's forward before the backwards; the 1F1B-like
-        # ones (zero-bubble included) keep at most p in flight.
-        in_flight = (min(layout.pp - stage, grad_accum) if layout.pp_schedule not in ("gpipe", "looped-bfs")
-                     else grad_accum)
-        if in_flight > 1:
-            parts[f"pipeline in-flight ({in_flight} micro-batches)"] = (in_flight - 1) * (act.saved - act.outer)
+        # The activations column is one micro-batch through this rank's v stages; its schedule holds
+        # up to peak_in_flight stage-micro-batches (one stage's blocks each) within one schedule
+        # step of pp_microbatches (core/pp_schedules.py: counted on torch's action orders).
+        v = layout.pp_stages_per_rank
+        chunks = peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
+        if chunks > v:
+            parts[f"pipeline in-flight ({chunks} stage micro-batches)"] = math.ceil(
+                (chunks - v) * (act.saved - act.outer) / v)
+        # The zero-bubble schedules split each backward: the input-gradient pass keeps the gradients
+        # of every weight op's output (the block's matmuls: column-parallel ones 1/tp wide) for the
+        # deferred weight-gradient pass, stage-micro-batch by stage-micro-batch.
+        due = peak_weight_passes_due(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
+        if due and spec.has_structure:
+            widths = sum(out if row_parallel else out / layout.tp for _, _, out, row_parallel in block_matmuls(spec))
+            parts[f"weight-op output gradients ({due} stage micro-batches, zero bubble)"] = math.ceil(
+                due * layers_here / v * micro_batch * (seq // cp_degree(layout)) * widths * prec.act)
+        # torch's receive buffers, one per micro-batch of a step for each input or output gradient
+        # that comes from another rank, kept for the run: the residual stream at a stage boundary
+        # (this rank's sequence shard under sequence parallel).
+        receives = cross_rank_receives(layout.pp_schedule, layout.pp, v, stage)
+        boundary = micro_batch * (seq // cp_degree(layout)) * (spec.hidden or 0) * prec.act // (
+            layout.tp if layout.sequence_parallel else 1)
+        if receives and boundary and kernels.pp_receive_buffers:
+            parts[f"pipeline receive buffers ({receives} x {layout.pp_microbatches})"] = (
+                receives * layout.pp_microbatches * boundary)
     tokens_here = seq // cp_degree(layout) * micro_batch  # context parallel: seq / cp tokens per rank
     if ep > 1 and spec.moe is not None:
         # Dispatch/combine buffers: this rank's routed token copies sent and received.
@@ -774,6 +802,18 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked" and holds_loss:
         parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
+    # The backward's own working set, beyond what it frees: right after the loss's backward, every
+    # block's activations are still saved when the last norm's backward runs. An eager RMSNorm
+    # (up-cast to fp32, x * rsqrt(mean(x^2))) holds five fp32 tensors of its width at once there:
+    # the up-cast output gradient, the two partial input gradients (through x and through the
+    # variance), the variance branch's expanded gradient, and their sum (tracked on hf-llama-tiny:
+    # 5 x tokens x hidden x 4 bytes). It follows the loss's logits, which are freed by then, so the
+    # peak holds the larger of the two. (LayerNorm and fused norms are one kernel with one gradient.)
+    if spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden:
+        norm_backward = 5 * 4 * tokens_here * spec.hidden // (layout.tp if layout.sequence_parallel else 1)
+        loss_part = sum(v for k, v in parts.items() if k.startswith("logits + loss"))
+        if norm_backward > loss_part:
+            parts["norm backward (fp32, beyond the loss's)"] = norm_backward - loss_part
     if reduce_copies > act.saved + sum(parts.values()):
         # The reduce's copies outgrow the schedule's activations and buffers, which are freed
         # by then: the peak is the reduce's, counted as what it adds beyond the schedule's.

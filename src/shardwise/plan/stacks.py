@@ -13,9 +13,10 @@ What each stack implies (the properties not named keep shardwise's defaults):
 * ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch.
 * ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, TP communication overlap, the
   distributed optimizer overlapping its reduce-scatter / all-gather, a contiguous fp32 gradient
-  buffer, 16-bit parameters with an fp32 master copy.
+  buffer, 16-bit parameters with an fp32 master copy, pipeline receives into the in-flight
+  micro-batches' own tensors.
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
-  parameters with an fp32 master copy.
+  parameters with an fp32 master copy, pipeline receives into its in-flight buffers.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
     "torchtitan": {"grad_sync": "microbatch"},
     "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
-                 "grad_buffer": "contiguous", "state": "master-copy"},
-    "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy"},
+                 "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False},
+    "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False},
 }
 STACK_KEYS = (*(f.name for f in dataclasses.fields(Kernels)), "grad_sync")
 
