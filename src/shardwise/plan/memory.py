@@ -833,8 +833,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     # the up-cast output gradient, the two partial input gradients (through x and through the
     # variance), the variance branch's expanded gradient, and their sum (tracked on hf-llama-tiny:
     # 5 x tokens x hidden x 4 bytes). It follows the loss's logits, which are freed by then, so the
-    # peak holds the larger of the two. (LayerNorm and fused norms are one kernel with one gradient.)
-    if spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden:
+    # peak holds the larger of the two. Counted on pipeline ranks, whose rehearsed peaks fall in that
+    # backward (1F1B and interleaved, both ends); an fsdp rank without a pipeline peaks elsewhere
+    # (rehearsed: 17 % under a plan with it, 2.6 % without). LayerNorm and fused norms are one kernel
+    # with one gradient; with fp32 activations the up-cast makes no copy.
+    if (layout.pp > 1 and spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden
+            and prec.act < 4):
         norm_backward = 5 * 4 * tokens_here * spec.hidden // (layout.tp if layout.sequence_parallel else 1)
         loss_part = sum(v for k, v in parts.items() if k.startswith("logits + loss"))
         if norm_backward > loss_part:
