@@ -253,3 +253,13 @@ def test_the_tracker_leaves_out_dtensor_shape_propagation() -> None:
     assert 0 <= state - 2 * 2 * 512 * 512 * 4 // 64 <= 64, out
     assert out["peak"].get("optim_bytes", 0) <= state, out
     assert out["peak"]["peak_bytes"] < 4 * 2 * 512 * 512 * 4, out  # below four global copies
+
+
+def test_a_played_rank_past_its_time_limit_is_killed_and_named() -> None:
+    # The rank is forked from the launcher's server (rehearse/launch.py); the limit kills it there
+    # and names it, and the next rank still plays (the server stays usable).
+    args = _args("hf-llama-tiny", *_SMALL, strategy="fsdp", ranks="0,1")
+    args.rank_timeout, args.jobs = 0.3, 1
+    report = cli.rehearse(args)
+    assert [r.get("failed") for r in report["ranks"]] == [f"played rank {r} ran past 0 s" for r in (0, 1)]
+    assert "the rehearsal failed on rank 0 (played rank 0 ran past 0 s)" in report["verdict"]

@@ -1,15 +1,19 @@
-"""Start the played ranks: one process each (``python -m shardwise.rehearse.worker``), a few at a
-time, each with a time limit; collect their JSON results.
+"""Start the played ranks: one process each (``shardwise.rehearse.worker``), a few at a time, each
+with a time limit; collect their JSON results.
 
 A process per rank because a process group, a mesh and torch's global state belong to one rank:
-two played ranks in one process would share them.
+two played ranks in one process would share them. The processes fork from a server that imported
+torch, transformers and the worker once (multiprocessing's "forkserver"; a fresh interpreter per
+rank where the platform has none): importing them is seconds of CPU per played rank, the most of
+a small rank's rehearsal. The server runs no torch op and touches no device, so each played rank
+still starts clean, with the environment given here.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +23,11 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.rehearse.worker import DEVICES, PlaySpec
+
+# What the server imports before it forks a played rank (one that fails to import is skipped:
+# transformers is an optional extra).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.rehearse.worker",
+            "shardwise.runtime.session", "transformers"]
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
@@ -80,6 +89,28 @@ def check_device(device: str) -> None:
                           "tensors, or run on a machine with a GPU.")
 
 
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _played_rank(spec_path: str, env: dict[str, str], log_path: str) -> None:
+    """One played rank's process: the environment and output ``play`` gives it, then the worker."""
+    os.environ.clear()
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    from shardwise.rehearse import worker  # preloaded by the server
+
+    code = worker.main([spec_path])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown after the work is done (job/exit.py)
+
+
 def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], device: str = "cpu",
          steps: int = 3, timeout_s: float = 600.0, jobs: int = 1) -> list[dict[str, Any]]:
     """Run each of ``ranks`` as its own process; return their results in rank order."""
@@ -91,8 +122,11 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # fake cpu tensors even on a machine with GPUs
+        ctx = mp.get_context(_start_method())
+        if ctx.get_start_method() == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
         pending = list(ranks)
-        running: dict[int, tuple[subprocess.Popen, float, Path]] = {}
+        running: dict[int, tuple[Any, float, Path]] = {}
         while pending or running:
             while pending and len(running) < max(1, jobs):
                 rank = pending.pop(0)
@@ -100,24 +134,26 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
                                 str(Path(tmp) / f"rank{rank}.json"))
                 spec_path = Path(tmp) / f"spec{rank}.json"
                 spec_path.write_text(json.dumps(asdict(spec)), encoding="utf-8")
-                log = (Path(tmp) / f"rank{rank}.log").open("w", encoding="utf-8")
-                proc = subprocess.Popen([sys.executable, "-m", "shardwise.rehearse.worker", str(spec_path)],
-                                        env=env, stdout=log, stderr=subprocess.STDOUT)
-                log.close()
+                proc = ctx.Process(target=_played_rank, args=(str(spec_path), env, str(Path(tmp) / f"rank{rank}.log")),
+                                   name=f"played-rank-{rank}")
+                proc.start()
                 running[rank] = (proc, time.monotonic(), Path(spec.result_path))
             time.sleep(0.05)
             for rank, (proc, t0, result_path) in list(running.items()):
-                if proc.poll() is None and time.monotonic() - t0 < timeout_s:
+                if proc.is_alive() and time.monotonic() - t0 < timeout_s:
                     continue
-                if proc.poll() is None:
+                if proc.is_alive():
                     proc.kill()
-                    proc.wait()
+                    proc.join()
                     results[rank] = {"rank": rank, "failed": f"played rank {rank} ran past {timeout_s:.0f} s"}
-                elif result_path.is_file():
+                    del running[rank]
+                    continue
+                proc.join()  # reap it
+                if result_path.is_file():
                     results[rank] = json.loads(result_path.read_text(encoding="utf-8"))
                 else:
                     tail = (Path(tmp) / f"rank{rank}.log").read_text(encoding="utf-8", errors="replace")[-2000:]
                     results[rank] = {"rank": rank, "failed": f"played rank {rank} exited with code "
-                                     f"{proc.returncode} before writing its result", "traceback": tail}
+                                     f"{proc.exitcode} before writing its result", "traceback": tail}
                 del running[rank]
     return [results[r] for r in ranks]
