@@ -252,6 +252,15 @@ class Layout:
         """How data-parallel ranks hold model state: 'replicate', 'zero1', 'zero2' or 'fsdp'."""
         return self.info.dp_kind
 
+    @property
+    def casts_with_autocast(self) -> bool:
+        """Whether 16-bit mixed precision comes from ``torch.autocast`` (True: parameters stay fp32,
+        each op casts its inputs, the residual stream stays fp32) or from the sharding wrapper's
+        own cast (FSDP2's MixedPrecisionPolicy for zero2/fsdp kinds, DeepSpeed's engine: parameters
+        gathered in 16 bits, 16-bit activations throughout). The runtime's strategies and the
+        planner's byte counts both ask here."""
+        return self.sharding not in ("zero2", "fsdp")
+
     # ------------------------------------------------------------------ degrees
     @property
     def world_size(self) -> int:

@@ -121,8 +121,9 @@ class Strategy:
             return loss_fn(model(inputs), targets).detach()
 
     def uses_autocast(self) -> bool:
-        """Whether mixed precision comes from torch.autocast (True) or from the wrapper itself."""
-        return True
+        """Whether mixed precision comes from torch.autocast (True) or from the wrapper itself
+        (the layout's rule, ``Layout.casts_with_autocast``)."""
+        return self.layout.casts_with_autocast
 
     def needs_process_group(self) -> bool:
         """Whether this strategy needs a process group and mesh even on a single rank."""

@@ -84,9 +84,6 @@ class ModelParallelStrategy(Strategy):
     def partitions_parameters(self) -> bool:  # type: ignore[override]
         return self.layout.pp > 1
 
-    def uses_autocast(self) -> bool:
-        return self.dp_kind != "fsdp"  # FSDP2 casts through its MixedPrecisionPolicy
-
     def compile_unsupported(self, options: ParallelConfig) -> str | None:
         if self.layout.pp > 1:
             refusal = compile_refusal(self.layout.pp_schedule)

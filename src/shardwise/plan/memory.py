@@ -426,7 +426,8 @@ class ActivationBytes:
 
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                           sp: bool = True, attention: str = "sdpa", kernels: Kernels = SHARDWISE_KERNELS) -> int:
+                           sp: bool = True, attention: str = "sdpa", kernels: Kernels = SHARDWISE_KERNELS,
+                           autocast: bool = False, ep: int = 1) -> int:
     """Bytes one transformer block saves for backward (no checkpointing), from its structure.
 
     Korthikanti et al. 2022, eq. (1)-(2): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations with
@@ -448,6 +449,14 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     Tensor parallelism (degree tp) divides the attention and MLP interiors; with sequence
     parallelism (sp) the norm regions are divided too (the paper's 34/t), without it they are
     replicated (10 + 24/t).
+
+    ``autocast``: 16-bit activations from ``torch.autocast`` (``Layout.casts_with_autocast``: DDP,
+    ZeRO-1, TP/PP without FSDP) rather than from parameters cast to 16 bits (FSDP2's policy). The
+    parameters, the embedding's output and so the residual stream stay fp32, and autocast casts
+    per op (measured on real CPU tensors, ``tests/test_plan_measure.py``): a norm's saved input
+    and normalised value are fp32; its fp32 output is not saved, but every linear reading it
+    saves its own 16-bit cast of it (q, k and v three, gate and up two); and each linear saves
+    the 16-bit copy of its weight autocast made for this forward (``autocast_weight_bytes``).
     """
     if not spec.has_structure:
         return 0
@@ -458,13 +467,21 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     tokens = seq * micro_batch
     norm_div = tp if sp else 1
     mask = 1 if spec.dropout > 0 else 0
-    if spec.arch == "gpt":
+    cast = autocast and e < 4
+    attn_in, mlp_in = _norm_readers(spec)
+    if spec.arch == "gpt" and cast:
+        # LayerNorm keeps its fp32 input and stats; its linears their own 16-bit copies of its output.
+        norm_region = 2 * 4 * h + (attn_in + mlp_in) * h * e + 2 * 2 * 4 + 2 * mask * h
+        inner = (qd + 2 * kvd + qd + 2 * f) * e
+    elif spec.arch == "gpt":
         norm_region = 4 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN in/out x2, fp32 stats, residual-dropout masks
         inner = (qd + 2 * kvd + qd + 2 * f) * e  # q, k, v, attention out, fc out, GELU out
     else:
         # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
         # a fused kernel keeps its input, the output and rstd.
         norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
+        if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
+            norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e + _mlp_interior(spec, e)  # rotated q, k, v, attention out, the MLP
         if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
             heads = a + spec.kv_heads
@@ -476,7 +493,30 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         inner += a * seq * e + mask * a * seq * (1 + e)  # softmax (+ dropout mask and output)
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
-    return tokens * (norm_region // norm_div + inner // tp)
+    copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep) if cast else 0
+    return tokens * (norm_region // norm_div + inner // tp) + copies
+
+
+def _norm_readers(spec: ModelSpec) -> tuple[int, int]:
+    """How many linears read each norm's output: (attention, MLP). q, k and v are separate
+    projections unless the family fuses them (GPT-2's ``c_attn``); a SwiGLU MLP's gate and up
+    both read it, a GELU MLP's fc alone, a mixture of experts' router (its experts read the
+    routed copies ``_mlp_interior`` counts)."""
+    fused = _memo(("fused_qkv", id(spec)), spec, lambda: any(p.name.endswith("c_attn.weight") for p in spec.params))
+    mlp = 1 if spec.arch == "gpt" or spec.moe is not None else 2
+    return (1 if fused else 3), mlp
+
+
+def autocast_weight_bytes(spec: ModelSpec, act_bytes: int, *, tp: int = 1, ep: int = 1) -> int:
+    """The 16-bit copies of one block's linear weights that ``torch.autocast`` makes in a forward
+    and autograd keeps for backward (a cast is cached per weight for the autocast region, so once
+    per forward): the block's matmul weights split tp ways, a mixture of experts' every local
+    expert (its experts hold n_experts / ep each)."""
+    dense = sum(i * o for name, i, o, _ in block_matmuls(spec) if not name.startswith("experts "))
+    experts = 0
+    if spec.moe is not None:
+        experts = spec.moe.n_experts // max(ep, 1) * 3 * (spec.hidden or 0) * (spec.ffn_hidden or 0)
+    return (dense + experts) * act_bytes // tp
 
 
 def _mlp_interior(spec: ModelSpec, e: int) -> int:
@@ -518,19 +558,25 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
                            first_stage: bool = True, last_stage: bool = True,
-                           kernels: Kernels = SHARDWISE_KERNELS) -> int:
+                           kernels: Kernels = SHARDWISE_KERNELS, autocast: bool = False) -> int:
     """Bytes saved outside the blocks: token ids, rotary tables, final norm, and what the loss keeps
-    (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token)."""
+    (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token).
+    Under ``autocast`` (``layer_activation_bytes``) the rotary tables and the final norm are fp32
+    and the head keeps its 16-bit copies of its input and weight."""
     if not spec.has_structure:
         return 0
     assert spec.hidden and spec.vocab
     h, e, tokens = spec.hidden, act_bytes, seq * micro_batch
+    cast = autocast and e < 4
     total = 0
     if first_stage:
-        total += 8 * tokens + (8 * seq if spec.learned_positions else 2 * seq * spec.dim_head * e)
+        total += 8 * tokens + (8 * seq if spec.learned_positions else 2 * seq * spec.dim_head * (4 if cast else e))
     if last_stage:
         final_norm = 2 * h * e + 8 if spec.arch == "gpt" else (
             4 * h + 2 * h * e + 4 if kernels.norm == "eager" else 2 * h * e + 4)
+        if cast:
+            final_norm = (4 * h + 8 if spec.arch == "gpt" else 4 * h + 4 * h + 4) + h * e
+            total += spec.vocab * h * e // tp  # the head's weight copy
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
         # under TP); a fused loss keeps the logits themselves instead.
         # The chunked loss keeps no logits between forward and backward (plan/cp.logits_bytes
@@ -569,21 +615,21 @@ def op_sac_saved(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
 
 
 def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                       sp: bool = True) -> int:
+                       sp: bool = True, autocast: bool = False) -> int:
     """Bytes one block keeps under ``selective-op`` (torchtitan's per-op policy), per micro-batch.
 
     The checkpoint keeps the block's input; the policy keeps the outputs of every other matmul
     and of the attention kernel (its output and fp32 log-sum-exp per head); everything else is
     recomputed in backward. Under TP a column-parallel output is 1/tp of its width, a row-parallel
     one is the full-width partial sum (plus, with sequence parallelism, the reduce-scatter output
-    that the policy also keeps).
+    that the policy also keeps). Under ``autocast`` the block input is the fp32 residual stream.
     """
     if not spec.has_structure:
         return 0
     assert spec.hidden and spec.n_heads
     h, e, a = spec.hidden, act_bytes, spec.n_heads
     qd = a * spec.dim_head
-    per_token = h * e / (tp if sp else 1)  # the block input (sequence-sharded under SP)
+    per_token = h * (4 if autocast else e) / (tp if sp else 1)  # the block input (sequence-sharded under SP)
     for _name, _in, out, row_parallel in op_sac_saved(spec):
         if row_parallel:
             per_token += out * e + (h * e / tp if sp and tp > 1 else 0)
@@ -635,26 +681,28 @@ def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> Recompu
 def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, checkpoint: str = "none",
                      tp: int = 1, sp: bool = True, attention: str = "sdpa", n_layers: int | None = None,
                      first_stage: bool = True, last_stage: bool = True, every: int = 2,
-                     kernels: Kernels = SHARDWISE_KERNELS) -> ActivationBytes:
+                     kernels: Kernels = SHARDWISE_KERNELS, autocast: bool = False, ep: int = 1) -> ActivationBytes:
     """Activation bytes for one micro-batch on one rank holding ``n_layers`` blocks (default: all).
 
-    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``kernels`` the stack (Kernels).
+    ``every`` is ``parallel.ac_every`` (the ``selective`` period); ``kernels`` the stack (Kernels);
+    ``autocast`` whether 16-bit activations come from torch.autocast (``layer_activation_bytes``).
     """
     if checkpoint not in CHECKPOINT_MODES:
         raise unknown_choice("activation checkpointing mode", checkpoint, CHECKPOINT_MODES)
     layers = (spec.n_layers or 0) if n_layers is None else n_layers
     full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
-                                  kernels=kernels)
+                                  kernels=kernels, autocast=autocast, ep=ep)
     outer = outer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, first_stage=first_stage,
-                                   last_stage=last_stage, kernels=kernels)
+                                   last_stage=last_stage, kernels=kernels, autocast=autocast)
     if checkpoint == "none":
         return ActivationBytes(layers * full + outer, 0, full, outer)
     if checkpoint == "selective-op":
-        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp)
+        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, autocast=autocast)
         # Backward of one block rematerialises what the policy did not keep.
         return ActivationBytes(layers * kept + outer, max(full - kept, 0), full, outer)
-    # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism).
-    kept = seq * micro_batch * (spec.hidden or 0) * act_bytes // (tp if sp else 1)
+    # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism),
+    # fp32 under autocast (the residual stream).
+    kept = seq * micro_batch * (spec.hidden or 0) * (4 if autocast else act_bytes) // (tp if sp else 1)
     wrapped = checkpointed_blocks(layers, checkpoint, every)
     saved = wrapped * kept + (layers - wrapped) * full + outer
     return ActivationBytes(saved, full if wrapped else 0, full, outer)
@@ -741,7 +789,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            sp=layout.sequence_parallel, attention=attention, n_layers=layers_here,
                            first_stage=layout.holds_first_stage(stage) if layout.pp > 1 else True,
                            last_stage=layout.holds_last_stage(stage), every=every,
-                           kernels=kernels)
+                           kernels=kernels, ep=layout.ep,
+                           # torch.autocast: the runtime's own layouts that keep fp32 parameters
+                           # (a stack with a master copy, Megatron's or DeepSpeed's, casts its
+                           # parameters to 16 bits whatever its data-parallel kind)
+                           autocast=(layout.casts_with_autocast and layout.external is None
+                                     and kernels.state == "fp32-params"))
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     # Expert parallel (plan/moe.py): FSDP gathers a MoE block's n_experts / ep experts, not all.

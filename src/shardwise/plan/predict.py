@@ -59,7 +59,7 @@ def compute_precision(precision: str, layout: Layout) -> Precision:
     gradients stay fp32 and only activations are 16-bit.
     """
     state = RUNTIME_PRECISIONS[precision]
-    if precision in ("bf16-mixed", "fp16-mixed") and layout.sharding in ("zero2", "fsdp"):
+    if precision in ("bf16-mixed", "fp16-mixed") and not layout.casts_with_autocast:
         return Precision(f"{precision} (FSDP2 policy)", 2, 4, 0, 2)
     return state
 

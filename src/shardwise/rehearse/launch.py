@@ -23,6 +23,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.rehearse.worker import DEVICES, PlaySpec
+from shardwise.rehearse.worker import main as worker_main
 
 # What the server imports before it forks a played rank (one that fails to import is skipped:
 # transformers is an optional extra).
@@ -103,9 +104,7 @@ def _played_rank(spec_path: str, env: dict[str, str], log_path: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    from shardwise.rehearse import worker  # preloaded by the server
-
-    code = worker.main([spec_path])
+    code = worker_main([spec_path])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no interpreter teardown after the work is done (job/exit.py)

@@ -181,9 +181,6 @@ class FSDPStrategy(Strategy):
         reshard_all(model)
         return loss
 
-    def uses_autocast(self) -> bool:
-        return False  # MixedPrecisionPolicy casts parameters and inputs per unit instead
-
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                        ctx: ParallelContext) -> torch.optim.Optimizer:
         if self.layout.ep > 1:  # experts live on the EP mesh, dense parameters on the dp mesh
