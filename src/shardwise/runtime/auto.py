@@ -91,7 +91,10 @@ def resolve_precision(value: str, device: torch.device | str | None = None) -> C
             return Choice("bf16-mixed", "the GPU supports bfloat16", auto=True)
         return Choice("fp32", "the GPU has no bfloat16 (fp16-mixed needs loss scaling: set it explicitly)",
                       auto=True)
-    return Choice("fp32", f"on {dev} bfloat16 autocast is not faster", auto=True)
+    # Not "bf16 is slower here": on a CPU with native bfloat16 (AVX512-BF16, AMX) bf16 autocast can
+    # be faster (2.2x on this project's EPYC machine, docs/performance.md); the CPU keeps fp32 so
+    # that CPU runs (tests, verify's references, notebooks) compare in full precision everywhere.
+    return Choice("fp32", f"the {dev} default: full precision; bf16-mixed is an explicit choice there", auto=True)
 
 
 # ------------------------------------------------------------------ compile
