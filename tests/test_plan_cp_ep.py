@@ -6,6 +6,7 @@ resolves them (``tests.test_plan_grid``'s resolvers: config, layout and prefligh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -135,6 +136,67 @@ def test_moe_models_search_ep_and_the_printed_ep_command_dry_runs():
     assert dry_run_train(train) == (pinned.recommended.layout.strategy, 4) == dry_run_torchrun(torchrun)
     tp_cmd = next(c for c in pinned.candidates if c.layout.tp > 1)
     assert tp_cmd.layout.sequence_parallel  # MoE runs with sequence parallel (parallel/tensor/plans.py)
+
+
+def test_ep_over_dp_shard_x_cp_is_planned_and_dry_runs_and_ep_over_tp_is_refused_by_name():
+    # 4 GPUs, cp 2: dp_shard 2, and ep 4 borrows the cp ranks too (torchtitan's ep over dp_shard x cp).
+    plan, _ = _plan("--model", "gpt-moe-lab", "--gpus-per-node", "4", "--seq", "16384", "--cp", "2", "--ep", "4")
+    best = plan.recommended.layout
+    assert (best.ep, best.cp, best.shard // best.cp) == (4, 2, 2) and best.ep > best.shard // best.cp
+    assert not any(line.startswith("ep4") for line in plan.skipped), plan.skipped
+    train, torchrun = plan.commands
+    assert "--set parallel.cp=2" in train and "--set parallel.ep=4" in train
+    assert dry_run_train(train) == (best.strategy, 4) == dry_run_torchrun(torchrun)
+    # The all-to-all moves each rank's own sequence chunk: seq / cp tokens (plan/moe.py).
+    mem = plan.recommended.memory.transient_parts["all-to-all buffers (ep)"]
+    assert mem == 2 * (16384 // 2) * plan.recommended.micro_batch * 2 * 384 * 2  # send + receive, top-2, bf16
+    # The open search finds it as well: ep up to dp_shard x cp.
+    assert {(s["cp"], s["ep"]) for s in degree_sets(model_preset("gpt-moe-lab"), Cluster(gpu("h100"), gpus_per_node=4),
+                                                   seq=16384) if s["tp"] == 1} >= {(2, 4), (4, 4)}
+    # ep over tensor-parallel ranks (Megatron's expert-tensor-parallel): refused before launch, by name.
+    plan = plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--gpus-per-node", "4", "--tp", "2", "--ep", "4"))
+    assert not plan.candidates and plan.recommended is None and not plan.commands
+    assert any("fsdp+tp(tp2,ep4)" in line and "expert-tensor-parallel" in line and "not implemented" in line
+               for line in plan.skipped), plan.skipped
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,experts", [
+    (4, 1, 1, 2, 8), (8, 2, 1, 2, 8), (8, 1, 2, 2, 4), (16, 2, 2, 2, 16), (8, 1, 1, 4, 6)])
+def test_planner_and_runtime_allow_the_same_ep_degrees(world, tp, pp, cp, experts):
+    """Ask both: the ep degrees the planner plans a layout for (pinned --tp/--pp/--cp/--ep) and
+    those some strategy of the runtime resolves (resolve_layout) for an MoE layer of ``experts``."""
+    from shardwise.core.config import ParallelConfig
+    from shardwise.core.layout import ep_degrees, resolve_layout
+    from shardwise.core.strategies import REGISTRY
+    from shardwise.plan.advice import candidate_layouts
+
+    base = model_preset("gpt-moe-lab")
+    spec = dataclasses.replace(base, moe=dataclasses.replace(base.moe, n_experts=experts))
+    cluster = Cluster(gpu("h100"), gpus_per_node=min(world, 8), nodes=max(1, world // 8))
+    work = Workload(seq=16384, micro_batch=1, global_batch=64, checkpoint="full")
+
+    def planner(ep: int) -> bool:
+        try:
+            layouts, _ = candidate_layouts(spec, cluster, work, tp=tp, pp=pp, cp=cp, ep=ep)
+        except ConfigError:
+            return False
+        return bool(layouts)
+
+    def runtime(ep: int) -> bool:
+        for name in REGISTRY:
+            try:
+                resolve_layout(ParallelConfig(strategy=name, tp=tp, pp=pp, cp=cp, ep=ep, pp_microbatches=8 if pp > 1
+                                              else 0), world, ranks_per_node=cluster.gpus_per_node,
+                               n_blocks=spec.n_layers)
+            except ConfigError:
+                continue
+            return ep in ep_degrees(experts)  # the runtime's expert-count check (parallel/experts/ep.py)
+        return False
+
+    degrees = range(1, world + 1)
+    allowed = {ep for ep in degrees if planner(ep)}
+    assert allowed == {ep for ep in degrees if runtime(ep)}
+    assert max(allowed) == max(d for d in ep_degrees(experts) if (world // (tp * pp)) % d == 0)  # dp_shard x cp
 
 
 def test_searching_the_new_degrees_stays_under_a_second():

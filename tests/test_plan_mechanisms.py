@@ -3,7 +3,8 @@
 * Expert parallel under a pipeline: the all-to-all of one step is charged for the MoE layers of the
   busiest stage only (halving with each doubling of pp), again for the recomputed forward, and
   hidden only where the stack overlaps it; the unsharded-stage memory holds n_experts / ep experts.
-* MoE with context parallel, and ep above the data-parallel degree: refused by name.
+* MoE with context parallel: planned (refused by name for a family CP does not run); ep over tp or pp
+  ranks: refused by name.
 * The offload fallback's compute: its own layout's, positive, never another candidate's.
 * The ranking rule (search.tier): speed among usable layouts; offload only as the only way or
   within OFFLOAD_FACTOR.
@@ -88,7 +89,7 @@ def test_ep_memory_per_stage_holds_its_own_experts(mixtral):
     assert parts[1][1] - parts[8][1] == REDUCE_BYTES * dropped
 
 
-def test_moe_with_context_parallel_and_ep_above_dp_are_refused_by_name(mixtral):
+def test_moe_with_context_parallel_planned_and_ep_over_tp_pp_refused_by_name(mixtral):
     cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=2)
     # Mixtral's attention splits over cp (the runtime runs it, families.CP_FAMILIES): planned.
     plan = make_plan(mixtral, cluster, Workload(seq=8192, micro_batch=1, search=("checkpoint",)), cp=2)
@@ -105,7 +106,9 @@ def test_moe_with_context_parallel_and_ep_above_dp_are_refused_by_name(mixtral):
     cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=4)
     plan = make_plan(mixtral, cluster, Workload(seq=4096, micro_batch=1, global_batch=64, checkpoint="full"),
                      tp=2, pp=4, ep=8)
-    assert any(line.startswith("ep8 > the 4 data-parallel ranks of tp2 x pp4") and "expert-tensor-parallel" in line
+    # ep 8 > dp_shard x cp = 4 would span tp and pp ranks: the layout refuses it, by name.
+    assert any(line.startswith("fsdp+tp+pp(tp2,ep8,pp4): parallel.ep=8 must divide the ranks that FSDP shards "
+                               "over, dp_shard x cp = 4") and "expert-tensor-parallel" in line
                for line in plan.skipped), plan.skipped
 
 

@@ -205,9 +205,14 @@ class Layout:
                 raise ConfigError(refusal + ".")
         if self.shard % ep:
             divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
+            # Megatron spreads experts over tp (expert-tensor-parallel) or pp ranks too; not here.
+            wider = [name for name, d in (("tensor-parallel ranks (Megatron's expert-tensor-parallel)", self.tp),
+                                          ("pipeline ranks", self.pp)) if d > 1 and ep > self.shard]
+            why = (f" Expert groups that span {' or '.join(wider)} are not implemented: ep is borrowed from "
+                   "dp_shard x cp only (torchtitan's layout)." if wider else "")
             raise ConfigError(
                 f"parallel.ep={ep} must divide the ranks that FSDP shards over, dp_shard x cp = {self.shard} "
-                f"(expert groups are made of those ranks). Valid ep here: {', '.join(map(str, divisors))}.")
+                f"(expert groups are made of those ranks). Valid ep here: {', '.join(map(str, divisors))}.{why}")
 
     @property
     def ep_enabled(self) -> bool:
@@ -515,9 +520,10 @@ def ep_degrees(n_experts: int) -> list[int]:
     return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
 
 
-def ep_candidates(dp_shard: int, n_experts: int) -> list[int]:
-    """EP degrees that fit: divisors of the FSDP shard degree that also divide the expert count."""
-    return [d for d in ep_degrees(n_experts) if dp_shard % d == 0]
+def ep_candidates(shard: int, n_experts: int) -> list[int]:
+    """EP degrees that fit: divisors of the FSDP shard group (``Layout.shard`` = dp_shard x cp, the
+    ranks ep is borrowed from) that also divide the expert count."""
+    return [d for d in ep_degrees(n_experts) if shard % d == 0]
 
 
 def _from_degrees(options: ParallelConfig) -> ParallelConfig:

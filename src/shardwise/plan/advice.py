@@ -327,7 +327,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     world, g = cluster.world, cluster.gpus_per_node
     _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
     layouts: list[Layout] = []
-    skipped: list[str] = refused_degrees(spec, cluster, tp=tp, pp=pp, cp=cp, ep=ep)
+    skipped: list[str] = refused_degrees(spec, cluster, cp=cp)
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
                                seq=work.seq, cp_impl=work.cp_impl):
         t, p, c, x = degrees["tp"], degrees["pp"], degrees["cp"], degrees["ep"]
@@ -396,26 +396,16 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     return layouts, skipped
 
 
-def refused_degrees(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp: int | None = None,
-                    cp: int | None = None, ep: int | None = None) -> list[str]:
+def refused_degrees(spec: ModelSpec, cluster: Cluster, *, cp: int | None = None) -> list[str]:
     """Why pinned degrees give no layout at all, by name (the search would otherwise come back
-    empty without a word): context parallel for a family whose attention the runtime cannot split
-    (the Hugging Face MoE families among them), and an expert-parallel degree above the data-parallel
-    one (the runtime's expert groups are FSDP shard ranks only)."""
+    empty without a word): context parallel for a family whose attention the runtime cannot split.
+    A pinned ep is the layout's to refuse (``Layout._check_ep``: ep divides dp_shard x cp; groups
+    over tp or pp ranks are named there), per strategy, in ``candidate_layouts``'s skipped lines."""
     out = []
     if cp and cp > 1 and spec.family and spec.family not in CP_FAMILIES:
         kind = "mixture-of-experts " if spec.moe is not None else ""
         out.append(f"cp{cp}: context parallel does not run the {kind}{spec.family} family's attention (the runtime "
                    f"splits the sequence for {', '.join(CP_FAMILIES)}); drop --cp, or use a shorter --seq")
-    if ep and ep > 1:
-        for p in [pp] if pp else [1]:
-            dp = cluster.world // ((tp or 1) * p)
-            if ep > dp // (cp or 1):
-                out.append(f"ep{ep} > the {dp // (cp or 1)} data-parallel ranks of tp{tp or 1} x pp{p}"
-                           f"{f' x cp{cp}' if cp and cp > 1 else ''}: the runtime makes expert groups of FSDP "
-                           "shard ranks only; groups that also span tp or cp ranks (torchtitan's ep over "
-                           "dp_shard x cp, Megatron's expert-tensor-parallel) are not implemented. Use --ep <= "
-                           "the data-parallel degree, or a smaller --tp / --pp")
     return out
 
 

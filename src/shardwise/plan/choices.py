@@ -52,8 +52,10 @@ def degree_sets(spec: ModelSpec, cluster: Cluster, *, tp: int | None = None, pp:
       rank divisible by cp, ``auto`` takes the ring where it does not). The runtime runs cp beside a pipeline,
       and a pinned ``--cp`` is tried with every pp degree; the open search tries cp only at pp = 1
       (crossing both axes multiplies the layouts about ninefold for a long-sequence 70B plan).
-    * ``ep``: for a mixture-of-experts model (core/layout.py ``ep_candidates``: divisors of dp that
-      divide the expert count); the registry's strategies that run it are found by the layout.
+    * ``ep``: for a mixture-of-experts model (core/layout.py ``ep_candidates``: divisors of
+      dp_shard x cp -- the whole data dimension world / (tp x pp) for fsdp -- that divide the expert
+      count, so an expert group may span cp ranks, torchtitan's ep over dp_shard x cp); which
+      strategies run it (and hsdp's smaller shard groups) the layout decides as each is resolved.
 
     A pinned degree (``--tp``, ``--pp``, ``--cp``, ``--ep``) is the only value of its axis.
     """
