@@ -78,7 +78,9 @@ def workload_and_meta(recipe: str, model_sets: tuple[str, ...]) -> tuple:
 
 
 def _model_sets(words: list[str]) -> tuple[str, ...]:
-    return tuple(words[i + 1] for i, w in enumerate(words) if w == "--set" and words[i + 1].startswith("model."))
+    """The command's [model] and [data] settings: what its workload is built from."""
+    return tuple(words[i + 1] for i, w in enumerate(words)
+                 if w == "--set" and words[i + 1].startswith(("model.", "data.")))
 
 
 @functools.cache

@@ -74,6 +74,12 @@ def load_shakespeare(path: str, block_size: int, val_fraction: float
     tok = CharTokenizer(text)
     ids = torch.tensor(tok.encode(text), dtype=torch.long)
     cut = int(len(ids) * (1 - val_fraction))
+    for part, size in (("training", cut), ("validation", len(ids) - cut)):
+        if size <= block_size:
+            raise ConfigError(
+                f"{str(file)!r} has {len(ids)} characters; data.val_fraction = {val_fraction} leaves {size} for "
+                f"{part}, fewer than one window of {block_size + 1} (block_size {block_size} + 1). Change "
+                "data.val_fraction, use a longer text (data.path), or a smaller block_size.")
     # Half-overlapping training windows give twice the distinct samples at no cost; validation
     # windows do not overlap, so each character is scored once.
     train = CharWindows(ids[:cut], block_size, max(1, block_size // 2))

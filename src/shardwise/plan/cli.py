@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+from importlib import resources
 
-from shardwise.core.config import load_raw, parse_loss_chunks, parse_override
+from shardwise.core.config import DataConfig, load_raw, parse_loss_chunks, parse_override
 from shardwise.core.families import FAMILIES, RECORD_KINDS
 from shardwise.core.pp_schedules import PP_SCHEDULES, schedule_info
 from shardwise.errors import ConfigError, ShardwiseError
@@ -216,6 +218,8 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
             # From scratch, the positions are the user's to choose: train refuses a block_size above them.
             positions = "n_positions" if model.family == "gpt2" else "max_position_embeddings"
             sets.append(f"model.overrides.{positions}={seq}")
+        if args.recipe is None:
+            sets += _bundled_text_sets(seq)
         return args.recipe or "hf-shakespeare", tuple(sets), warnings
     if args.model_factory is not None:
         warnings.append("the printed commands train the factory's model on the recipe's data, whose sequence "
@@ -223,6 +227,18 @@ def run_target(args: argparse.Namespace, model: spec.ModelSpec, seq: int) -> tup
                         "recipe with --recipe to train on your data.")
         return args.recipe or "gpt-shakespeare", ("model.kind=custom", f"model.factory={args.model_factory}"), warnings
     return "", (), warnings
+
+
+def _bundled_text_sets(seq: int) -> list[str]:
+    """``data.val_fraction`` for the default recipe's bundled Tiny Shakespeare where its default
+    validation tenth is shorter than one window of ``seq`` + 1 characters (from --seq ~111k on;
+    data/shakespeare.py splits the text so), so that the printed command runs as printed."""
+    n_chars = len((resources.files("shardwise") / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8"))
+    default = DataConfig().val_fraction
+    if n_chars - int(n_chars * (1 - default)) > seq:
+        return []
+    fraction = math.ceil(100 * (seq + 2) / n_chars) / 100  # one window, rounded up to a whole percent
+    return [f"data.val_fraction={fraction:g}"] if int(n_chars * (1 - fraction)) > seq else []
 
 
 def dpo_objective(args: argparse.Namespace, recipe: str) -> bool:
