@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -40,18 +38,13 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.presets import customize_gpu, gpu, gpu_from_dict, model_preset
 from shardwise.plan.search import make_plan
+from tests.helpers.benchmarks import benchmark_module
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16 = PRECISIONS["bf16"]
 
 
 def _calibrate_module():
-    spec = importlib.util.spec_from_file_location("calibrate_planner", ROOT / "benchmarks" / "calibrate_planner.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("calibrate_planner")
 
 
 @pytest.fixture(scope="module")
