@@ -103,7 +103,7 @@ def dry_run(command: str) -> Any:
     return run, dry_run_prediction(run)
 
 
-def rehearse(command: str, gpu_name: str, ranks: str, steps: int) -> dict[str, Any]:
+def rehearse(command: str, gpu_name: str, ranks: str, steps: int, rank_timeout: float) -> dict[str, Any]:
     """The rehearsal report of ``command`` (``shardwise rehearse`` with the same arguments)."""
     from shardwise.cli import build_parser
     from shardwise.rehearse.cli import rehearse as play
@@ -119,13 +119,15 @@ def rehearse(command: str, gpu_name: str, ranks: str, steps: int) -> dict[str, A
         else:
             keep.append(words[i])
             i += 1
-    argv = ["rehearse", *keep, "--nnodes", str(nnodes), "--gpu", gpu_name, "--steps", str(steps)]
+    argv = ["rehearse", *keep, "--nnodes", str(nnodes), "--gpu", gpu_name, "--steps", str(steps),
+            "--rank-timeout", str(rank_timeout)]
     if ranks:
         argv += ["--ranks", ranks]
     return play(build_parser().parse_args(argv))
 
 
-def run_config(config: Config, *, ranks: str, steps: int, do_rehearse: bool) -> dict[str, Any]:
+def run_config(config: Config, *, ranks: str, steps: int, do_rehearse: bool,
+               rank_timeout: float = 3600.0) -> dict[str, Any]:
     out: dict[str, Any] = {"name": config.name, "source": config.source,
                            "plan": "shardwise plan " + " ".join(config.plan)}
     t0 = time.perf_counter()
@@ -151,7 +153,7 @@ def run_config(config: Config, *, ranks: str, steps: int, do_rehearse: bool) -> 
         return out
     t0 = time.perf_counter()
     try:
-        report = rehearse(command, plan.cluster.gpu.name, ranks, steps)
+        report = rehearse(command, plan.cluster.gpu.name, ranks, steps, rank_timeout)
     except Exception as e:
         out.update(outcome="rehearsal refused", why=f"{type(e).__name__}: {e}", rehearse_s=time.perf_counter() - t0)
         return out
@@ -183,8 +185,11 @@ def _peaks(prediction: Any) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="", help="run only the configurations whose name contains this text")
+    p.add_argument("--only", default="", help="run only the configurations whose name contains one of these "
+                   "comma-separated texts")
     p.add_argument("--skip", default="", help="leave out the configurations whose name contains this text")
+    p.add_argument("--rank-timeout", type=float, default=3600.0, help="seconds per played rank (default 3600: "
+                   "a 70B rank on a loaded 2-core machine takes minutes)")
     p.add_argument("--ranks", default="0", help="ranks to play ('' = the rehearsal's default roles; default 0)")
     p.add_argument("--steps", type=int, default=3, help="rehearsed steps (default 3, the rehearsal's least)")
     p.add_argument("--no-rehearse", action="store_true", help="plan and dry-run only")
@@ -192,10 +197,12 @@ def main() -> int:
     args = p.parse_args()
     results = []
     for config in CONFIGS:
-        if (args.only and args.only not in config.name) or (args.skip and args.skip in config.name):
+        if (args.only and not any(o in config.name for o in args.only.split(","))) or \
+                (args.skip and args.skip in config.name):
             continue
         load = os.getloadavg()[0]
-        res = run_config(config, ranks=args.ranks, steps=args.steps, do_rehearse=not args.no_rehearse)
+        res = run_config(config, ranks=args.ranks, steps=args.steps, do_rehearse=not args.no_rehearse,
+                         rank_timeout=args.rank_timeout)
         res["load_average"] = load
         results.append(res)
         print(f"### {config.name}  ({config.source}; load average {load:.1f})")
