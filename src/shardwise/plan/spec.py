@@ -398,7 +398,8 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
                          ffn_hidden=getattr(cfg, "n_inner", None) or 4 * cfg.n_embd, vocab=cfg.vocab_size,
                          max_seq=getattr(cfg, "block_size", getattr(cfg, "n_positions", None)),
                          dropout=float(getattr(cfg, "dropout", 0.0)), learned_positions=True,
-                         tied_embeddings=not any(p.name.split(".")[-2:-1] == ["lm_head"] for p in params))
+                         tied_embeddings=not any(p.name.split(".")[-2:-1] == ["lm_head"] for p in params),
+                         moe=moe_of_gpt(cfg) if getattr(cfg, "n_experts", 0) else None)
     elif cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "intermediate_size"):
         n_heads = cfg.num_attention_heads
         structure = dict(arch="llama", n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, n_heads=n_heads,
@@ -406,6 +407,12 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
                          head_dim=getattr(cfg, "head_dim", None), ffn_hidden=cfg.intermediate_size,
                          vocab=cfg.vocab_size, max_seq=getattr(cfg, "max_position_embeddings", None),
                          tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+        if str(getattr(cfg, "model_type", "")).lower() in MOE_FAMILIES:
+            # The MoE shape (experts, top-k, the experts' width) as plan --hf-config reads the same
+            # config: without it --dry-run sized the activations of a dense MLP of the config's
+            # intermediate_size (Qwen3-30B-A3B: 6,144 wide against its experts' 768; 37.4 against the plan's 25.6 GiB).
+            hf = from_hf_config_dict(cfg.to_dict())
+            structure.update(ffn_hidden=hf.ffn_hidden, moe=hf.moe)
     elif blocks is not None:
         structure = dict(n_layers=len(blocks))
     return ModelSpec(name=name, n_params=n_params, params=tuple(params), family=model_family(module), **structure)
