@@ -63,17 +63,19 @@ def compare_rank(prediction: Any, result: dict[str, Any]) -> list[Row]:
 
 
 def transient_bytes(memory: dict[str, Any]) -> int:
-    """What the peak holds beyond the model state and the activations saved at that moment.
+    """What the peak holds beyond the model state and the activations column: the peak less the
+    persistent state (read after the optimizer step) less the activations saved by the forward
+    (read after it; one micro-batch's on a pipeline rank, ``measure.MemoryProbe``).
 
-    The planner's peak is state + activations + transients, and its transients include gathered
-    (unsharded) parameters and the unsharded gradients of no_sync accumulation, which the tracker
-    files as parameters and gradients. So the measured transient is the peak minus the persistent
-    state (read after the optimizer step) minus the peak's own activations, not the tracker's
-    "Temp" kind alone.
+    The planner's columns add up to its peak the same way: its transients include gathered
+    (unsharded) parameters and no_sync's unsharded gradients, which the tracker files as
+    parameters and gradients, a pipeline rank's other micro-batches in flight, which the tracker
+    files as activations, and a checkpointed block's recomputation, which it files as activations
+    too; and the saved activations a backward has freed by the peak count against them
+    (``plan.memory._peak_moment``). Until 2026-11-27 the peak's own activations were subtracted
+    on a rank without a pipeline: the three measured columns then added up to more than the peak.
     """
     peak, state = memory.get("peak", {}), memory.get("after_step", {})
     persistent = sum(int(state.get(c, 0)) for c in ("param_bytes", "grad_bytes", "optim_bytes"))
-    # A pipeline rank's activations are one micro-batch's (``measure.MemoryProbe``); the planner's
-    # transients hold its other micro-batches in flight, which the peak holds as activations.
-    saved = memory.get("after_forward", {}) if memory.get("activations_per") == "micro_batch" else peak
+    saved = memory.get("after_forward", {})
     return int(peak.get("peak_bytes", 0)) - persistent - int(saved.get("activation_bytes", 0))
