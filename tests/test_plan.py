@@ -147,7 +147,11 @@ def test_ring_costs_and_bubble():
 
 def test_llama3_8b_on_8_h100_recommends_something_that_fits():
     plan = plan_cli.build_plan(_args("--model", "llama-3-8b", "--gpu", "h100-sxm", "--seq", "8192"))
-    assert plan.recommended is not None and plan.recommended.fits
+    # fsdp without checkpointing is the fastest and tight (77 GiB of 80: the plan's rule recommends
+    # the fastest usable layout, with a warning) since the transients count one moment of the
+    # backward at a time (plan.memory._peak_moment; before, it was over the device).
+    assert plan.recommended is not None and plan.recommended.verdict in ("fits", "tight")
+    assert plan.recommended.fits or any("is recommended but tight" in w for w in plan.warnings)
     assert any(r.startswith("ddp: does not fit: needs") for r in plan.rejected)
     train, torchrun = plan.commands
     assert train.startswith("shardwise train hf-shakespeare ") and "--nproc 8" in train

@@ -284,7 +284,7 @@ def test_gpu_variants_from_a_spec_dict_and_overrides():
     bigger = customize_gpu(gpu("h100-sxm"), memory_gib=96, tflops=700)
     assert (bigger.memory_gib, bigger.bf16_tflops) == (96, 700)
     # A GPU with more memory fits what the catalog part does not.
-    work = Workload(seq=8192, micro_batch=2, checkpoint="selective-op", safety_margin=0.0)
+    work = Workload(seq=8192, micro_batch=3, checkpoint="selective-op", safety_margin=0.0)
     layout = Layout("fsdp", dp=8, shard=8)
     spec = model_preset("llama-3-8b")
     small = evaluate(spec, Cluster(gpu("h100-sxm")), work, layout)

@@ -71,7 +71,9 @@ def check_reasons(text: str, device_gib: float) -> int:
         if m := re.match(r"tight: needs ([\d.]+) GiB, over the ([\d.]+) GiB budget .* with ([\d.]+) GiB left of the "
                          r"device's ([\d.]+) GiB", why):
             assert row["verdict"] == "tight" and num(m[1]) == total
-            assert num(m[2]) < total <= device_gib and num(m[3]) == pytest.approx(device_gib - total, abs=0.011)
+            # The budget is printed to 0.1 GiB, the total to 0.01: a total a hair over the budget
+            # prints equal to it (llama-3-8b on h100-sxm: "needs 70.20 GiB, over the 70.2 GiB budget").
+            assert num(m[2]) <= total <= device_gib and num(m[3]) == pytest.approx(device_gib - total, abs=0.011)
             rest = why[m.end():]
             if rest == f", under the {TIGHT_HEADROOM_GIB:.0f} GiB a tight layout must leave free":
                 assert device_gib - total < TIGHT_HEADROOM_GIB + 0.005

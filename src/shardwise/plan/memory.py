@@ -741,6 +741,62 @@ class MemoryBreakdown:
         return self.allocated + self.fragmentation
 
 
+def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: ActivationBytes, kernels: Kernels, *,
+                 seq: int, micro_batch: int, unit: int, block_unit: int, head_unit: int, loss_parts: dict[str, int],
+                 norm_backward: int, no_sync: bool) -> dict[str, int]:
+    """The transients of the moment of a micro-batch's backward that holds the most, on a rank
+    without a pipeline, and the saved activations already freed then as a negative part.
+
+    Not all of a step's buffers are alive at once, and each moment has freed some of the forward's
+    saved tensors, so the moments are compared on what they hold beyond the activations column
+    (the columns then add up to the peak, as the rehearsal reads them):
+
+    * the loss: the logits, beside the units FSDP kept gathered after the forward (the final norm
+      + head unit, run last, and the last block, run first in backward: ``parallel/data/fsdp.py``);
+    * the final norm's backward: its working set (``norm_backward``) and the head's weight
+      gradient (unsharded in the compute dtype until its unit's backward ends); freed by then: the
+      loss's fp32 log-softmax, the head's input (the norm's output) and the normalised value the
+      norm's weight multiplied (its first backward op);
+    * the first block's backward: its own and the prefetched next block gathered, the MLP's backward
+      (the gradient of its widest tensor and one per branch: SwiGLU's gate and up, GPT's GELU input;
+      the routed top-k copies of a token in an MoE block), the block recomputed under checkpointing,
+      the head unit's reduce-scatter input; the loss's and the final norm's saved tensors freed;
+    * a later block's backward: the same with a block's reduce-scatter input and one more block's
+      saved tensors freed.
+
+    The reduce-scatter input (fp32) is extra only without no_sync accumulation: under it, FSDP
+    copies the accumulated unsharded gradients (counted for the whole step) into it and frees them.
+    """
+    fsdp, sharded = layout.sharding == "fsdp", layout.sharding in ("zero2", "fsdp")
+    tokens = seq * micro_batch
+    last_outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, tp=layout.tp, first_stage=False,
+                                        kernels=kernels)
+    log_softmax = tokens * 4 * (spec.vocab or 0) // layout.tp if kernels.loss == "torch" and spec.vocab else 0
+    sp = layout.tp if layout.sequence_parallel else 1
+    norm_freed = log_softmax + 2 * tokens * (spec.hidden or 0) * prec.act // sp if norm_backward else 0
+    kept = {"gathered after forward (head unit, last block)": prec.param * (head_unit + block_unit)} if fsdp else {}
+    loss = {**kept, **loss_parts}
+    norm = {**kept, "final norm backward (fp32) + head weight grads":
+            norm_backward + (prec.param * head_unit if sharded else 0)}
+    block: dict[str, int] = {}
+    if spec.has_structure and spec.ffn_hidden:
+        width = spec.ffn_hidden * spec.moe.top_k if spec.moe is not None else spec.ffn_hidden // layout.tp
+        block["MLP backward (1 block)"] = (2 if spec.arch == "gpt" else 3) * tokens * width * prec.act
+    if act.recompute_peak:
+        block["recompute (1 block)"] = act.recompute_peak
+    rs = sharded and not no_sync
+    first = {**({"all-gather (2 units, prefetch)": 2 * prec.param * block_unit} if fsdp else {}),
+             **({"reduce-scatter (1 unit)": REDUCE_BYTES * head_unit} if rs else {}), **block}
+    later = {**({"all-gather (2 units, prefetch)": prec.param * (block_unit + unit)} if fsdp else {}),
+             **({"reduce-scatter (1 unit)": REDUCE_BYTES * block_unit} if rs else {}), **block}
+    layers = spec.n_layers or 1
+    moments = [(loss, 0), (norm, norm_freed), (first, last_outer)]
+    if layers > 1:
+        moments.append((later, last_outer + (act.saved - act.outer) // layers))
+    held, freed = max(moments, key=lambda m: sum(m[0].values()) - m[1])
+    return {**held, **({"saved activations freed by then": -freed} if freed else {})}
+
+
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
                      attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
@@ -803,6 +859,14 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         unit -= spec.moe.n_experts * spec.moe.params_per_expert - int(expert_unit_bytes(spec, ep, 1))
     if layout.tp > 1:
         unit = math.ceil(unit / layout.tp)
+    # The largest block unit (its own experts under EP), and the final norm + head unit (the root unit
+    # when the embeddings are tied to the head), TP-split.
+    blocks = [n for k, n in spec.unit_params().items() if k != ROOT_UNIT] if spec.params else []
+    block_unit = max(blocks) if blocks else spec.largest_unit_params()
+    if ep > 1 and spec.moe is not None and blocks:
+        block_unit -= spec.moe.n_experts * spec.moe.params_per_expert - int(expert_unit_bytes(spec, ep, 1))
+    block_unit = math.ceil(block_unit / layout.tp)
+    head_unit = math.ceil(spec.outer_unit_params[-1] / layout.tp) if spec.params and spec.outer_unit_params else 0
     full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
         spec.n_params / (layout.tp * layout.pp))
     # What stays unsharded on this rank (pipeline stage, no_sync accumulation): under expert
@@ -830,15 +894,11 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
-        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
-    elif layout.sharding == "fsdp":
-        parts["all-gather (2 units, prefetch)"] = 2 * prec.param * unit
-        parts["reduce-scatter (1 unit)"] = REDUCE_BYTES * unit
     if layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step":
         # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
         # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
         parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * held_local
-    if act.recompute_peak:
+    if act.recompute_peak and layout.pp > 1:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
         # The activations column is one micro-batch through this rank's v stages; its schedule holds
@@ -874,28 +934,37 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     # earlier model's conservative count; moving them to the last rank alone lowers every BLOOM
     # peak by 1.6-3.3 GiB, below the nvidia-smi readings by up to 6.5 GiB: not settled).
     holds_loss = layout.holds_last_stage(stage) or stage == 0
+    loss_parts: dict[str, int] = {}
     if spec.has_structure and spec.vocab and kernels.loss == "torch" and holds_loss:
         # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
         # loss keeps the logits, counted with the activations, and writes the gradient in place.)
-        parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
+        loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked" and holds_loss:
-        parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
+        loss_parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
+    loss_bytes = sum(loss_parts.values())
     # The backward's own working set, beyond what it frees: right after the loss's backward, every
     # block's activations are still saved when the last norm's backward runs. An eager RMSNorm
     # (up-cast to fp32, x * rsqrt(mean(x^2))) holds five fp32 tensors of its width at once there:
     # the up-cast output gradient, the two partial input gradients (through x and through the
     # variance), the variance branch's expanded gradient, and their sum (tracked on hf-llama-tiny:
-    # 5 x tokens x hidden x 4 bytes). It follows the loss's logits, which are freed by then, so the
-    # peak holds the larger of the two. Counted on pipeline ranks, whose rehearsed peaks fall in that
-    # backward (1F1B and interleaved, both ends); an fsdp rank without a pipeline peaks elsewhere
-    # (rehearsed: 17 % under a plan with it, 2.6 % without). LayerNorm and fused norms are one kernel
-    # with one gradient; with fp32 activations the up-cast makes no copy.
-    if (layout.pp > 1 and spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden
-            and prec.act < 4):
+    # 5 x tokens x hidden x 4 bytes, with fp32 activations too: the output gradient times the weight
+    # is a new fp32 tensor there). It follows the loss's logits, which are freed by then, so the peak
+    # holds the larger of the two. LayerNorm and fused norms are one kernel with one gradient.
+    norm_backward = 0
+    if spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden:
         norm_backward = 5 * 4 * tokens_here * spec.hidden // (layout.tp if layout.sequence_parallel else 1)
-        loss_part = sum(v for k, v in parts.items() if k.startswith("logits + loss"))
-        if norm_backward > loss_part:
-            parts["norm backward (fp32, beyond the loss's)"] = norm_backward - loss_part
+    if layout.pp > 1:
+        # A pipeline rank (whose rehearsed peaks fall in that backward: 1F1B and interleaved, both
+        # ends) holds its in-flight micro-batches and buffers through the whole schedule.
+        parts.update(loss_parts)
+        if norm_backward > loss_bytes:
+            parts["norm backward (fp32, beyond the loss's)"] = norm_backward - loss_bytes
+    else:
+        parts.update(_peak_moment(spec, layout, prec, act, kernels, seq=seq // cp_degree(layout),
+                                  micro_batch=micro_batch, unit=unit,
+                                  block_unit=block_unit, head_unit=head_unit, loss_parts=loss_parts,
+                                  norm_backward=norm_backward,
+                                  no_sync="unsharded grads (no_sync accumulation)" in parts))
     if reduce_copies > act.saved + sum(parts.values()):
         # The reduce's copies outgrow the schedule's activations and buffers, which are freed
         # by then: the peak is the reduce's, counted as what it adds beyond the schedule's.
