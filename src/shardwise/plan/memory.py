@@ -340,6 +340,24 @@ def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
                  lambda: sum(p.numel for p in _local_params(spec, layout, stage)))
 
 
+def gathered_unit_numels(spec: ModelSpec, layout: Layout) -> dict[int, int]:
+    """Elements FSDP2 gathers per unit (block index; ROOT_UNIT: the embeddings, head and final norm)
+    on one rank without a pipeline: every tensor's TP slice with its dim 0 padded to a multiple of
+    the shard count, as the all-gather output (and the reduce-scatter input) is laid out. The padding
+    is nothing on a large model and most of a tiny one at hundreds of shards (hf-llama-tiny's
+    64-row q projection gathers 256 rows at 256 shards)."""
+    shard = max(layout.shard, 1)
+
+    def compute() -> dict[int, int]:
+        units: dict[int, int] = {}
+        for p in _local_params(spec, layout, 0):
+            rows = p.shape[0] if p.shape else 1
+            units[p.unit] = units.get(p.unit, 0) + math.ceil(rows / shard) * shard * (p.numel // max(rows, 1))
+        return units
+
+    return _memo(("gathered", id(spec), layout), spec, compute)
+
+
 def routed_expert_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
     """Elements of routed-expert tensors (``.experts.``) on one rank's pipeline stage, before EP:
     the MoE layers of that stage only (0 for a dense model)."""
@@ -776,8 +794,9 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     norm_freed = log_softmax + 2 * tokens * (spec.hidden or 0) * prec.act // sp if norm_backward else 0
     kept = {"gathered after forward (head unit, last block)": prec.param * (head_unit + block_unit)} if fsdp else {}
     loss = {**kept, **loss_parts}
-    norm = {**kept, "final norm backward (fp32) + head weight grads":
-            norm_backward + (prec.param * head_unit if sharded else 0)}
+    head_weights = math.ceil(spec.outer_unit_params[-1] / layout.tp) if spec.params and spec.outer_unit_params else 0
+    norm = {**kept, "final norm backward (fp32) + head weight grads":  # the gradients have the unpadded shapes
+            norm_backward + (prec.param * head_weights if sharded else 0)}
     block: dict[str, int] = {}
     if spec.has_structure and spec.ffn_hidden:
         width = spec.ffn_hidden * spec.moe.top_k if spec.moe is not None else spec.ffn_hidden // layout.tp
@@ -863,10 +882,15 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     # when the embeddings are tied to the head), TP-split.
     blocks = [n for k, n in spec.unit_params().items() if k != ROOT_UNIT] if spec.params else []
     block_unit = max(blocks) if blocks else spec.largest_unit_params()
+    head_unit = spec.outer_unit_params[-1] if spec.params and spec.outer_unit_params else 0
     if ep > 1 and spec.moe is not None and blocks:
         block_unit -= spec.moe.n_experts * spec.moe.params_per_expert - int(expert_unit_bytes(spec, ep, 1))
-    block_unit = math.ceil(block_unit / layout.tp)
-    head_unit = math.ceil(spec.outer_unit_params[-1] / layout.tp) if spec.params and spec.outer_unit_params else 0
+    elif blocks and layout.pp == 1:
+        # As gathered: TP-split and padded to the shard count (the head unit's share of the root's padding).
+        gathered = gathered_unit_numels(spec, layout)
+        block_unit = max(n for k, n in gathered.items() if k != ROOT_UNIT) * layout.tp
+        head_unit = math.ceil(gathered.get(ROOT_UNIT, 0) * head_unit / sum(spec.outer_unit_params)) * layout.tp
+    block_unit, head_unit = math.ceil(block_unit / layout.tp), math.ceil(head_unit / layout.tp)
     full_local = local_numel(spec, layout, 0) if spec.params else math.ceil(
         spec.n_params / (layout.tp * layout.pp))
     # What stays unsharded on this rank (pipeline stage, no_sync accumulation): under expert
@@ -907,12 +931,20 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         v = layout.pp_stages_per_rank
         chunks = peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
         if chunks > v:
-            parts[f"pipeline in-flight ({chunks} stage micro-batches)"] = math.ceil(
-                (chunks - v) * (act.saved - act.outer) / v)
+            # Each in-flight micro-batch of an end stage also keeps that end's own tensors (the token ids
+            # and rotary tables of the first stage, the final norm's and the loss's of the last): a ZBV
+            # rank 0 holds both ends (73 KiB per hf-llama-tiny micro-batch, not counted before 2026-11-27).
+            parts[f"pipeline in-flight ({chunks} stage micro-batches)"] = math.ceil((chunks - v) * act.saved / v)
         # The zero-bubble schedules split each backward: the input-gradient pass keeps the gradients
         # of every weight op's output (the block's matmuls: column-parallel ones 1/tp wide) for the
         # deferred weight-gradient pass, stage-micro-batch by stage-micro-batch.
         due = peak_weight_passes_due(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
+        if due and layout.sharding in ("zero2", "fsdp") and prec.param < REDUCE_BYTES:
+            # The weight pass sets each weight's gradient in the compute dtype; FSDP casts it to fp32 and
+            # adds it to the stage's accumulated gradients only in its next post-backward, which runs
+            # in the next input pass: there one stage's weight gradients and their fp32 copy are alive.
+            parts["zero-bubble weight grads awaiting FSDP (1 stage, + fp32 copy)"] = (
+                (prec.param + REDUCE_BYTES) * math.ceil(held_local / v))
         if due and spec.has_structure:
             widths = sum(out if row_parallel else out / layout.tp for _, _, out, row_parallel in block_matmuls(spec))
             parts[f"weight-op output gradients ({due} stage micro-batches, zero bubble)"] = math.ceil(
