@@ -150,6 +150,13 @@ def test_pipeline_and_context_parallel_rehearse(case: tuple) -> None:
     if ranks == "0,32":  # each stage against its own figures: stage 0 holds the embedding, the last the head
         first, last = (predicted[r] for r in (0, 32))
         assert first["activation_bytes"] != last["activation_bytes"]
+    if "parallel.pp=2" in sets and "parallel.pp_stages_per_rank=2" not in sets:
+        # 1F1B: every micro-batch's boundary tensor once each way, as the plan's pp volume counts them
+        # (the first stage sends activations and receives gradients, the last the other way round).
+        expected = report["prediction"]["micro_batches"] * report["prediction"]["pp_message_bytes"]
+        for rank in report["ranks"]:
+            sent = {c["op"]: c["bytes"] for c in rank["collectives"] if c["dim"] == "pp"}
+            assert sent.get("send") == sent.get("recv_") == expected > 0, (rank["rank"], sent, expected)
 
 
 def test_scale_only_defect_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -340,6 +340,14 @@ def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
                  lambda: sum(p.numel for p in _local_params(spec, layout, stage)))
 
 
+def stage_boundary_bytes(spec: ModelSpec, layout: Layout, seq: int, micro_batch: int, act_bytes: int) -> int:
+    """Bytes of one micro-batch's tensor at a pipeline stage boundary: the residual stream a stage sends
+    forward and the gradient it sends back (this rank's sequence chunk under context parallel, its
+    sequence-parallel shard under TP + SP): one receive buffer, one point-to-point message."""
+    tokens = micro_batch * (seq // cp_degree(layout))
+    return tokens * (spec.hidden or 0) * act_bytes // (layout.tp if layout.sequence_parallel else 1)
+
+
 def gathered_unit_numels(spec: ModelSpec, layout: Layout) -> dict[int, int]:
     """Elements FSDP2 gathers per unit (block index; ROOT_UNIT: the embeddings, head and final norm)
     on one rank without a pipeline: every tensor's TP slice with its dim 0 padded to a multiple of
@@ -953,8 +961,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # that comes from another rank, kept for the run: the residual stream at a stage boundary
         # (this rank's sequence shard under sequence parallel).
         receives = cross_rank_receives(layout.pp_schedule, layout.pp, v, stage)
-        boundary = micro_batch * (seq // cp_degree(layout)) * (spec.hidden or 0) * prec.act // (
-            layout.tp if layout.sequence_parallel else 1)
+        boundary = stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
         if receives and boundary and kernels.pp_receive_buffers:
             parts[f"pipeline receive buffers ({receives} x {layout.pp_microbatches})"] = (
                 receives * layout.pp_microbatches * boundary)

@@ -33,6 +33,7 @@ from shardwise.plan.memory import (
     StateBytes,
     _local_params,
     memory_breakdown,
+    stage_boundary_bytes,
     state_bytes,
 )
 from shardwise.plan.preference import reference_for
@@ -123,11 +124,15 @@ class RunPrediction:
     checkpoint: str
     ranks: tuple[RankPrediction, ...]
     notes: tuple[str, ...] = ()
+    # A pipeline's message, each way, per micro-batch and stage boundary (0 without a pipeline):
+    # the planner's pp communication volume is micro_batches of them per step and direction.
+    pp_message_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_params": self.n_params, "precision": self.precision, "seq": self.seq,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
                 "activation_checkpointing": self.checkpoint, "notes": list(self.notes),
+                "pp_message_bytes": self.pp_message_bytes,
                 "ranks": [{"rank": r.rank, **r.to_dict()} for r in self.ranks]}
 
     def table(self) -> str:
@@ -247,8 +252,10 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     if layout.offload:
         where = "on NVMe (parallel.nvme_path)" if layout.strategy == "zero3-nvme" else "in host memory"
         notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
+    message = stage_boundary_bytes(spec, layout, seq, micro_batch, compute_precision(precision, layout).act) \
+        if layout.pp > 1 and spec.has_structure else 0
     return RunPrediction(spec.name, spec.n_params, layout, precision, seq, micro_batch, micro_batches,
-                         checkpoint, tuple(ranks), tuple(notes))
+                         checkpoint, tuple(ranks), tuple(notes), message)
 
 
 def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,

@@ -237,18 +237,25 @@ def _buffer_bytes(x: Any) -> int:
     return 0
 
 
-class CollectiveLog(TorchDispatchMode):
-    """Every collective dispatched while active: its op, its group and its buffer's bytes.
+# A pipeline's point-to-point messages: CommDebugMode's registry has none, and the c10d ops a process
+# group's send and recv dispatch carry the tensor, so they are counted here beside the collectives.
+P2P_OPS = {torch.ops.c10d.send, torch.ops.c10d.recv_}
 
-    The op registry is CommDebugMode's (legacy and native functional collectives and the c10d
-    ops); its module tracker is left out: on a Hugging Face model under FSDP2 it raised an
-    IndexError in its forward hook (torch 2.13), which ended the run.
+
+class CollectiveLog(TorchDispatchMode):
+    """Every collective and point-to-point message dispatched while active: its op, its group and
+    its buffer's bytes.
+
+    The collectives' registry is CommDebugMode's (legacy and native functional collectives and the
+    c10d ops), the sends and receives ``P2P_OPS``; CommDebugMode's module tracker is left out: on a
+    Hugging Face model under FSDP2 it raised an IndexError in its forward hook (torch 2.13), which
+    ended the run.
     """
 
     def __init__(self, group_names: dict[str, str]) -> None:
         super().__init__()
         registry = CommDebugMode()
-        self._ops = set(registry.comm_registry) | set(c10d_collective_ops)
+        self._ops = set(registry.comm_registry) | set(c10d_collective_ops) | P2P_OPS
         self.group_names = group_names  # process-group name -> mesh dimension name
         self.counts: dict[tuple[str, str], list[int]] = {}
 

@@ -74,6 +74,27 @@ def _cell(nbytes: int) -> str:
     return f"{nbytes / MIB:12.2f}"
 
 
+def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, Any]) -> list[str]:
+    """This rank's pipeline sends and receives of one step next to the planner's pp volume: one
+    boundary tensor per micro-batch forward and one backward, the figure its step time charges (a
+    rank of an interleaved or V schedule crosses more boundaries: 3 and 2 per micro-batch each way
+    at p 2, v 2)."""
+    sent = [c for c in collectives if c["op"] == "send"]
+    received = [c for c in collectives if c["op"] == "recv_"]
+    if not sent and not received:
+        return []
+
+    def total(rows: list[dict[str, Any]]) -> str:
+        return f"{sum(c['count'] for c in rows)} ({sum(c['bytes'] for c in rows) / MIB:.2f} MiB)"
+
+    line = f"  pipeline messages in one step: sent {total(sent)}, received {total(received)}"
+    message, micro_batches = prediction.get("pp_message_bytes", 0), prediction.get("micro_batches", 0)
+    if message:
+        line += (f"; the plan charges {micro_batches} micro-batches x {message / MIB:.3f} MiB forward and backward "
+                 f"= {2 * micro_batches * message / MIB:.2f} MiB (one stage boundary each)")
+    return [line]
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The human-readable report."""
     lines = [f"rehearsal of {report['title']} ({len(report['ranks'])} played rank(s), device {report['device']})"]
@@ -114,9 +135,10 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  checkpoint save plan (DCP, this rank, nothing written): {plan['tensor_items']} tensor "
                          f"chunk(s), {plan['tensor_bytes'] / MIB:.2f} MiB, {plan['other_items']} other item(s)")
         if rank["collectives"]:
-            lines.append("  collectives in one step (op, mesh dimension, count, buffer MiB):")
+            lines.append("  collectives and pipeline messages in one step (op, mesh dimension, count, buffer MiB):")
             lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"
                       for c in rank["collectives"]]
+            lines += _pipeline_messages(rank["collectives"], report.get("prediction") or {})
     lines.append(f"verdict: {report['verdict']}")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
