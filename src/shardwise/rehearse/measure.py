@@ -4,8 +4,8 @@ registry of collective ops), and its host's peak RSS.
 The memory kinds are read at three moments, because the planner's columns are not all at their
 largest at the same instant: the peak (the total's largest value, with its breakdown), after each
 optimizer step (parameters, gradients and optimizer state are all alive there: the zeroing comes
-after the step's hooks), and after each forward of the whole model and its loss (every saved
-activation of the micro-batch is alive there).
+after the step's hooks), and after each forward of the whole model and when its backward starts
+(every saved activation of the micro-batch, the loss's included, is alive there).
 """
 
 from __future__ import annotations
@@ -82,11 +82,19 @@ def _mark_sharding_propagation() -> None:
 
 
 class _LocalMemTracker(MemTracker):
-    """MemTracker that leaves out DTensor's global-shape propagation tensors (see above)."""
+    """MemTracker that leaves out DTensor's global-shape propagation tensors (see above), and calls
+    ``on_backward_start`` at the first op of each backward pass (an autograd graph task)."""
+
+    on_backward_start: Callable[[], None] | None = None
+    _backward_task = -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if getattr(_PROPAGATING, "depth", 0):
             return func(*args, **(kwargs or {}))
+        task = torch._C._current_graph_task_id()  # -1 outside the autograd engine
+        if task != -1 and task != self._backward_task and self.on_backward_start is not None:
+            self._backward_task = task
+            self.on_backward_start()  # before this op's outputs exist
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
@@ -128,7 +136,12 @@ class MemoryProbe:
         self._stage_start: dict[int, int] = {}
         self._handles = [optimizer.register_step_post_hook(self._on_step)]
         if stages is None:
+            # Read again when the backward starts: the planner's activations include what the loss
+            # saves (its fp32 log-softmax), which the model's forward hook, before the loss, does
+            # not see (130 KiB of hf-llama-tiny's 3.1 MiB; 4 GiB at 8k tokens of a 128k vocabulary),
+            # while the logits alive at that hook are freed once the loss is computed.
             self._handles.append(model.register_forward_hook(self._on_forward))
+            self.tracker.on_backward_start = self._on_forward
             return
         self._hide_grad_inputs()
         for i, stage in enumerate(stages):
@@ -170,22 +183,6 @@ class MemoryProbe:
     def _on_forward(self, *_: Any) -> None:
         if self.tracker._depth:
             self._largest(self.after_forward, _columns(self.tracker.get_tracker_snapshot("current")))
-
-    def reading_after(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``loss_fn``, reading the activations again when the backward reaches the loss: the
-        planner's activations include what the loss saves (its fp32 log-softmax), which the model's
-        forward hook, before the loss, does not see (130 KiB of hf-llama-tiny's 3.1 MiB; 4 GiB at 8k
-        tokens of a 128k vocabulary), while the model's output, alive at that hook, is freed once
-        the loss is computed (only the loss's saved tensors keep it). Read in the backward, not when
-        ``loss_fn`` returns: its caller still holds the logits it passed until then. A loss the
-        session computes without ``loss_fn`` is read after the forward alone."""
-        def loss_then_read(*args: Any, **kwargs: Any) -> Any:
-            loss = loss_fn(*args, **kwargs)
-            if not self.per_micro_batch and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
-                loss.grad_fn.register_prehook(lambda *_: self._on_forward())
-            return loss
-
-        return loss_then_read
 
     def _activations_now(self) -> int:
         return _columns(self.tracker.get_tracker_snapshot("current")).get("activation_bytes", 0)

@@ -146,8 +146,6 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
                                                                      session.layout.info.dp_kind))
     # Context and expert parallel run on views of their own (parallel/mesh.py): their groups too.
     views = (session.meshes.sparse, session.meshes.batch) if session.meshes is not None else ()
-    # The activations are read once the loss has run too (it saves its log-softmax for the backward).
-    loss_fn = probe.reading_after(workload.loss_fn)
     collectives = CollectiveLog({k: v for m in (*views, session.mesh) for k, v in group_names(m).items()})
     cuda = spec.device == "cuda"
     step_s: list[float] = []
@@ -156,7 +154,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         t0 = time.perf_counter()
         for _ in range(t.grad_accum_steps):
             x, y = next(batches)
-            session.forward_backward(model, session.to_device(x), y.to(session.device), loss_fn)
+            session.forward_backward(model, session.to_device(x), y.to(session.device), workload.loss_fn)
             probe.end_micro_batch()
         # The ledger's gradient walk keys storages by data pointer, which fake tensors do not have.
         session.step(optimizer, max_norm=t.grad_clip, measure_grad_bytes=False)
