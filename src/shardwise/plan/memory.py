@@ -767,6 +767,13 @@ class MemoryBreakdown:
         return self.allocated + self.fragmentation
 
 
+def _autocasts(layout: Layout, kernels: Kernels) -> bool:
+    """Whether ``layout``'s 16-bit activations come from torch.autocast: the runtime's own layouts
+    that keep fp32 parameters (``Layout.casts_with_autocast``); a stack with a master copy
+    (Megatron's, DeepSpeed's) casts its parameters to 16 bits whatever its data-parallel kind."""
+    return layout.casts_with_autocast and layout.external is None and kernels.state == "fp32-params"
+
+
 def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: ActivationBytes, kernels: Kernels, *,
                  seq: int, micro_batch: int, unit: int, block_unit: int, head_unit: int, loss_parts: dict[str, int],
                  norm_backward: int, no_sync: bool) -> dict[str, int]:
@@ -796,7 +803,7 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     fsdp, sharded = layout.sharding == "fsdp", layout.sharding in ("zero2", "fsdp")
     tokens = seq * micro_batch
     last_outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, tp=layout.tp, first_stage=False,
-                                        kernels=kernels)
+                                        kernels=kernels, autocast=_autocasts(layout, kernels))
     log_softmax = tokens * 4 * (spec.vocab or 0) // layout.tp if kernels.loss == "torch" and spec.vocab else 0
     sp = layout.tp if layout.sequence_parallel else 1
     norm_freed = log_softmax + 2 * tokens * (spec.hidden or 0) * prec.act // sp if norm_backward else 0
@@ -872,12 +879,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            sp=layout.sequence_parallel, attention=attention, n_layers=layers_here,
                            first_stage=layout.holds_first_stage(stage) if layout.pp > 1 else True,
                            last_stage=layout.holds_last_stage(stage), every=every,
-                           kernels=kernels, ep=layout.ep,
-                           # torch.autocast: the runtime's own layouts that keep fp32 parameters
-                           # (a stack with a master copy, Megatron's or DeepSpeed's, casts its
-                           # parameters to 16 bits whatever its data-parallel kind)
-                           autocast=(layout.casts_with_autocast and layout.external is None
-                                     and kernels.state == "fp32-params"))
+                           kernels=kernels, ep=layout.ep, autocast=_autocasts(layout, kernels))
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     # Expert parallel (plan/moe.py): FSDP gathers a MoE block's n_experts / ep experts, not all.
