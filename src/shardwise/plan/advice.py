@@ -10,7 +10,7 @@ from typing import Any
 
 from shardwise.core.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
 from shardwise.core.families import CP_FAMILIES
-from shardwise.core.layout import data_parallel_degree, ep_degrees, resolve_layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.layout import data_parallel_degree, ep_degrees, resolve_layout, stage_layer_ranges
 from shardwise.core.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
 from shardwise.core.strategies import REGISTRY, StrategyInfo
 from shardwise.errors import ConfigError, unknown_choice
@@ -28,6 +28,7 @@ from shardwise.plan.memory import (
     Layout,
     MemoryBreakdown,
     Precision,
+    indivisible_tp_sizes,
     memory_breakdown,
     precision,
 )
@@ -283,8 +284,8 @@ class Plan:
 
 
 def _tp_divides(spec: ModelSpec, tp: int) -> bool:
-    """Whether ``tp`` divides every size the runtime's TP plans split (asks ``layout.tp_indivisible``)."""
-    return bool(spec.n_heads) and not tp_indivisible(tp, spec.tp_sizes())
+    """Whether ``tp`` divides every size the runtime's TP plans split (``memory.indivisible_tp_sizes``)."""
+    return bool(spec.n_heads) and not indivisible_tp_sizes(spec, tp)
 
 
 def _is_duplicate(info: StrategyInfo, dp: int, world: int, nodes: int) -> bool:
@@ -434,10 +435,9 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
     if tp is not None:
         if tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {tp}.")
-        bad = tp_indivisible(tp, spec.tp_sizes())
-        if bad:
-            divisors = [d for d in range(1, (spec.n_heads or 1) + 1) if not tp_indivisible(d, spec.tp_sizes())]
-            sizes = ", ".join(f"{size} {name}" for name, size in bad.items())
+        sizes = indivisible_tp_sizes(spec, tp)
+        if sizes:
+            divisors = [d for d in range(1, (spec.n_heads or 1) + 1) if not indivisible_tp_sizes(spec, d)]
             raise ConfigError(f"--tp {tp} does not divide the {sizes} of {spec.name} (tensor parallel splits each); "
                               f"allowed: {', '.join(map(str, divisors))}.")
         if cluster.gpus_per_node % tp:

@@ -767,6 +767,13 @@ class MemoryBreakdown:
         return self.allocated + self.fragmentation
 
 
+def indivisible_tp_sizes(spec: ModelSpec, tp: int) -> str:
+    """The sizes of ``spec`` the runtime's TP plans split that ``tp`` does not divide, worded for a
+    refusal ("32 attention heads, 11008 MLP width"); empty when it divides them all
+    (``ModelSpec.tp_sizes``, the layout's one rule ``tp_indivisible``)."""
+    return ", ".join(f"{size} {name}" for name, size in tp_indivisible(tp, spec.tp_sizes()).items())
+
+
 def _autocasts(layout: Layout, kernels: Kernels) -> bool:
     """Whether ``layout``'s 16-bit activations come from torch.autocast: the runtime's own layouts
     that keep fp32 parameters (``Layout.casts_with_autocast``); a stack with a master copy
@@ -849,9 +856,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     ``every`` is the ``selective`` checkpointing period; ``grad_sync`` says when gradients are
     reduced (GRAD_SYNC_MODES); ``fragmentation`` the allocator overhead as a fraction.
     """
-    bad = tp_indivisible(layout.tp, spec.tp_sizes())
-    if bad:
-        sizes = ", ".join(f"{size} {name}" for name, size in bad.items())
+    sizes = indivisible_tp_sizes(spec, layout.tp)
+    if sizes:
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {sizes} of {spec.name} "
                           "(tensor parallel splits each); use a divisor of all of them.")
     if layout.pp > 1 and spec.n_layers:
@@ -928,7 +934,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
-    if layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step":
+    no_sync = layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step"
+    if no_sync:
         # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
         # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
         parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * held_local
@@ -1005,7 +1012,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                                   micro_batch=micro_batch, unit=unit,
                                   block_unit=block_unit, head_unit=head_unit, loss_parts=loss_parts,
                                   norm_backward=norm_backward,
-                                  no_sync="unsharded grads (no_sync accumulation)" in parts))
+                                  no_sync=no_sync))
     if reduce_copies > act.saved + sum(parts.values()):
         # The reduce's copies outgrow the schedule's activations and buffers, which are freed
         # by then: the peak is the reduce's, counted as what it adds beyond the schedule's.
