@@ -7,10 +7,9 @@ the failing rank's traceback is raised; when the job runs past ``timeout_s`` eve
 stack is dumped (faulthandler) into the error before the processes are killed.
 Nothing is left running after it returns or raises.
 
-The ranks fork from a server process that has imported torch and shardwise once (multiprocessing's
-"forkserver", where the platform has it; "spawn" elsewhere): a spawned rank spends seconds of CPU
-importing them, which across a suite of hundreds of ranks on a small machine was minutes. Each rank
-still starts clean (the server runs no torch op, holds no thread or process group) and gets the
+The ranks fork from a server process that has imported torch and shardwise once
+(``shardwise.forkserver``): a spawned rank spends seconds of CPU importing them, which across a suite
+of hundreds of ranks on a small machine was minutes. Each rank still starts clean and gets the
 caller's environment of the moment, as a spawned one would.
 """
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -33,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardwise.forkserver import adopt_environment, preloaded_context
+
 
 class DistributedTestError(AssertionError):
     """A rank failed, or the job hung; the message holds the traceback or every rank's stack."""
@@ -45,25 +45,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the server imports before it forks any rank (an import that fails is skipped: transformers
-# is an optional extra).
+# What the ranks' server imports before it forks them (shardwise.forkserver).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.runtime.session", "transformers"]
-
-
-def _context() -> Any:
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
-    return ctx
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_dir: str,
            collective_timeout_s: float, results: Any, caller_env: dict[str, str], env: dict[str, str],
            kwargs: dict) -> None:
-    # A forked rank inherits the server's environment, frozen when it started: take the caller's.
-    os.environ.clear()
-    os.environ.update(caller_env)
+    adopt_environment(caller_env)  # a forked rank has the server's environment, frozen when it started
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **env})
@@ -144,7 +133,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
 
 def _run_once(fn: Callable[..., Any], world_size: int, timeout_s: float, collective_timeout_s: float,
               env: dict[str, str] | None, kwargs: dict) -> list[Any]:
-    ctx = _context()
+    ctx = preloaded_context(_PRELOAD)
     results = ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="shardwise-stacks-")
     port = free_port()

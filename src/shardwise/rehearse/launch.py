@@ -3,16 +3,14 @@ with a time limit; collect their JSON results.
 
 A process per rank because a process group, a mesh and torch's global state belong to one rank:
 two played ranks in one process would share them. The processes fork from a server that imported
-torch, transformers and the worker once (multiprocessing's "forkserver"; a fresh interpreter per
-rank where the platform has none): importing them is seconds of CPU per played rank, the most of
-a small rank's rehearsal. The server runs no torch op and touches no device, so each played rank
-still starts clean, with the environment given here.
+torch, transformers and the worker once (``shardwise.forkserver``): importing them is seconds of
+CPU per played rank, the most of a small rank's rehearsal. Each starts clean, with the environment
+given here.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -22,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.forkserver import adopt_environment, preloaded_context
 from shardwise.rehearse.worker import DEVICES, PlaySpec
 from shardwise.rehearse.worker import main as worker_main
 
-# What the server imports before it forks a played rank (one that fails to import is skipped:
-# transformers is an optional extra).
+# What the played ranks' server imports before it forks them (shardwise.forkserver; one that fails
+# to import is skipped: transformers is an optional extra).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.rehearse.worker",
             "shardwise.runtime.session", "transformers"]
 
@@ -90,14 +89,9 @@ def check_device(device: str) -> None:
                           "tensors, or run on a machine with a GPU.")
 
 
-def _start_method() -> str:
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-
-
 def _played_rank(spec_path: str, env: dict[str, str], log_path: str) -> None:
     """One played rank's process: the environment and output ``play`` gives it, then the worker."""
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -121,9 +115,7 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # fake cpu tensors even on a machine with GPUs
-        ctx = mp.get_context(_start_method())
-        if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload(_PRELOAD)
+        ctx = preloaded_context(_PRELOAD)
         pending = list(ranks)
         running: dict[int, tuple[Any, float, Path]] = {}
         while pending or running:
