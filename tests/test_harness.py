@@ -3,7 +3,7 @@ import time
 import pytest
 
 from shardwise.testing import DistributedTestError, run_distributed
-from tests.helpers.dist import boom, echo, sleepy
+from tests.helpers.dist import boom, echo, env_of, sleepy
 
 
 def test_results_come_back_in_rank_order():
@@ -20,8 +20,21 @@ def test_first_failure_kills_all_ranks_and_shows_traceback():
 
 def test_hang_dumps_every_rank_stack():
     with pytest.raises(DistributedTestError, match="hung") as info:
-        # Long enough for both ranks to start (spawn imports torch) on a loaded 2-core machine.
+        # Long enough for both ranks to start on a loaded 2-core machine.
         run_distributed(sleepy, 2, timeout_s=20, collective_timeout_s=60)
     text = str(info.value)
     assert "--- rank 0 ---" in text and "--- rank 1 ---" in text
     assert "sleepy" in text  # the stuck frame is named
+
+
+def test_each_rank_takes_the_callers_environment_of_the_moment(monkeypatch):
+    # The ranks fork from a server started by an earlier call (shardwise.forkserver), whose
+    # environment is frozen: a variable the caller sets or drops afterwards must still reach them
+    # as a spawned rank would see it, and the test's own env= on top.
+    run_distributed(echo, 2, value=1)  # the server is running now
+    monkeypatch.setenv("SHARDWISE_HARNESS_PROBE", "set after the server started")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    names = ("SHARDWISE_HARNESS_PROBE", "SHARDWISE_HARNESS_EXTRA", "OMP_NUM_THREADS", "RANK")
+    got = run_distributed(env_of, 2, env={"SHARDWISE_HARNESS_EXTRA": "x"}, names=names)
+    assert got == [{"SHARDWISE_HARNESS_PROBE": "set after the server started", "SHARDWISE_HARNESS_EXTRA": "x",
+                    "OMP_NUM_THREADS": "1", "RANK": str(r)} for r in range(2)]

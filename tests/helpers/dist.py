@@ -88,3 +88,10 @@ def reduce_metrics(rank: int, world_size: int) -> dict:
     out["init"] = GPT(GPT_PRESETS["nano"]).lm_head.weight.sum().item()
     session.close()
     return out
+
+
+def env_of(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, str | None]:
+    """The values of ``names`` in this rank's environment."""
+    import os
+
+    return {name: os.environ.get(name) for name in names}
