@@ -73,3 +73,19 @@ def test_the_key_follows_what_a_build_depends_on(fake_deepspeed, monkeypatch):
     monkeypatch.delenv("CXXFLAGS")
     monkeypatch.setattr(ds, "deepspeed_identity", lambda: ("0.18.1", "/venv-a/lib/python3.11/site-packages/deepspeed"))
     assert ds.extensions_key() != key
+
+
+def test_an_install_reached_through_a_link_has_its_own_key(tmp_path, monkeypatch):
+    """A worktree's ``.venv`` linked to another's reaches the same files under another spelling, and
+    the JIT build writes that spelling into its compile command (ninja then rebuilds on every switch):
+    the identity keeps the path as imported, symlinks not followed."""
+    (tmp_path / "real" / "deepspeed").mkdir(parents=True)
+    (tmp_path / "real" / "deepspeed" / "__init__.py").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.delitem(__import__("sys").modules, "deepspeed", raising=False)
+    paths = []
+    for root in ("real", "link"):
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(tmp_path / root))
+            paths.append(ds.deepspeed_identity()[1])
+    assert paths == [str(tmp_path / "real" / "deepspeed"), str(tmp_path / "link" / "deepspeed")]

@@ -4,7 +4,7 @@ DeepSpeed is an optional engine (``pip install shardwise[deepspeed]``). On a mac
 CUDA device it runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here before the first
 import). Its ops (CPU Adam, async I/O for NVMe) are compiled just in time on first use, which
 takes minutes: the build directory (``TORCH_EXTENSIONS_DIR``) defaults to a per-user cache keyed by
-what a build depends on (``extensions_key``: DeepSpeed's version and install path, torch's version,
+what a build depends on (``extensions_key``: DeepSpeed's version and install path, torch's version and path,
 Python's, the compiler and its flags), so every later run of the same environment reuses its own
 builds, and two environments (two virtual environments on one machine) never rebuild each other's.
 NVMe offload (ZeRO-Infinity) needs Linux AIO (Debian: ``libaio-dev``)
@@ -42,9 +42,15 @@ LIBAIO_HEADER = "/usr/include/libaio.h"
 
 
 def deepspeed_identity() -> tuple[str, str]:
-    """(version, install path) of the deepspeed package this interpreter imports, without importing it."""
+    """(version, install path) of the deepspeed package this interpreter imports, without importing it.
+
+    The path is kept as the interpreter spells it, symlinks not followed: a JIT build writes that
+    spelling into its compile command (``-I.../deepspeed/ops/csrc/includes``), and ninja rebuilds
+    whenever the command changes, so two environments reaching one install through different
+    paths (a worktree's ``.venv`` linked to another's) need their own folders.
+    """
     spec = importlib.util.find_spec("deepspeed")
-    path = str(Path(spec.origin).parent.resolve()) if spec is not None and spec.origin else ""
+    path = os.path.abspath(Path(spec.origin).parent) if spec is not None and spec.origin else ""
     try:
         version = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
@@ -61,8 +67,9 @@ def extensions_key() -> str:
     compiler flags. Two environments with any of them different build (and keep) their own ops."""
     import torch  # defers torch
 
-    parts = [*deepspeed_identity(), torch.__version__, sys.version.split()[0], sys.platform,
-             *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
+    # torch's install path as spelled: its headers and libraries are in the compile and link commands.
+    parts = [*deepspeed_identity(), torch.__version__, os.path.dirname(torch.__file__), sys.version.split()[0],
+             sys.platform, *(f"{k}={os.environ.get(k, '')}" for k in BUILD_ENV)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
