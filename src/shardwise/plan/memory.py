@@ -185,9 +185,7 @@ def staging_host_bytes(state: StateBytes, checkpoint_mode: str = "async") -> int
 
 def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo]:
     """Parameters one rank holds before data-parallel sharding: its pipeline stage, its TP slice."""
-    params = list(spec.params)
-    if not params:  # bare count: one flat pseudo-tensor
-        params = [ParamInfo("all", (spec.n_params,), ROOT_UNIT)]
+    params = _tp_params(spec, layout.tp)
     if layout.pp > 1:
         # ``stage`` is the pipeline rank; it holds the blocks of every stage the runtime gives it
         # (``Layout.stage_ranges``: the runtime's own split, interleaved stages included).
@@ -206,17 +204,27 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
         picked = [i for i in positions.get(ROOT_UNIT, []) if root_on_stage(params[i])]
         for unit in owned:
             picked += positions.get(unit, [])
-        params = [params[i] for i in sorted(picked)]  # registration order (ZeRO-1 ties depend on it)
-    if layout.tp > 1:
-        # Matrices are split tp ways on the dimension their plan splits (column-parallel and
-        # vocab-parallel rows, row-parallel columns); vectors (norm weights, most biases) are
-        # replicated. The dimension matters beyond the total: FSDP then shards dim 0 of the TP
-        # shard, padded to whole rows, so a row-parallel (out, in / tp) weight holds out / shard rows
-        # of in / tp, not (out / tp) / shard rows of in (which rounds up to a whole row of twice the
-        # width once the shards outnumber the rows: rank 0 of hf-llama-tiny at tp 2 x dp 64 held
-        # 14.7 % less than planned).
-        params = [_tp_shard(p, layout.tp) for p in params]
-    return params
+        return [params[i] for i in sorted(picked)]  # registration order (ZeRO-1 ties depend on it)
+    return list(params)
+
+
+def _tp_params(spec: ModelSpec, tp: int) -> tuple[ParamInfo, ...]:
+    """Every parameter of the model as one TP rank holds it, in registration order.
+
+    Matrices are split tp ways on the dimension their plan splits (column-parallel and vocab-parallel
+    rows, row-parallel columns); vectors (norm weights, most biases) are replicated. The dimension
+    matters beyond the total: FSDP then shards dim 0 of the TP shard, padded to whole rows, so a
+    row-parallel (out, in / tp) weight holds out / shard rows of in / tp, not (out / tp) / shard rows
+    of in (which rounds up to a whole row of twice the width once the shards outnumber the rows: rank
+    0 of hf-llama-tiny at tp 2 x dp 64 held 14.7 % less than planned). Once per (spec, tp): the
+    search asks for it per candidate and stage, and a 405B model has thousands of tensors.
+    """
+
+    def compute() -> tuple[ParamInfo, ...]:
+        params = tuple(spec.params) or (ParamInfo("all", (spec.n_params,), ROOT_UNIT),)  # bare count: one flat tensor
+        return tuple(_tp_shard(p, tp) for p in params) if tp > 1 else params
+
+    return _memo(("tp", id(spec), tp), spec, compute)
 
 
 # The row-parallel linear layers of the tensor-parallel plans (``parallel/tensor/plans.py``; the rest
@@ -386,16 +394,24 @@ def held_unsharded_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int
 def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
                  rank: int | None, stage: int) -> StateBytes:
     if rank is None:
-        candidates = [0] if layout.sharding != "zero1" else range(layout.dp)
         best = StateBytes()
         for stage in range(layout.pp):
             params = _local_params(spec, layout, stage)
             numels = [p.numel for p in params]
-            owned = _zero1_owned(params, numels, layout.dp) if layout.sharding == "zero1" else None
-            for r in candidates:
-                sb = _state_bytes_one(spec, layout, prec, optimizer, r, params, owned, numels)
-                if sb.total > best.total:
-                    best = sb
+            owned, busiest = None, 0  # FSDP's first shard is the largest (chunks pad the last ones)
+            if layout.sharding == "zero1":
+                owned = _zero1_owned(params, numels, layout.dp)
+                if spec.params:
+                    # ZeRO-1's ranks hold the same parameters and gradients and differ only in the
+                    # optimizer state and master copy of the tensors each owns: the busiest is the
+                    # first with the most, found with each tensor's state computed once (once per
+                    # rank was O(dp x tensors): seconds per candidate for a 405B model at dp 256).
+                    loads = [sum(tensor_state_bytes(params[i], params[i].shape, optimizer) + prec.master * numels[i]
+                                 for i in mine) for mine in owned]
+                    busiest = loads.index(max(loads))
+            sb = _state_bytes_one(spec, layout, prec, optimizer, busiest, params, owned, numels)
+            if sb.total > best.total:
+                best = sb
         return best
     return _state_bytes_one(spec, layout, prec, optimizer, rank, _local_params(spec, layout, stage))
 
