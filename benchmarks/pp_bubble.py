@@ -226,15 +226,19 @@ def _actions(name: str, pp: int, m: int, v: int) -> list[list[Any]]:
             for rank in get_schedule_ops(_torch_class(name), pp, m, v)]
 
 
-def simulate(orders: list[list[Any]], cost: Any) -> tuple[float, list[float]]:
+def simulate(orders: list[list[Any]], cost: Any, transfer: float = 0.0) -> tuple[float, list[float]]:
     """Replay each rank's action list in order with ``cost(stage, kind)`` seconds per action and
     free communication: an action starts when its rank is free and its inputs exist (F after the
     previous stage's F of that micro-batch, B/I after the next stage's B/I, W after its I).
+    ``transfer``: seconds an input takes from a stage on another rank (0: free communication); sends
+    never block and each transfer runs on its own, as when every receive is posted early (torch's
+    multi-stage runtime), so the makespan grows only where a rank waits on one
+    (``core.pp_schedules.waited_transfers``).
     Returns the makespan and each rank's busy time. Composite actions (DualPipeV's overlapped
     F;B) run their parts one after the other (a CPU does not overlap them)."""
     done: dict[tuple[int, str, int], float] = {}
-    n_stages = 1 + max(a.stage_index for rank in orders for a in rank
-                       for a in ([a] if not a.sub_actions else a.sub_actions))
+    owner = {p.stage_index: r for r, rank in enumerate(orders) for a in rank for p in (a.sub_actions or [a])}
+    n_stages = 1 + max(owner)
     free = [0.0] * len(orders)
     busy = [0.0] * len(orders)
     pos = [0] * len(orders)
@@ -251,17 +255,20 @@ def simulate(orders: list[list[Any]], cost: Any) -> tuple[float, list[float]]:
             return [(s, "F", mb)] + ([(s + 1, "G", mb)] if s < n_stages - 1 else [])
         return [(s, "G", mb)]  # W after this stage's input gradient
 
+    def ready(d: tuple[int, str, int], rank: int) -> float:
+        return done[d] + (transfer if owner[d[0]] != rank else 0.0)
+
     while any(p < len(r) for p, r in zip(pos, orders)):
         progressed = False
         for r, rank in enumerate(orders):
             while pos[r] < len(rank):
                 a = rank[pos[r]]
                 parts = list(a.sub_actions) if a.sub_actions else [a]
-                needed = [d for p in parts for d in deps(p) if d not in [(q.stage_index, kind(q), q.microbatch_index)
-                                                                       for q in parts]]
+                own = [(q.stage_index, kind(q), q.microbatch_index) for q in parts]
+                needed = [d for p in parts for d in deps(p) if d not in own]
                 if any(d not in done for d in needed):
                     break
-                t = max([free[r], *(done[d] for d in needed)])
+                t = max([free[r], *(ready(d, r) for d in needed)])
                 for p in parts:
                     c = cost(p.stage_index, kind(p))
                     t += c

@@ -8,6 +8,10 @@
 * The offload fallback's compute: its own layout's, positive, never another candidate's.
 * The ranking rule (search.tier): speed among usable layouts; offload only as the only way or
   within OFFLOAD_FACTOR.
+* A pipeline's point-to-point term per schedule: every stage boundary the busiest rank holds that joins
+  another rank, once per micro-batch; exposed: the transfers the schedule waits on (all under 1F1B and
+  GPipe, the fill and drain's where torch posts receives early, DualPipeV's gradients) and what the
+  links carry beyond the compute.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import dataclasses
 import pytest
 
 from shardwise.plan.advice import GIB, Cluster, Workload, evaluate, predict_step_time
-from shardwise.plan.cost import CALIBRATIONS, moe_layers_on_busiest_stage
+from shardwise.plan.cost import CALIBRATIONS, Fabric, moe_layers_on_busiest_stage, pipeline_p2p_s
 from shardwise.plan.memory import PRECISIONS, REDUCE_BYTES, Kernels, Layout, memory_breakdown
 from shardwise.plan.offload import offload_advice, offload_compute
 from shardwise.plan.presets import gpu, model_preset
@@ -70,6 +74,39 @@ def test_ep_all_to_all_per_stage_against_a_hand_computation(mixtral):
     assert hidden.comm_exposed_s == pytest.approx(_exposed(mixtral, cluster, overlap,
                                                            dataclasses.replace(layout, ep=1)).comm_exposed_s)
     assert hidden.comm_total_s > hidden.comm_exposed_s
+
+
+@pytest.mark.parametrize(("schedule", "pp", "v", "busiest", "waited"), [
+    # 1F1B and GPipe: an end rank holds one boundary, a middle one two; all waited on (pp 2: both ends).
+    ("1f1b", 2, 1, 1, 8), ("1f1b", 4, 1, 2, 16), ("gpipe", 4, 1, 2, 16),
+    # Loop placement, v stages per rank: a middle rank's 2v boundaries all join other ranks; the first
+    # micro-batch's forward waits on the chain's p v - 1 transfers and the last one's backward again.
+    ("interleaved-1f1b", 2, 2, 3, 6), ("interleaved-1f1b", 4, 2, 4, 14), ("interleaved-zb", 4, 3, 6, 22),
+    # Looped BFS: the chain's later loops arrive while the rank still runs the earlier stage: 2 (p - 1).
+    ("looped-bfs", 4, 2, 4, 6),
+    # V placement: a middle rank's two stages have two remote neighbours each; the V's turn stays on
+    # rank p - 1, so the chain has 2p - 2 remote boundaries. DualPipeV waits on every gradient.
+    ("zbv", 2, 2, 2, 4), ("zbv", 4, 2, 4, 12), ("dualpipev", 4, 2, 4, 16),
+])
+def test_pipeline_p2p_per_schedule_against_a_hand_computation(schedule, pp, v, busiest, waited):
+    """Llama-3 8B (hidden 4096), seq 4096, micro-batch 1, bf16, 8 micro-batches: each message is
+    4096 x 4096 x 2 bytes at the pp group's bandwidth plus one hop latency; the busiest rank sends
+    ``busiest`` of them per micro-batch (and receives as many), and the step waits on ``waited``.
+    Before 2026-11-28 the planner charged 2 per micro-batch to every schedule, all exposed."""
+    spec = model_preset("llama3-8b")
+    fabric = Fabric(gpus_per_node=8, intra_gbs=300.0, nic_gbs=40.0, peak_tflops=989.0)
+    layout = Layout("ddp+pp", dp=2, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_microbatches=8)
+    per_message = 4096 * 4096 * 2 / (fabric.collective_gbs(pp, 2) * 1e9) + H100.hop_latency_s
+
+    def p2p(compute_s: float) -> tuple[float, float]:
+        return pipeline_p2p_s(spec, layout, BF16, fabric, seq=4096, micro_batch=1, micro_batches=8,
+                              compute_s=compute_s, alpha_s=H100.hop_latency_s)
+
+    total, exposed = p2p(compute_s=10.0)  # far more compute than transfers
+    assert total == pytest.approx(busiest * 8 * per_message, rel=1e-12)
+    assert exposed == pytest.approx(waited * per_message, rel=1e-12)
+    # Links busier than the step computes: the excess is waited on too, never more than the total.
+    assert p2p(compute_s=0.0) == pytest.approx((total, total), rel=1e-12)
 
 
 def test_ep_memory_per_stage_holds_its_own_experts(mixtral):

@@ -201,6 +201,29 @@ def test_planner_in_flight_count_is_the_most_torchs_schedule_orders_hold():
                     assert due == planned, (name, pp, m, v, due)
 
 
+def test_planner_p2p_count_is_the_sends_and_receives_of_torchs_schedule_orders():
+    """The planner's pipeline messages per rank (``core.pp_schedules.p2p_messages_per_step``, what the
+    step time charges) equal the SEND and RECV actions torch adds to each rank's order of the
+    multi-stage schedules (``get_schedule_ops(with_comms=True)``, what ``_PipelineScheduleRuntime`` runs):
+    as many sends as receives, one per micro-batch for each stage boundary that joins two ranks."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from shardwise.core.pp_schedules import SCHEDULES, p2p_messages_per_step
+
+    for name, info in SCHEDULES.items():
+        if not info.multi_stage:  # GPipe / 1F1B run their own loop (benchmarks/pp_bubble.py): no comm actions
+            continue
+        for pp, v in ((2, 2), (4, 3)):
+            v = 2 if info.stages_per_rank == "two" else v
+            m = 2 * pp
+            orders = get_schedule_ops(info.torch_class.removeprefix("Schedule"), pp, m, v, with_comms=True)
+            for r, order in enumerate(orders):
+                kinds = [a.computation_type.name for a in order if a is not None]
+                planned = p2p_messages_per_step(name, pp, v, m, r)
+                assert (kinds.count("SEND_F") + kinds.count("SEND_B"), kinds.count("RECV_F") + kinds.count("RECV_B")) \
+                    == (planned, planned), (name, pp, v, r)
+
+
 def test_planner_bubble_formula_is_the_idle_time_of_torchs_schedule_orders():
     """Each schedule's formula equals the idle share of the action order torch runs, replayed with the
     formula's costs (F = 1, B = 2, I = W = 1; torch runs the first stage's whole backward as W) and free
@@ -221,6 +244,35 @@ def test_planner_bubble_formula_is_the_idle_time_of_torchs_schedule_orders():
                 v = 2
             span, busy = bench.simulate(bench._actions(name, pp, m, v), ideal)
             assert pp * span / sum(busy) - 1 == pytest.approx(idle_ratio(name, pp, m, v), abs=1e-9), (name, pp, m, v)
+
+
+def test_planner_waited_transfers_are_what_torchs_orders_wait_on():
+    """The transfers the planner's step time exposes (``core.pp_schedules.waited_transfers``) against
+    the replay of torch's orders with a small transfer time on every input that comes from another
+    rank (``benchmarks/pp_bubble.py``): the makespan grows by that many transfers. Exact for interleaved
+    1F1B and looped BFS (only the fill and the drain wait); within a quarter for 1F1B (no slack: every
+    message), the zero-bubble ones and DualPipeV (every gradient). GPipe is left out: the replay posts
+    its receives early, torch's loop posts each right before its forward (every message waits)."""
+    from shardwise.core.pp_schedules import SCHEDULES, waited_transfers
+
+    bench = _pp_bubble()
+
+    def ideal(stage: int, kind: str) -> float:
+        return {"F": 1.0, "B": 2.0, "I": 1.0 if stage else 0.0, "W": 1.0 if stage else 2.0}[kind]
+
+    transfer = 1e-3
+    for name, info in SCHEDULES.items():
+        if name == "gpipe":
+            continue
+        for pp, m, v in ((2, 8, 2), (4, 12, 3)):
+            v = {"one": 1, "two": 2}.get(info.stages_per_rank, v)
+            orders = bench._actions(name, pp, m, v)
+            waits = (bench.simulate(orders, ideal, transfer)[0] - bench.simulate(orders, ideal)[0]) / transfer
+            planned = waited_transfers(name, pp, v, m)
+            if name in ("interleaved-1f1b", "looped-bfs"):
+                assert waits == pytest.approx(planned), (name, pp, m, v)
+            else:
+                assert abs(waits - planned) <= planned / 4, (name, pp, m, v, waits, planned)
 
 
 def test_zero_bubble_schedules_refuse_compile_with_the_reason():

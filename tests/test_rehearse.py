@@ -150,13 +150,21 @@ def test_pipeline_and_context_parallel_rehearse(case: tuple) -> None:
     if ranks == "0,32":  # each stage against its own figures: stage 0 holds the embedding, the last the head
         first, last = (predicted[r] for r in (0, 32))
         assert first["activation_bytes"] != last["activation_bytes"]
-    if "parallel.pp=2" in sets and "parallel.pp_stages_per_rank=2" not in sets:
-        # 1F1B: every micro-batch's boundary tensor once each way, as the plan's pp volume counts them
-        # (the first stage sends activations and receives gradients, the last the other way round).
-        expected = report["prediction"]["micro_batches"] * report["prediction"]["pp_message_bytes"]
+    if "parallel.pp=2" in sets:
+        # The messages the step time charges each pipeline rank (core.pp_schedules.p2p_messages_per_step),
+        # counted by the rehearsal: one boundary tensor per micro-batch for each stage boundary the rank
+        # holds that joins the other rank, each way. 1F1B's stage sends activations one way and gradients
+        # the other (one boundary); interleaved rank 32's stages 1 and 3 cross three; each ZBV rank two,
+        # the turn of its V (stages 1 and 2) staying on rank 32. The plan charged one boundary to every
+        # rank before 2026-11-28.
+        message, m = report["prediction"]["pp_message_bytes"], report["prediction"]["micro_batches"]
+        boundaries = {"1f1b": 1, "interleaved-1f1b": 3, "zbv": 2}
+        schedule = next((k for k in boundaries if f'pp_schedule="{k}"' in " ".join(sets)), "1f1b")
         for rank in report["ranks"]:
-            sent = {c["op"]: c["bytes"] for c in rank["collectives"] if c["dim"] == "pp"}
-            assert sent.get("send") == sent.get("recv_") == expected > 0, (rank["rank"], sent, expected)
+            planned = report["prediction"]["pp_messages"][rank["coords"]["pp"]]
+            counted = {c["op"]: (c["count"], c["bytes"]) for c in rank["collectives"] if c["dim"] == "pp"}
+            assert planned == boundaries[schedule] * m and message > 0, (rank["rank"], planned, m)
+            assert counted.get("send") == counted.get("recv_") == (planned, planned * message), (rank["rank"], counted)
 
 
 def test_scale_only_defect_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 
 from shardwise.errors import ConfigError, unknown_choice
 
-__all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "cross_rank_receives", "peak_in_flight",
-           "peak_weight_passes_due", "schedule_info", "stage_ids_of", "stage_rank", "tied_weights_refusal"]
+__all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "cross_rank_receives",
+           "p2p_messages_per_step", "peak_in_flight", "peak_weight_passes_due", "schedule_info", "stage_ids_of",
+           "stage_rank", "tied_weights_refusal", "waited_transfers"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,50 @@ def cross_rank_receives(schedule: str, pp: int, stages_per_rank: int, pp_rank: i
             if 0 <= neighbour < n_stages and stage_rank(schedule, neighbour, pp, stages_per_rank) != pp_rank:
                 count += 1
     return count
+
+
+def p2p_messages_per_step(schedule: str, pp: int, stages_per_rank: int, microbatches: int, pp_rank: int) -> int:
+    """Point-to-point messages pipeline rank ``pp_rank`` sends in one schedule step of ``microbatches``
+    micro-batches, and as many it receives. Each stage boundary the rank holds that joins another rank
+    carries one micro-batch's activations forward and their gradient back, so every (stage, direction)
+    pair that receives (``cross_rank_receives``) also sends once per micro-batch: 1F1B's end ranks one
+    boundary, its middle ranks two; a loop-placed rank with v stages 2v (2v - 1 on the first and the
+    last rank); a V-placed rank 4, its ends 2 (rank 0 holds the chain's two ends, rank p - 1 hands the
+    turn of the V over on the rank). Equal to the SEND and RECV actions of torch's orders
+    (``tests/test_pp.py``) and to the rehearsal's p2p counter (``tests/test_rehearse.py``)."""
+    return cross_rank_receives(schedule, pp, stages_per_rank, pp_rank) * microbatches
+
+
+def waited_transfers(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> int:
+    """How many of a step's point-to-point transfers the pipeline waits on one after another, when each
+    takes less than the compute between the actions it joins: the step time's exposed part (the rest
+    runs while a rank computes). From how torch runs each schedule:
+
+    * GPipe and 1F1B: all of the busiest rank's messages (``p2p_messages_per_step``). Their loop
+      (``PipelineScheduleSingle``) posts a receive right before the compute that needs it and waits at
+      once, and 1F1B's order has no slack to hide one anyway.
+    * The other multi-stage schedules (``_PipelineScheduleRuntime``) post each receive as soon as the
+      sender's compute is scheduled (``_add_send_recv``) and wait only before the compute that consumes
+      it, sends never block: only the fill and the drain wait, the first micro-batch's forward crossing
+      each stage boundary that joins two ranks in turn and the last one's backward crossing them back.
+      Looped BFS runs every micro-batch through a stage before the next, so only its first loop's
+      p - 1 boundaries; the V placement's turn (stages p - 1 and p on one rank) is no transfer.
+    * DualPipeV: its steady state pairs one micro-batch's forward with another's backward, and that
+      backward takes the gradient its neighbour's pair has just produced: every gradient message is
+      waited on (half of the busiest rank's), the activations hide.
+
+    ``benchmarks/pp_bubble.py``'s replay with a transfer time on every cross-rank input measures these:
+    exactly for interleaved 1F1B and looped BFS, within a quarter for the others
+    (``tests/test_pp.py``)."""
+    busiest = max(p2p_messages_per_step(schedule, pp, stages_per_rank, microbatches, r) for r in range(pp))
+    if not schedule_info(schedule).multi_stage:
+        return busiest
+    if schedule == "dualpipev":
+        return busiest // 2
+    if schedule == "looped-bfs":
+        return 2 * (pp - 1)
+    return 2 * sum(stage_rank(schedule, s, pp, stages_per_rank) != stage_rank(schedule, s + 1, pp, stages_per_rank)
+                   for s in range(pp * stages_per_rank - 1))
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:

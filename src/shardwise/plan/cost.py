@@ -25,9 +25,11 @@ Conventions (also in docs/planner.md):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+from shardwise.core.pp_schedules import p2p_messages_per_step, waited_transfers
 from shardwise.plan.cp import cp_comm_s, cp_degree
 from shardwise.plan.memory import (
     REDUCE_BYTES,
@@ -40,6 +42,7 @@ from shardwise.plan.memory import (
     outer_activation_bytes,
     recompute_share,
     routed_expert_numel,
+    stage_boundary_bytes,
 )
 from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
@@ -346,10 +349,9 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         total += tp_s
     bubble = 0.0
     if pp > 1:
-        # Activations cross each stage boundary forward and gradients backward, per micro-batch.
-        act = tokens_micro * (spec.hidden or 0) * prec.act
-        p2p = grad_accum * 2 * (act / (fabric.collective_gbs(pp, tp * dp) * 1e9) + alpha)
-        exposed += p2p
+        p2p, p2p_exposed = pipeline_p2p_s(spec, layout, prec, fabric, seq=seq, micro_batch=micro_batch,
+                                          micro_batches=grad_accum, compute_s=compute, alpha_s=alpha)
+        exposed += p2p_exposed
         total += p2p
         # Idle time per schedule (plan/pipeline.py): compute * (p-1)/(v*m) for 1F1B-like schedules,
         # a third of that for the zero-bubble ones.
@@ -359,6 +361,39 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
+
+
+def pipeline_p2p_s(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
+                   micro_batches: int, compute_s: float, alpha_s: float) -> tuple[float, float]:
+    """Seconds the busiest pipeline rank's links carry its point-to-point messages in one step, and the
+    part of them the step waits on: ``(total, exposed)``.
+
+    The count per rank is the schedule's (``core.pp_schedules.p2p_messages_per_step``: every stage
+    boundary a rank holds that joins another rank, once per micro-batch, so an interleaved rank with v
+    stages sends about 2v messages per micro-batch where 1F1B's end rank sends one); each message is one
+    micro-batch's boundary tensor (``memory.stage_boundary_bytes``: its cp chunk, its sequence-parallel
+    shard). A rank receives as many as it sends, on the other direction of its links, so one message's
+    transfer per message sent; the ranks move in lockstep, at the busiest one's pace.
+
+    Exposed: the transfers the schedule waits on one after another (``waited_transfers``: all of them
+    under 1F1B and GPipe, the fill and drain's where torch posts receives early, the gradients under
+    DualPipeV), plus whatever the links carry beyond the step's compute.
+    """
+    v = layout.pp_stages_per_rank
+    message = stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
+    # One transfer per message: the pp group's ranks are tp x dp apart (mesh order tp, dp, pp).
+    per_message = message / (fabric.collective_gbs(layout.pp, layout.tp * layout.dp) * 1e9) + alpha_s
+    sent, waited = _pipeline_transfers(layout.pp_schedule, layout.pp, v, micro_batches)
+    total = sent * per_message
+    return total, min(total, waited * per_message + max(0.0, total - compute_s))
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_transfers(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> tuple[int, int]:
+    """The busiest rank's messages in one step and the transfers the step waits on (core.pp_schedules);
+    cached: each walks the stage placement, and the search and the calibration's fit ask the same few."""
+    sent = max(p2p_messages_per_step(schedule, pp, stages_per_rank, microbatches, r) for r in range(pp))
+    return sent, waited_transfers(schedule, pp, stages_per_rank, microbatches)
 
 
 def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:

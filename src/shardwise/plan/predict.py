@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from shardwise.core.config import parse_loss_chunks
 from shardwise.core.layout import Layout
 from shardwise.core.layout import ranks_per_node as rank_count_per_node
+from shardwise.core.pp_schedules import p2p_messages_per_step
 from shardwise.plan.cp import chunked_loss_off
 from shardwise.plan.memory import (
     SHARDWISE_KERNELS,
@@ -124,15 +125,17 @@ class RunPrediction:
     checkpoint: str
     ranks: tuple[RankPrediction, ...]
     notes: tuple[str, ...] = ()
-    # A pipeline's message, each way, per micro-batch and stage boundary (0 without a pipeline):
-    # the planner's pp communication volume is micro_batches of them per step and direction.
+    # A pipeline's message, each way, per micro-batch and stage boundary (0 without a pipeline).
     pp_message_bytes: int = 0
+    # Messages each pipeline rank sends in one step, and as many it receives (core.pp_schedules
+    # p2p_messages_per_step): what the step time's pp term charges, pp_message_bytes each.
+    pp_messages: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_params": self.n_params, "precision": self.precision, "seq": self.seq,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
                 "activation_checkpointing": self.checkpoint, "notes": list(self.notes),
-                "pp_message_bytes": self.pp_message_bytes,
+                "pp_message_bytes": self.pp_message_bytes, "pp_messages": list(self.pp_messages),
                 "ranks": [{"rank": r.rank, **r.to_dict()} for r in self.ranks]}
 
     def table(self) -> str:
@@ -254,8 +257,10 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
         notes.append(f"{layout.strategy}: parameters, gradients and optimizer state live {where}")
     message = stage_boundary_bytes(spec, layout, seq, micro_batch, compute_precision(precision, layout).act) \
         if layout.pp > 1 and spec.has_structure else 0
+    messages = tuple(p2p_messages_per_step(layout.pp_schedule, layout.pp, layout.pp_stages_per_rank, micro_batches, r)
+                     for r in range(layout.pp)) if message else ()
     return RunPrediction(spec.name, spec.n_params, layout, precision, seq, micro_batch, micro_batches,
-                         checkpoint, tuple(ranks), tuple(notes), message)
+                         checkpoint, tuple(ranks), tuple(notes), message, messages)
 
 
 def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,

@@ -74,11 +74,11 @@ def _cell(nbytes: int) -> str:
     return f"{nbytes / MIB:12.2f}"
 
 
-def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, Any]) -> list[str]:
-    """This rank's pipeline sends and receives of one step next to the planner's pp volume: one
-    boundary tensor per micro-batch forward and one backward, the figure its step time charges (a
-    rank of an interleaved or V schedule crosses more boundaries: 3 and 2 per micro-batch each way
-    at p 2, v 2)."""
+def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, Any],
+                       pp_rank: int | None) -> list[str]:
+    """This rank's pipeline sends and receives of one step next to the planner's: one boundary tensor per
+    micro-batch for each stage boundary the rank holds that joins another rank, each way (the count the
+    step time charges, ``core.pp_schedules.p2p_messages_per_step``)."""
     sent = [c for c in collectives if c["op"] == "send"]
     received = [c for c in collectives if c["op"] == "recv_"]
     if not sent and not received:
@@ -88,10 +88,10 @@ def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, 
         return f"{sum(c['count'] for c in rows)} ({sum(c['bytes'] for c in rows) / MIB:.2f} MiB)"
 
     line = f"  pipeline messages in one step: sent {total(sent)}, received {total(received)}"
-    message, micro_batches = prediction.get("pp_message_bytes", 0), prediction.get("micro_batches", 0)
-    if message:
-        line += (f"; the plan charges {micro_batches} micro-batches x {message / MIB:.3f} MiB forward and backward "
-                 f"= {2 * micro_batches * message / MIB:.2f} MiB (one stage boundary each)")
+    message, planned = prediction.get("pp_message_bytes", 0), prediction.get("pp_messages") or []
+    if message and pp_rank is not None and pp_rank < len(planned):
+        line += (f"; the plan charges {planned[pp_rank]} x {message / MIB:.3f} MiB each way "
+                 f"= {planned[pp_rank] * message / MIB:.2f} MiB")
     return [line]
 
 
@@ -138,7 +138,8 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append("  collectives and pipeline messages in one step (op, mesh dimension, count, buffer MiB):")
             lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"
                       for c in rank["collectives"]]
-            lines += _pipeline_messages(rank["collectives"], report.get("prediction") or {})
+            lines += _pipeline_messages(rank["collectives"], report.get("prediction") or {},
+                                        rank["coords"].get("pp"))
     lines.append(f"verdict: {report['verdict']}")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
