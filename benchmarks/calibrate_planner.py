@@ -16,9 +16,10 @@ cannot express is a refusal (no prediction, a wrong verdict for a run that ran),
 row. Each run's stack properties (``kernels``) are read through ``plan --stack-set``'s parser.
 
 The fit (runs marked ``"split": "fit"`` only) minimises the mean squared log error of predicted
-tokens/s per GPU over: per generation (a100, h100) the matmul, attention and link efficiencies,
-each with a weak prior at its typical value (PRIORS, per generation where published kernel
-measurements differ: GENERATION_PRIORS); shared by all, the elementwise traffic
+tokens/s per GPU over: per generation (a100, h100) the matmul and attention factors (fractions of
+the GPU's published kernel ceilings, presets.KERNEL_CEILINGS, confined to cost.FACTOR_BANDS) and
+the link efficiency, each with a weak prior at its typical value (PRIORS, per generation where
+published kernel measurements differ: GENERATION_PRIORS); shared by all, the elementwise traffic
 factor. The allocator fragmentation is fitted on the published peak-memory readings of the
 fitted runs. Held-out runs never enter the fit. The
 printed ``CALIBRATIONS`` block is what ``src/shardwise/plan/cost.py`` holds.
@@ -53,34 +54,54 @@ from shardwise.plan.advice import (  # noqa: E402
 )
 from shardwise.plan.cost import (  # noqa: E402
     CALIBRATIONS,
+    FACTOR_BANDS,
+    TYPICAL_OF_PEAK,
     Calibration,
     flops_per_token,  # noqa: E402
 )
 from shardwise.plan.memory import Kernels, Layout  # noqa: E402
-from shardwise.plan.presets import gpu, gpu_from_dict, model_preset  # noqa: E402
+from shardwise.plan.presets import ceiling, gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
 from shardwise.plan.stacks import stack_settings  # noqa: E402
 
 DATA = Path(__file__).with_name("published_runs.json")
 GENERATIONS = ("a100", "h100")
-PER_GENERATION = ("matmul_efficiency", "attention_efficiency", "link_efficiency")
+PER_GENERATION = ("matmul_factor", "attention_factor", "link_efficiency")
 SHARED = ("elementwise_passes",)
-# Weak priors on the three efficiencies: what each is where the runs say little about it (when the
-# one source that carries the long-sequence runs, or the communication-bound ones, is held out, the
-# others cannot pin the attention or link efficiency and the fit ran to its bounds: 0.21 or 1.0 of
-# the link's line rate, attention at 2x the GEMM rate). The priors are the typical values the
-# Calibration defaults document (large GEMMs at 0.6 of the dense peak, flash attention at 0.5 on
-# unhalved FLOPs, NCCL bus bandwidth at 0.75 of the line rate) and weigh as PRIOR_RUNS runs would.
-# The elementwise traffic factor has no prior: it is a lumped count with no typical value.
-PRIORS = {"matmul_efficiency": 0.6, "attention_efficiency": 0.5, "link_efficiency": 0.75}
+# Weak priors: what each constant is where the runs say little about it (when the one source that
+# carries the long-sequence runs, or the communication-bound ones, is held out, the others cannot
+# pin the attention factor or the link efficiency and the fit ran to its bounds). The priors are
+# the typical values (cost.TYPICAL_OF_PEAK: the two factors' as fractions of the dense peak, turned
+# into fractions of the generation's measured ceilings by ``prior``; NCCL bus bandwidth at 0.75 of
+# the line rate), and weigh as PRIOR_RUNS runs. The elementwise traffic factor has no prior: it is
+# a lumped count with no typical value.
+PRIORS = {"matmul_factor": TYPICAL_OF_PEAK["matmul"], "attention_factor": TYPICAL_OF_PEAK["attention"],
+          "link_efficiency": 0.75}
 # Per generation where the kernels' published fractions of peak differ: FlashAttention-2 reaches
 # 50-73 % of the A100's peak (Dao 2023, arXiv:2307.08691, abstract) but "only 35 %" of the
 # H100's (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract): the H100 attention
 # prior is the A100's times 35 / 61.5 (the A100 range's midpoint).
-GENERATION_PRIORS = {"h100": {"attention_efficiency": PRIORS["attention_efficiency"] * 35 / 61.5}}
+GENERATION_PRIORS = {"h100": {"attention_factor": PRIORS["attention_factor"] * 35 / 61.5}}
+# The catalog GPU whose ceilings turn a generation's priors into fractions of the ceiling (every
+# GPU of a generation shares its ceiling row: presets.GPUS).
+GENERATION_GPU = {"a100": "a100-80gb", "h100": "h100-sxm"}
 PRIOR_RUNS = 1.0
-BOUNDS = {"matmul_efficiency": (0.2, 1.0), "attention_efficiency": (0.05, 2.0), "link_efficiency": (0.2, 1.0),
-          "elementwise_passes": (0.0, 20.0), "fragmentation": (0.0, 0.5)}
+BOUNDS = {"link_efficiency": (0.2, 1.0), "elementwise_passes": (0.0, 20.0), "fragmentation": (0.0, 0.5)}
+
+
+def bounds(name: str, gen: str | None = None) -> tuple[float, float]:
+    """Where the fit may put a constant: its generation's band (cost.FACTOR_BANDS), else BOUNDS."""
+    return FACTOR_BANDS.get(gen or "", {}).get(name) or BOUNDS[name]
+
+
+def prior(name: str, gen: str | None = None) -> float | None:
+    """A constant's prior in its own units (GENERATION_PRIORS, else PRIORS; None: no prior): a
+    factor's typical fraction of peak over the generation's measured ceiling (it may fall outside
+    the band, which the fit's bounds then enforce)."""
+    typical = GENERATION_PRIORS.get(gen or "", {}).get(name, PRIORS.get(name))
+    if typical is None or name not in FACTOR_BANDS.get(gen or "", {}):
+        return typical
+    return typical / ceiling(gpu(GENERATION_GPU[gen or ""]), name.removesuffix("_factor"), "bf16")[0]
 
 
 # ------------------------------------------------------------------------------ runs -> planner inputs
@@ -266,11 +287,6 @@ def log_loss(cases: list[Case], calibrations: dict[str, Calibration]) -> float:
     return statistics.fmean(errs) if errs else 0.0
 
 
-def prior(name: str, gen: str | None = None) -> float | None:
-    """A constant's prior for one generation (GENERATION_PRIORS, else PRIORS; None: no prior)."""
-    return GENERATION_PRIORS.get(gen or "", {}).get(name, PRIORS.get(name))
-
-
 def prior_penalty(name: str, value: float, runs: int, gen: str | None = None) -> float:
     """What the fit adds to the mean squared log error of ``runs`` runs for a constant's distance
     from its prior (``prior``; 0 for the constants without one): the prior weighs as PRIOR_RUNS runs."""
@@ -318,7 +334,7 @@ def fit(cases: list[Case], start: dict[str, Calibration],
         def objective(v: float) -> float:
             return log_loss(cases_, with_value(name, gen, v)) + prior_penalty(name, v, n, gen)
 
-        best = golden_min(objective, *BOUNDS[name])
+        best = golden_min(objective, *bounds(name, gen))
         cal = with_value(name, gen, best)
 
     previous = math.inf

@@ -34,7 +34,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
-from shardwise.plan.presets import GPU, Link, link
+from shardwise.plan.presets import GPU, Link, ceiling, link
 from shardwise.plan.spec import ModelSpec
 
 GIB = 1024**3
@@ -85,7 +85,9 @@ class Cluster:
             or link(self.gpu.inter_link).per_gpu_gbs(g)
         peak = self.gpu.tf32_tflops if precision_name == "fp32" else self.gpu.bf16_tflops
         eff = calib.link_efficiency
-        return Fabric(g, intra * eff, inter * eff, peak, self.gpu.mem_bw_tbs)
+        return Fabric(g, intra * eff, inter * eff, peak, self.gpu.mem_bw_tbs,
+                      matmul_ceiling=ceiling(self.gpu, "matmul", precision_name)[0],
+                      attention_ceiling=ceiling(self.gpu, "attention", precision_name)[0])
 
 
 @dataclass(frozen=True)

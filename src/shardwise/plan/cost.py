@@ -8,8 +8,10 @@ Conventions (also in docs/planner.md):
   attention score and value products are counted in full, with no halving for the causal mask
   (the PaLM appendix-B / nanoGPT / Megatron MFU convention). MFU always uses model FLOPs.
 * Compute time of a micro-batch has three parts, each at its own rate:
-  matmul FLOPs (recomputed ones included) at ``peak * matmul_efficiency``; attention-core FLOPs at
-  ``peak * attention_efficiency``; and the memory-bound ops (norms, activations, rotary, residual
+  matmul FLOPs (recomputed ones included) at ``peak * matmul ceiling * matmul_factor``;
+  attention-core FLOPs at ``peak * attention ceiling * attention_factor`` (the ceilings: the GPU's
+  published kernel measurements, presets.KERNEL_CEILINGS; the factors fitted inside FACTOR_BANDS);
+  and the memory-bound ops (norms, activations, rotary, residual
   adds, the loss's log-softmax) as bytes moved at the GPU's memory bandwidth, estimated as
   ``elementwise_passes`` times the bytes those ops save for backward. The last term is why small
   models and GPUs with a high FLOP/byte ratio (H100) reach a lower MFU than large models on A100.
@@ -47,7 +49,14 @@ from shardwise.plan.memory import (
 from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
 from shardwise.plan.pipeline import idle_ratio
+from shardwise.plan.presets import UNMEASURED_CEILINGS
 from shardwise.plan.spec import ModelSpec
+
+# Typical fractions of the dense peak where nothing better is known (large training GEMMs at 0.6,
+# flash attention at 0.5 on unhalved FLOPs): the weak priors of the calibration fit
+# (benchmarks/calibrate_planner.py) and, over the unmeasured GPUs' ceilings, a hand-built
+# Calibration's factors.
+TYPICAL_OF_PEAK: dict[str, float] = {"matmul": 0.6, "attention": 0.5}
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,12 @@ class Calibration:
     """Constants of the time and memory model for one GPU generation (see CALIBRATIONS)."""
 
     name: str = "default"
-    # Fraction of the dense peak the GEMMs reach (large training GEMMs: 0.6-0.8 on A100/H100).
-    matmul_efficiency: float = 0.6
-    # Fraction of the dense peak the attention kernels reach, counted on the unhalved FLOPs
-    # (flash kernels skip the masked half, so this can exceed what a GEMM reaches).
-    attention_efficiency: float = 0.5
+    # Fraction of the GPU's measured GEMM ceiling (presets.ceiling: the best shape's rate) that a
+    # training run's GEMMs reach; fitted inside FACTOR_BANDS.
+    matmul_factor: float = TYPICAL_OF_PEAK["matmul"] / UNMEASURED_CEILINGS["matmul"]
+    # Fraction of the GPU's measured flash-attention ceiling that a run's attention reaches (the
+    # ceiling counts unhalved FLOPs: a causal kernel skips the masked half); fitted inside FACTOR_BANDS.
+    attention_factor: float = TYPICAL_OF_PEAK["attention"] / UNMEASURED_CEILINGS["attention"]
     # Fraction of a link's line rate that NCCL reaches (bus bandwidth / line rate).
     link_efficiency: float = 0.75
     # Bytes the memory-bound ops move (forward and backward) per byte they save for backward.
@@ -78,22 +88,40 @@ class Calibration:
     fitted_runs: int = 0  # published runs the constants were fitted on (0: defaults, not fitted)
 
 
+# How far a fit may move each rate below its published ceiling (presets.KERNEL_CEILINGS), per
+# generation, and why (docs/planner.md, "Calibration per GPU generation"):
+# * matmul: at most 1.0 (a run's GEMMs never beat the best measured shape); at least the fraction
+#   at which a GEMM-bound layout still reaches the highest model-FLOPs utilisation a published run
+#   of that generation reached (benchmarks/published_runs.json), rounded up to 0.05: A100 64.1 %
+#   (MPT-7B on 8 A100 80GB) / 0.869 -> 0.75; H100 49.5 % (Megatron-LM 2024, GPT 16B on 192 H100)
+#   / 0.803 -> 0.65. So no fit can cap the predicted MFU below what a published run reached
+#   (tests/test_plan_calibration.py checks this rule against every run of the data).
+# * attention 0.35-1.0: the ceiling is the newest flash kernel of each generation (FlashAttention-3
+#   on H100, -2 on A100); the published stacks also ran older ones, which the papers put at 35 % of
+#   the H100's peak against FlashAttention-3's 75 % (0.47), and FlashAttention-1 at 25-40 % of the
+#   A100's against FlashAttention-2's 73 % (0.34-0.55), both non-causal.
+ATTENTION_BAND = (0.35, 1.0)
+FACTOR_BANDS: dict[str, dict[str, tuple[float, float]]] = {
+    "a100": {"matmul_factor": (0.75, 1.0), "attention_factor": ATTENTION_BAND},
+    "h100": {"matmul_factor": (0.65, 1.0), "attention_factor": ATTENTION_BAND},
+}
+
 # Fitted by benchmarks/calibrate_planner.py on benchmarks/published_runs.json (run it to
 # reproduce; it prints these lines). Shared constants (elementwise, fragmentation) are fitted
-# jointly over all generations; the efficiencies per generation, each with a weak prior at its
-# typical value (calibrate_planner.PRIORS, GENERATION_PRIORS).
+# jointly over all generations; the factors and the link efficiency per generation, each with a
+# weak prior (calibrate_planner.PRIORS, GENERATION_PRIORS) and inside FACTOR_BANDS.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_efficiency=0.6607, attention_efficiency=0.527, link_efficiency=0.6564,
-                        elementwise_passes=8.547, fragmentation=0.1428, fitted_runs=41),
-    "h100": Calibration("h100", matmul_efficiency=0.5617, attention_efficiency=0.3145, link_efficiency=0.7829,
-                        elementwise_passes=8.547, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_factor=0.7652, attention_factor=0.4756, link_efficiency=0.6522,
+                        elementwise_passes=9.151, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_factor=0.6855, attention_factor=0.35, link_efficiency=0.7832,
+                        elementwise_passes=9.151, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
 # key): the mean of the fitted generations, flagged as not fitted so `plan` warns.
 DEFAULT_CALIBRATION = Calibration(
     "default", **{k: sum(getattr(c, k) for c in CALIBRATIONS.values()) / len(CALIBRATIONS)
-                  for k in ("matmul_efficiency", "attention_efficiency", "link_efficiency", "elementwise_passes",
+                  for k in ("matmul_factor", "attention_factor", "link_efficiency", "elementwise_passes",
                             "fragmentation")})
 CALIBRATION = DEFAULT_CALIBRATION  # kept for callers that want the uncalibrated defaults
 
@@ -154,6 +182,10 @@ class Fabric:
     nic_gbs: float  # this GPU's share of its node's inter-node bandwidth
     peak_tflops: float
     mem_bw_tbs: float = 2.0
+    # The GPU's published kernel ceilings as fractions of ``peak_tflops`` (presets.ceiling); a
+    # Fabric built by hand gets the unmeasured GPUs' values.
+    matmul_ceiling: float = UNMEASURED_CEILINGS["matmul"]
+    attention_ceiling: float = UNMEASURED_CEILINGS["attention"]
 
     @property
     def inter_gbs(self) -> float:
@@ -175,6 +207,14 @@ class Fabric:
     def link_for(self, group: int, stride: int) -> float:
         """Alias of ``collective_gbs`` (older name)."""
         return self.collective_gbs(group, stride)
+
+    def matmul_flops_per_s(self, calib: Calibration) -> float:
+        """The rate of the training GEMMs: peak x measured ceiling x the fitted factor."""
+        return self.peak_tflops * 1e12 * self.matmul_ceiling * calib.matmul_factor
+
+    def attention_flops_per_s(self, calib: Calibration) -> float:
+        """The rate of the attention core on unhalved FLOPs: peak x measured ceiling x the fitted factor."""
+        return self.peak_tflops * 1e12 * self.attention_ceiling * calib.attention_factor
 
 
 @dataclass
@@ -206,11 +246,10 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
                           kernels: Kernels = SHARDWISE_KERNELS) -> float:
     """Seconds one GPU computes on one micro-batch (its 1/(tp*pp) share of the replica's work)."""
     tokens = seq * micro_batch
-    peak = fabric.peak_tflops * 1e12
     share = recompute_share(spec, checkpoint, every)
     attn = attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
     matmul = hardware_flops_per_token(spec, seq, checkpoint, every) - attn
-    t = tokens * (matmul / (peak * calib.matmul_efficiency) + attn / (peak * calib.attention_efficiency))
+    t = tokens * (matmul / fabric.matmul_flops_per_s(calib) + attn / fabric.attention_flops_per_s(calib))
     if spec.has_structure:
         # Memory-bound ops: proportional to what they save for backward (per block and the loss),
         # and repeated for the recomputed share of the forward.
@@ -253,12 +292,11 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         # torch's ring sends each K/V block before computing on the one it holds: the transfers hide
         # behind the attention kernels of the cp-1 remote blocks (forward, backward and recompute).
         attn_s = (seq * micro_batch * attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
-                  / (fabric.peak_tflops * 1e12 * calib.attention_efficiency) / (tp * pp * cp))
+                  / fabric.attention_flops_per_s(calib) / (tp * pp * cp))
         cp_exposed = max(0.0, cp_s - attn_s * (cp - 1) / cp * grad_accum)
     if kernels.loss == "chunked" and spec.hidden and spec.vocab:
         # The chunked loss recomputes each chunk's logits in backward: one more head forward.
-        compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / (
-            fabric.peak_tflops * 1e12 * calib.matmul_efficiency)
+        compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / fabric.matmul_flops_per_s(calib)
     # Expert parallel (plan/moe.py): token dispatch + combine all-to-alls, forward, backward and
     # recompute, for the MoE layers of this rank's pipeline stage(s) only; the ep ranks are
     # consecutive data-parallel ranks, tp apart. Exposed unless the stack overlaps them with

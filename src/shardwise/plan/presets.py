@@ -122,6 +122,9 @@ class GPU:
     calibration: str = ""
     intra_gbs: float | None = None
     inter_gbs: float | None = None
+    # The KERNEL_CEILINGS row whose published kernel measurements apply ("": none published; the
+    # planner then uses UNMEASURED_CEILINGS and says so).
+    ceilings: str = ""
 
     @property
     def tf32_tflops(self) -> float:
@@ -130,18 +133,100 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048, "h100"),
-    # Same Hopper architecture at 350 W: the H100 constants are applied to its own datasheet peak.
-    "h100-pcie": GPU("h100-pcie", 80, 756, 2.0, "pcie5", "ib-ndr", 1024, "h100"),
+    "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048, "h100", ceilings="h100-sxm"),
+    # Same Hopper architecture at 350 W: the H100 constants are applied to its own datasheet peak,
+    # and so is the H100 SXM's measured fraction of peak (no PCIe measurement is published).
+    "h100-pcie": GPU("h100-pcie", 80, 756, 2.0, "pcie5", "ib-ndr", 1024, "h100", ceilings="h100-sxm"),
     # Same GH100 compute as the H100 SXM (989 TFLOPS), more and faster memory: no published bf16
-    # run without float8/compile to fit on, so it uses the H100 constants (see docs/planner.md).
-    "h200": GPU("h200", 141, 989, 4.8, "nvlink4", "ib-ndr", 2048, "h100"),
-    "a100-40gb": GPU("a100-40gb", 40, 312, 1.555, "nvlink3", "ib-hdr", 1024, "a100"),
-    "a100-80gb": GPU("a100-80gb", 80, 312, 2.039, "nvlink3", "ib-hdr", 2048, "a100"),
+    # run without float8/compile to fit on, so it uses the H100 constants (see docs/planner.md);
+    # the MAMF table measures it at the H100's rate ("H200 is the same").
+    "h200": GPU("h200", 141, 989, 4.8, "nvlink4", "ib-ndr", 2048, "h100", ceilings="h100-sxm"),
+    "a100-40gb": GPU("a100-40gb", 40, 312, 1.555, "nvlink3", "ib-hdr", 1024, "a100", ceilings="a100-sxm"),
+    "a100-80gb": GPU("a100-80gb", 80, 312, 2.039, "nvlink3", "ib-hdr", 2048, "a100", ceilings="a100-sxm"),
     "l40s": GPU("l40s", 48, 362, 0.864, "pcie4", "ethernet-100g", 512),
     "rtx-4090": GPU("rtx-4090", 24, 165, 1.008, "pcie4", "ethernet-100g", 256),
-    "mi300x": GPU("mi300x", 192, 1307, 5.3, "infinity-fabric", "ib-ndr", 2048),
+    "mi300x": GPU("mi300x", 192, 1307, 5.3, "infinity-fabric", "ib-ndr", 2048, ceilings="mi300x"),
 }
+
+
+# ------------------------------------------------------------------------------ kernel ceilings
+# What the best published kernels reach on each GPU, per op kind, as a fraction of the dense peak of
+# the precision they ran in. The planner's achieved rate is ceiling x a fitted factor
+# (cost.Calibration.matmul_factor / attention_factor, confined to cost.FACTOR_BANDS), so a fit on
+# training runs can lower a rate but never raise it above what the hardware was measured to do.
+#
+# Precisions: "bf16" is the 16-bit tensor rate (bf16 and fp16 share it; FlashAttention-3's figures
+# are FP16); "tf32" (fp32 training) has no published measurement: the bf16 fraction is applied to
+# the TF32 peak (see ceiling()).
+MAMF_URL = ("https://github.com/stas00/ml-engineering/blob/7bc7c3054eb93c277a4755c597ae0864d77a63f1/"
+            "compute/accelerator/README.md#maximum-achievable-matmul-flops-comparison-table")
+
+
+def training_attention_fraction(forward: float, backward: float) -> float:
+    """A flash kernel's measured forward and backward fractions of peak as one training rate, in the
+    planner's attention convention (cost.attention_flops_per_token).
+
+    The FlashAttention papers count a backward pass as 2.5 forward passes of FLOPs (5 matmuls
+    against 2) and benchmark without a causal mask; the planner counts 3 forward passes (backward =
+    2 x forward) and the unhalved causal FLOPs, of which a causal kernel runs half. So the time of
+    one planner "forward FLOP unit" is (1/f + 2.5/b) / 3 at the peak, halved for the mask.
+    """
+    return 2 * 3 / (1 / forward + 2.5 / backward)
+
+
+@dataclass(frozen=True)
+class KernelCeiling:
+    """The best published rate of one op kind on one accelerator, as a fraction of its dense peak."""
+
+    fraction: float
+    source: str  # where the figure is published (a pinned URL or a paper's table/figure)
+
+
+KERNEL_CEILINGS: dict[str, dict[tuple[str, str], KernelCeiling]] = {
+    # Matmul: Stas Bekman's Maximum Achievable Matmul FLOPS (MAMF) table, BF16, best shape found by
+    # mamf-finder.py (mean of 100 iterations after 50 warm-up ones): MAMF / spec peak.
+    # Attention: FlashAttention-2 (Dao 2023, arXiv:2307.08691, sections 1 and 4: "up to 73 % of the
+    # theoretical max throughput in the forward pass, and up to 63 % ... in the backward pass", A100)
+    # and FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608: abstract, FP16 forward up to 740
+    # TFLOPs/s = 75 % of the H100 SXM5's 989; Figure "Attention backward speed, head dim 128 (H100
+    # 80GB SXM5)": up to 561 TFLOPs/s at 16k), non-causal, head dim 128.
+    "a100-sxm": {
+        ("matmul", "bf16"): KernelCeiling(271.2 / 312, f"MAMF, NVIDIA A100 SXM: 271.2 of 312 TFLOPS ({MAMF_URL})"),
+        ("attention", "bf16"): KernelCeiling(training_attention_fraction(0.73, 0.63),
+                                             "FlashAttention-2 on A100 (arXiv:2307.08691 sec. 4): forward 73 %, "
+                                             "backward 63 % of peak"),
+    },
+    "h100-sxm": {
+        ("matmul", "bf16"): KernelCeiling(794.5 / 989, f"MAMF, NVIDIA H100 SXM: 794.5 of 989 TFLOPS ({MAMF_URL})"),
+        ("attention", "bf16"): KernelCeiling(training_attention_fraction(740 / 989, 561 / 989),
+                                             "FlashAttention-3 on H100 SXM5, FP16 (arXiv:2407.08608): forward "
+                                             "740, backward 561 of 989 TFLOPS"),
+    },
+    "mi300x": {
+        ("matmul", "bf16"): KernelCeiling(668.4 / 1300, f"MAMF, AMD MI300X: 668.4 of 1300 TFLOPS ({MAMF_URL})"),
+    },
+}
+
+# GPUs (or op kinds) with no published measurement (L40S, RTX 4090, MI300X's attention, a
+# --gpu-spec without ``ceilings``): the mean of the A100 and H100 rows, the two generations the
+# published training runs calibrate (the same rule as cost.DEFAULT_CALIBRATION); `plan` says so.
+UNMEASURED_CEILINGS: dict[str, float] = {
+    op: sum(KERNEL_CEILINGS[row][(op, "bf16")].fraction for row in ("a100-sxm", "h100-sxm")) / 2
+    for op in ("matmul", "attention")
+}
+
+
+def ceiling(g: GPU, op: str, precision: str) -> tuple[float, str]:
+    """``op``'s ceiling on ``g`` in ``precision`` (a planner precision name): the fraction of the
+    peak the planner rates that precision at, and where it comes from ("" when nothing is published)."""
+    row = KERNEL_CEILINGS.get(g.ceilings, {})
+    # fp32 trains on TF32 tensor cores: with no TF32 row, the 16-bit fraction of the TF32 peak (the
+    # same tensor cores at half the rate).
+    measured = row.get((op, "tf32" if precision == "fp32" else "bf16")) or row.get((op, "bf16"))
+    if measured is None:
+        return UNMEASURED_CEILINGS[op], ""
+    return measured.fraction, measured.source
+
 
 GPU_ALIASES: dict[str, str] = {
     "h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb", "a100-40": "a100-40gb",
@@ -169,6 +254,7 @@ GPU_SPEC_KEYS = {
     "inter_gbs": "inter-node (NIC) GB/s per GPU per direction",
     "host_ram_gib": "host RAM per node, GiB",
     "calibration": "whose fitted constants apply: a100, h100, or \"\" for the defaults",
+    "ceilings": "whose published kernel measurements apply: a100-sxm, h100-sxm, mi300x, or \"\" for none",
 }
 
 
@@ -190,6 +276,9 @@ def gpu_from_dict(raw: dict[str, Any], where: str) -> GPU:
     if "calibration" in values and values["calibration"] not in ("", *CALIBRATION_KEYS):
         raise ConfigError(f"{where}: calibration must be one of {', '.join(CALIBRATION_KEYS)} or \"\" "
                           f"(default constants), got {values['calibration']!r}.")
+    if "ceilings" in values and values["ceilings"] not in ("", *KERNEL_CEILINGS):
+        raise ConfigError(f"{where}: ceilings must be one of {', '.join(KERNEL_CEILINGS)} or \"\" "
+                          f"(no published measurement), got {values['ceilings']!r}.")
     if "base" in raw:
         base = gpu(str(raw["base"]))
         values.setdefault("name", f"{base.name}-custom")

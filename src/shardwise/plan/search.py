@@ -52,6 +52,7 @@ from shardwise.plan.choices import (
     micro_batch_choices,
 )
 from shardwise.plan.offload import offload_advice
+from shardwise.plan.presets import ceiling
 
 if TYPE_CHECKING:
     from shardwise.plan.advice import Candidate, Cluster, Plan, Workload
@@ -230,6 +231,11 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
     if not calib.fitted_runs:
         warnings.append(f"no published training run calibrates {cluster.gpu.name}: step times use the default "
                         "constants (docs/planner.md lists the GPUs that are calibrated); memory is unaffected.")
+    unmeasured = [op for op in ("matmul", "attention") if not ceiling(cluster.gpu, op, work.precision)[1]]
+    if unmeasured:
+        warnings.append(f"no published kernel measurement for {' or '.join(unmeasured)} on {cluster.gpu.name}: "
+                        "its ceiling is the mean of the A100's and the H100's fractions of peak "
+                        "(presets.UNMEASURED_CEILINGS, docs/planner.md); step times are an estimate.")
     if not spec.has_structure:
         warnings.append(f"{spec.name}: only a parameter count is known, so activations and the attention "
                         "FLOPs are not modelled (counted as 0). Pass --hf-config, a preset or "
