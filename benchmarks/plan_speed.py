@@ -23,6 +23,9 @@ CASES = [
     ["--model", "llama-3-70b", "--nodes", "8", "--checkpoint", "selective-op"],
     ["--model", "llama-3-405b", "--nodes", "64", "--checkpoint", "full"],
     ["--model", "mistral-7b", "--gpu", "h200", "--nodes", "16"],
+    # The searched context- and expert-parallel degrees (was a timed assertion in test_plan_cp_ep.py).
+    ["--model", "llama-3-70b", "--nodes", "4", "--seq", "32768"],
+    ["--model", "gpt-moe-lab", "--nodes", "4"],
 ]
 PROBE = ("import io, sys, time, contextlib\nfrom shardwise.cli import main\nt = time.perf_counter()\n"
          "with contextlib.redirect_stdout(io.StringIO()):\n    rc = main(['plan', *sys.argv[1:]])\n"

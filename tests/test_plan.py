@@ -6,7 +6,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -181,12 +180,10 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["plan", *argv])
 
 
-@pytest.mark.serial  # a wall-clock bound: not beside another shard's ranks
 def test_cli_json_and_table(capsys):
-    t0 = time.perf_counter()
+    # How long it takes is benchmarks/plan_speed.py's figure (the same case), not an assertion here.
     assert _args("--model", "llama-3-8b", "--seq", "8192", "--json").func(
         _args("--model", "llama-3-8b", "--seq", "8192", "--json")) == 0
-    assert time.perf_counter() - t0 < 1.0  # "answers in well under a second"
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"] and {c["strategy"] for c in out["candidates"]} >= {"ddp", "zero1", "zero2", "fsdp"}
     plan_cli.run(_args("--model", "gpt-tiny", "--gpu", "rtx-4090", "--gpus-per-node", "2", "--precision", "fp32"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -197,13 +196,6 @@ def test_planner_and_runtime_allow_the_same_ep_degrees(world, tp, pp, cp, expert
     allowed = {ep for ep in degrees if planner(ep)}
     assert allowed == {ep for ep in degrees if runtime(ep)}
     assert max(allowed) == max(d for d in ep_degrees(experts) if (world // (tp * pp)) % d == 0)  # dp_shard x cp
-
-
-def test_searching_the_new_degrees_stays_under_a_second():
-    start = time.perf_counter()
-    plan_cli.build_plan(plan_args("--model", "llama-3-70b", "--nodes", "4", "--seq", "32768"))
-    plan_cli.build_plan(plan_args("--model", "gpt-moe-lab", "--nodes", "4"))
-    assert time.perf_counter() - start < 2.0  # each < 1 s (generous for a loaded CI machine)
 
 
 def test_tp_keeps_moe_routers_and_experts_whole():
