@@ -223,14 +223,19 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         for key in ("cp", "ep", "pp_schedule", "pp_stages_per_rank"):
             if run.get(key, 1) != 1:
                 extra[key] = run[key]
+        kernels = run_kernels(run)
+        if kernels.ep_groups != Kernels().ep_groups:  # the stack's expert groups (plan --stack-set ep_groups)
+            extra["ep_groups"] = kernels.ep_groups
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
-                        kernels=run_kernels(run), safety_margin=0.0,
+                        kernels=kernels, safety_margin=0.0,
                         pp_schedule=run.get("pp_schedule", "1f1b"), pp_stages_per_rank=run.get("pp_stages_per_rank", 1))
         refused = ""
         try:
             layout = run_layout(run["strategy"], dp, tp, pp, **extra)
+            if pp > 1 and spec.n_layers:  # the layout's stage split (a stage per rank and layer at most)
+                layout.with_blocks(spec.n_layers)
             if run.get("cp", 1) > 1 and spec.moe is not None and spec.family not in CP_FAMILIES:
                 raise ConfigError(f"context parallel does not run the {spec.family} family's attention")
         except ConfigError as e:  # a layout the planner (and the runtime) cannot express

@@ -37,8 +37,26 @@ from shardwise.errors import ConfigError
 if TYPE_CHECKING:
     from shardwise.core.config import ParallelConfig
 
-__all__ = ["Layout", "data_parallel_degree", "ranks_per_node", "resolve_layout",
+__all__ = ["EP_GROUPS", "Layout", "data_parallel_degree", "ep_group_ranks", "ranks_per_node", "resolve_layout",
            "stage_layer_ranges", "tp_indivisible"]
+
+# How a training stack forms its expert-parallel groups: the one owner of the ep divisibility rule,
+# asked by ``Layout._check_ep`` and (through ``Layout.ep_groups``, set from the planner's stack
+# property ``Kernels.ep_groups``, plan/stacks.py) by the planner. ``ep_group_ranks`` says which ranks
+# an expert group is carved from; ep must divide their count.
+EP_GROUPS: dict[str, str] = {
+    # shardwise's runtime and torchtitan with expert-tensor-parallel = tp: ep is borrowed from the
+    # FSDP shard ranks, dp_shard x cp (parallel/mesh.py); expert groups are dp ranks tp apart.
+    "dp-shard": "dp_shard x cp (the FSDP shard ranks)",
+    # DeepSpeed-MoE: expert groups are carved out of the data-parallel ranks of any ZeRO stage
+    # (deepspeed.utils.groups: the dp world size must divide by ep); dp ranks tp apart.
+    "dp": "dp x cp (the data-parallel ranks, whatever they hold)",
+    # Megatron-Core's MoE parallel folding with expert-tensor-parallel 1 (moe/README.md "MoE Parallel
+    # Folding"; parallel_state.initialize_model_parallel: world % (etp x ep x pp) == 0, expert data
+    # parallel = world / (etp x ep x pp)): the experts' tp-ep-dp-pp groups fold over the attention's
+    # tp x cp x dp ranks of each pipeline stage, ep innermost with etp 1 (consecutive ranks).
+    "tp-dp": "tp x dp x cp (every rank of a pipeline stage; Megatron's MoE parallel folding, ETP 1)",
+}
 
 
 def _runs_ep(info: StrategyInfo) -> bool:
@@ -105,6 +123,9 @@ class Layout:
     # dp ranks splits every MoE layer's experts, and the ``dp_shard / ep`` groups FSDP-shard them.
     cp: int = 1
     ep: int = 1
+    # Which ranks expert groups are carved from (EP_GROUPS): the runtime's "dp-shard"; another
+    # stack's rule only where the planner describes that stack (plan --stack megatron).
+    ep_groups: str = "dp-shard"
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
@@ -186,33 +207,58 @@ class Layout:
                  tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
 
     def _check_ep(self) -> None:
-        """Expert parallelism borrows ep ranks from the FSDP shard group (torchtitan's layout)."""
+        """Expert groups are carved out of the ranks ``ep_group_ranks`` names (the runtime's rule:
+        the FSDP shard group, torchtitan's layout; another stack's only for the planner)."""
         ep = self.ep
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise ConfigError(f"parallel.ep must be an integer >= 1, got {ep!r}.")
+        if self.ep_groups not in EP_GROUPS:
+            raise ConfigError(f"ep_groups={self.ep_groups!r}: allowed: {', '.join(EP_GROUPS)}.")
         if ep == 1:
             return
+        # Another stack's expert groups are planned, never run: the runtime's own limits (FSDP2
+        # strategies only, no zero-bubble schedule) are its, not that stack's.
+        runtime_rule = self.ep_groups == "dp-shard"
         # Under hsdp the expert groups are carved out of each shard group (parallel/mesh.py).
-        if self.external is None and not _runs_ep(self.info):
+        if runtime_rule and self.external is None and not _runs_ep(self.info):
             names = [n for n, i in REGISTRY.items() if _runs_ep(i)]
             raise ConfigError(
                 f"parallel.ep={ep} (expert parallel) runs under the FSDP2 strategies {', '.join(names)}, not "
                 f"{self.strategy!r}: its expert groups are carved out of the FSDP shard ranks. Use one of "
                 "them, or set parallel.ep = 1.")
-        if self.pp > 1:  # fsdp+pp with ep: every schedule but the zero-bubble ones
+        if runtime_rule and self.pp > 1:  # fsdp+pp with ep: every schedule but the zero-bubble ones
             refusal = ep_refusal(self.pp_schedule)
             if refusal:
                 raise ConfigError(refusal + ".")
-        if self.shard % ep:
-            divisors = [d for d in range(1, self.shard + 1) if self.shard % d == 0]
-            # Megatron spreads experts over tp (expert-tensor-parallel) or pp ranks too; not here.
-            wider = [name for name, d in (("tensor-parallel ranks (Megatron's expert-tensor-parallel)", self.tp),
-                                          ("pipeline ranks", self.pp)) if d > 1 and ep > self.shard]
-            why = (f" Expert groups that span {' or '.join(wider)} are not implemented: ep is borrowed from "
-                   "dp_shard x cp only (torchtitan's layout)." if wider else "")
+        ranks = ep_group_ranks(self.ep_groups, shard=self.shard, dp=self.dp, tp=self.tp)
+        if ranks % ep == 0:
+            return
+        divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        if not runtime_rule:
             raise ConfigError(
-                f"parallel.ep={ep} must divide the ranks that FSDP shards over, dp_shard x cp = {self.shard} "
-                f"(expert groups are made of those ranks). Valid ep here: {', '.join(map(str, divisors))}.{why}")
+                f"parallel.ep={ep} must divide the ranks expert groups are carved from under ep_groups="
+                f"{self.ep_groups!r}, {EP_GROUPS[self.ep_groups]} = {ranks}. Valid ep here: "
+                f"{', '.join(map(str, divisors))}.")
+        # Megatron spreads experts over tp (expert-tensor-parallel) or pp ranks too; not here.
+        wider = [name for name, d in (("tensor-parallel ranks (Megatron's expert-tensor-parallel)", self.tp),
+                                      ("pipeline ranks", self.pp)) if d > 1 and ep > self.shard]
+        why = (f" Expert groups that span {' or '.join(wider)} are not implemented: ep is borrowed from "
+               "dp_shard x cp only (torchtitan's layout)." if wider else "")
+        raise ConfigError(
+            f"parallel.ep={ep} must divide the ranks that FSDP shards over, dp_shard x cp = {self.shard} "
+            f"(expert groups are made of those ranks). Valid ep here: {', '.join(map(str, divisors))}.{why}")
+
+    @property
+    def ep_stride(self) -> int:
+        """Ranks between neighbours of an expert group (the mesh's order): tp under the dp-carved rules
+        (dp ranks are tp apart), 1 under Megatron's folding (etp 1: ep is its innermost MoE dim)."""
+        return 1 if self.ep_groups == "tp-dp" else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of one pipeline stage holding the same experts (Megatron's expert data parallel): the
+        ranks the expert groups are carved from over ep; their expert gradients are reduced together."""
+        return ep_group_ranks(self.ep_groups, shard=self.dp, dp=self.dp, tp=self.tp) // self.ep
 
     @property
     def ep_enabled(self) -> bool:
@@ -520,6 +566,19 @@ def ep_degrees(n_experts: int) -> list[int]:
     return [d for d in range(1, n_experts + 1) if n_experts % d == 0]
 
 
+def ep_group_ranks(rule: str, *, shard: int, dp: int, tp: int) -> int:
+    """The ranks of one pipeline stage that expert groups are carved from under ``rule`` (EP_GROUPS):
+    ep must divide this count. ``shard`` is ``Layout.shard`` and ``dp`` ``Layout.dp`` (both count
+    cp ranks)."""
+    if rule == "dp-shard":
+        return shard
+    if rule == "dp":
+        return dp
+    if rule == "tp-dp":
+        return tp * dp
+    raise ConfigError(f"ep_groups={rule!r}: allowed: {', '.join(EP_GROUPS)}.")
+
+
 def ep_candidates(shard: int, n_experts: int) -> list[int]:
     """EP degrees that fit: divisors of the FSDP shard group (``Layout.shard`` = dp_shard x cp, the
     ranks ep is borrowed from) that also divide the expert count."""
@@ -577,12 +636,13 @@ def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
 
 
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
-                   n_blocks: int | None = None, block_path: str = "") -> Layout:
+                   n_blocks: int | None = None, block_path: str = "", ep_groups: str = "dp-shard") -> Layout:
     """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
 
     ``ranks_per_node``: the default HSDP shard group (``parallel.hsdp_shard_size = 0``); the
     world size when None. ``n_blocks``: the model's transformer blocks, when known (pipeline
-    stage ranges are computed and checked).
+    stage ranges are computed and checked). ``ep_groups``: another stack's expert-group rule
+    (EP_GROUPS), for the planner only; the runtime always resolves with its own.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
@@ -622,7 +682,7 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         name, dp=dp, tp=tp, pp=pp, shard=shard, cp=options.cp, ep=options.ep, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
-        n_blocks=n_blocks, block_path=block_path,
+        n_blocks=n_blocks, block_path=block_path, ep_groups=ep_groups,
     )
     _check_given_degrees(layout, given)
     return layout

@@ -377,7 +377,10 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
                 try:
-                    layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers)
+                    # The stack's expert-group rule (Kernels.ep_groups): shardwise's unless the plan
+                    # describes another stack (--stack megatron), whose ep train would refuse.
+                    layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers,
+                                            ep_groups=work.kernels.ep_groups)
                 except ConfigError as e:
                     errors.append(e)
                     continue

@@ -152,7 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "commands always run shardwise")
     w.add_argument("--stack-set", action="append", default=[], metavar="KEY=VALUE",
                    help="one stack property alone (repeatable): loss, norm, tp_overlap, dp_overlap, ep_overlap, "
-                   "grad_allreduce_after_backward, grad_buffer, state, grad_sync")
+                   "grad_allreduce_after_backward, grad_buffer, state, pp_receive_buffers, ep_groups (which ranks "
+                   "expert groups come from: dp-shard, dp, tp-dp), grad_sync")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
     w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
                    "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "

@@ -299,10 +299,11 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         compute_micro += 2 * seq // cp * micro_batch * spec.hidden * spec.vocab / fabric.matmul_flops_per_s(calib)
     # Expert parallel (plan/moe.py): token dispatch + combine all-to-alls, forward, backward and
     # recompute, for the MoE layers of this rank's pipeline stage(s) only; the ep ranks are
-    # consecutive data-parallel ranks, tp apart. Exposed unless the stack overlaps them with
-    # another micro-batch's compute (Kernels.ep_overlap).
+    # ``Layout.ep_stride`` apart (consecutive data-parallel ranks, tp apart; consecutive ranks under
+    # Megatron's folding), so the group's link is NVLink while it fits in a node. Exposed unless
+    # the stack overlaps them with another micro-batch's compute (Kernels.ep_overlap).
     ep = getattr(layout, "ep", 1) or 1
-    ep_s = ep_all_to_all_s(spec, seq // cp * micro_batch, ep, fabric.collective_gbs(ep, tp), prec.act,
+    ep_s = ep_all_to_all_s(spec, seq // cp * micro_batch, ep, fabric.collective_gbs(ep, layout.ep_stride), prec.act,
                            calib.hop_latency_s, layers=moe_layers_on_busiest_stage(spec, layout),
                            recompute=share.tp_collectives) * grad_accum if ep > 1 else 0.0
     compute = compute_micro * grad_accum
@@ -312,6 +313,13 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     local_params = math.ceil(spec.n_params / (tp * pp))
     exposed = total = 0.0
     alpha = calib.hop_latency_s
+    # Expert parallel under a replicating / ZeRO-1 stack (Megatron, DeepSpeed-MoE): a rank holds
+    # n_experts / ep of its stage's experts (whole under TP), whose gradients are reduced over the
+    # expert data-parallel group (Layout.expert_dp, ranks ep_stride x ep apart), the rest over dp.
+    # (FSDP kinds shard the experts with the rest: plan/moe.py.)
+    expert_local, edp, edp_stride = _expert_reduce_group(spec, layout)
+    if expert_local:
+        local_params = max(0, local_params - math.ceil(spec.moe.routed_params / (tp * pp)))
     units = (spec.n_layers or 1) / pp + 1  # FSDP units on this rank: its blocks and the root
     sharding = layout.sharding
     if layout.strategy.startswith("hsdp"):
@@ -326,6 +334,10 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         buckets = math.ceil(local_params / max(40e6, 1e6 * dp))
         rs = all_gather_s(dp, prec.grad * local_params, bw, buckets, alpha)
         ag = all_gather_s(dp, prec.param * local_params, bw, buckets, alpha)
+        if expert_local:  # the experts' buffer: its own buckets over the expert data-parallel group
+            ebw, ebuckets = fabric.collective_gbs(edp, edp_stride), math.ceil(expert_local / max(40e6, 1e6 * edp))
+            rs += all_gather_s(edp, prec.grad * expert_local, ebw, ebuckets, alpha)
+            ag += all_gather_s(edp, prec.param * expert_local, ebw, ebuckets, alpha)
         exposed += max(0.0, rs - compute_micro * 2 / 3) + max(0.0, ag - compute_micro / 3)
         total += rs + ag
     elif sharding in ("replicate", "zero1") and dp > 1:
@@ -334,15 +346,23 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         grad_bytes = (kernels.grad_comm_bytes or prec.grad) * local_params
         if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
             ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
-            exposed += ar
         else:
             ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
+        if expert_local:  # the experts' gradients: over the expert data-parallel group
+            expert_bytes = (kernels.grad_comm_bytes or prec.grad) * expert_local
+            ar += all_reduce_s(edp, expert_bytes, fabric.collective_gbs(edp, edp_stride),
+                               math.ceil(expert_bytes / calib.ddp_bucket_bytes), alpha)
+        if kernels.grad_allreduce_after_backward:
+            exposed += ar
+        else:
             # Gradients sync once per step (no_sync during accumulation); DDP overlaps the
             # all-reduce with the last micro-batch's backward (2/3 of its compute).
             exposed += max(0.0, ar - compute_micro * 2 / 3)
         total += ar
         if sharding == "zero1":  # updated parameters are broadcast after the step: not overlapped
             bc = all_gather_s(dp, prec.param * local_params, bw, len(spec.params) or 1, alpha)
+            if expert_local:
+                bc += all_gather_s(edp, prec.param * expert_local, fabric.collective_gbs(edp, edp_stride), 1, alpha)
             exposed += bc
             total += bc
     if sharding in ("zero2", "fsdp") and shard > 1:
@@ -432,6 +452,19 @@ def _pipeline_transfers(schedule: str, pp: int, stages_per_rank: int, microbatch
     cached: each walks the stage placement, and the search and the calibration's fit ask the same few."""
     sent = max(p2p_messages_per_step(schedule, pp, stages_per_rank, microbatches, r) for r in range(pp))
     return sent, waited_transfers(schedule, pp, stages_per_rank, microbatches)
+
+
+def _expert_reduce_group(spec: ModelSpec, layout: Layout) -> tuple[int, int, int]:
+    """(expert parameters one rank holds and reduces apart from the rest, the expert data-parallel
+    degree, the stride between its ranks) under a replicating / ZeRO-1 stack with expert parallel;
+    (0, 1, 1) otherwise. The busiest pipeline rank's MoE layers (moe_layers_on_busiest_stage),
+    n_experts / ep of each; the expert data-parallel ranks are an expert group's width apart."""
+    info = getattr(spec, "moe", None)
+    if info is None or layout.ep <= 1 or layout.sharding not in ("replicate", "zero1"):
+        return 0, 1, 1
+    layers = moe_layers_on_busiest_stage(spec, layout)
+    per_rank = (info.n_moe_layers if layers is None else layers) * info.n_experts // layout.ep * info.params_per_expert
+    return per_rank, layout.expert_dp, layout.ep_stride * layout.ep
 
 
 def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:

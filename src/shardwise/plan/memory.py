@@ -19,7 +19,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
-from shardwise.core.layout import Layout, stage_layer_ranges, tp_indivisible
+from shardwise.core.layout import EP_GROUPS, Layout, stage_layer_ranges, tp_indivisible
 from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, peak_weight_passes_due
 from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
@@ -119,6 +119,11 @@ class Kernels:
       in-flight micro-batches (Megatron's p2p_communication allocates each received tensor, which
       is that micro-batch's saved input; DeepSpeed's pipe engine keeps ``num_pipe_buffers``, the
       in-flight count): nothing beyond the in-flight activations.
+    * ``ep_groups``: which ranks the stack carves expert-parallel groups from (core/layout.py
+      ``EP_GROUPS``, the one owner of each rule): "dp-shard" (shardwise, torchtitan: the FSDP shard
+      ranks), "dp" (DeepSpeed-MoE: the data-parallel ranks of any kind), "tp-dp" (Megatron-Core's
+      MoE parallel folding with expert-tensor-parallel 1: tp x dp x cp of a pipeline stage). The
+      planner resolves its layouts with it (advice.candidate_layouts); ``train`` runs "dp-shard" only.
     """
 
     loss: str = "torch"
@@ -130,8 +135,11 @@ class Kernels:
     grad_buffer: str = "ddp"
     state: str = "fp32-params"
     pp_receive_buffers: bool = True
+    ep_groups: str = "dp-shard"
 
     def __post_init__(self) -> None:
+        if self.ep_groups not in EP_GROUPS:
+            raise unknown_choice("expert-group rule", self.ep_groups, tuple(EP_GROUPS))
         if self.state not in STATE_KINDS:
             raise unknown_choice("model-state storage", self.state, STATE_KINDS)
         if self.loss not in LOSS_KINDS:
@@ -391,6 +399,15 @@ def held_unsharded_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int
     return full - routed_expert_numel(spec, layout, stage) * (ep - 1) // ep
 
 
+def _ep_split_experts(spec: ModelSpec, layout: Layout, params: list[ParamInfo]) -> list[bool] | None:
+    """Which of ``params`` are routed-expert tensors that expert parallel splits ep ways on a
+    replicating / ZeRO-1 stack (None when none are: no ep, no MoE, or FSDP, whose shards already
+    cover the experts: plan/moe.py)."""
+    if layout.ep <= 1 or spec.moe is None or layout.sharding not in ("replicate", "zero1"):
+        return None
+    return [".experts." in p.name for p in params]
+
+
 def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
                  rank: int | None, stage: int) -> StateBytes:
     if rank is None:
@@ -400,14 +417,18 @@ def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: st
             numels = [p.numel for p in params]
             owned, busiest = None, 0  # FSDP's first shard is the largest (chunks pad the last ones)
             if layout.sharding == "zero1":
-                owned = _zero1_owned(params, numels, layout.dp)
+                experts = _ep_split_experts(spec, layout, params)
+                # Expert tensors split by ep have their state sharded over the expert data-parallel
+                # ranks instead (_state_bytes_one): only the others are dealt out over dp.
+                dealt = [0 if e else n for n, e in zip(numels, experts)] if experts else numels
+                owned = _zero1_owned(params, dealt, layout.dp)
                 if spec.params:
                     # ZeRO-1's ranks hold the same parameters and gradients and differ only in the
                     # optimizer state and master copy of the tensors each owns: the busiest is the
                     # first with the most, found with each tensor's state computed once (once per
                     # rank was O(dp x tensors): seconds per candidate for a 405B model at dp 256).
                     loads = [sum(tensor_state_bytes(params[i], params[i].shape, optimizer) + prec.master * numels[i]
-                                 for i in mine) for mine in owned]
+                                 for i in mine if not (experts and experts[i])) for mine in owned]
                     busiest = loads.index(max(loads))
             sb = _state_bytes_one(spec, layout, prec, optimizer, busiest, params, owned, numels)
             if sb.total > best.total:
@@ -422,6 +443,19 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     out = StateBytes()
     if layout.sharding in ("replicate", "zero1"):
         numels = numels if numels is not None else [p.numel for p in params]
+        experts = _ep_split_experts(spec, layout, params)
+        if experts:
+            # Expert parallel under a replicating / ZeRO-1 stack (Megatron, DeepSpeed-MoE): this rank
+            # holds n_experts / ep of each of its stage's MoE layers' experts, their gradients too,
+            # and their optimizer state and master copy are sharded over the expert data-parallel
+            # group (Layout.expert_dp; replicated under plain DDP), not over dp.
+            numels = [n // layout.ep if e else n for n, e in zip(numels, experts)]
+            edp = layout.expert_dp if layout.sharding == "zero1" else 1
+            for n, p, e in zip(numels, params, experts):
+                if e and p.trainable:
+                    share = math.ceil(n / edp)
+                    out.optimizer += tensor_state_bytes(p, (share,), optimizer)
+                    out.master += prec.master * share
         total = sum(numels)
         out.params = prec.param * total
         out.grads = prec.grad * sum(n for n, p in zip(numels, params) if p.trainable)
@@ -432,16 +466,21 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             out.master = prec.master * share
             return out
         if layout.sharding == "replicate":
-            owned: range | list[int] = [i for i, p in enumerate(params) if p.trainable]
+            owned: range | list[int] = [i for i, p in enumerate(params) if p.trainable and not (experts and experts[i])]
         else:
-            owned = (zero1_owned or _zero1_owned(params, numels, layout.dp))[rank]
+            dealt = [0 if e else n for n, e in zip(numels, experts)] if experts else numels
+            owned = [i for i in (zero1_owned or _zero1_owned(params, dealt, layout.dp))[rank]
+                     if not (experts and experts[i])]
         for i in owned:
             out.optimizer += tensor_state_bytes(params[i], params[i].shape, optimizer)
             out.master += prec.master * numels[i]
         return out
     n = layout.shard
+    # Megatron's folding (ep_groups "tp-dp"): the experts, whole on each TP rank, are split over the
+    # expert groups and sharded over the expert data-parallel ranks, tp x shard ranks in all.
+    folded = layout.ep > 1 and layout.ep_groups == "tp-dp" and layout.tp > 1 and spec.moe is not None
     for p in params:
-        padded, actual = _chunk_rows(p.shape[0], n, rank)
+        padded, actual = _chunk_rows(p.shape[0], n * layout.tp if folded and ".experts." in p.name else n, rank)
         rest = math.prod(p.shape[1:])
         out.params += prec.param * padded * rest  # FSDP2 pads parameter and gradient storage
         if not p.trainable:
@@ -932,14 +971,15 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     reduce_copies = 0  # bytes that exist only while the gradients are reduced, after the schedule
     if layout.sharding == "replicate" and layout.dp > 1 or layout.sharding == "zero1":
         # Where the stack keeps the gradients it reduces (Kernels.grad_buffer).
+        # (held_local: the parameters this rank holds, its n_experts / ep experts under expert parallel.)
         if kernels.grad_buffer == "ddp":
             # DDP copies every gradient into its own flat buckets (gradient_as_bucket_view=False).
-            parts["ddp buckets"] = prec.grad * full_local
+            parts["ddp buckets"] = prec.grad * held_local
         elif kernels.grad_buffer == "deepspeed-bf16":
             # The bf16 gradients stay next to the fp32 accumulation buffer (the state's grads);
             # the bf16 cast of that buffer for the all-reduce comes after the schedule.
-            grads += 2 * full_local
-            reduce_copies = 2 * full_local
+            grads += 2 * held_local
+            reduce_copies = 2 * held_local
         # "contiguous": reduced in place in the fp32 buffer the state already counts.
     elif layout.sharding in ("zero2", "fsdp") and layout.pp > 1:
         # torch.distributed.pipelining keeps each stage unsharded for the whole schedule

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shardwise.core.strategies import REGISTRY
+from shardwise.errors import ConfigError
 from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
 from shardwise.plan.advice import (
     RUNTIME_RESERVE_GIB,
@@ -55,6 +56,7 @@ from shardwise.plan.offload import offload_advice
 from shardwise.plan.presets import ceiling
 
 if TYPE_CHECKING:
+    from shardwise.core.layout import Layout
     from shardwise.plan.advice import Candidate, Cluster, Plan, Workload
     from shardwise.plan.cost import Calibration
     from shardwise.plan.spec import ModelSpec
@@ -65,6 +67,18 @@ VERDICTS = ("fits", "tight", "no")
 
 
 # -------------------------------------------------------------------------------------- ranking
+
+def _runtime_ep_refusal(layout: Layout) -> str:
+    """Why shardwise's runtime refuses ``layout``'s ep ('' when it runs it): the layout rebuilt
+    with the runtime's expert-group rule ("dp-shard"), so Layout._check_ep stays the one owner."""
+    if layout.ep_groups == "dp-shard":
+        return ""
+    try:
+        dataclasses.replace(layout, ep_groups="dp-shard")
+    except ConfigError as e:
+        return str(e)
+    return ""
+
 def gib(nbytes: float) -> str:
     """Bytes as the table prints them (GiB, 2 decimals)."""
     return f"{nbytes / GIB:.2f}"
@@ -269,6 +283,11 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
+    if best is not None and (why := _runtime_ep_refusal(best.layout)):
+        # Planned under another stack's expert groups (Kernels.ep_groups): train would refuse it.
+        warnings.append(f"{best.name} is planned with {work.kernels.ep_groups!r} expert groups (the --stack's rule), "
+                        f"which shardwise's train does not run: {why} No command printed.")
+        commands = []
     offload: list = []
     if not cands and skipped:
         # Every layout of the degrees asked for is refused (the runtime cannot run them): say so;

@@ -14,9 +14,16 @@ What each stack implies (the properties not named keep shardwise's defaults):
 * ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, TP communication overlap, the
   distributed optimizer overlapping its reduce-scatter / all-gather, a contiguous fp32 gradient
   buffer, 16-bit parameters with an fp32 master copy, pipeline receives into the in-flight
-  micro-batches' own tensors.
+  micro-batches' own tensors; expert groups folded over tp x dp x cp of a pipeline stage (MoE
+  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``).
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
-  parameters with an fp32 master copy, pipeline receives into its in-flight buffers.
+  parameters with an fp32 master copy, pipeline receives into its in-flight buffers; expert groups
+  carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``).
+
+``ep_groups`` lets the planner plan an ep that stack allows and shardwise's runtime does not (the
+rule itself: core/layout.py ``EP_GROUPS``); ``train`` still refuses it (``Layout._check_ep``).
+torchtitan keeps shardwise's rule here (its default expert-tensor-parallel = tp); its etp 1 folds
+ep over tp as well: ``--stack-set ep_groups=tp-dp`` says so.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
     "torchtitan": {"grad_sync": "microbatch"},
     "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
-                 "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False},
-    "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False},
+                 "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
+                 "ep_groups": "tp-dp"},
+    "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False,
+                  "ep_groups": "dp"},
 }
 STACK_KEYS = (*(f.name for f in dataclasses.fields(Kernels)), "grad_sync")
 
