@@ -48,6 +48,7 @@ def test_megatron_ep_over_tp_x_dp_is_planned_with_hand_computed_experts_and_all_
     assert (layout.tp, layout.dp, layout.pp, layout.ep_stride, layout.expert_dp) == (2, 16, 8, 1, 1)
     # train would refuse it: no command, and the warning quotes the runtime's refusal.
     assert not plan.commands and any(REFUSAL in w for w in plan.warnings), plan.warnings
+    assert plan_cli.run_prediction(plan) is None  # no "as train stores it" table for a run train refuses
     # All-to-all buffers: a rank's 4096 tokens x top-8 copies x hidden 2048, bf16, sent and received.
     assert best.memory.transient_parts["all-to-all buffers (ep)"] == 2 * 4096 * 8 * 2048 * 2
     # Experts at rest: pipeline rank 0 holds layers 0-5; folded over tp x dp = 32 ranks, each keeps

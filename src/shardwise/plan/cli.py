@@ -39,7 +39,7 @@ from shardwise.plan.memory import (
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
-from shardwise.plan.search import device_gib, gib, make_plan, searched, tps
+from shardwise.plan.search import device_gib, gib, make_plan, runtime_ep_refusal, searched, tps
 from shardwise.plan.stacks import stack_settings
 from shardwise.rehearse.plan import format_rows, rehearse_candidates
 
@@ -364,7 +364,7 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
     memory ledger measures. The table's columns are the planner's general model (16-bit parameters
     plus an fp32 master copy, as Megatron and DeepSpeed keep them)."""
     c = plan.recommended
-    if c is None:
+    if c is None or runtime_ep_refusal(c.layout):  # another stack's ep (--stack megatron): train refuses it
         return None
     w = plan.workload
     micro_batch_size, accum_steps = runtime_batch(c.layout, c.micro_batch, c.grad_accum)

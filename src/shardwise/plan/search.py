@@ -68,7 +68,7 @@ VERDICTS = ("fits", "tight", "no")
 
 # -------------------------------------------------------------------------------------- ranking
 
-def _runtime_ep_refusal(layout: Layout) -> str:
+def runtime_ep_refusal(layout: Layout) -> str:
     """Why shardwise's runtime refuses ``layout``'s ep ('' when it runs it): the layout rebuilt
     with the runtime's expert-group rule ("dp-shard"), so Layout._check_ep stays the one owner."""
     if layout.ep_groups == "dp-shard":
@@ -283,7 +283,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
-    if best is not None and (why := _runtime_ep_refusal(best.layout)):
+    if best is not None and (why := runtime_ep_refusal(best.layout)):
         # Planned under another stack's expert groups (Kernels.ep_groups): train would refuse it.
         warnings.append(f"{best.name} is planned with {work.kernels.ep_groups!r} expert groups (the --stack's rule), "
                         f"which shardwise's train does not run: {why} No command printed.")
