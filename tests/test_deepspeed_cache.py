@@ -30,6 +30,10 @@ class FakeBuilder:
 @pytest.fixture
 def fake_deepspeed(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # Recorded first, so that teardown restores the caller's value or its absence: build_ops sets it
+    # (prepare_environment), and a leaked one sent the later DeepSpeed tests' ranks to build every op
+    # again in this test's folder (timed out after 420 s in a full run).
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")
     monkeypatch.setattr(ds, "_compatible_builders", lambda: [FakeBuilder("cpu_adam"), FakeBuilder("async_io")])
     FakeBuilder.builds = []
     install = {"path": "/venv-a/lib/python3.11/site-packages/deepspeed"}

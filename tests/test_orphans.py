@@ -241,3 +241,21 @@ def test_a_lock_held_on_another_host_is_taken_over_only_when_its_rank_heartbeats
     os.utime(run / "heartbeat" / "rank1.json")
     with pytest.raises(ConfigError, match="still write heartbeats"):
         RunLock(run, job_id="new-job").acquire()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process state from /proc")
+def test_an_exited_process_not_yet_reaped_is_not_alive():
+    """A launcher killed under a parent that has not waited for it yet is a zombie: its PID and /proc
+    entry remain, but the ranks' lifeline (checked right before publishing a checkpoint) must see it gone."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        record = process_record(child.pid)
+        assert same_process_alive(record) is True
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and f") Z " not in Path(f"/proc/{child.pid}/stat").read_text():
+            time.sleep(0.01)
+        assert same_process_alive(record) is False  # exited, not yet reaped
+    finally:
+        child.kill()
+        child.wait()

@@ -90,10 +90,25 @@ def same_process_alive(record: dict[str, Any]) -> bool | None:
         # With /proc, a PID without a stat file has just exited. Without /proc (not Linux) a live
         # PID may be a reused one: cannot tell.
         return False if os.path.isdir("/proc") else None
+    if _has_exited(pid):
+        return False
     recorded = record.get("start_time")
     if recorded is None:
         return None  # written where start times were unknown
     return recorded == now
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (a zombie, Linux state Z or X). Its PID and
+    /proc entry stay until its parent waits for it, so it looks alive to ``kill(pid, 0)``: a launcher
+    killed under a parent that reaps late would otherwise still be "alive" to its ranks' lifelines,
+    which check it right before publishing a checkpoint."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 @functools.cache
