@@ -253,7 +253,7 @@ def test_an_exited_process_not_yet_reaped_is_not_alive():
         assert same_process_alive(record) is True
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and f") Z " not in Path(f"/proc/{child.pid}/stat").read_text():
+        while time.monotonic() < deadline and ") Z " not in Path(f"/proc/{child.pid}/stat").read_text():
             time.sleep(0.01)
         assert same_process_alive(record) is False  # exited, not yet reaped
     finally:
