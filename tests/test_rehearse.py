@@ -65,6 +65,9 @@ def _check_runs(report: dict) -> None:
         # not written: the last of 256 shards of a tiny model is nearly all padding).
         state = by_col["param_bytes"]["measured"] + by_col["optim_bytes"]["measured"]
         assert 0 < rank["save_plan"]["tensor_bytes"] <= state, (rank["save_plan"], state)
+        # One step's ops priced on the target GPU: the roofline is a floor of a real step's compute.
+        roof = rank["roofline"]
+        assert roof["flops"] > 0 and roof["bytes"] > 0 and roof["roofline_s"] >= roof["flops"] / 989e12
     assert report["verdict"].startswith(report["title"] + ": runs; rank ")
 
 
@@ -288,3 +291,28 @@ def test_a_played_rank_past_its_time_limit_is_killed_and_named() -> None:
     report = cli.rehearse(args)
     assert [r.get("failed") for r in report["ranks"]] == [f"played rank {r} ran past 0 s" for r in (0, 1)]
     assert "the rehearsal failed on rank 0 (played rank 0 ran past 0 s)" in report["verdict"]
+
+
+def test_the_op_counter_counts_local_flops_and_bytes_and_the_report_prices_them() -> None:
+    """A matmul and an add on fake tensors, counted by hand: FLOPs by torch's formula (2mnk), bytes
+    read and written; priced at the roofline, each op the slower of compute and memory."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardwise.rehearse.report import roofline_s
+    from shardwise.rehearse.roofline import OpCounter
+
+    counter = OpCounter()
+    with FakeTensorMode(), counter:
+        x, w = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(32, 128, dtype=torch.bfloat16)
+        y = x @ w
+        _ = y + y.float()  # a float32 elementwise op: bytes, no FLOP formula
+    result = counter.result()
+    mm = ["16-bit", 2 * 64 * 32 * 128, (64 * 32 + 32 * 128 + 64 * 128) * 2, 1]
+    assert mm in result["ops"]
+    assert result["flops"] == mm[1]
+    peak = {"16-bit": 1e12, "fp32": 1e11}
+    fast_memory = roofline_s([mm], peak_flops=peak, bytes_per_s=1e15)
+    assert fast_memory == pytest.approx(mm[1] / 1e12)  # compute-bound
+    assert roofline_s([mm], peak_flops=peak, bytes_per_s=1e6) == pytest.approx(mm[2] / 1e6)  # memory-bound
+    assert roofline_s([[*mm[:3], 3]], peak_flops=peak, bytes_per_s=1e15) == pytest.approx(3 * fast_memory)

@@ -19,10 +19,34 @@ FAKE_CPU_LIMITS = (
     "CUDA kernels'. Wall times are the fake run's, not the GPU's."
 )
 UNMEASURED = (
-    "not rehearsed: the roofline compute time (torch's RuntimeEstimator needs a CUDA device's peak "
-    "figures) and the NCCL flight recorder; DeepSpeed strategies (their engine allocates real "
-    "buffers and runs its own collectives outside the fake backend)."
+    "not rehearsed: the NCCL flight recorder; DeepSpeed strategies (their engine allocates real "
+    "buffers and runs its own collectives outside the fake backend). The roofline is a floor on the "
+    "step's compute (every op at the GPU's peak or its memory bandwidth), not a prediction of it."
 )
+
+
+def roofline_s(ops: list[list[Any]], *, peak_flops: dict[str, float], bytes_per_s: float) -> float:
+    """Seconds a played rank's grouped ops (``rehearse.roofline.OpCounter``: kind, FLOPs, bytes,
+    count) take at the roofline: each op max(FLOPs / the peak of its kind, bytes / bandwidth), summed.
+    ``peak_flops``: FLOP/s by kind ("16-bit", "fp32"); "other" ops (integer, boolean) by their bytes."""
+    total = 0.0
+    for kind, flops, nbytes, count in ops:
+        peak = peak_flops.get(kind)
+        compute = flops / peak if peak and flops else 0.0
+        total += count * max(compute, nbytes / bytes_per_s)
+    return total
+
+
+def _price(compute: dict[str, Any], gpu_name: str) -> dict[str, Any]:
+    """One step's counted ops priced on ``gpu_name``: FLOPs, bytes and the roofline seconds. fp32
+    ops at the TF32 peak, as the planner prices an fp32 run (plan/advice.py)."""
+    from shardwise.plan.presets import gpu  # the planner's GPU table: one owner of peaks and bandwidths
+
+    g = gpu(gpu_name)
+    seconds = roofline_s(compute["ops"], peak_flops={"16-bit": g.bf16_tflops * 1e12, "fp32": g.tf32_tflops * 1e12},
+                         bytes_per_s=g.mem_bw_tbs * 1e12)
+    return {"flops": compute["flops"], "bytes": compute["bytes"], "roofline_s": seconds,
+            "peak_tflops_16bit": g.bf16_tflops, "mem_bw_tbs": g.mem_bw_tbs}
 
 
 def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_gib: float | None,
@@ -31,6 +55,9 @@ def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_
     ranks = []
     for result in results:
         rows = compare_rank(prediction, result)
+        result = dict(result)
+        if "compute" in result:  # priced here, on the target GPU; the grouped ops are not reported
+            result["roofline"] = _price(result.pop("compute"), gpu_name)
         ranks.append({**result, "comparison": [r.to_dict() for r in rows]})
     failed = [r for r in ranks if "failed" in r]
     refused = [r for r in ranks if "refused" in r]
@@ -134,6 +161,12 @@ def format_text(report: dict[str, Any]) -> str:
         elif plan:
             lines.append(f"  checkpoint save plan (DCP, this rank, nothing written): {plan['tensor_items']} tensor "
                          f"chunk(s), {plan['tensor_bytes'] / MIB:.2f} MiB, {plan['other_items']} other item(s)")
+        if rank.get("roofline"):
+            r = rank["roofline"]
+            lines.append(f"  compute in one step (torch's FLOP formulas, this rank): {r['flops'] / 1e12:.3f} TFLOP, "
+                         f"{r['bytes'] / GIB:.2f} GiB read and written; roofline on {report['gpu']} "
+                         f"({r['peak_tflops_16bit']:.0f} TFLOPS 16-bit, {r['mem_bw_tbs']:.2f} TB/s): "
+                         f"{r['roofline_s'] * 1e3:.1f} ms, a floor")
         if rank["collectives"]:
             lines.append("  collectives and pipeline messages in one step (op, mesh dimension, count, buffer MiB):")
             lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"

@@ -36,7 +36,7 @@ class PlaySpec:
     world_size: int
     nproc: int  # ranks per node of the rehearsed job
     device: str  # "cpu": fake tensors; "cuda": real tensors on this machine's GPU
-    steps: int  # optimizer steps; all but the last are memory-tracked, the last counts collectives
+    steps: int  # optimizer steps; all but the last are memory-tracked, the last counts collectives and ops
     result_path: str
 
 
@@ -99,6 +99,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     import torch  # defers torch
 
     from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes  # defers torch
+    from shardwise.rehearse.roofline import OpCounter  # defers torch
     from shardwise.rehearse.save_plan import local_save_plan  # defers torch
     from shardwise.runtime.session import Session  # defers torch
     from shardwise.runtime.trainer import build_optimizer  # defers numpy and torch
@@ -169,7 +170,9 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
             for _ in range(tracked):
                 one_step()
         memory = probe.result()
-        with collectives:
+        # The last step (untracked for memory) also counts every op's FLOPs and bytes: the roofline.
+        counter = OpCounter()
+        with collectives, counter:
             one_step()
     try:
         # Outside the fake mode: DCP computes each shard's offset from the mesh's real coordinates.
@@ -179,6 +182,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     result: dict[str, Any] = {
         "rank": spec.rank, "device": spec.device, "coords": session.layout.coords(spec.rank),
         "memory": memory, "modules": memory.pop("modules"), "save_plan": save_plan, "collectives": collectives.result(),
+        "compute": counter.result(),
         "collective_steps": 1, "prepare_s": round(prepared_s, 3), "step_s": [round(s, 4) for s in step_s],
         "wall_s": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes(), "notes": notes,
     }
