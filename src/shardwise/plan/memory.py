@@ -986,7 +986,14 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if spec.has_structure and spec.vocab and kernels.loss == "torch" and holds_loss:
         # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
         # loss keeps the logits, counted with the activations, and writes the gradient in place.)
-        loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
+        per_logit = prec.act + 4
+        if layout.tp > 1 and layout.external is None:
+            # The runtime's TP loss is torch's loss_parallel, whose backward computes
+            # ``(grad_input + exp(x)) * grad_output`` in fp32 over the rank's vocabulary shard: three
+            # fp32 copies alive at once (the one-hot gradient, exp(x) or the sum, the result). A played
+            # llama-3-70b tp 4 rank (8,192 tokens) peaked there with 3,006 MiB against 1,503 planned.
+            per_logit = max(per_logit, 3 * 4)
+        loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * per_logit
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked" and holds_loss:
         loss_parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
     loss_bytes = sum(loss_parts.values())
