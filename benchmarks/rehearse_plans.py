@@ -28,14 +28,17 @@ MIB = 2**20
 # name -> (plan arguments, the flags of the fallback layout when the recommendation is refused,
 # ``--set`` overrides after the recommendation's own). The issue's cases: the 405B's is its best 3-D
 # layout (the plan's top, fsdp cp 2, is 2-D), Mixtral's its best with expert parallel (the plan's top
-# has none); Qwen3's top already has ep. The 405B's plan runs 64 micro-batches a step; 8 are played:
-# its 1F1B schedule holds min(pp, micro-batches) = 8 in flight on the first stage either way, so
-# the rank's memory (and the prediction, computed for the rehearsed run) is the same, in 1/8 of the time.
+# has none); Qwen3's top already has ep. The 405B's plan runs a batch of 64 split into 64 pipeline
+# micro-batches; 8 of 8 are played (one sample each, as planned): the rehearsal's text has 244
+# samples of 8,192 tokens, fewer than 8 data-parallel ranks x 64 (refused as such), and the 1F1B
+# schedule holds min(pp, micro-batches) = 8 in flight on the first stage either way; the prediction
+# compared is the rehearsed run's, and it takes 1/8 of the time.
 CASES: dict[str, tuple[list[str], list[str], tuple[str, ...]]] = {
     "llama-3-8b on 8": (["--model", "llama-3-8b", "--gpus-per-node", "8", "--nodes", "1"], ["--cp", "1"], ()),
     "llama-3-70b on 4x8": (["--model", "llama-3-70b", "--gpus-per-node", "8", "--nodes", "4"], ["--cp", "1"], ()),
     "llama-3-405b 3-D on 64x8": (["--model", "llama-3-405b", "--gpus-per-node", "8", "--nodes", "64",
-                                  "--pp", "8", "--tp", "8"], ["--cp", "1"], ("train.grad_accum_steps=8",)),
+                                  "--pp", "8", "--tp", "8"], ["--cp", "1"], ("train.micro_batch_size=8",
+                                                                     "parallel.pp_microbatches=8")),
     "mixtral-8x7b ep on 8x8": (["--model", "mixtral-8x7b", "--gpus-per-node", "8", "--nodes", "8", "--ep", "8"],
                                ["--cp", "1"], ()),
     "qwen3-30b-a3b ep on 8": (["--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--nodes", "1"],
