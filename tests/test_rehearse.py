@@ -49,6 +49,9 @@ def test_row_bounds() -> None:
     assert Row("param_bytes", 1000, 1019, BOUNDS["param_bytes"][1]).within
     assert not Row("param_bytes", 1000, 1021, BOUNDS["param_bytes"][1]).within
     assert Row("activation_bytes", 0, 0, 0.15).within and not Row("activation_bytes", 0, 1, 0.15).within
+    # Negative transients (a one-micro-batch step's peak holds no gradient shard): judged on |plan|.
+    assert Row("transient_bytes", -1000, -900, 0.15).within and Row("transient_bytes", -1000, -900, 0.15).diff_pct == 10
+    assert not Row("transient_bytes", -1000, -800, 0.15).within
 
 
 def _check_runs(report: dict) -> None:
