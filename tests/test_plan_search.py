@@ -16,7 +16,7 @@ from shardwise.plan import cli as plan_cli
 from shardwise.plan.advice import GIB, Cluster, Workload, evaluate
 from shardwise.plan.choices import SEARCHABLE, degree_sets
 from shardwise.plan.presets import GPUS, MODEL_PRESETS, customize_gpu, gpu, model_preset
-from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, make_plan, reason
+from shardwise.plan.search import OFFLOAD_FACTOR, TIGHT_HEADROOM_GIB, make_plan, reason, usable
 from tests.test_plan_grid import dry_run_torchrun, dry_run_train, plan_args
 
 COLUMNS = ("strategy", "ckpt", "mb", "accum", "sync", "params", "grads", "optim", "master", "activ", "transient",
@@ -121,7 +121,10 @@ def test_llama3_70b_on_4x8_h100_at_8k_is_planned_and_runs_as_printed():
     plan = plan_cli.build_plan(args)
     out = plan_cli.plan_to_dict(plan)
     json.dumps(out)
-    assert out["recommended"] and out["recommended_settings"]["verdict"] == "fits"
+    # Usable: it fits, or it is tight with the runtime reserve free (search.usable). Since the chunked
+    # loss's head gradient is counted (2026-11-28: 10 GiB on a played 70B fsdp cp 4 rank), the
+    # fastest such layout here is tight (fsdp cp 4, selective-op, 74.97 GiB with fragmentation).
+    assert out["recommended"] and usable(plan.recommended)
     assert set(out["workload"]["searched"]) == {"checkpoint", "micro_batch", "grad_sync"}
     best = plan.recommended
     assert best.checkpoint != "none"  # the search found the checkpointing the layout needs

@@ -49,6 +49,9 @@ def test_row_bounds() -> None:
     assert Row("param_bytes", 1000, 1019, BOUNDS["param_bytes"][1]).within
     assert not Row("param_bytes", 1000, 1021, BOUNDS["param_bytes"][1]).within
     assert Row("activation_bytes", 0, 0, 0.15).within and not Row("activation_bytes", 0, 1, 0.15).within
+    # Negative transients (a one-micro-batch step's peak holds no gradient shard): judged on |plan|.
+    assert Row("transient_bytes", -1000, -900, 0.15).within and Row("transient_bytes", -1000, -900, 0.15).diff_pct == 10
+    assert not Row("transient_bytes", -1000, -800, 0.15).within
 
 
 def _check_runs(report: dict) -> None:
@@ -316,3 +319,71 @@ def test_the_op_counter_counts_local_flops_and_bytes_and_the_report_prices_them(
     assert fast_memory == pytest.approx(mm[1] / 1e12)  # compute-bound
     assert roofline_s([mm], peak_flops=peak, bytes_per_s=1e6) == pytest.approx(mm[2] / 1e6)  # memory-bound
     assert roofline_s([[*mm[:3], 3]], peak_flops=peak, bytes_per_s=1e15) == pytest.approx(3 * fast_memory)
+
+
+def _tracked_run(tracker_class: type) -> tuple:
+    """Three steps of a tiny model with a module called twice per forward (its fqn's second entry)
+    and a checkpointed block, under ``tracker_class``: every module's peaks and peak snapshots,
+    and the tracker's own."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+            self.norm = nn.LayerNorm(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(self.blocks[0], x, use_reentrant=False)
+            for block in self.blocks[1:]:
+                x = self.norm(block(x))  # norm entered once per block
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = tracker_class()
+    tracker.track_external(model, opt)
+    rows = []
+    with tracker:
+        for _ in range(3):
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rows.append(sorted((s.mod_fqn, s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()))
+            tracker.reset_mod_stats()
+    return rows, tracker.get_tracker_snapshot("peak")
+
+
+def test_the_trackers_running_module_peaks_are_torchs() -> None:
+    """``_LocalMemTracker._update_peak_stats`` visits the running modules only (torch's visits every
+    module it ever tracked, on every op: most of a played 70B rank's time); the per-module peaks,
+    their snapshots and the tracker's peak are torch's, on a model with a module entered several
+    times per forward, a checkpointed block and the statistics reset between steps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardwise.rehearse.measure import _LocalMemTracker
+
+    class TorchPeaks(_LocalMemTracker):
+        _update_peak_stats = MemTracker._update_peak_stats
+
+    class NoModulePeaks(_LocalMemTracker):  # modules never indexed: no per-module peak is updated
+        def _pre_fw_hook(self, module, inputs) -> None:  # noqa: ANN001 - torch's hook signature
+            MemTracker._pre_fw_hook(self, module, inputs)  # the index is never filled
+
+    ours, theirs = _tracked_run(_LocalMemTracker), _tracked_run(TorchPeaks)
+    assert ours == theirs
+    assert [fqn for fqn, _, _ in ours[0][0]] == ["Net", "Net.blocks.0", "Net.blocks.0.down", "Net.blocks.0.up",
+                                                 "Net.blocks.1", "Net.blocks.1.down", "Net.blocks.1.up",
+                                                 "Net.blocks.2", "Net.blocks.2.down", "Net.blocks.2.up", "Net.norm"]
+    assert _tracked_run(NoModulePeaks)[0] != ours  # the comparison sees the per-module peaks

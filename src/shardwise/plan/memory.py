@@ -838,7 +838,7 @@ def _autocasts(layout: Layout, kernels: Kernels) -> bool:
 
 def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: ActivationBytes, kernels: Kernels, *,
                  seq: int, micro_batch: int, unit: int, block_unit: int, head_unit: int, loss_parts: dict[str, int],
-                 norm_backward: int, no_sync: bool) -> dict[str, int]:
+                 norm_backward: int, no_sync: bool, absent_grads: int = 0) -> dict[str, int]:
     """The transients of the moment of a micro-batch's backward that holds the most, on a rank
     without a pipeline, and the saved activations already freed then as a negative part.
 
@@ -861,6 +861,10 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
 
     The reduce-scatter input (fp32) is extra only without no_sync accumulation: under it, FSDP
     copies the accumulated unsharded gradients (counted for the whole step) into it and frees them.
+
+    ``absent_grads``: the gradient shards the state counts that do not exist yet when a step has one
+    micro-batch (zero_grad sets them to None; each unit's shard appears at its reduce-scatter):
+    all of them at the loss and the final norm, all but the head unit's at the first block.
     """
     fsdp, sharded = layout.sharding == "fsdp", layout.sharding in ("zero2", "fsdp")
     tokens = seq * micro_batch
@@ -885,6 +889,11 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
              **({"reduce-scatter (1 unit)": REDUCE_BYTES * head_unit} if rs else {}), **block}
     later = {**({"all-gather (2 units, prefetch)": prec.param * (block_unit + unit)} if fsdp else {}),
              **({"reduce-scatter (1 unit)": REDUCE_BYTES * block_unit} if rs else {}), **block}
+    if absent_grads:
+        label = "gradient shards not created yet (one micro-batch a step)"
+        head_shard = math.ceil(head_unit / max(layout.shard, 1)) * prec.grad
+        loss, norm = {**loss, label: -absent_grads}, {**norm, label: -absent_grads}
+        first = {**first, label: -max(0, absent_grads - head_shard)}
     layers = spec.n_layers or 1
     moments = [(loss, 0), (norm, norm_freed), (first, last_outer)]
     if layers > 1:
@@ -1042,9 +1051,24 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if spec.has_structure and spec.vocab and kernels.loss == "torch" and holds_loss:
         # Loss: logits in the activation dtype, their fp32 copy, then the fp32 gradient. (A fused
         # loss keeps the logits, counted with the activations, and writes the gradient in place.)
-        loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * (prec.act + 4)
+        per_logit = prec.act + 4
+        if layout.tp > 1 and layout.external is None:
+            # The runtime's TP loss is torch's loss_parallel, whose backward computes
+            # ``(grad_input + exp(x)) * grad_output`` in fp32 over the rank's vocabulary shard: three
+            # fp32 copies alive at once (the one-hot gradient, exp(x) or the sum, the result). A played
+            # llama-3-70b tp 4 rank (8,192 tokens) peaked there with 3,006 MiB against 1,503 planned.
+            per_logit = max(per_logit, 3 * 4)
+        loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * per_logit
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked" and holds_loss:
         loss_parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
+        if spec.hidden:
+            # shardwise.loss's chunked backward accumulates the head's weight gradient in fp32 and adds
+            # each chunk's product in the compute dtype through its fp32 copy
+            # (``grad_w += (d_logits.t() @ h).to(fp32)``): 4 + 2 + 4 bytes a head weight in bf16.
+            # Played llama-3-70b fsdp cp 4 / llama-3-8b fsdp ranks peaked there: 10,147 / 5,169 MiB
+            # of temporaries against 10,020 / 5,010 MiB by this term (2026-11-28).
+            loss_parts["head weight gradient (chunked loss backward)"] = spec.vocab * spec.hidden * (
+                4 + prec.act + (4 if prec.act < 4 else 0))
     loss_bytes = sum(loss_parts.values())
     # The backward's own working set, beyond what it frees: right after the loss's backward, every
     # block's activations are still saved when the last norm's backward runs. An eager RMSNorm
@@ -1057,6 +1081,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     norm_backward = 0
     if spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden:
         norm_backward = 5 * 4 * tokens_here * spec.hidden // (layout.tp if layout.sequence_parallel else 1)
+    # A step of one micro-batch starts without gradients (the trainer's zero_grad sets them to None):
+    # under FSDP/ZeRO-2 each unit's shard appears at its reduce-scatter, so the loss and the first
+    # backward moments hold none of the gradients the state counts (a played llama-3-8b fsdp rank:
+    # 0 bytes of gradients at its peak, in the head's backward, 2026-11-28).
+    absent_grads = (state.grads if grad_accum == 1 and layout.sharding in ("zero2", "fsdp")
+                    and layout.external is None and not layout.offload else 0)
     if layout.pp > 1:
         # A pipeline rank (whose rehearsed peaks fall in that backward: 1F1B and interleaved, both
         # ends) holds its in-flight micro-batches and buffers through the whole schedule.
@@ -1068,7 +1098,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                                   micro_batch=micro_batch, unit=unit,
                                   block_unit=block_unit, head_unit=head_unit, loss_parts=loss_parts,
                                   norm_backward=norm_backward,
-                                  no_sync=no_sync))
+                                  no_sync=no_sync, absent_grads=absent_grads))
     if reduce_copies > act.saved + sum(parts.values()):
         # The reduce's copies outgrow the schedule's activations and buffers, which are freed
         # by then: the peak is the reduce's, counted as what it adds beyond the schedule's.

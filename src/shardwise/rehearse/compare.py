@@ -33,14 +33,18 @@ class Row:
 
     @property
     def diff_pct(self) -> float | None:
-        """(measured - predicted) / predicted in percent; None when nothing was predicted."""
-        return None if self.predicted == 0 else 100.0 * (self.measured - self.predicted) / self.predicted
+        """(measured - predicted) / |predicted| in percent; None when nothing was predicted.
+
+        The plan's transients are negative where its peak holds less than the state it counts (a
+        step of one micro-batch: no gradient shard exists before the first reduce-scatter), and so
+        are the measured ones there: the difference is taken against the plan's magnitude."""
+        return None if self.predicted == 0 else 100.0 * (self.measured - self.predicted) / abs(self.predicted)
 
     @property
     def within(self) -> bool:
         if self.predicted == 0:
             return self.measured == 0
-        return abs(self.measured - self.predicted) <= self.bound * self.predicted
+        return abs(self.measured - self.predicted) <= self.bound * abs(self.predicted)
 
     def to_dict(self) -> dict[str, Any]:
         return {"column": self.column, "predicted": self.predicted, "measured": self.measured,

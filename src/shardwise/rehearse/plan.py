@@ -14,18 +14,23 @@ from shardwise.rehearse.cli import rehearse
 GIB = 2**30
 
 
-def rehearse_candidates(plan: Any, k: int, *, device: str = "cpu", steps: int = 2) -> list[dict[str, Any]]:
+def rehearse_candidates(plan: Any, k: int, *, device: str = "cpu", steps: int = 3,
+                        ranks: str = "", rank_timeout: float = 1800.0,
+                        extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One row per rehearsed candidate (best first): its name, the plan's peak, the outcome, the
-    measured peak of its highest played rank, and the rehearsal's verdict."""
+    measured peak of its highest played rank, and the rehearsal's verdict. ``ranks``: as
+    ``rehearse --ranks`` (default: one of each role); ``extra``: ``--set`` overrides after the
+    candidate's own (the prediction compared is the rehearsed run's, overrides included)."""
     if not plan.workload.recipe:
         raise ShardwiseError("plan --rehearse needs a model the runtime can build (--model, --hf-config or "
                              "--pretrained), not a bare parameter count.")
     rows = []
     for cand in [c for c in plan.candidates if c.verdict != "no"][:k]:
         args = argparse.Namespace(
-            recipe=plan.workload.recipe, overrides=train_settings(cand, plan.workload), strategy=cand.layout.strategy,
-            nproc=plan.cluster.gpus_per_node, nnodes=plan.cluster.nodes, gpu=plan.cluster.gpu.name, ranks="",
-            device=device, steps=steps, jobs=1, rank_timeout=1800.0, json=False)
+            recipe=plan.workload.recipe, overrides=[*train_settings(cand, plan.workload), *extra],
+            strategy=cand.layout.strategy,
+            nproc=plan.cluster.gpus_per_node, nnodes=plan.cluster.nodes, gpu=plan.cluster.gpu.name, ranks=ranks,
+            device=device, steps=steps, jobs=1, rank_timeout=rank_timeout, json=False)
         row: dict[str, Any] = {"candidate": cand.name, "planned_peak_bytes": int(cand.memory.total)}
         try:
             report = rehearse(args)
