@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.plan.presets import gpu
 from shardwise.rehearse.compare import compare_rank
 
 GIB = 2**30
@@ -40,9 +41,7 @@ def roofline_s(ops: list[list[Any]], *, peak_flops: dict[str, float], bytes_per_
 def _price(compute: dict[str, Any], gpu_name: str) -> dict[str, Any]:
     """One step's counted ops priced on ``gpu_name``: FLOPs, bytes and the roofline seconds. fp32
     ops at the TF32 peak, as the planner prices an fp32 run (plan/advice.py)."""
-    from shardwise.plan.presets import gpu  # the planner's GPU table: one owner of peaks and bandwidths
-
-    g = gpu(gpu_name)
+    g = gpu(gpu_name)  # the planner's GPU table: one owner of peaks and bandwidths
     seconds = roofline_s(compute["ops"], peak_flops={"16-bit": g.bf16_tflops * 1e12, "fp32": g.tf32_tflops * 1e12},
                          bytes_per_s=g.mem_bw_tbs * 1e12)
     return {"flops": compute["flops"], "bytes": compute["bytes"], "roofline_s": seconds,
