@@ -40,19 +40,29 @@ def boot_id() -> str:
         return ""
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks since boot (Linux), None when unknown or gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3 on of ``/proc/PID/stat`` (state first), None when unknown or gone."""
     try:
         with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
             stat = f.read()
     except (OSError, ValueError):
         return None
     # Field 2 (the command name) is in parentheses and may contain spaces or ')': split after
-    # the last ')'. What follows starts at field 3, so field 22 is index 19.
+    # the last ')'. What follows starts at field 3.
+    parts = stat.rsplit(")", 1)
+    return parts[1].split() if len(parts) == 2 else None
+
+
+def _start_time(fields: list[str] | None) -> int | None:
     try:
-        return int(stat.rsplit(")", 1)[1].split()[19])
+        return int(fields[19]) if fields else None  # field 22
     except (IndexError, ValueError):
         return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (Linux), None when unknown or gone."""
+    return _start_time(_stat_fields(pid))
 
 
 def process_record(pid: int | None = None) -> dict[str, Any]:
@@ -85,30 +95,21 @@ def same_process_alive(record: dict[str, Any]) -> bool | None:
         pass  # it exists, under another user
     except OSError:
         return False
-    now = process_start_time(pid)
+    fields = _stat_fields(pid)
+    now = _start_time(fields)
     if now is None:
         # With /proc, a PID without a stat file has just exited. Without /proc (not Linux) a live
         # PID may be a reused one: cannot tell.
         return False if os.path.isdir("/proc") else None
-    if _has_exited(pid):
+    if fields[0] in ("Z", "X"):
+        # Exited, waiting to be reaped (a zombie): its PID and /proc entry stay until its parent
+        # waits for it, so it looks alive to kill(pid, 0); a launcher killed under a parent that
+        # reaps late must still be gone to its ranks' lifelines (checked before publishing).
         return False
     recorded = record.get("start_time")
     if recorded is None:
         return None  # written where start times were unknown
     return recorded == now
-
-
-def _has_exited(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (a zombie, Linux state Z or X). Its PID and
-    /proc entry stay until its parent waits for it, so it looks alive to ``kill(pid, 0)``: a launcher
-    killed under a parent that reaps late would otherwise still be "alive" to its ranks' lifelines,
-    which check it right before publishing a checkpoint."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", encoding="utf-8", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, ValueError, IndexError):
-        return False
-    return state in ("Z", "X")
 
 
 @functools.cache
