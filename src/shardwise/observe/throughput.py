@@ -68,7 +68,7 @@ def device_peak(device: torch.device, precision: str, *, cache_dir: str | Path |
         if key is None:
             return Peak(None, f"no catalog entry for {name!r} (see shardwise.plan.presets.GPUS)")
         g = gpu(key)
-        return Peak(g.tf32_tflops if precision == "fp32" else g.bf16_tflops, f"catalog:{key}")
+        return Peak(g.peak_tflops(precision), f"catalog:{key}")
     if device.type == "cpu":
         return Peak(cpu_matmul_peak(_compute_dtype(precision), cache_dir=cache_dir), "measured:cpu")
     return Peak(None, f"no peak known for device type {device.type!r}")

@@ -83,7 +83,7 @@ class Cluster:
             or link(self.gpu.intra_link).per_gpu_gbs(g)
         inter = self.inter_gbs or (self.inter.per_gpu_gbs(g) if self.inter else None) or self.gpu.inter_gbs \
             or link(self.gpu.inter_link).per_gpu_gbs(g)
-        peak = self.gpu.tf32_tflops if precision_name == "fp32" else self.gpu.bf16_tflops
+        peak = self.gpu.peak_tflops(precision_name)
         eff = calib.link_efficiency
         return Fabric(g, intra * eff, inter * eff, peak, self.gpu.mem_bw_tbs,
                       matmul_ceiling=ceiling(self.gpu, "matmul", precision_name)[0],

@@ -131,6 +131,10 @@ class GPU:
         # fp32 training runs on TF32 tensor cores at half the 16-bit rate (NVIDIA and AMD alike).
         return self.bf16_tflops / 2
 
+    def peak_tflops(self, precision: str) -> float:
+        """The dense peak a run of ``precision`` computes at: TF32 for "fp32", the 16-bit peak else."""
+        return self.tf32_tflops if precision == "fp32" else self.bf16_tflops
+
 
 GPUS: dict[str, GPU] = {
     "h100-sxm": GPU("h100-sxm", 80, 989, 3.35, "nvlink4", "ib-ndr", 2048, "h100", ceilings="h100-sxm"),

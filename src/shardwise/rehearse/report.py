@@ -42,7 +42,8 @@ def _price(compute: dict[str, Any], gpu_name: str) -> dict[str, Any]:
     """One step's counted ops priced on ``gpu_name``: FLOPs, bytes and the roofline seconds. fp32
     ops at the TF32 peak, as the planner prices an fp32 run (plan/advice.py)."""
     g = gpu(gpu_name)  # the planner's GPU table: one owner of peaks and bandwidths
-    seconds = roofline_s(compute["ops"], peak_flops={"16-bit": g.bf16_tflops * 1e12, "fp32": g.tf32_tflops * 1e12},
+    seconds = roofline_s(compute["ops"], peak_flops={"16-bit": g.peak_tflops("bf16-mixed") * 1e12,
+                                                     "fp32": g.peak_tflops("fp32") * 1e12},
                          bytes_per_s=g.mem_bw_tbs * 1e12)
     return {"flops": compute["flops"], "bytes": compute["bytes"], "roofline_s": seconds,
             "peak_tflops_16bit": g.bf16_tflops, "mem_bw_tbs": g.mem_bw_tbs}
