@@ -23,6 +23,13 @@
 #   cuda-tests      the tests that run only on a GPU (no host sync on a step that does not log)
 #   checkpoint-async a 0.3B model's saves on one GPU, sync against async-pinned: the time each save
 #                   blocked the step, the write in the background, the step time around them
+#   mfu-profile     the gpt2-mfu run with the profiler on 3 steps, then `shardwise profile`: where the
+#                   step's time goes (kernels vs idle) and the top kernels
+#   gpt2-nochunk    the gpt2-mfu run with the chunked loss off (train.loss_chunks = 0)
+#   mfu-peers       `shardwise bench`: the same GPT-2 shape as shardwise's single-GPU run and as a plain
+#                   PyTorch loop (torch-ddp on one rank), both bf16-mixed + per-block compile
+#   rehearse-70b    rank 0 of the plan's recommendation for llama-3-70b on 4 x 8 H100 (fsdp+tp, tp 4,
+#                   selective AC, 8,192 tokens) played on this GPU: measured peak and step time vs the plan
 # Every `shardwise train` step reports the planner's predicted peak next to the measured one.
 # To add a step: write a function step_<name> (it may call train_step / py_step) and add
 # "<name> <box seconds>" to STEP_LIST; docs/performance.md adds the boxes up into the visit's length.
@@ -57,6 +64,10 @@ STEP_LIST=(
 EXTRA_STEPS=(
     "cuda-tests 40"
     "checkpoint-async 120"
+    "mfu-profile 90"
+    "gpt2-nochunk 75"
+    "mfu-peers 150"
+    "rehearse-70b 150"
 )
 SELECTED=()
 if [[ -n "${GPU_SH_STEPS:-}" ]]; then
@@ -246,6 +257,41 @@ step_checkpoint-async() {
             --set train.compile=false --set checkpoint.mode=$mode --set checkpoint.every=$(( STEPS / 2 )) \
             --set checkpoint.keep_last=1 || return 1
     done
+}
+
+step_mfu-profile() {
+    local p=(--set train.steps=30 --set profile.enabled=true --set profile.start_step=20 --set profile.end_step=23)
+    (( CPU_MODE )) && p=(--set profile.enabled=true --set profile.start_step=1 --set profile.end_step=2)
+    train_step mfu-profile -- --nproc 1 --strategy single "${GPT2[@]}" --set parallel.precision=bf16-mixed \
+        --set train.compile="$( (( CPU_MODE )) && echo false || echo true)" "${p[@]}" || return 1
+    py_step mfu-profile-top -m shardwise profile "$OUT/mfu-profile" --top 25
+}
+
+step_gpt2-nochunk() {
+    train_step gpt2-nochunk -- --nproc 1 --strategy single "${GPT2[@]}" --set parallel.precision=bf16-mixed \
+        --set train.compile="$( (( CPU_MODE )) && echo false || echo true)" --set train.loss_chunks=0
+}
+
+step_mfu-peers() {
+    # bench's own --steps/--out; the step count of COMMON does not apply here.
+    local steps=40; (( CPU_MODE )) && steps=3
+    py_step mfu-peers -m shardwise bench --strategies single,torch-ddp --nproc 1 --steps "$steps" \
+        --out "$OUT/mfu-peers" --overwrite "${GPT2[@]}" --set parallel.precision=bf16-mixed \
+        --set train.compile="$( (( CPU_MODE )) && echo false || echo true)" --set train.sample_tokens=0 \
+        --set train.eval_every=0 --set train.log_every=10 --set checkpoint.at_end=false
+}
+
+step_rehearse-70b() {
+    # The command `shardwise plan --model llama-3-70b --gpus-per-node 8 --nodes 4 --cp 1` prints (its
+    # recommendation: fsdp+tp, tp 4, selective-op AC, 4 micro-batches of 1 x 8,192), rank 0 played here.
+    local what=(--set model.hf_config=llama-3-70b --set model.overrides.block_size=8192 --set parallel.tp=4
+                --device cuda)
+    # (the bundled tiny Llama's 2 kv heads take tp 2 at most)
+    (( CPU_MODE )) && what=(--set model.hf_config=llama-tiny --set parallel.tp=2 --device cpu)
+    py_step rehearse-70b -m shardwise rehearse hf-shakespeare --ranks 0 --steps 2 --nproc 8 --nnodes 4 \
+        --strategy fsdp+tp --set model.kind=hf --set parallel.precision=bf16-mixed --set train.micro_batch_size=1 \
+        --set train.grad_accum_steps=4 --set parallel.activation_checkpointing=selective-op \
+        --set parallel.sequence_parallel=true --set parallel.grad_sync=microbatch "${what[@]}"
 }
 
 # ------------------------------------------------------------------------------ run them, each in its box
