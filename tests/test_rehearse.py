@@ -321,6 +321,46 @@ def test_the_op_counter_counts_local_flops_and_bytes_and_the_report_prices_them(
     assert roofline_s([[*mm[:3], 3]], peak_flops=peak, bytes_per_s=1e15) == pytest.approx(3 * fast_memory)
 
 
+def test_the_op_counter_survives_a_flop_formula_that_refuses_grouped_query_attention(monkeypatch) -> None:
+    """torch 2.11's SDPA FLOP formulas assert equal query and key/value heads (seen on the first GPU
+    run of a 70B rank: the rehearsal died in the counter). With such a formula, GQA is counted as the
+    kernel runs it (key/value broadcast to the query's heads); a formula that refuses anyway leaves
+    the op counted by its bytes and named, and the step goes on."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import flop_counter
+
+    from shardwise.rehearse import roofline
+
+    def strict(query_shape, key_shape, value_shape):  # torch < 2.13
+        assert query_shape[1] == key_shape[1] == value_shape[1], "sdpa_flop_count: shapes are incompatible"
+        b, h, s, d = query_shape
+        return 2 * 2 * b * h * s * key_shape[2] * d
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict)
+    b, h, kv, s, d = 1, 8, 2, 16, 8
+
+    def run() -> dict:
+        counter = roofline.OpCounter()
+        with FakeTensorMode(), counter:
+            q = torch.empty(b, h, s, d, dtype=torch.bfloat16)
+            k, v = torch.empty(b, kv, s, d, dtype=torch.bfloat16), torch.empty(b, kv, s, d, dtype=torch.bfloat16)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return counter.result()
+
+    result = run()
+    # (the CPU runs its own flash kernel here, counted with the GPU kernels' formula)
+    assert result["flops"] == 4 * b * h * s * s * d and not result["uncounted"]
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("no")
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", refuses)
+    result = run()
+    assert result["flops"] == 0 and result["bytes"] > 0
+    assert sum(result["uncounted"].values()) == 1 and "scaled_dot_product" in next(iter(result["uncounted"]))
+
+
 def _tracked_run(tracker_class: type) -> tuple:
     """Three steps of a tiny model with a module called twice per forward (its fqn's second entry)
     and a checkpointed block, under ``tracker_class``: every module's peaks and peak snapshots,

@@ -46,7 +46,8 @@ def _price(compute: dict[str, Any], gpu_name: str) -> dict[str, Any]:
                                                      "fp32": g.peak_tflops("fp32") * 1e12},
                          bytes_per_s=g.mem_bw_tbs * 1e12)
     return {"flops": compute["flops"], "bytes": compute["bytes"], "roofline_s": seconds,
-            "peak_tflops_16bit": g.bf16_tflops, "mem_bw_tbs": g.mem_bw_tbs}
+            "peak_tflops_16bit": g.bf16_tflops, "mem_bw_tbs": g.mem_bw_tbs,
+            "uncounted": compute.get("uncounted") or {}}
 
 
 def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_gib: float | None,
@@ -167,6 +168,9 @@ def format_text(report: dict[str, Any]) -> str:
                          f"{r['bytes'] / GIB:.2f} GiB read and written; roofline on {report['gpu']} "
                          f"({r['peak_tflops_16bit']:.0f} TFLOPS 16-bit, {r['mem_bw_tbs']:.2f} TB/s): "
                          f"{r['roofline_s'] * 1e3:.1f} ms, a floor")
+            if r.get("uncounted"):
+                lines.append("  FLOPs not counted (torch's formula refused their shapes; their bytes are): "
+                             + ", ".join(f"{name} x{n}" for name, n in sorted(r["uncounted"].items())))
         if rank["collectives"]:
             lines.append("  collectives and pipeline messages in one step (op, mesh dimension, count, buffer MiB):")
             lines += [f"    {c['op']:<28} {c['dim']:<12} {c['count']:>5}  {c['bytes'] / MIB:10.2f}"
