@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardwise.core import config
 from shardwise.core.config import ParallelConfig
 from shardwise.errors import ConfigError
 from shardwise.loss import (
@@ -58,13 +59,19 @@ def _grads_after(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, chunk
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check_model(dense: torch.nn.Module, vocab: int, chunks: int | str) -> None:
+def _check_model(dense: torch.nn.Module, vocab: int, chunks: int | str, *, whole: bool = False) -> None:
+    """``whole``: the head must hand the loss its logits whole ('auto' on a micro-batch whose logits
+    are small); else it must return per-token losses (chunks)."""
     chunked = copy.deepcopy(dense)
     plan = install_chunked_head(chunked, chunks)
     assert plan.enabled
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (3, 32), generator=g)
     y = torch.randint(0, vocab, (3, 32), generator=g)
+    with token_loss_context(chunked, cross_entropy_loss, y), torch.no_grad():
+        out = chunked(x)
+        out = getattr(out, "logits", out)
+    assert tuple(out.shape) == ((3, 32, vocab) if whole else (3, 32)), out.shape
     loss_d, grads_d = _grads_after(dense, x, y, chunked=False)
     loss_c, grads_c = _grads_after(chunked, x, y, chunked=True)
     assert abs(loss_d - loss_c) < 1e-6
@@ -74,10 +81,29 @@ def _check_model(dense: torch.nn.Module, vocab: int, chunks: int | str) -> None:
     torch.testing.assert_close(chunked(x), dense(x))
 
 
-def test_gpt_chunked_head_same_loss_and_grads() -> None:
+def test_gpt_chunked_head_same_loss_and_grads(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     _check_model(GPT(CFG), CFG.vocab_size, 5)
+    # 'auto' leaves a micro-batch whose fp32 logits are within AUTO_DENSE_LOGITS_BYTES whole ...
+    _check_model(GPT(CFG), CFG.vocab_size, "auto", whole=True)
+    # ... and chunks one past it (the bound lowered below these 3 x 32 x 256 fp32 logits).
+    monkeypatch.setattr(config, "AUTO_DENSE_LOGITS_BYTES", 4 * 3 * 32 * CFG.vocab_size - 1)
     _check_model(GPT(CFG), CFG.vocab_size, "auto")
+
+
+def test_auto_chunks_only_large_logits_and_the_planner_agrees() -> None:
+    """The rule of ``train.loss_chunks = auto`` (core.config.auto_chunks_logits), asked by the runtime's
+    head per call and by the planner: GPT-2's 8 x 1024 tokens at a 50,304 vocabulary (1.5 GiB of fp32
+    logits) stay whole; Llama 3's 128,256 vocabulary at 8,192 tokens (3.9 GiB) is chunked."""
+    from shardwise.plan.cp import chunked_loss_off
+
+    assert not config.auto_chunks_logits(8 * 1024, 50304)
+    assert config.auto_chunks_logits(8192, 128256)
+    assert config.auto_chunks_logits(config.AUTO_DENSE_LOGITS_BYTES // (4 * 1000) + 1, 1000)
+    assert not config.auto_chunks_logits(config.AUTO_DENSE_LOGITS_BYTES // (4 * 1000), 1000)
+    assert "builds them whole" in chunked_loss_off("gpt", 50304, 768, None, tokens=8 * 1024)
+    assert chunked_loss_off("llama", 128256, 4096, None, tokens=8192) == ""
+    assert chunked_loss_off("gpt", 50304, 768, 8, tokens=8 * 1024) == ""  # an explicit N always chunks
 
 
 def test_hf_llama_chunked_head_same_loss_and_grads() -> None:

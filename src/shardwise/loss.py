@@ -17,9 +17,12 @@ used inside the head's own forward, so FSDP2's all-gather and reduce-scatter aro
 for the dense head, whether the head is its own FSDP unit or part of the root's.
 
 ``train.loss_chunks``: ``0`` off, ``auto`` on when the logits would be larger than the hidden
-states (vocabulary > 4 x hidden; chunks of at most ``AUTO_CHUNK_BYTES`` of fp32 logits), ``N``
-splits every micro-batch's tokens into N chunks. It applies to the token-mean cross-entropy
-(``workloads.cross_entropy_loss``); any other loss function sees the ordinary logits.
+states (vocabulary > 4 x hidden) and a micro-batch's whole fp32 logits would exceed
+``AUTO_DENSE_LOGITS_BYTES`` (2 GiB; decided per call, by the tokens the head sees: a smaller
+micro-batch gets the plain head and loss, which is faster), in chunks of at most
+``AUTO_CHUNK_BYTES`` of fp32 logits; ``N`` splits every micro-batch's tokens into N chunks. It
+applies to the token-mean cross-entropy (``workloads.cross_entropy_loss``); any other loss function
+sees the ordinary logits.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.core.config import AUTO_CHUNK_BYTES, parse_loss_chunks  # the rule lives with the setting
+from shardwise.core.config import (  # the rules live with the setting
+    AUTO_CHUNK_BYTES,
+    AUTO_DENSE_LOGITS_BYTES,
+    auto_chunks_logits,
+    parse_loss_chunks,
+)
 from shardwise.core.families import CHUNKED_HEAD_FAMILIES
 from shardwise.errors import ConfigError
 from shardwise.parallel.blocks import model_family
 from shardwise.workloads import cross_entropy_loss
 
-__all__ = ["AUTO_CHUNK_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_chunked_head", "is_token_ce",
-           "plan_chunked_head",
+__all__ = ["AUTO_CHUNK_BYTES", "AUTO_DENSE_LOGITS_BYTES", "ChunkPlan", "chunked_cross_entropy", "install_chunked_head",
+           "is_token_ce", "plan_chunked_head",
            "parse_loss_chunks", "token_loss_context"]
 
 # auto: each chunk's fp32 logits at most this many bytes (64 MiB: 4k tokens at a 4k vocabulary,
@@ -203,6 +211,8 @@ def install_chunked_head(model: nn.Module, setting: Any, *, tp: int = 1, pp: int
         if targets is None:
             return dense(hidden)
         tokens = targets.numel()
+        if plan.chunks is None and not auto_chunks_logits(tokens, head.out_features):
+            return dense(hidden)  # logits, not per-token losses: token_loss_context's function sees which
         return chunked_cross_entropy(hidden, head.weight, targets,
                                      plan.chunk_tokens(tokens, head.out_features))
 
@@ -231,13 +241,21 @@ def token_loss_context(model: nn.Module, loss_fn: Callable[..., Any],
     """Yield the loss function to call on ``model(inputs)``: the chunked head's when it applies.
 
     Inside, a chunked head returns per-token losses for ``targets`` and the yielded function takes
-    their token mean; otherwise ``loss_fn`` comes back unchanged and nothing is set.
+    their token mean -- or, where ``auto`` left a small micro-batch whole, the logits, which it hands
+    to ``loss_fn``; otherwise ``loss_fn`` comes back unchanged and nothing is set.
     """
     if not (is_token_ce(loss_fn) and _has_chunked_head(model)):
         yield loss_fn
         return
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Per-token losses have the targets' shape; logits have one more (vocabulary) dimension.
+        if output.dim() > targets.dim():
+            return loss_fn(output, targets)
+        return _token_mean(output, targets)
+
     token = _TARGETS.set(targets)
     try:
-        yield _token_mean
+        yield loss
     finally:
         _TARGETS.reset(token)

@@ -800,6 +800,21 @@ def check_section(obj: Any, prefix: str = "") -> None:
 # train.loss_chunks = "auto": chunks of at most this many bytes of fp32 logits (shardwise.loss; the
 # planner counts the same).
 AUTO_CHUNK_BYTES = 64 * 2**20
+# train.loss_chunks = "auto" chunks a micro-batch only when its whole fp32 logits would exceed this.
+# Chunking is a memory measure that costs time: on an H200 (benchmarks/gpu.sh, docs/performance.md)
+# GPT-2 124M at 8 x 1024 tokens ran 52.9 ms a step chunked and 31.0 ms with the logits whole (the
+# chunks run eagerly, each its own launches, and recompute their logits in backward) to save 1.0 GiB
+# of a 141 GiB GPU. Below 2 GiB of fp32 logits (~5 GiB with their gradient and 16-bit copy: a few
+# percent of a training GPU) the memory is not worth that; above it (a 128k vocabulary at 4k+
+# tokens per micro-batch) the logits become the step's largest tensor and the chunks pay.
+AUTO_DENSE_LOGITS_BYTES = 2 * 2**30
+
+
+def auto_chunks_logits(tokens: int, vocab: int) -> bool:
+    """Whether ``train.loss_chunks = "auto"`` chunks a micro-batch of ``tokens`` tokens (on this rank)
+    at a ``vocab`` wide head: its fp32 logits exceed ``AUTO_DENSE_LOGITS_BYTES``. The runtime's head
+    (shardwise.loss) and the planner (plan/cp.py) both ask this."""
+    return 4 * tokens * vocab > AUTO_DENSE_LOGITS_BYTES
 
 
 def parse_loss_chunks(value: Any) -> int | None:

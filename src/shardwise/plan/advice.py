@@ -205,8 +205,10 @@ def layout_cp_impl(spec: ModelSpec, layout: Layout, work: Workload) -> str:
 
 def loss_chunked(spec: ModelSpec, layout: Layout, work: Workload) -> bool:
     """Whether the runtime chunks this candidate's loss (plan/cp.chunked_loss_off: the runtime's rule)."""
+    sequences = work.micro_batch * (2 if work.objective == "dpo" else 1)  # a DPO pair is two sequences
     return work.kernels.loss == "torch" and not chunked_loss_off(
-        spec.family, spec.vocab, spec.hidden, work.loss_chunks, tp=layout.tp, pp=layout.pp)
+        spec.family, spec.vocab, spec.hidden, work.loss_chunks, tp=layout.tp, pp=layout.pp,
+        tokens=sequences * max(1, work.seq // max(1, layout.cp)))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.core.config import AUTO_CHUNK_BYTES
+from shardwise.core.config import AUTO_CHUNK_BYTES, AUTO_DENSE_LOGITS_BYTES, auto_chunks_logits
 from shardwise.core.families import CHUNKED_HEAD_FAMILIES
 
 __all__ = ["CHUNKED_HEAD_FAMILIES", "CP_IMPLS", "alltoall_bytes_per_layer", "alltoall_s", "chunk_tokens",
@@ -145,11 +145,13 @@ def chunk_tokens(tokens: int, vocab: int, chunks: int | None = None) -> int:
 
 
 def chunked_loss_off(family: str, vocab: int | None, hidden: int | None, chunks: int | None, *, tp: int = 1,
-                     pp: int = 1) -> str:
+                     pp: int = 1, tokens: int | None = None) -> str:
     """Why the runtime would not chunk the loss here ('' when it does): ``shardwise.loss.plan_chunked_head``.
 
     ``chunks``: ``train.loss_chunks`` parsed (None auto, 0 off, N). An explicit N where the reason is
-    not '' is refused by the runtime; 'auto' quietly stays off.
+    not '' is refused by the runtime; 'auto' quietly stays off. ``tokens``: a micro-batch's tokens on
+    one rank, where known: 'auto' leaves a micro-batch with small logits whole
+    (``core.config.auto_chunks_logits``, decided per call by the runtime's head).
     """
     if chunks == 0:
         return "train.loss_chunks = 0"
@@ -162,6 +164,9 @@ def chunked_loss_off(family: str, vocab: int | None, hidden: int | None, chunks:
         return "pipeline parallel computes the loss inside its schedule, per microbatch"
     if chunks is None and vocab <= 4 * hidden:
         return f"the vocabulary ({vocab}) is small beside the hidden size ({hidden})"
+    if chunks is None and tokens is not None and not auto_chunks_logits(tokens, vocab):
+        return (f"a micro-batch's fp32 logits ({4 * tokens * vocab / 2**30:.2f} GiB) are within "
+                f"{AUTO_DENSE_LOGITS_BYTES / 2**30:g} GiB: 'auto' builds them whole, which is faster")
     return ""
 
 

@@ -206,7 +206,6 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     ``train.loss_chunks`` (the chunked loss's logits where the runtime's rule turns it on).
     """
     chunks = parse_loss_chunks(loss_chunks)
-    chunked = not chunked_loss_off(spec.family, spec.vocab, spec.hidden, chunks, tp=layout.tp, pp=layout.pp)
     prec = RUNTIME_PRECISIONS[precision]
     if layout.n_blocks is None and spec.n_layers and layout.pp > 1:
         layout = layout.with_blocks(spec.n_layers)
@@ -215,6 +214,8 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     notes: list[str] = []
     if dpo_reference is not None:  # chosen and rejected of every pair in one forward (plan/preference.py)
         micro_batch *= 2
+    chunked = not chunked_loss_off(spec.family, spec.vocab, spec.hidden, chunks, tp=layout.tp, pp=layout.pp,
+                                   tokens=micro_batch * max(1, seq // max(1, layout.cp)))
     checkpoint = activation_checkpointing
     if not spec.has_structure:
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")

@@ -46,7 +46,7 @@ from shardwise.core.layout import Layout, ranks_per_node, resolve_layout
 from shardwise.device import select_device
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.logs import LOGGER_NAME
-from shardwise.loss import install_chunked_head, parse_loss_chunks, token_loss_context
+from shardwise.loss import AUTO_DENSE_LOGITS_BYTES, install_chunked_head, parse_loss_chunks, token_loss_context
 from shardwise.models.gpt2_qkv import fused_sources
 from shardwise.models.moe import discard_aux_losses, moe_layers
 from shardwise.models.names import clean_name
@@ -382,8 +382,12 @@ class Session:
         # parameter; a pipeline's last stage keeps it).
         self.loss_plan = install_chunked_head(model, self.loss_chunks, tp=self.layout.tp, pp=self.layout.pp)
         if self.loss_plan.enabled:
-            self.notes.append("loss: output head + cross-entropy in chunks (train.loss_chunks = "
-                              f"{self.loss_chunks}); the whole logits tensor is never built")
+            self.notes.append(
+                "loss: output head + cross-entropy in chunks (train.loss_chunks = "
+                f"{self.loss_chunks}); the whole logits tensor is never built" if self.loss_plan.chunks else
+                "loss: output head + cross-entropy in chunks for micro-batches whose fp32 logits would exceed "
+                f"{AUTO_DENSE_LOGITS_BYTES / 2**30:g} GiB (train.loss_chunks = auto); smaller ones build the "
+                "logits whole, which is faster")
         # The one parallelize order (parallel/parallelize.py): split -> TP -> CP -> EP -> AC -> compile -> DP.
         ties = tied_groups(model)
         prepared = parallelize(model, self.strategy, self.ctx)
