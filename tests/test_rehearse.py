@@ -17,6 +17,7 @@ from shardwise.core.layout import resolve_layout
 from shardwise.errors import ConfigError
 from shardwise.rehearse import cli, launch
 from shardwise.rehearse.compare import BOUNDS, Row
+from shardwise.rehearse.report import format_text
 
 STATE = ("param_bytes", "grad_bytes", "optim_bytes")
 
@@ -71,7 +72,26 @@ def _check_runs(report: dict) -> None:
         # One step's ops priced on the target GPU: the roofline is a floor of a real step's compute.
         roof = rank["roofline"]
         assert roof["flops"] > 0 and roof["bytes"] > 0 and roof["roofline_s"] >= roof["flops"] / 989e12
+    # The planner's step terms for the same command on the target GPU, printed beside the roofline.
+    planned = report["planned_step"]
+    assert planned["compute_s"] > 0 and planned["step_s"] >= planned["compute_s"], planned
+    assert "the planner's step: compute " in format_text(report)
     assert report["verdict"].startswith(report["title"] + ": runs; rank ")
+
+
+def test_the_report_sets_the_planners_compute_beside_a_measured_gpu_step() -> None:
+    """On a real GPU (fake collectives) the played rank's step is compute only: the report gives the
+    planner's compute term's difference to it (the H200 visit's 8B rank: 2.85 s planned, 3.08 measured)."""
+    from shardwise.rehearse.report import _planned_compute
+
+    planned = {"step_s": 2.9, "compute_s": 2.85, "comm_exposed_s": 0.05, "bubble_s": 0.0}
+    rank = {"cuda": {"device_name": "NVIDIA H200"}, "step_s": [3.5, 3.083, 3.1]}
+    line = _planned_compute(planned, {"roofline_s": 2.34}, rank)[0]
+    assert "compute 2850 ms (the roofline floor is 82% of it)" in line
+    assert "measured step on this GPU (fake collectives: compute only) 3083 ms, the planner's compute -7.6%" in line
+    assert "measured" not in _planned_compute(planned, {"roofline_s": 2.34}, {"step_s": [1.0]})[0]  # fake CPU times
+    assert "not computed (no)" in _planned_compute({"refused": "no"}, {}, rank)[0]
+    assert _planned_compute(None, {}, rank) == []
 
 
 def _check_activations_and_peak(report: dict) -> None:

@@ -32,7 +32,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
-from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision
+from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, ceiling, link
 from shardwise.plan.spec import ModelSpec
@@ -512,11 +512,13 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
     prec, state_prec = stored_precisions(work, layout)
     accum, note = _grad_accum(work, replicas(layout), cluster.world)
     chunked = loss_chunked(spec, layout, work)
+    kernels = work.kernels
+    if work.kernels.loss == "torch":  # the runtime's loss (another stack's published kernels stay as given)
+        kernels = dataclasses.replace(kernels, loss=loss_kernels(chunked, work.compile, layout.tp).loss)
     options = dict(state_prec=state_prec, checkpoint=work.checkpoint, grad_accum=accum,
                    gpus_per_node=cluster.gpus_per_node, attention=work.attention, every=work.ac_every,
                    grad_sync=grad_sync, fragmentation=calib.fragmentation,
-                   kernels=dataclasses.replace(work.kernels, loss="chunked") if chunked else work.kernels,
-                   loss_chunks=work.loss_chunks)
+                   kernels=kernels, loss_chunks=work.loss_chunks)
     if work.objective == "dpo":
         mem = dpo_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch_pairs=work.micro_batch,
                             reference=work.dpo_reference, **options)

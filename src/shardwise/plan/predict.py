@@ -29,6 +29,7 @@ from shardwise.core.pp_schedules import p2p_messages_per_step
 from shardwise.plan.cp import chunked_loss_off
 from shardwise.plan.memory import (
     SHARDWISE_KERNELS,
+    TRAIN_SPELLINGS,
     Kernels,
     Precision,
     StateBytes,
@@ -191,10 +192,25 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
     return sb
 
 
+def loss_kernels(chunked: bool, compiled: bool, tp: int) -> Kernels:
+    """The runtime's loss as the planner's ``Kernels``: the chunked head's; a compiled one's, which
+    inductor fuses (up-cast, log-softmax and NLL in one kernel: it keeps the 16-bit logits and a
+    per-token log-sum-exp, not the eager loss's fp32 copies -- on an H200, GPT-2 124M at 8 x 1024
+    tokens peaked 1.0 GiB above its chunked run with the logits whole, where the eager loss's 10
+    bytes a logit would be 3.1 GiB); else torch's eager ``F.cross_entropy``. The trainer leaves the
+    loss eager under tensor parallel (``Session.compile_loss``)."""
+    if chunked:
+        return Kernels(loss="chunked")
+    if compiled and tp == 1:
+        return Kernels(loss="fused")
+    return SHARDWISE_KERNELS
+
+
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
                 grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
                 grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0,
-                optimizer: str = "adamw", dpo_reference: str | None = None) -> RunPrediction:
+                optimizer: str = "adamw", dpo_reference: str | None = None,
+                compiled: bool = False) -> RunPrediction:
     """Predict every rank's bytes for ``spec`` trained under ``layout`` with ``optimizer`` (the
     trainer's ``[optimizer]``; under bf16-true only AdamW's state is predicted in bfloat16).
     ``dpo_reference``: a DPO run's reference (``plan.preference.REFERENCES``; None: not DPO): a
@@ -203,7 +219,10 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
 
     ``micro_batch_size`` and ``grad_accum_steps`` are the ``[train]`` values; ``seq`` is the
     tokens per sample (1 for images: activations are then not modelled); ``loss_chunks`` is
-    ``train.loss_chunks`` (the chunked loss's logits where the runtime's rule turns it on).
+    ``train.loss_chunks`` (the chunked loss's logits where the runtime's rule turns it on);
+    ``compiled``: ``train.compile`` is on (resolved), so the trainer compiles the loss beside the
+    blocks (``Session.compile_loss``; not under TP) and whole logits go through a fused
+    cross-entropy (``loss_kernels``).
     """
     chunks = parse_loss_chunks(loss_chunks)
     prec = RUNTIME_PRECISIONS[precision]
@@ -225,7 +244,7 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     breakdowns = [memory_breakdown(spec, layout, compute_precision(precision, layout), "adamw", seq=seq,
                                    micro_batch=micro_batch, checkpoint=checkpoint, grad_accum=micro_batches,
                                    gpus_per_node=ranks_per_node, every=ac_every, grad_sync=grad_sync,
-                                   kernels=Kernels(loss="chunked") if chunked else SHARDWISE_KERNELS,
+                                   kernels=loss_kernels(chunked, compiled, layout.tp),
                                    loss_chunks=chunks, stage=s) for s in range(layout.pp)]
     ranks = []
     states: dict[tuple[int, int], StateBytes] = {}
@@ -269,9 +288,10 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
     """``predict_run`` for a ``RunConfig``: the one place that turns a config into the planner's
     arguments, so ``--dry-run`` and the trainer's summary.json predict the same bytes.
     ``plain_ce``: the loss is the token-mean CE (``Workload.plain_token_ce``), else never chunked."""
-    from shardwise.runtime.auto import resolve_precision  # defers torch
+    from shardwise.runtime.auto import compile_flag, resolve_precision  # defers torch
 
-    # "auto" as this machine's ranks resolve it (a run's own config is already resolved).
+    # "auto" as this machine's ranks resolve it (a run's own config is already resolved; an
+    # unresolved train.compile = "auto" is planned eager, the larger loss).
     return predict_run(spec, layout, precision=resolve_precision(cfg.parallel.precision).value, seq=seq,
                        micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                        activation_checkpointing=cfg.parallel.activation_checkpointing,
@@ -281,7 +301,30 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
                        dpo_reference=reference_for(cfg.lora.rank, cfg.preference.precompute_reference)
                        if getattr(cfg.train, "objective", "lm") == "dpo" else None,
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
-                                                                            nproc=cfg.parallel.nproc))
+                                                                            nproc=cfg.parallel.nproc),
+                       compiled=compile_flag(getattr(cfg.train, "compile", False)) == "true")
+
+
+def predict_step_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int, gpu_name: str,
+                          gpus_per_node: int, nodes: int, plain_ce: bool = True) -> Any:
+    """The planner's step time (``plan.cost.StepTime``: compute, exposed communication, bubble) for a
+    ``RunConfig`` on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu_name``: what ``plan`` prints for
+    the same settings, with the batch read as ``predict_run`` reads it (a pipeline's micro-batches)."""
+    from shardwise.plan.advice import Cluster, Workload, predict_step_time  # advice imports this module
+    from shardwise.plan.presets import gpu
+    from shardwise.runtime.auto import resolve_precision  # defers torch
+
+    precision = resolve_precision(cfg.parallel.precision).value
+    pipe = layout.pp_microbatches if layout.pp > 1 else 1
+    micro_batch = max(1, cfg.train.micro_batch_size // pipe)
+    work = Workload(seq=seq, micro_batch=micro_batch, grad_accum=cfg.train.grad_accum_steps * pipe,
+                    precision=TRAIN_SPELLINGS.get(precision) or precision,
+                    checkpoint=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
+                    grad_sync=cfg.parallel.grad_sync, pp_schedule=layout.pp_schedule,
+                    pp_stages_per_rank=layout.pp_stages_per_rank,
+                    loss_chunks=parse_loss_chunks(getattr(cfg.train, "loss_chunks", 0)) if plain_ce else 0)
+    cluster = Cluster(gpu=gpu(gpu_name), gpus_per_node=gpus_per_node, nodes=nodes)
+    return predict_step_time(spec, cluster, work, layout)
 
 
 def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",

@@ -17,8 +17,9 @@ from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError
 from shardwise.job.train import dry_run_prediction, resolve_run
 from shardwise.plan.advice import Cluster
-from shardwise.plan.predict import model_name
+from shardwise.plan.predict import model_name, predict_step_for_spec
 from shardwise.plan.presets import gpu
+from shardwise.plan.spec import from_module
 from shardwise.rehearse import launch, report
 from shardwise.rehearse.report import format_text
 
@@ -105,11 +106,29 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                           "fsdp+pp) to check the rest of the layout.")
     ranks = launch.parse_ranks(args.ranks, run.layout.world_size) if args.ranks else launch.default_ranks(run.layout)
     prediction = dry_run_prediction(run)
+    planned_step = _planned_step(run, target.name, args.nnodes)
     results = launch.play(to_toml(run.config), world_size=run.layout.world_size, nproc=run.nproc, ranks=ranks,
                           device=args.device, steps=args.steps, timeout_s=args.rank_timeout, jobs=args.jobs)
     budget = Cluster(gpu=target, gpus_per_node=run.nproc, nodes=args.nnodes).usable_gib
     return report.build(title=title_of(run, target.name, args.nnodes), prediction=prediction, results=results,
-                        budget_gib=budget, gpu_name=target.name, device=args.device, notes=notes)
+                        budget_gib=budget, gpu_name=target.name, device=args.device, notes=notes,
+                        planned_step=planned_step)
+
+
+def _planned_step(run: Any, gpu_name: str, nnodes: int) -> dict[str, Any] | None:
+    """The planner's step time for the rehearsed command on its target (what ``plan`` prints for the
+    same settings): compute, exposed communication, pipeline bubble, in seconds. None without a
+    meta model; the planner's refusal as ``refused`` (the rehearsal itself still runs)."""
+    if run.checked.meta_model is None:
+        return None
+    spec = from_module(run.checked.meta_model, name=model_name(run.config.model))
+    try:
+        t = predict_step_for_spec(spec, run.layout, run.config, seq=run.checked.workload.tokens_per_sample,
+                                  gpu_name=gpu_name, gpus_per_node=run.nproc, nodes=nnodes,
+                                  plain_ce=run.checked.workload.plain_token_ce)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    return {"step_s": t.step_s, "compute_s": t.compute_s, "comm_exposed_s": t.comm_exposed_s, "bubble_s": t.bubble_s}
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:

@@ -51,8 +51,10 @@ def _price(compute: dict[str, Any], gpu_name: str) -> dict[str, Any]:
 
 
 def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_gib: float | None,
-          gpu_name: str, device: str, notes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The report as data (what ``--json`` prints); ``notes``: the run's own (what "auto" became)."""
+          gpu_name: str, device: str, notes: tuple[str, ...] = (),
+          planned_step: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report as data (what ``--json`` prints); ``notes``: the run's own (what "auto" became);
+    ``planned_step``: the planner's step time for the command on ``gpu_name`` (seconds by term)."""
     ranks = []
     for result in results:
         rows = compare_rank(prediction, result)
@@ -66,6 +68,7 @@ def build(*, title: str, prediction: Any, results: list[dict[str, Any]], budget_
     notes = [*notes, *([FAKE_CPU_LIMITS] if device == "cpu" else []), UNMEASURED]
     return {"title": title, "outcome": outcome, "gpu": gpu_name, "budget_gib": budget_gib, "device": device,
             "prediction": prediction.to_dict() if prediction is not None else None, "ranks": ranks,
+            "planned_step": planned_step,
             "verdict": _verdict(title, outcome, ranks, budget_gib), "notes": notes}
 
 
@@ -123,6 +126,29 @@ def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, 
     return [line]
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], rank: dict[str, Any]) -> list[str]:
+    """The planner's step terms beside the roofline floor and, on a real GPU, the measured step (its
+    collectives are fake there, so the measured step is compute: the planner's compute term's match)."""
+    if not planned:
+        return []
+    if "refused" in planned:
+        return [f"  the planner's step time: not computed ({planned['refused']})"]
+    if planned["compute_s"] <= 0:
+        return ["  the planner's step: no compute term (the model's shape is unknown to it)"]
+    line = (f"  the planner's step: compute {_ms(planned['compute_s'])} (the roofline floor is "
+            f"{roofline['roofline_s'] / planned['compute_s']:.0%} of it), exposed communication "
+            f"{_ms(planned['comm_exposed_s'])}, bubble {_ms(planned['bubble_s'])}")
+    if rank.get("cuda") and rank.get("step_s"):
+        measured = min(rank["step_s"])
+        line += (f"; measured step on this GPU (fake collectives: compute only) {_ms(measured)}, "
+                 f"the planner's compute {100 * (planned['compute_s'] - measured) / measured:+.1f}%")
+    return [line]
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The human-readable report."""
     lines = [f"rehearsal of {report['title']} ({len(report['ranks'])} played rank(s), device {report['device']})"]
@@ -168,6 +194,7 @@ def format_text(report: dict[str, Any]) -> str:
                          f"{r['bytes'] / GIB:.2f} GiB read and written; roofline on {report['gpu']} "
                          f"({r['peak_tflops_16bit']:.0f} TFLOPS 16-bit, {r['mem_bw_tbs']:.2f} TB/s): "
                          f"{r['roofline_s'] * 1e3:.1f} ms, a floor")
+            lines += _planned_compute(report.get("planned_step"), r, rank)
             if r.get("uncounted"):
                 lines.append("  FLOPs not counted (torch's formula refused their shapes; their bytes are): "
                              + ", ".join(f"{name} x{n}" for name, n in sorted(r["uncounted"].items())))
