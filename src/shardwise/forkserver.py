@@ -19,17 +19,24 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["adopt_environment", "preloaded_context"]
+__all__ = ["PRELOAD", "adopt_environment", "preloaded_context"]
+
+# What the server imports before it forks: one list for every caller, because a process has one
+# server and the first call starts it (with two lists, which one a test's ranks were forked from
+# depended on the order the tests ran in). None of these starts a thread on import (checked: one
+# task in /proc/self/task after importing them all), which a fork would not carry over.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.runtime.session",
+           "shardwise.rehearse.worker", "transformers"]
 
 
-def preloaded_context(modules: list[str]) -> Any:
-    """multiprocessing's "forkserver" context whose server imports ``modules`` before it forks (one
+def preloaded_context() -> Any:
+    """multiprocessing's "forkserver" context whose server imports ``PRELOAD`` before it forks (one
     that fails to import is skipped: an optional extra), or "spawn" where the platform has no
-    forkserver. A process has one server: the list of the call that starts it is the one loaded."""
+    forkserver."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(modules)
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

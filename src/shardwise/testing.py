@@ -45,10 +45,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the ranks' server imports before it forks them (shardwise.forkserver).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.runtime.session", "transformers"]
-
-
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, stack_dir: str,
            collective_timeout_s: float, results: Any, caller_env: dict[str, str], env: dict[str, str],
            kwargs: dict) -> None:
@@ -133,7 +129,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
 
 def _run_once(fn: Callable[..., Any], world_size: int, timeout_s: float, collective_timeout_s: float,
               env: dict[str, str] | None, kwargs: dict) -> list[Any]:
-    ctx = preloaded_context(_PRELOAD)
+    ctx = preloaded_context()
     results = ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="shardwise-stacks-")
     port = free_port()

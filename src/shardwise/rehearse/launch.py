@@ -24,11 +24,6 @@ from shardwise.forkserver import adopt_environment, preloaded_context
 from shardwise.rehearse.worker import DEVICES, PlaySpec
 from shardwise.rehearse.worker import main as worker_main
 
-# What the played ranks' server imports before it forks them (shardwise.forkserver; one that fails
-# to import is skipped: transformers is an optional extra).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "shardwise.rehearse.worker",
-            "shardwise.runtime.session", "transformers"]
-
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """``--ranks``: comma-separated ranks (or ``a-b`` ranges), each in [0, world_size)."""
@@ -115,7 +110,7 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # fake cpu tensors even on a machine with GPUs
-        ctx = preloaded_context(_PRELOAD)
+        ctx = preloaded_context()
         pending = list(ranks)
         running: dict[int, tuple[Any, float, Path]] = {}
         while pending or running:
