@@ -25,7 +25,8 @@
 #                   blocked the step, the write in the background, the step time around them
 #   mfu-profile     the gpt2-mfu run with the profiler on 3 steps, then `shardwise profile`: where the
 #                   step's time goes (kernels vs idle) and the top kernels
-#   gpt2-nochunk    the gpt2-mfu run with the chunked loss off (train.loss_chunks = 0)
+#   gpt2-chunked    the gpt2-mfu run with its loss in 4 chunks (train.loss_chunks = 4; `auto` keeps
+#                   this run's 1.5 GiB of logits whole): what fewer, larger chunks cost
 #   mfu-peers       `shardwise bench`: the same GPT-2 shape as shardwise's single-GPU run and as a plain
 #                   PyTorch loop (torch-ddp on one rank), both bf16-mixed + per-block compile
 #   rehearse-70b    rank 0 of the plan's recommendation for llama-3-70b on 4 x 8 H100 (fsdp+tp, tp 4,
@@ -65,7 +66,7 @@ EXTRA_STEPS=(
     "cuda-tests 40"
     "checkpoint-async 120"
     "mfu-profile 90"
-    "gpt2-nochunk 75"
+    "gpt2-chunked 75"
     "mfu-peers 150"
     "rehearse-70b 150"
 )
@@ -267,9 +268,9 @@ step_mfu-profile() {
     py_step mfu-profile-top -m shardwise profile "$OUT/mfu-profile" --top 25
 }
 
-step_gpt2-nochunk() {
-    train_step gpt2-nochunk -- --nproc 1 --strategy single "${GPT2[@]}" --set parallel.precision=bf16-mixed \
-        --set train.compile="$( (( CPU_MODE )) && echo false || echo true)" --set train.loss_chunks=0
+step_gpt2-chunked() {
+    train_step gpt2-chunked -- --nproc 1 --strategy single "${GPT2[@]}" --set parallel.precision=bf16-mixed \
+        --set train.compile="$( (( CPU_MODE )) && echo false || echo true)" --set train.loss_chunks=4
 }
 
 step_mfu-peers() {
