@@ -15,10 +15,12 @@ What each stack implies (the properties not named keep shardwise's defaults):
   distributed optimizer overlapping its reduce-scatter / all-gather, a contiguous fp32 gradient
   buffer, 16-bit parameters with an fp32 master copy, pipeline receives into the in-flight
   micro-batches' own tensors; expert groups folded over tp x dp x cp of a pipeline stage (MoE
-  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``).
+  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``); its token dispatcher keeps
+  no routed copy beyond the experts' tensors (``ep_dispatch_copy = false``).
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
   parameters with an fp32 master copy, pipeline receives into its in-flight buffers; expert groups
-  carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``).
+  carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``), no routed copy
+  kept by the dispatch (``ep_dispatch_copy = false``).
 
 ``ep_groups`` lets the planner plan an ep that stack allows and shardwise's runtime does not (the
 rule itself: core/layout.py ``EP_GROUPS``); ``train`` still refuses it (``Layout._check_ep``).
@@ -41,9 +43,9 @@ STACKS: dict[str, dict[str, Any]] = {
     "torchtitan": {"grad_sync": "microbatch"},
     "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
                  "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
-                 "ep_groups": "tp-dp"},
+                 "ep_groups": "tp-dp", "ep_dispatch_copy": False},
     "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False,
-                  "ep_groups": "dp"},
+                  "ep_groups": "dp", "ep_dispatch_copy": False},
 }
 STACK_KEYS = (*(f.name for f in dataclasses.fields(Kernels)), "grad_sync")
 
