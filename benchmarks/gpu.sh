@@ -68,7 +68,7 @@ EXTRA_STEPS=(
     "mfu-profile 90"
     "gpt2-chunked 75"
     "mfu-peers 150"
-    "rehearse-70b 150"
+    "rehearse-70b 240"
 )
 SELECTED=()
 if [[ -n "${GPU_SH_STEPS:-}" ]]; then
