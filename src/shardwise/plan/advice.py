@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.core.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig
+from shardwise.core.config import PP_SCHEDULES, OptimizerConfig, ParallelConfig, parse_loss_chunks
 from shardwise.core.families import CP_FAMILIES
 from shardwise.core.layout import data_parallel_degree, ep_degrees, resolve_layout, stage_layer_ranges
 from shardwise.core.pp_schedules import compile_refusal, schedule_info, tied_weights_refusal
@@ -24,6 +24,7 @@ from shardwise.plan.memory import (
     GRAD_SYNC_MODES,
     OPTIMIZERS,
     SHARDWISE_KERNELS,
+    TRAIN_SPELLINGS,
     Kernels,
     Layout,
     MemoryBreakdown,
@@ -34,7 +35,7 @@ from shardwise.plan.memory import (
 )
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
-from shardwise.plan.presets import GPU, Link, ceiling, link
+from shardwise.plan.presets import GPU, Link, ceiling, gpu, link
 from shardwise.plan.spec import ModelSpec
 
 GIB = 1024**3
@@ -490,6 +491,26 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
                      every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=kernels, calib=calib,
                      cp_impl=layout_cp_impl(spec, layout, work))
+
+
+def predict_step_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int, gpu_name: str,
+                          gpus_per_node: int, nodes: int, plain_ce: bool = True) -> Any:
+    """The planner's step time (``plan.cost.StepTime``: compute, exposed communication, bubble) for a
+    ``RunConfig`` on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu_name``: what ``plan`` prints for
+    the same settings, with the batch read as ``predict_run`` reads it (a pipeline's micro-batches)."""
+    from shardwise.runtime.auto import resolve_precision  # defers torch
+
+    precision = resolve_precision(cfg.parallel.precision).value
+    pipe = layout.pp_microbatches if layout.pp > 1 else 1
+    micro_batch = max(1, cfg.train.micro_batch_size // pipe)
+    work = Workload(seq=seq, micro_batch=micro_batch, grad_accum=cfg.train.grad_accum_steps * pipe,
+                    precision=TRAIN_SPELLINGS.get(precision) or precision,
+                    checkpoint=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
+                    grad_sync=cfg.parallel.grad_sync, pp_schedule=layout.pp_schedule,
+                    pp_stages_per_rank=layout.pp_stages_per_rank,
+                    loss_chunks=parse_loss_chunks(getattr(cfg.train, "loss_chunks", 0)) if plain_ce else 0)
+    cluster = Cluster(gpu=gpu(gpu_name), gpus_per_node=gpus_per_node, nodes=nodes)
+    return predict_step_time(spec, cluster, work, layout)
 
 
 def stored_precisions(work: Workload, layout: Layout) -> tuple[Precision, Precision | None]:

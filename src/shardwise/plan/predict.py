@@ -29,7 +29,6 @@ from shardwise.core.pp_schedules import p2p_messages_per_step
 from shardwise.plan.cp import chunked_loss_off
 from shardwise.plan.memory import (
     SHARDWISE_KERNELS,
-    TRAIN_SPELLINGS,
     Kernels,
     Precision,
     StateBytes,
@@ -303,28 +302,6 @@ def predict_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int,
                        ranks_per_node=ranks_per_node or rank_count_per_node(layout.world_size,
                                                                             nproc=cfg.parallel.nproc),
                        compiled=compile_flag(getattr(cfg.train, "compile", False)) == "true")
-
-
-def predict_step_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int, gpu_name: str,
-                          gpus_per_node: int, nodes: int, plain_ce: bool = True) -> Any:
-    """The planner's step time (``plan.cost.StepTime``: compute, exposed communication, bubble) for a
-    ``RunConfig`` on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu_name``: what ``plan`` prints for
-    the same settings, with the batch read as ``predict_run`` reads it (a pipeline's micro-batches)."""
-    from shardwise.plan.advice import Cluster, Workload, predict_step_time  # advice imports this module
-    from shardwise.plan.presets import gpu
-    from shardwise.runtime.auto import resolve_precision  # defers torch
-
-    precision = resolve_precision(cfg.parallel.precision).value
-    pipe = layout.pp_microbatches if layout.pp > 1 else 1
-    micro_batch = max(1, cfg.train.micro_batch_size // pipe)
-    work = Workload(seq=seq, micro_batch=micro_batch, grad_accum=cfg.train.grad_accum_steps * pipe,
-                    precision=TRAIN_SPELLINGS.get(precision) or precision,
-                    checkpoint=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
-                    grad_sync=cfg.parallel.grad_sync, pp_schedule=layout.pp_schedule,
-                    pp_stages_per_rank=layout.pp_stages_per_rank,
-                    loss_chunks=parse_loss_chunks(getattr(cfg.train, "loss_chunks", 0)) if plain_ce else 0)
-    cluster = Cluster(gpu=gpu(gpu_name), gpus_per_node=gpus_per_node, nodes=nodes)
-    return predict_step_time(spec, cluster, work, layout)
 
 
 def predict_for_model(model: Any, layout: Layout, cfg: Any, *, seq: int, name: str = "",

@@ -16,8 +16,8 @@ from shardwise.core.config import load_config, to_toml
 from shardwise.data.cache import read_only
 from shardwise.errors import ConfigError
 from shardwise.job.train import dry_run_prediction, resolve_run
-from shardwise.plan.advice import Cluster
-from shardwise.plan.predict import model_name, predict_step_for_spec
+from shardwise.plan.advice import Cluster, predict_step_for_spec
+from shardwise.plan.predict import model_name
 from shardwise.plan.presets import gpu
 from shardwise.plan.spec import from_module
 from shardwise.rehearse import launch, report
