@@ -124,6 +124,11 @@ class Kernels:
       selective-op policy (``ep_dispatch_bytes``; measured on shardwise's dispatcher,
       parallel/experts/ep.py). False for Megatron-Core's and DeepSpeed's dispatchers, whose
       published runs fit only without it (calibration: 9 Megatron MoE verdicts of 9 turn "no").
+    * ``experts_whole_on_tp``: under tensor parallel every TP rank runs the whole router and experts
+      on the whole (SP-gathered) sequence, so a MoE layer's saved tensors are not split tp ways
+      (shardwise: ``MOE_WHOLE_PARTS``). False where each TP rank routes only its own tokens or
+      holds a TP slice of each expert (Megatron-Core's MoE parallel folding, torchtitan's
+      expert-tensor-parallel = tp, DeepSpeed): the MoE interior is split tp ways as the MLP's is.
     * ``ep_groups``: which ranks the stack carves expert-parallel groups from (core/layout.py
       ``EP_GROUPS``, the one owner of each rule): "dp-shard" (shardwise, torchtitan: the FSDP shard
       ranks), "dp" (DeepSpeed-MoE: the data-parallel ranks of any kind), "tp-dp" (Megatron-Core's
@@ -142,6 +147,7 @@ class Kernels:
     pp_receive_buffers: bool = True
     ep_groups: str = "dp-shard"
     ep_dispatch_copy: bool = True
+    experts_whole_on_tp: bool = True
 
     def __post_init__(self) -> None:
         if self.ep_groups not in EP_GROUPS:
@@ -569,7 +575,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
         if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
             norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
-        inner = (2 * qd + 2 * kvd) * e + _mlp_interior(spec, e)  # rotated q, k, v, attention out, the MLP
+        inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
+        if spec.moe is None or not kernels.experts_whole_on_tp:
+            inner += _mlp_interior(spec, e)  # the MLP, split tp ways with the attention
         if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
             heads = a + spec.kv_heads
             inner += (4 * (qd + kvd) + 2 * (qd + kvd) * e + 4 * heads) if kernels.norm == "eager" else (
@@ -581,7 +589,12 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
     copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep) if cast else 0
-    return tokens * (norm_region // norm_div + inner // tp) + copies
+    # shardwise runs a mixture of experts' router and experts whole on every TP rank (MOE_WHOLE_PARTS,
+    # as parallel/tensor/tp.py applies it), on the whole sequence (gathered under SP): not split tp
+    # ways (Kernels.experts_whole_on_tp; Mixtral tp 2 rehearsed, 2026-11-28: its 4 unwrapped blocks a
+    # stage kept 4.3 GiB more than a tp-split MoE interior).
+    moe = _mlp_interior(spec, e) if spec.moe is not None and kernels.experts_whole_on_tp and spec.arch != "gpt" else 0
+    return tokens * (norm_region // norm_div + inner // tp + moe) + copies
 
 
 def ep_dispatch_bytes(spec: ModelSpec, tokens: int, act_bytes: int, *, ep: int = 1) -> int:

@@ -10,17 +10,19 @@ What each stack implies (the properties not named keep shardwise's defaults):
 
 * ``shardwise``: this runtime -- torch cross-entropy and eager RMSNorm, no TP or EP overlap, DDP's
   bucket copy, fp32 parameters (FSDP2 / autocast), gradients reduced once per step (no_sync).
-* ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch.
+* ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch, and its
+  experts tensor-parallel under TP (expert-tensor-parallel = tp: ``experts_whole_on_tp = false``).
 * ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, TP communication overlap, the
   distributed optimizer overlapping its reduce-scatter / all-gather, a contiguous fp32 gradient
   buffer, 16-bit parameters with an fp32 master copy, pipeline receives into the in-flight
   micro-batches' own tensors; expert groups folded over tp x dp x cp of a pipeline stage (MoE
-  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``); its token dispatcher keeps
-  no routed copy beyond the experts' tensors (``ep_dispatch_copy = false``).
+  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``, each TP rank routing its
+  own tokens: ``experts_whole_on_tp = false``); its token dispatcher keeps no routed copy beyond
+  the experts' tensors (``ep_dispatch_copy = false``).
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
   parameters with an fp32 master copy, pipeline receives into its in-flight buffers; expert groups
   carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``), no routed copy
-  kept by the dispatch (``ep_dispatch_copy = false``).
+  kept by the dispatch (``ep_dispatch_copy = false``), experts not whole on TP ranks.
 
 ``ep_groups`` lets the planner plan an ep that stack allows and shardwise's runtime does not (the
 rule itself: core/layout.py ``EP_GROUPS``); ``train`` still refuses it (``Layout._check_ep``).
@@ -40,12 +42,12 @@ __all__ = ["STACKS", "STACK_KEYS", "settings_from", "stack_settings"]
 
 STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
-    "torchtitan": {"grad_sync": "microbatch"},
+    "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False},
     "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
                  "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
-                 "ep_groups": "tp-dp", "ep_dispatch_copy": False},
+                 "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False},
     "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False,
-                  "ep_groups": "dp", "ep_dispatch_copy": False},
+                  "ep_groups": "dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False},
 }
 STACK_KEYS = (*(f.name for f in dataclasses.fields(Kernels)), "grad_sync")
 
