@@ -33,7 +33,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     precision,
 )
-from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels
+from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels, planner_batch
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, ceiling, gpu, link
 from shardwise.plan.spec import ModelSpec
@@ -501,9 +501,8 @@ def predict_step_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int
     from shardwise.runtime.auto import resolve_precision  # defers torch
 
     precision = resolve_precision(cfg.parallel.precision).value
-    pipe = layout.pp_microbatches if layout.pp > 1 else 1
-    micro_batch = max(1, cfg.train.micro_batch_size // pipe)
-    work = Workload(seq=seq, micro_batch=micro_batch, grad_accum=cfg.train.grad_accum_steps * pipe,
+    micro_batch, micro_batches = planner_batch(layout, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
+    work = Workload(seq=seq, micro_batch=micro_batch, grad_accum=micro_batches,
                     precision=TRAIN_SPELLINGS.get(precision) or precision,
                     checkpoint=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
                     grad_sync=cfg.parallel.grad_sync, pp_schedule=layout.pp_schedule,

@@ -562,6 +562,11 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     mask = 1 if spec.dropout > 0 else 0
     cast = autocast and e < 4
     attn_in, mlp_in = _norm_readers(spec)
+    # shardwise runs a mixture of experts' router and experts whole on every TP rank (MOE_WHOLE_PARTS,
+    # as parallel/tensor/tp.py applies it), on the whole sequence (gathered under SP): not split tp
+    # ways (Kernels.experts_whole_on_tp; Mixtral tp 2 rehearsed, 2026-11-28: its 4 unwrapped blocks a
+    # stage kept 4.3 GiB more than a tp-split MoE interior).
+    whole = 0
     if spec.arch == "gpt" and cast:
         # LayerNorm keeps its fp32 input and stats; its linears their own 16-bit copies of its output.
         norm_region = 2 * 4 * h + (attn_in + mlp_in) * h * e + 2 * 2 * 4 + 2 * mask * h
@@ -576,7 +581,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
             norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
-        if spec.moe is None or not kernels.experts_whole_on_tp:
+        if spec.moe is not None and kernels.experts_whole_on_tp:
+            whole = _mlp_interior(spec, e)
+        else:
             inner += _mlp_interior(spec, e)  # the MLP, split tp ways with the attention
         if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
             heads = a + spec.kv_heads
@@ -589,12 +596,7 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
     copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep) if cast else 0
-    # shardwise runs a mixture of experts' router and experts whole on every TP rank (MOE_WHOLE_PARTS,
-    # as parallel/tensor/tp.py applies it), on the whole sequence (gathered under SP): not split tp
-    # ways (Kernels.experts_whole_on_tp; Mixtral tp 2 rehearsed, 2026-11-28: its 4 unwrapped blocks a
-    # stage kept 4.3 GiB more than a tp-split MoE interior).
-    moe = _mlp_interior(spec, e) if spec.moe is not None and kernels.experts_whole_on_tp and spec.arch != "gpt" else 0
-    return tokens * (norm_region // norm_div + inner // tp + moe) + copies
+    return tokens * (norm_region // norm_div + inner // tp + whole) + copies
 
 
 def ep_dispatch_bytes(spec: ModelSpec, tokens: int, act_bytes: int, *, ep: int = 1) -> int:

@@ -205,6 +205,15 @@ def loss_kernels(chunked: bool, compiled: bool, tp: int) -> Kernels:
     return SHARDWISE_KERNELS
 
 
+def planner_batch(layout: Layout, micro_batch_size: int, grad_accum_steps: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) as the planner counts them, from the
+    ``[train]`` values: a pipeline cuts each micro-batch into ``pp_microbatches`` (the inverse of
+    ``plan.advice.runtime_batch``)."""
+    if layout.pp <= 1:
+        return micro_batch_size, grad_accum_steps
+    return max(1, micro_batch_size // layout.pp_microbatches), grad_accum_steps * layout.pp_microbatches
+
+
 def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, micro_batch_size: int,
                 grad_accum_steps: int = 1, activation_checkpointing: str = "none", ac_every: int = 2,
                 grad_sync: str = "step", ranks_per_node: int = 1, loss_chunks: Any = 0,
@@ -227,8 +236,7 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     prec = RUNTIME_PRECISIONS[precision]
     if layout.n_blocks is None and spec.n_layers and layout.pp > 1:
         layout = layout.with_blocks(spec.n_layers)
-    micro_batch = max(1, micro_batch_size // layout.pp_microbatches) if layout.pp > 1 else micro_batch_size
-    micro_batches = grad_accum_steps * (layout.pp_microbatches if layout.pp > 1 else 1)
+    micro_batch, micro_batches = planner_batch(layout, micro_batch_size, grad_accum_steps)
     notes: list[str] = []
     if dpo_reference is not None:  # chosen and rejected of every pair in one forward (plan/preference.py)
         micro_batch *= 2
