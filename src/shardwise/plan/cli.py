@@ -40,7 +40,7 @@ from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
 from shardwise.plan.search import device_gib, gib, make_plan, runtime_ep_refusal, searched, tps
-from shardwise.plan.stacks import stack_settings
+from shardwise.plan.stacks import STACK_KEYS, stack_settings
 from shardwise.rehearse.plan import format_rows, rehearse_candidates
 
 
@@ -151,9 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(plan/stacks.py): shardwise (default), torchtitan, megatron or deepspeed; the printed "
                    "commands always run shardwise")
     w.add_argument("--stack-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one stack property alone (repeatable): loss, norm, tp_overlap, dp_overlap, ep_overlap, "
-                   "grad_allreduce_after_backward, grad_buffer, state, pp_receive_buffers, ep_groups (which ranks "
-                   "expert groups come from: dp-shard, dp, tp-dp), grad_sync")
+                   help=f"one stack property alone (repeatable): {', '.join(STACK_KEYS)} (plan.memory.Kernels "
+                   "says what each means; ep_groups: which ranks expert groups come from, dp-shard, dp or tp-dp)")
     w.add_argument("--margin", type=float, default=0.10, help="safety margin on usable memory (default 0.10)")
     w.add_argument("--recipe", help="recipe (built-in name or TOML) for the printed commands (default: "
                    "gpt-shakespeare for the built-in GPTs and --model-factory, hf-shakespeare for Hugging Face "
