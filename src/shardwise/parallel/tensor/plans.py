@@ -6,7 +6,9 @@ A plan maps a module path (relative to the model, or to one transformer block) t
 * attention: Q/K/V column-wise (each rank computes ``heads / tp`` heads end to end), output row-wise
   (one all-reduce, or a reduce-scatter under sequence parallel);
 * MLP: up-projection column-wise, down-projection row-wise (the same single collective);
-* embeddings row-wise over the vocabulary (each rank looks up the ids it owns, then one reduction);
+* embeddings row-wise over the vocabulary (each rank looks up the ids it owns, then one reduction),
+  with the lookup on the local rows so the table's gradient stays this rank's rows too
+  (``parallel/tensor/embedding.py``);
 * the output head column-wise over the vocabulary with ``use_local_output=False``, so the logits
   stay a vocab-sharded DTensor and ``loss_parallel()`` computes the cross-entropy without ever
   gathering the full ``(tokens, vocab)`` logits;
@@ -36,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.parallel.blocks import submodule
+from shardwise.parallel.tensor.embedding import VocabParallelEmbedding
 from shardwise.parallel.tensor.gpt2 import Conv1DColwise, Conv1DRowwise
 
 
@@ -57,11 +60,11 @@ def gpt_plan(sequence_parallel: bool) -> TPPlan:
     top: dict[str, ParallelStyle] = {
         # Vocabulary-sharded lookup; the partial rows are reduced (or reduce-scattered along the
         # sequence under SP) into the residual stream.
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
+        "tok_emb": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=resid),
         # Positions are looked up as (T, C) (plain rows) or (B, T, C) (packed/padded rows with
         # position_ids): the sequence dim is -2 in both, so under SP each rank gets exactly the
         # positions of its own sequence shard and the (broadcasted) add lines up.
-        "pos_emb": RowwiseParallel(input_layouts=Replicate(),
+        "pos_emb": VocabParallelEmbedding(input_layouts=Replicate(),
                                    output_layouts=Shard(-2) if sequence_parallel else Replicate()),
         "lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1),
                                    use_local_output=False),
@@ -95,7 +98,7 @@ def llama_plan(sequence_parallel: bool) -> TPPlan:
     # DTensor reports the global shape where a local shard would report T / tp.
     local = not sequence_parallel
     top: dict[str, ParallelStyle] = {
-        "hf.model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+        "hf.model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=resid,
                                                  use_local_output=local),
         "hf.lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1),
                                       use_local_output=False),
@@ -144,9 +147,9 @@ def gpt2_plan(sequence_parallel: bool) -> TPPlan:
     resid = Shard(1) if sequence_parallel else Replicate()
     local = not sequence_parallel
     top: dict[str, ParallelStyle] = {
-        "hf.transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+        "hf.transformer.wte": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=resid,
                                               use_local_output=local),
-        "hf.transformer.wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid,
+        "hf.transformer.wpe": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=resid,
                                               use_local_output=local),
         "hf.lm_head": ColwiseParallel(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False),
     }
