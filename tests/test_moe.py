@@ -178,8 +178,22 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
              dict(strategy="fsdp", ep=2, steps=2, ckpt_dir=a),
              dict(strategy="fsdp", ep=4, start=2, steps=4, load_dir=a, ckpt_dir=b),
              dict(strategy="fsdp", ep=2, start=4, steps=5, load_dir=b),
-             dict(hsdp, start=4, steps=5, load_dir=b)]
+             dict(hsdp, start=4, steps=5, load_dir=b),
+             # Two experts at ep 2 over 4 ranks: one expert a rank, FSDP-sharded over the 2 ranks that
+             # hold it along dim 1 (ep.expert_shard_placement); against plain fsdp of the same model,
+             # and resumed from its checkpoint under plain fsdp.
+             dict(strategy="fsdp", overrides={"n_experts": 2}),
+             dict(strategy="fsdp", ep=2, overrides={"n_experts": 2}, steps=2, ckpt_dir=str(tmp_path / "dim1")),
+             dict(strategy="fsdp", overrides={"n_experts": 2}, start=2, steps=5, load_dir=str(tmp_path / "dim1"))]
     ranks = run_distributed(ep_suite, 4, timeout_s=300, routing_ep=[2, 4], cases=cases)
+    plain2, dim1, resumed2 = (ranks[0]["cases"][i] for i in (12, 13, 14))
+    assert dim1["losses"] == pytest.approx(plain2["losses"][:2], abs=LOSS_TOL)
+    assert_parity({"losses": plain2["losses"][2:], "params": plain2["params"]}, resumed2)
+    # Every rank holds the optimizer state of half of its expert (by rows, one rank of each pair held
+    # the whole expert's and the other none: FSDP pads the parameter storage, not the state).
+    # (The dense tensors' uneven rows, a 65-token vocabulary over 4, leave a few KiB of difference.)
+    optim = [r["cases"][13]["optim_bytes"] for r in ranks]
+    assert max(optim) <= 1.05 * min(optim), optim  # by rows: 188,952 / 53,784 bytes
     for i, ep in enumerate((2, 4)):
         routes = [r["routing"][i] for r in ranks]
         assert all(r["ids_ok"] and r["experts_ok"] and r["grad_ok"] for r in routes), ep
@@ -205,7 +219,7 @@ def test_ep_four_ranks_routing_parity_and_resume_across_ep(reference, tmp_path):
     # fsdp+pp with ep 2: each stage's two dp ranks split its MoE layers' experts (the ep mesh's pp dim
     # keeps the expert groups inside a stage); the same numbers as fsdp+pp without ep.
     assert_pipeline_parity(reference[2], [r["cases"][7] for r in ranks])
-    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][8:]
+    first, second, back_to_ep2, to_hsdp = ranks[0]["cases"][8:12]
     assert first["losses"] == pytest.approx(ref["losses"][:2], abs=LOSS_TOL)
     assert second["losses"] == pytest.approx(ref["losses"][2:4], abs=LOSS_TOL)
     assert_parity({"losses": ref["losses"][4:], "params": ref["params"]}, back_to_ep2)

@@ -126,6 +126,32 @@ def test_ep_memory_per_stage_holds_its_own_experts(mixtral):
     assert parts[1][1] - parts[8][1] == REDUCE_BYTES * dropped
 
 
+def test_ep_experts_fewer_than_their_shard_ranks_split_along_dim_1(mixtral):
+    """Mixtral at ep 8 over 16 shard ranks: one expert a rank, sharded over the 2 ranks holding it.
+    By rows FSDP would pad the one row to two (the first rank the whole expert, the second none);
+    the runtime shards such experts along dim 1 (parallel/experts/ep.expert_shard_placement), so
+    every rank holds half of each of its experts, by hand below."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from shardwise.parallel.experts.ep import expert_shard_placement
+    from shardwise.plan.memory import fsdp_chunk
+    from shardwise.plan.predict import predict_run
+
+    layout = Layout("fsdp", dp=16, shard=16, ep=8)
+    experts = [p for p in mixtral.params if ".experts." in p.name]
+    assert experts
+    for rank in (0, 1, 15):
+        for p in experts:
+            (padded, actual), shape = fsdp_chunk(mixtral, layout, p, rank)
+            assert padded == actual == p.numel // 16 and shape[0] == 1, (rank, p.name, shape)
+    ranks = predict_run(mixtral, layout, precision="bf16-mixed", seq=4096, micro_batch_size=1).ranks
+    assert ranks[0].optim_bytes == pytest.approx(ranks[15].optim_bytes, rel=1e-3)
+    # The runtime's rule on the local tensors it sees: 1 expert over 2 ranks by dim 1; 2 by rows.
+    assert expert_shard_placement(torch.empty(1, 8, 4), shard_ranks=2) == Shard(1)
+    assert expert_shard_placement(torch.empty(2, 8, 4), shard_ranks=2) is None
+
+
 def test_moe_with_context_parallel_planned_and_ep_over_tp_pp_refused_by_name(mixtral):
     cluster = Cluster(gpu("h100-sxm"), gpus_per_node=8, nodes=2)
     # Mixtral's attention splits over cp (the runtime runs it, families.CP_FAMILIES): planned.

@@ -116,8 +116,11 @@ def _check_activations_and_peak(report: dict) -> None:
     # Muon: its sharded Newton-Schulz plans come from mesh coordinates read on the host.
     ("fsdp+tp", 4, 2, "0", ("optimizer.name=\"muon\"", "parallel.tp=2")),
     # A mixture of experts with its 8 experts split 8 ways at 64 ranks (routed evenly: fake tensors
-    # carry no routing), bf16 (transformers' grouped experts kernel).
-    ("fsdp", 8, 8, "0", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8", "parallel.precision=\"bf16-mixed\"")),
+    # carry no routing), bf16 (transformers' grouped experts kernel). Each rank's one expert is
+    # sharded over the 8 ranks holding it along dim 1 (ep.expert_shard_placement): the first and the
+    # last rank's state as the plan's (plan.memory.fsdp_chunk), both exact.
+    ("fsdp", 8, 8, "0,63", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8",
+                            "parallel.precision=\"bf16-mixed\"")),
 ])
 def test_rehearsal_at_scale(case: tuple) -> None:
     strategy, nproc, nnodes, ranks, sets = case

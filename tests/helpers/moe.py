@@ -61,7 +61,8 @@ def _moe_train(rank: int, world_size: int, strategy: str, steps: int, global_bat
 
         save_checkpoint(ckpt_dir, model, opt, step=steps, strategy=session.strategy_name, world_size=world_size)
     result = {"losses": run["losses"], "norms": run["norms"], "params": full_params(model), "stats": stats,
-              "param_bytes": ledger.param_bytes(model), "dp_rank": session.dp_rank}
+              "param_bytes": ledger.param_bytes(model), "optim_bytes": ledger.optimizer_bytes(opt),
+              "dp_rank": session.dp_rank}
     session.close()
     return result
 

@@ -487,21 +487,53 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             out.optimizer += tensor_state_bytes(params[i], params[i].shape, optimizer)
             out.master += prec.master * numels[i]
         return out
-    n = layout.shard
-    # Megatron's folding (ep_groups "tp-dp"): the experts, whole on each TP rank, are split over the
-    # expert groups and sharded over the expert data-parallel ranks, tp x shard ranks in all.
-    folded = layout.ep > 1 and layout.ep_groups == "tp-dp" and layout.tp > 1 and spec.moe is not None
     for p in params:
-        padded, actual = _chunk_rows(p.shape[0], n * layout.tp if folded and ".experts." in p.name else n, rank)
-        rest = math.prod(p.shape[1:])
-        out.params += prec.param * padded * rest  # FSDP2 pads parameter and gradient storage
+        (padded, actual), local_shape = fsdp_chunk(spec, layout, p, rank)
+        out.params += prec.param * padded  # FSDP2 pads parameter and gradient storage
         if not p.trainable:
             continue  # frozen (LoRA base): no gradient, no optimizer state, no master copy
-        out.grads += prec.grad * padded * rest
-        local_shape = (actual, *p.shape[1:])
+        out.grads += prec.grad * padded
         out.optimizer += tensor_state_bytes(p, local_shape, optimizer)
-        out.master += prec.master * actual * rest
+        out.master += prec.master * actual
     return out
+
+
+def expert_split(spec: ModelSpec, layout: Layout, p: ParamInfo) -> tuple[int, int] | None:
+    """(local experts, ranks sharding them) for a routed-expert tensor the runtime splits ep ways and
+    FSDP-shards over the rest of its shard group (ep_groups "dp-shard": shardwise's and
+    torchtitan's); None for any other tensor or rule."""
+    ep = layout.ep
+    if (ep <= 1 or spec.moe is None or layout.ep_groups != "dp-shard" or ".experts." not in p.name
+            or layout.shard % ep or p.shape[0] % ep):
+        return None
+    return p.shape[0] // ep, layout.shard // ep
+
+
+def fsdp_chunk(spec: ModelSpec, layout: Layout, p: ParamInfo, rank: int) -> tuple[tuple[int, int], tuple[int, ...]]:
+    """((padded, actual) elements, local shape) of ``p``'s FSDP2 shard on shard rank ``rank``.
+
+    FSDP2 chunks dim 0 as torch.chunk does and pads the storage to the largest chunk. A routed-expert
+    tensor under expert parallel is first split ep ways along its experts (each group of ep
+    consecutive shard ranks), then sharded over the shard / ep ranks holding the same experts: along
+    its experts when they split evenly, else along dim 1 (``parallel/experts/ep.expert_shard_placement``:
+    1 expert over 2 ranks would leave one rank the whole expert and the other none). Megatron's folding
+    (ep_groups "tp-dp"): the experts, whole on each TP rank, are chunked over tp x shard ranks.
+    """
+    split = expert_split(spec, layout, p)
+    if split is not None:
+        experts, ranks = split
+        if experts % ranks == 0 or len(p.shape) < 2:
+            padded, actual = _chunk_rows(experts, ranks, rank // layout.ep)
+            rest = math.prod(p.shape[1:])
+            return (padded * rest, actual * rest), (actual, *p.shape[1:])
+        padded, actual = _chunk_rows(p.shape[1], ranks, rank // layout.ep)
+        rest = experts * math.prod(p.shape[2:])
+        return (padded * rest, actual * rest), (experts, actual, *p.shape[2:])
+    folded = layout.ep > 1 and layout.ep_groups == "tp-dp" and layout.tp > 1 and spec.moe is not None
+    padded, actual = _chunk_rows(p.shape[0], layout.shard * layout.tp if folded and ".experts." in p.name
+                                 else layout.shard, rank)
+    rest = math.prod(p.shape[1:])
+    return (padded * rest, actual * rest), (actual, *p.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------

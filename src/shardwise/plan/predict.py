@@ -33,6 +33,7 @@ from shardwise.plan.memory import (
     Precision,
     StateBytes,
     _local_params,
+    expert_split,
     memory_breakdown,
     stage_boundary_bytes,
     state_bytes,
@@ -177,7 +178,17 @@ def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
     if layout.sharding not in ("zero2", "fsdp") or not spec.params:
         return 1
     n = layout.shard
-    return min(max(1, p.shape[0] // -(-p.shape[0] // n)) for p in _local_params(spec, layout, stage))
+    full = n
+    for p in _local_params(spec, layout, stage):
+        split = expert_split(spec, layout, p)
+        if split is None:
+            full = min(full, max(1, p.shape[0] // -(-p.shape[0] // n)))
+        else:
+            experts, ranks = split
+            by_rows = experts % ranks == 0 or len(p.shape) < 2  # memory.fsdp_chunk's choice
+            if (experts if by_rows else p.shape[1]) % ranks:
+                return 1  # an uneven expert split: every rank computed (exact, a little slower)
+    return full
 
 
 def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int,
