@@ -34,6 +34,7 @@ from shardwise.plan.memory import (
     PRECISIONS,
     Kernels,
     Layout,
+    MemoryBreakdown,
     activation_bytes,
     memory_breakdown,
 )
@@ -225,13 +226,41 @@ def test_checkpoint_modes_order_memory_and_flops(name):
 
 def test_fsdp_with_pipeline_keeps_the_stage_unsharded():
     spec = model_preset("llama-3-70b")
+    # Full checkpointing: the stage's moment with most held is then the end of a backward, whole stage
+    # unsharded (without it a 20-layer stage's micro-batch of activations outweighs its parameters).
     fsdp_pp = memory_breakdown(spec, Layout("fsdp+pp", dp=8, pp=4, shard=8), BF16, "adamw", seq=4096,
-                               micro_batch=1, grad_accum=8)
+                               micro_batch=1, grad_accum=8, checkpoint="full")
     stage_params = spec.n_params / 4
     parts = fsdp_pp.transient_parts
     assert parts["unsharded stage params (pp schedule)"] == pytest.approx(2 * stage_params, rel=0.05)
     assert parts["unsharded stage grads (pp schedule)"] == pytest.approx(4 * stage_params, rel=0.05)
     assert not any(k.startswith("all-gather") for k in parts)
+
+
+def test_fsdp_pipeline_rank_peaks_where_the_schedule_holds_the_most():
+    """A 1F1B rank under FSDP (the runtime's stages reshard after forward, not after backward, and
+    create their gradient shards after the schedule): at the end of a backward the whole stage is
+    unsharded with one micro-batch fewer saved, no loss and no gradient shard; a second schedule
+    run in a step finds the shards made by the first. By hand from the parts of the same breakdown."""
+    spec = model_preset("llama-3-70b")
+    fsdp = Layout("fsdp+pp", dp=8, pp=4, shard=8, pp_microbatches=8)
+
+    def breakdown(layout: Layout, stage: int, accum: int = 8) -> MemoryBreakdown:
+        return memory_breakdown(spec, layout, BF16, "adamw", seq=4096, micro_batch=1, grad_accum=accum,
+                                checkpoint="full", stage=stage)
+
+    first, last = breakdown(fsdp, 0), breakdown(fsdp, 3)
+    saved = first.activations
+    for m, in_flight in ((first, 4), (last, 1)):
+        parts = m.transient_parts
+        held = (parts["unsharded stage params (pp schedule)"] + parts["unsharded stage grads (pp schedule)"]
+                + parts["recompute (1 block)"] + sum(v for k, v in parts.items() if k.startswith("pipeline receive")))
+        assert parts["gradient shards not created yet (pipeline schedule)"] == -breakdown(fsdp, 0).grads
+        expected = held - m.grads + (in_flight - 2) * saved if in_flight > 1 else held - m.grads - m.activations
+        assert m.transient == expected, (m.transient_parts, expected)
+        assert not any("loss" in k for k in parts)  # freed by the end of a backward
+    # Two schedule runs a step: the second holds the shards the first made.
+    assert "gradient shards not created yet (pipeline schedule)" not in breakdown(fsdp, 0, accum=16).transient_parts
 
 
 def test_no_sync_accumulation_keeps_unsharded_gradients():

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardwise.core.layout import EP_GROUPS, Layout, stage_layer_ranges, tp_indivisible
-from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, peak_weight_passes_due
+from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, peak_weight_passes_due, schedule_info
 from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.optim.names import OPTIMIZER_NAMES
@@ -706,11 +706,13 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
 
 def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
                            first_stage: bool = True, last_stage: bool = True,
-                           kernels: Kernels = SHARDWISE_KERNELS, autocast: bool = False) -> int:
+                           kernels: Kernels = SHARDWISE_KERNELS, autocast: bool = False, sp: bool = False) -> int:
     """Bytes saved outside the blocks: token ids, rotary tables, final norm, and what the loss keeps
     (``torch``: the fp32 log-softmax; ``fused``: the logits and an fp32 log-sum-exp per token).
     Under ``autocast`` (``layer_activation_bytes``) the rotary tables and the final norm are fp32
-    and the head keeps its 16-bit copies of its input and weight."""
+    and the head keeps its 16-bit copies of its input and weight. Under sequence parallelism
+    (``sp`` with ``tp`` > 1) the final norm runs on this rank's sequence shard and only the head's
+    input, gathered for its column-parallel matmul, is the whole sequence."""
     if not spec.has_structure:
         return 0
     assert spec.hidden and spec.vocab
@@ -725,6 +727,11 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         if cast:
             final_norm = (4 * h + 8 if spec.arch == "gpt" else 4 * h + 4 * h + 4) + h * e
             total += spec.vocab * h * e // tp  # the head's weight copy
+        if sp and tp > 1:
+            # Each form above holds one h * e for the head's input; the rest is the norm's own, on
+            # seq / tp tokens. Counted whole until 2026-11-28: llama-3-405b's last stage (tp 8, SP)
+            # was planned 896 MiB over what a rehearsal of it saves.
+            final_norm = (final_norm - h * e) // tp + h * e
         # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
         # under TP); a fused loss keeps the logits themselves instead.
         # The chunked loss keeps no logits between forward and backward (plan/cp.logits_bytes
@@ -841,7 +848,7 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
     full = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
                                   kernels=kernels, autocast=autocast, ep=ep)
     outer = outer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, first_stage=first_stage,
-                                   last_stage=last_stage, kernels=kernels, autocast=autocast)
+                                   last_stage=last_stage, kernels=kernels, autocast=autocast, sp=sp)
     # Expert parallel's routed slots, kept by every block that is not fully checkpointed (the
     # recomputation of a wrapped block does not hold them beyond what ``full`` counts: measured).
     dispatch = ep_dispatch_bytes(spec, seq * micro_batch, act_bytes, ep=ep) if kernels.ep_dispatch_copy else 0
@@ -972,6 +979,39 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     return {**held, **({"saved activations freed by then": -freed} if freed else {})}
 
 
+def _pipeline_moment(parts: dict[str, int], *, stage_params: int, in_flight: int, saved: int, kept: int,
+                     loss_keys: tuple[str, ...]) -> dict[str, int]:
+    """The transients of a one-stage-per-rank pipeline rank (1F1B, GPipe) under FSDP, at the larger of
+    the schedule's two kinds of moment (``parts``: everything the rank holds at some point of it).
+
+    A stage's units reshard after their forward (all but the last block) and not after their
+    backward (torch's schedule sets ``reshard_after_backward(False)`` until its last backward), so
+    the stage's unsharded parameters are all alive only from the end of a backward to the next
+    forward, which frees them unit by unit:
+
+    * a backward right after a forward (the last stage's every backward, 1F1B's steady state): all
+      ``in_flight`` micro-batches saved, the loss's tensors on the last stage, and of the stage's
+      unsharded parameters only the units kept or gathered for it (``kept``: the last block, the
+      one prefetched, the head on the last stage);
+    * a backward right after another (1F1B's cool-down, GPipe's backwards) or the end of one: the
+      whole stage unsharded, one micro-batch fewer saved (the one whose backward just ended; on the
+      last stage of 1F1B none), the loss freed.
+
+    Played on llama-3-405b tp 8 pp 8 (2026-11-28), the first stage peaked in its second backward of
+    eight, a cool-down one: every unit unsharded, 7 of 8 micro-batches saved.
+    """
+    after_forward = {k: v for k, v in parts.items() if k != "unsharded stage params (pp schedule)"}
+    after_forward["unsharded units kept or gathered (backward after a forward)"] = kept
+    after_backward = {k: v for k, v in parts.items() if k not in loss_keys and not k.startswith("pipeline in-flight")}
+    if in_flight > 2:
+        after_backward[f"pipeline in-flight ({in_flight - 1} stage micro-batches, one freed)"] = (in_flight - 2) * saved
+    elif in_flight == 1:
+        after_backward["saved activations freed by then"] = -saved
+    if stage_params <= kept:  # nothing to gain: the stage is as small as what a backward gathers
+        return parts
+    return max((after_forward, after_backward), key=lambda m: sum(m.values()))
+
+
 def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, *, seq: int,
                      micro_batch: int, checkpoint: str = "none", grad_accum: int = 1, gpus_per_node: int = 1,
                      attention: str = "sdpa", every: int = 2, grad_sync: str = "step",
@@ -1020,6 +1060,14 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            first_stage=layout.holds_first_stage(stage) if layout.pp > 1 else True,
                            last_stage=layout.holds_last_stage(stage), every=every,
                            kernels=kernels, ep=layout.ep, autocast=_autocasts(layout, kernels))
+    if layout.pp > 1 and spec.has_structure and layout.external is None:
+        # torch's schedule keeps each stage's output in its forward cache until that micro-batch's
+        # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
+        # under TP), beside what the stage's modules saved. A rehearsed llama-3-405b first stage held
+        # 32 MiB a micro-batch more than its blocks' (its boundary), the last its 250 MiB of logits.
+        output = (seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act
+                  if layout.holds_last_stage(stage) else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act))
+        act = replace(act, saved=act.saved + output, outer=act.outer + output)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     # Expert parallel (plan/moe.py): FSDP gathers a MoE block's n_experts / ep experts, not all.
@@ -1163,6 +1211,21 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         parts.update(loss_parts)
         if norm_backward > loss_bytes:
             parts["norm backward (fp32, beyond the loss's)"] = norm_backward - loss_bytes
+        if (layout.sharding in ("zero2", "fsdp") and layout.external is None and not layout.offload
+                and grad_accum <= layout.pp_microbatches):
+            # One schedule run a step: zero_grad set the gradient shards to None and torch's schedule
+            # creates them in its reduce after the last backward (``perform_reduce_grad``), as the
+            # unsharded ones are freed: no moment of the schedule holds them (a played llama-3-405b
+            # first stage: 416 of 2,975 MiB of gradients at its peak, a unit's 16-bit gradient).
+            parts["gradient shards not created yet (pipeline schedule)"] = -state.grads
+        if (layout.sharding == "fsdp" and layout.external is None and not layout.offload
+                and not schedule_info(layout.pp_schedule).multi_stage):
+            parts = _pipeline_moment(parts, stage_params=parts.get("unsharded stage params (pp schedule)", 0),
+                                     in_flight=peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches,
+                                                              1, stage),
+                                     saved=act.saved, kept=prec.param * (2 * block_unit + (
+                                         head_unit if layout.holds_last_stage(stage) else 0)),
+                                     loss_keys=(*loss_parts, "norm backward (fp32, beyond the loss's)"))
     else:
         parts.update(_peak_moment(spec, layout, prec, act, kernels, seq=seq // cp_degree(layout),
                                   micro_batch=micro_batch, unit=unit,

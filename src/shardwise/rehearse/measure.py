@@ -167,7 +167,7 @@ class MemoryProbe:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 stages: list[nn.Module] | None = None) -> None:
+                 stages: list[nn.Module] | None = None, loss_stage: int | None = None) -> None:
         _mark_sharding_propagation()
         self.tracker = _LocalMemTracker()
         self.tracker.track_external(model, optimizer)
@@ -177,6 +177,9 @@ class MemoryProbe:
         self.per_micro_batch = stages is not None
         self._stage_saved: dict[int, int] = {}  # stage -> largest activation bytes one forward saved
         self._stage_start: dict[int, int] = {}
+        self._loss_stage = loss_stage
+        self._steps_seen = 0  # optimizer steps while tracking
+        self._loss_pending: int | None = None  # the loss stage's start reading, until its backward
         self._handles = [optimizer.register_step_post_hook(self._on_step)]
         if stages is None:
             # Read again when the backward starts: the planner's activations include what the loss
@@ -187,6 +190,10 @@ class MemoryProbe:
             self.tracker.on_backward_start = self._on_forward
             return
         self._hide_grad_inputs()
+        # The last stage's loss runs after its forward hook: what it saves (the fp32 log-softmax) is
+        # read when that stage's backward starts, as on a rank without a pipeline (see above). Until
+        # 2026-11-28 it was read at the hook: llama-3-405b's last stage read 1,055 MiB of 2,005 planned.
+        self.tracker.on_backward_start = self._on_loss_backward
         for i, stage in enumerate(stages):
             self._handles += [stage.register_forward_pre_hook(functools.partial(self._on_stage_start, i)),
                               stage.register_forward_hook(functools.partial(self._on_stage_end, i))]
@@ -221,6 +228,7 @@ class MemoryProbe:
 
     def _on_step(self, *_: Any) -> None:
         if self.tracker._depth:  # only while tracking (the collective-counting step is not)
+            self._steps_seen += 1
             self._largest(self.after_step, _columns(self.tracker.get_tracker_snapshot("current")))
 
     def _on_forward(self, *_: Any) -> None:
@@ -233,12 +241,26 @@ class MemoryProbe:
     def _on_stage_start(self, stage: int, *_: Any) -> None:
         if self.tracker._depth:
             self._stage_start[stage] = self._activations_now()
+            self._loss_pending = None  # another forward in between: the stage-end reading stands
 
     def _on_stage_end(self, stage: int, *_: Any) -> None:
         if self.tracker._depth and stage in self._stage_start:
-            saved = self._activations_now() - self._stage_start.pop(stage)
-            self._stage_saved[stage] = max(self._stage_saved.get(stage, 0), saved)
-            self.after_forward["activation_bytes"] = sum(self._stage_saved.values())
+            start = self._stage_start.pop(stage)
+            self._record_stage(stage, self._activations_now() - start)
+            if stage == self._loss_stage:
+                self._loss_pending = start
+
+    def _on_loss_backward(self) -> None:
+        # Not in the first tracked step: torch allocates the stage's receive buffers (kept for the run,
+        # the plan's transients) between its first forward and its first loss.
+        if (self.tracker._depth and self._loss_pending is not None and self._loss_stage is not None
+                and self._steps_seen):
+            self._record_stage(self._loss_stage, self._activations_now() - self._loss_pending)
+        self._loss_pending = None
+
+    def _record_stage(self, stage: int, saved: int) -> None:
+        self._stage_saved[stage] = max(self._stage_saved.get(stage, 0), saved)
+        self.after_forward["activation_bytes"] = sum(self._stage_saved.values())
 
     def end_micro_batch(self) -> None:
         """Keep each module's statistics of this forward/backward (the largest over micro-batches),

@@ -137,7 +137,9 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     batches = iter(drawn)
     # Under a pipeline the schedule runs the stages, never the union model's own forward.
     pipeline = getattr(session.strategy, "pipeline", None)
-    probe = MemoryProbe(model, optimizer, stages=[s.submod for s in pipeline.stages] if pipeline else None)
+    probe = MemoryProbe(model, optimizer, stages=[s.submod for s in pipeline.stages] if pipeline else None,
+                        loss_stage=next((i for i, s in enumerate(pipeline.stages) if s.is_last), None)
+                        if pipeline else None)
     if pipeline is not None:
         from shardwise.rehearse.fake_p2p import LocalNeighbours, boundary_dtype, hidden_size  # defers torch
 
