@@ -63,7 +63,8 @@ def check_reasons(text: str, device_gib: float) -> int:
         row = rows[name]
         total, speed = num(row["total"]), num(row["tok/s/GPU"])
         if m := re.match(r"does not fit: needs ([\d.]+) GiB.*more than the device's ([\d.]+) GiB$", why):
-            assert row["verdict"] == "no" and num(m[1]) == total > num(m[2]) == round(device_gib, 1)
+            # >=: a need within 0.005 GiB over the device prints equal to it (2 decimals; rtx-4090's 24 GiB).
+            assert row["verdict"] == "no" and num(m[1]) == total >= num(m[2]) == round(device_gib, 1)
             continue
         if why.startswith("does not fit: needs") and "host RAM" in why:
             assert row["verdict"] == "no"

@@ -1176,6 +1176,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             # fp32 copies alive at once (the one-hot gradient, exp(x) or the sum, the result). A played
             # llama-3-70b tp 4 rank (8,192 tokens) peaked there with 3,006 MiB against 1,503 planned.
             per_logit = max(per_logit, 3 * 4)
+        elif layout.external is None:
+            # The runtime's eager F.cross_entropy: nll_loss's backward writes an fp32 gradient of the
+            # log-probabilities and log_softmax's backward another for the logits, both alive at once
+            # (the 16-bit logits are freed by then). A played Qwen3-30B-A3B fsdp ep 4 rank (8,192
+            # tokens of a 151,936 vocabulary) peaked there with 9,496 MiB of temporaries: 8 bytes a logit.
+            per_logit = max(per_logit, 2 * 4)
         loss_parts["logits + loss"] = tokens_here * (spec.vocab // layout.tp) * per_logit
     elif spec.has_structure and spec.vocab and kernels.loss == "chunked" and holds_loss:
         loss_parts["logits + loss (chunked)"] = logits_bytes(tokens_here, spec.vocab, chunked=True, chunks=loss_chunks)
