@@ -475,3 +475,15 @@ def test_the_trackers_running_module_peaks_are_torchs() -> None:
                                                  "Net.blocks.1", "Net.blocks.1.down", "Net.blocks.1.up",
                                                  "Net.blocks.2", "Net.blocks.2.down", "Net.blocks.2.up", "Net.norm"]
     assert _tracked_run(NoModulePeaks)[0] != ours  # the comparison sees the per-module peaks
+
+
+def test_a_rank_draws_its_steps_over_several_passes_of_the_data() -> None:
+    """A big job's steps can outnumber the built-in text's samples per rank (Mixtral's batch of
+    256 x 4,096 tokens on 64 ranks ended in a bare StopIteration): the played rank takes more
+    passes, as the trainer's epochs do; data that gives a rank no batch at all is refused by name."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.rehearse.worker import _draw
+
+    assert _draw(lambda: iter([1, 2]), 5) == [1, 2, 1, 2, 1]
+    with pytest.raises(ShardwiseError, match="fewer samples than one micro-batch per data-parallel rank"):
+        _draw(lambda: iter([]), 3)

@@ -70,6 +70,25 @@ def _allocator(device: str) -> tuple[Any, Any]:
     return mode, allocate
 
 
+def _draw(make_loader: Any, count: int) -> list[Any]:
+    """``count`` micro-batches, from as many passes over the data as they take (the trainer's epochs):
+    a big job's steps can outnumber the built-in text's samples per rank (Mixtral's batch of 256 x
+    4,096 tokens on 64 ranks: a StopIteration on the first pass before 2026-11-28); the played
+    rank needs the batches' shapes, not new text."""
+    drawn: list[Any] = []
+    loader = make_loader()
+    while len(drawn) < count:
+        try:
+            drawn.append(next(loader))
+        except StopIteration:
+            if not drawn:
+                raise ShardwiseError("the training data gave this rank no batch: it has fewer samples than one "
+                                     "micro-batch per data-parallel rank (train.micro_batch_size x the dp ranks); "
+                                     "give more data (data.path) or a smaller batch.") from None
+            loader = make_loader()
+    return drawn
+
+
 def _one_sequence_per_row() -> None:
     """Make transformers read a fake tensor's positions as one sequence per row, which is what
     they are in every batch this applies to (plain token rows: the model numbers each row 0..T-1,
@@ -126,12 +145,12 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         from shardwise.parallel.pipeline.pp import fixed_shape_collate  # defers torch
 
         collate_fn = fixed_shape_collate(collate_fn)
-    # Drawn before the tensor mode is entered: the loader's sampler reads real values.
-    loader = iter(session.dataloader(workload.train_set, t.micro_batch_size, seed=t.seed, collate_fn=collate_fn))
     # At least two memory-tracked steps: the optimizer's state exists only from the first step's
     # end, so a peak read from the first step alone misses it (a 70B rank read 21 % low that way).
     tracked = max(2, spec.steps - 1)
-    drawn = [next(loader) for _ in range((tracked + 1) * t.grad_accum_steps)]
+    # Drawn before the tensor mode is entered: the loader's sampler reads real values.
+    drawn = _draw(lambda: iter(session.dataloader(workload.train_set, t.micro_batch_size, seed=t.seed,
+                                                  collate_fn=collate_fn)), (tracked + 1) * t.grad_accum_steps)
     if spec.device == "cpu" and cfg.model.kind == "hf" and all(isinstance(x, torch.Tensor) for x, _ in drawn):
         _one_sequence_per_row()
     batches = iter(drawn)
