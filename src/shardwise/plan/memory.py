@@ -1072,8 +1072,11 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
         # under TP), beside what the stage's modules saved. A rehearsed llama-3-405b first stage held
         # 32 MiB a micro-batch more than its blocks' (its boundary), the last its 250 MiB of logits.
-        output = (seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act
-                  if layout.holds_last_stage(stage) else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act))
+        # (A fused loss's kept logits are that tensor: outer_activation_bytes counts them already.)
+        last = layout.holds_last_stage(stage)
+        output = (0 if kernels.loss == "fused" else
+                  seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act) if last \
+            else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
         act = replace(act, saved=act.saved + output, outer=act.outer + output)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
