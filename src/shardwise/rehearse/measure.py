@@ -162,8 +162,9 @@ class MemoryProbe:
     ``stages``: a pipeline rank's stage modules (the schedule runs them, not ``model``). The planner
     counts one micro-batch's activations on a pipeline rank (its stages' share) and the other
     micro-batches in flight as transients, so there the activations are read per micro-batch:
-    what each stage's forward of one micro-batch leaves saved (the largest over micro-batches),
-    summed over the rank's stages; and the transients are the peak less the state and those.
+    what each stage's forward of one micro-batch leaves saved (the largest over micro-batches; the
+    last stage's with its loss, read when its backward starts: ``loss_stage``), summed over the
+    rank's stages; and the transients are the peak less the state and those.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

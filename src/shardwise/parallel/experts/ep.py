@@ -183,9 +183,9 @@ def expert_shard_placement(param: torch.Tensor, *, shard_ranks: int) -> Shard | 
     them (Mixtral's 8 experts at ep 8 over 16 data-parallel ranks: 1 expert over 2). Split by rows,
     FSDP pads the one row to two: the first rank holds the whole expert with its optimizer state,
     the second none, and every gather moves (and holds) two experts' bytes. A rehearsed Mixtral
-    rank (fsdp+tp+pp tp 2, pp 2, ep 8, 64 ranks, 2026-11-28) held 11.4 GiB of unsharded parameters
-    at its peak where one expert a layer is 6.0, and 10.8 GiB of parameter shards where an even
-    split is 5.6.
+    rank (fsdp+tp+pp tp 2, pp 2, ep 8, 64 ranks, 2026-11-28) held 11,394 MiB of gathered parameters
+    at its peak where one expert a layer is 6,018, and 10,848 MiB of parameter shards where an even
+    split (this rule's) is 5,472.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.ndim >= 2 and local.shape[0] % shard_ranks:
