@@ -40,9 +40,12 @@ def test_long_sequences_search_cp_and_the_printed_cp_command_dry_runs():
     plan, text = _plan("--model", "gpt-lab", "--gpus-per-node", "4", "--seq", "16384")
     rows, _, _ = parse_table(text)
     assert "fsdp(cp2)" in rows and "ddp(cp2)" in rows
-    # Context parallel: activations of seq / cp tokens, same model state, global batch held.
+    # Context parallel: activations of seq / cp tokens (per sequence: the search may pick another
+    # micro-batch; at equal tokens a rank holds a little more under the all-to-all, plan.memory),
+    # same model state, global batch held.
     by = {c.name: c for c in plan.candidates}
-    assert by["fsdp(cp2)"].memory.activations < by["fsdp"].memory.activations
+    per_sequence = {n: by[n].memory.activations / by[n].micro_batch for n in ("fsdp(cp2)", "fsdp")}
+    assert per_sequence["fsdp(cp2)"] < 0.6 * per_sequence["fsdp"], per_sequence
     assert by["fsdp(cp2)"].memory.params == by["fsdp"].memory.params
     for c in plan.candidates:
         assert c.micro_batch * c.grad_accum * c.layout.dp // c.layout.cp == 4, c.name

@@ -24,7 +24,7 @@ from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, pea
 from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.optim.names import OPTIMIZER_NAMES
-from shardwise.plan.cp import cp_degree, logits_bytes
+from shardwise.plan.cp import cp_degree, cp_impl_for, logits_bytes
 from shardwise.plan.moe import expert_unit_bytes
 from shardwise.plan.optim_state import tensor_state_bytes
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo
@@ -1067,6 +1067,22 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            first_stage=layout.holds_first_stage(stage) if layout.pp > 1 else True,
                            last_stage=layout.holds_last_stage(stage), every=every,
                            kernels=kernels, ep=layout.ep, autocast=_autocasts(layout, kernels))
+    cp = cp_degree(layout)
+    if (cp > 1 and spec.has_structure and spec.hidden and spec.n_heads and layout.external is None
+            and checkpoint in ("none", "selective") and cp_impl_for("auto", spec.n_heads, layout.tp, cp) == "alltoall"):
+        # The all-to-all attention (parallel/context/cp.py) keeps, in each block it does not recompute,
+        # one more hidden-wide tensor: the heads gathered back are a new tensor, so the attention's
+        # output and the output projection's input are two (one storage without cp). And with fewer
+        # key/value heads per TP rank than cp ranks, k and v are repeated to one per query head
+        # before the exchange, and kept at that width. Read on played llama-3-8b ranks: +32 MiB a
+        # layer at cp 2 (4,096 local tokens), +160 MiB a layer at cp 16 (8,192: 64 + 96 for k, v).
+        tokens_local = seq // cp * micro_batch
+        heads, kv = spec.n_heads // layout.tp, spec.kv_heads // layout.tp
+        per_layer = tokens_local * spec.hidden // layout.tp * prec.act
+        if kv != heads and kv % cp:
+            per_layer += 2 * tokens_local * (heads - kv) * spec.dim_head * prec.act
+        unwrapped = layers_here - checkpointed_blocks(layers_here, checkpoint, every)
+        act = replace(act, saved=act.saved + unwrapped * per_layer)
     if layout.pp > 1 and spec.has_structure and layout.external is None:
         # torch's schedule keeps each stage's output in its forward cache until that micro-batch's
         # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
