@@ -1138,8 +1138,18 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # torch.distributed.pipelining keeps each stage unsharded for the whole schedule
         # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
         # the last micro-batch (set_requires_gradient_sync(False)).
-        parts["unsharded stage params (pp schedule)"] = prec.param * held_local
-        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * held_local
+        stages_held = held_local
+        if layout.external is None and layout.pp_stages_per_rank > 1 and (
+                layout.pp_schedule == "looped-bfs"
+                or layout.pp_schedule == "interleaved-1f1b" and layout.pp_microbatches == layout.pp):
+            # torch's multi-stage runtime reshards a stage (RESHARD) and reduces its gradients
+            # (REDUCE_GRAD) right after its last backward; these orders run every backward of one of
+            # the rank's stages before the next stage's (looped BFS always; interleaved 1F1B in a
+            # single round, m = pp), so one stage's unsharded parameters and gradients at a time.
+            # A played llama-3-405b rank (tp 8, pp 8, 2 stages, m 8) held one stage's of each.
+            stages_held = math.ceil(held_local / layout.pp_stages_per_rank)
+        parts["unsharded stage params (pp schedule)"] = prec.param * stages_held
+        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * stages_held
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
