@@ -201,6 +201,27 @@ def test_planner_in_flight_count_is_the_most_torchs_schedule_orders_hold():
                     assert due == planned, (name, pp, m, v, due)
 
 
+def test_stages_in_backward_is_what_torchs_multi_stage_orders_hold():
+    """``core.pp_schedules.stages_in_backward`` (how many of a rank's stages hold their unsharded
+    parameters and accumulated gradients at once, the planner's pipeline terms) equals the most stages
+    of each rank's order whose first backward has run and whose last has not, for the orders it counts:
+    looped BFS (one at any m) and interleaved 1F1B (one in a single round, both at m > p)."""
+    from shardwise.core.pp_schedules import stages_in_backward
+
+    bench = _pp_bubble()
+    for name in ("looped-bfs", "interleaved-1f1b"):
+        for pp, v in ((2, 2), (4, 2), (4, 3)):
+            for m in (pp, 2 * pp, 3 * pp):
+                most = 0
+                for order in bench._actions(name, pp, m, v):
+                    done: dict[int, int] = {}
+                    for action in order:
+                        if action.computation_type.name == "FULL_BACKWARD":
+                            done[action.stage_index] = done.get(action.stage_index, 0) + 1
+                            most = max(most, sum(0 < n < m for n in done.values()) + (done[action.stage_index] == m))
+                assert most == stages_in_backward(name, pp, m, v), (name, pp, m, v, most)
+
+
 def test_planner_p2p_count_is_the_sends_and_receives_of_torchs_schedule_orders():
     """The planner's pipeline messages per rank (``core.pp_schedules.p2p_messages_per_step``, what the
     step time charges) equal the SEND and RECV actions torch adds to each rank's order of the

@@ -22,6 +22,7 @@ from shardwise.errors import ConfigError, unknown_choice
 
 __all__ = ["PP_SCHEDULES", "SCHEDULES", "ScheduleInfo", "check_schedule", "cross_rank_receives",
            "p2p_messages_per_step", "peak_in_flight", "peak_weight_passes_due", "schedule_info", "stage_ids_of",
+           "stages_in_backward",
            "stage_rank", "tied_weights_refusal", "waited_transfers"]
 
 
@@ -126,6 +127,19 @@ def peak_weight_passes_due(schedule: str, pp: int, microbatches: int, stages_per
     if schedule == "zbv":
         return 1 if microbatches <= pp else 2 * pp_rank + 1
     return pp_rank + 1
+
+
+def stages_in_backward(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> int:
+    """The most of a rank's stages whose backwards have begun and not all ended at once: each holds its
+    unsharded parameters and accumulated gradients from its first backward until torch's multi-stage
+    runtime reshards it and reduces its gradients right after its last one (``RESHARD``,
+    ``REDUCE_GRAD``). Looped BFS runs every backward of one stage before the next stage's; so does
+    interleaved 1F1B in a single round (m = p). Every other order is taken to hold all of the
+    rank's stages (interleaved 1F1B at m > p alternates them; the zero-bubble and V-shaped orders
+    are not counted here). Checked against torch's orders in ``tests/test_pp.py``."""
+    if schedule == "looped-bfs" or schedule == "interleaved-1f1b" and microbatches == pp:
+        return 1
+    return stages_per_rank
 
 
 def cross_rank_receives(schedule: str, pp: int, stages_per_rank: int, pp_rank: int) -> int:

@@ -20,7 +20,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardwise.core.layout import EP_GROUPS, Layout, stage_layer_ranges, tp_indivisible
-from shardwise.core.pp_schedules import cross_rank_receives, peak_in_flight, peak_weight_passes_due, schedule_info
+from shardwise.core.pp_schedules import (
+    cross_rank_receives,
+    peak_in_flight,
+    peak_weight_passes_due,
+    schedule_info,
+    stages_in_backward,
+)
 from shardwise.core.strategies import AC_MODES, GRAD_SYNC_MODES
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.optim.names import OPTIMIZER_NAMES
@@ -1139,15 +1145,13 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # (set_reshard_after_backward(False)) and accumulates its unsharded fp32 gradients until
         # the last micro-batch (set_requires_gradient_sync(False)).
         stages_held = held_local
-        if layout.external is None and layout.pp_stages_per_rank > 1 and (
-                layout.pp_schedule == "looped-bfs"
-                or layout.pp_schedule == "interleaved-1f1b" and layout.pp_microbatches == layout.pp):
-            # torch's multi-stage runtime reshards a stage (RESHARD) and reduces its gradients
-            # (REDUCE_GRAD) right after its last backward; these orders run every backward of one of
-            # the rank's stages before the next stage's (looped BFS always; interleaved 1F1B in a
-            # single round, m = pp), so one stage's unsharded parameters and gradients at a time.
-            # A played llama-3-405b rank (tp 8, pp 8, 2 stages, m 8) held one stage's of each.
-            stages_held = math.ceil(held_local / layout.pp_stages_per_rank)
+        v = layout.pp_stages_per_rank
+        if layout.external is None and v > 1:
+            # Only the stages between their first and last backward hold these (core.pp_schedules.
+            # stages_in_backward): a played llama-3-405b interleaved rank (tp 8, pp 8, 2 stages,
+            # m 8) held one stage's of each.
+            stages_held = math.ceil(held_local * stages_in_backward(layout.pp_schedule, layout.pp,
+                                                                    layout.pp_microbatches, v) / v)
         parts["unsharded stage params (pp schedule)"] = prec.param * stages_held
         parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * stages_held
     elif layout.sharding == "zero2":

@@ -102,8 +102,11 @@ def _shard_grad_like_param(param: torch.Tensor) -> None:
 
     DTensor's embedding backward returns the gradient of a row-sharded (vocab-parallel) table as
     ``Replicate``: every rank would hold the whole table's gradient until the optimizer step (one
-    full embedding per rank for a 128k vocabulary). Taking this rank's rows is a local slice, no
-    communication; it is copied so the whole-table buffer is freed. Later micro-batches' gradients
+    full embedding per rank for a 128k vocabulary). The plans' embeddings avoid it at the source
+    (``tensor/embedding.VocabParallelEmbedding``); this catches what still takes DTensor's path
+    (its fallbacks: ``max_norm``, sparse gradients, a rank past the table's end, and any other
+    style). Taking this rank's rows is a local slice, no communication; it is copied so the
+    whole-table buffer is freed. Later micro-batches' gradients
     add into the sharded one (DTensor slices the replicated addend). Under FSDP2 this hook is
     inert: ``fully_shard`` replaces the parameters, and FSDP reduce-scatters gradients itself.
     """
