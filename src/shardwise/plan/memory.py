@@ -504,15 +504,17 @@ def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     return out
 
 
-def expert_split(spec: ModelSpec, layout: Layout, p: ParamInfo) -> tuple[int, int] | None:
-    """(local experts, ranks sharding them) for a routed-expert tensor the runtime splits ep ways and
-    FSDP-shards over the rest of its shard group (ep_groups "dp-shard": shardwise's and
-    torchtitan's); None for any other tensor or rule."""
+def expert_split(spec: ModelSpec, layout: Layout, p: ParamInfo) -> tuple[int, int, int] | None:
+    """(local experts, ranks sharding them, the dim FSDP shards) for a routed-expert tensor the runtime
+    splits ep ways and FSDP-shards over the rest of its shard group (ep_groups "dp-shard": shardwise's
+    and torchtitan's): by experts when they split evenly over those ranks, else dim 1
+    (``parallel/experts/ep.expert_shard_placement``); None for any other tensor or rule."""
     ep = layout.ep
     if (ep <= 1 or spec.moe is None or layout.ep_groups != "dp-shard" or ".experts." not in p.name
             or layout.shard % ep or p.shape[0] % ep):
         return None
-    return p.shape[0] // ep, layout.shard // ep
+    experts, ranks = p.shape[0] // ep, layout.shard // ep
+    return experts, ranks, 0 if experts % ranks == 0 or len(p.shape) < 2 else 1
 
 
 def fsdp_chunk(spec: ModelSpec, layout: Layout, p: ParamInfo, rank: int) -> tuple[tuple[int, int], tuple[int, ...]]:
@@ -520,15 +522,15 @@ def fsdp_chunk(spec: ModelSpec, layout: Layout, p: ParamInfo, rank: int) -> tupl
 
     FSDP2 chunks dim 0 as torch.chunk does and pads the storage to the largest chunk. A routed-expert
     tensor under expert parallel is first split ep ways along its experts (each group of ep
-    consecutive shard ranks), then sharded over the shard / ep ranks holding the same experts: along
-    its experts when they split evenly, else along dim 1 (``parallel/experts/ep.expert_shard_placement``:
-    1 expert over 2 ranks would leave one rank the whole expert and the other none). Megatron's folding
+    consecutive shard ranks), then sharded over the shard / ep ranks holding the same experts, along
+    the dim ``expert_split`` names (1 expert over 2 ranks by rows would leave one rank the whole
+    expert and the other none). Megatron's folding
     (ep_groups "tp-dp"): the experts, whole on each TP rank, are chunked over tp x shard ranks.
     """
     split = expert_split(spec, layout, p)
     if split is not None:
-        experts, ranks = split
-        if experts % ranks == 0 or len(p.shape) < 2:
+        experts, ranks, dim = split
+        if dim == 0:
             padded, actual = _chunk_rows(experts, ranks, rank // layout.ep)
             rest = math.prod(p.shape[1:])
             return (padded * rest, actual * rest), (actual, *p.shape[1:])

@@ -184,9 +184,8 @@ def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
         if split is None:
             full = min(full, max(1, p.shape[0] // -(-p.shape[0] // n)))
         else:
-            experts, ranks = split
-            by_rows = experts % ranks == 0 or len(p.shape) < 2  # memory.fsdp_chunk's choice
-            if (experts if by_rows else p.shape[1]) % ranks:
+            experts, ranks, dim = split
+            if (experts if dim == 0 else p.shape[1]) % ranks:
                 return 1  # an uneven expert split: every rank computed (exact, a little slower)
     return full
 
