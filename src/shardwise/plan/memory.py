@@ -994,7 +994,10 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     return {**held, **({"saved activations freed by then": -freed} if freed else {})}
 
 
-def _pipeline_moment(parts: dict[str, int], *, stage_params: int, in_flight: int, saved: int, kept: int,
+_STAGE_PARAMS = "unsharded stage params (pp schedule)"  # a pipeline rank's part, read by _pipeline_moment
+
+
+def _pipeline_moment(parts: dict[str, int], *, in_flight: int, saved: int, kept: int,
                      loss_keys: tuple[str, ...]) -> dict[str, int]:
     """The transients of a one-stage-per-rank pipeline rank (1F1B, GPipe) under FSDP, at the larger of
     the schedule's two kinds of moment (``parts``: everything the rank holds at some point of it).
@@ -1015,14 +1018,14 @@ def _pipeline_moment(parts: dict[str, int], *, stage_params: int, in_flight: int
     Played on llama-3-405b tp 8 pp 8 (2026-11-28), the first stage peaked in its second backward of
     eight, a cool-down one: every unit unsharded, 7 of 8 micro-batches saved.
     """
-    after_forward = {k: v for k, v in parts.items() if k != "unsharded stage params (pp schedule)"}
+    after_forward = {k: v for k, v in parts.items() if k != _STAGE_PARAMS}
     after_forward["unsharded units kept or gathered (backward after a forward)"] = kept
     after_backward = {k: v for k, v in parts.items() if k not in loss_keys and not k.startswith("pipeline in-flight")}
     if in_flight > 2:
         after_backward[f"pipeline in-flight ({in_flight - 1} stage micro-batches, one freed)"] = (in_flight - 2) * saved
     elif in_flight == 1:
         after_backward["saved activations freed by then"] = -saved
-    if stage_params <= kept:  # nothing to gain: the stage is as small as what a backward gathers
+    if parts.get(_STAGE_PARAMS, 0) <= kept:  # nothing to gain: the stage is as small as what a backward gathers
         return parts
     return max((after_forward, after_backward), key=lambda m: sum(m.values()))
 
@@ -1154,7 +1157,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             # m 8) held one stage's of each.
             stages_held = math.ceil(held_local * stages_in_backward(layout.pp_schedule, layout.pp,
                                                                     layout.pp_microbatches, v) / v)
-        parts["unsharded stage params (pp schedule)"] = prec.param * stages_held
+        parts[_STAGE_PARAMS] = prec.param * stages_held
         parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * stages_held
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
@@ -1268,11 +1271,9 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             parts["gradient shards not created yet (pipeline schedule)"] = -state.grads
         if (layout.sharding == "fsdp" and layout.external is None and not layout.offload
                 and not schedule_info(layout.pp_schedule).multi_stage):
-            parts = _pipeline_moment(parts, stage_params=parts.get("unsharded stage params (pp schedule)", 0),
-                                     in_flight=peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches,
-                                                              1, stage),
-                                     saved=act.saved, kept=prec.param * (2 * block_unit + (
-                                         head_unit if layout.holds_last_stage(stage) else 0)),
+            in_flight = peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches, 1, stage)
+            kept = prec.param * (2 * block_unit + (head_unit if layout.holds_last_stage(stage) else 0))
+            parts = _pipeline_moment(parts, in_flight=in_flight, saved=act.saved, kept=kept,
                                      loss_keys=(*loss_parts, "norm backward (fp32, beyond the loss's)"))
     else:
         parts.update(_peak_moment(spec, layout, prec, act, kernels, seq=seq // cp_degree(layout),
