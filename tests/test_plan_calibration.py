@@ -453,3 +453,22 @@ def test_memory_in_gib_is_reported_with_fragmentation():
                                                           abs=1)
         assert cand.fits == (cand.memory.total <= cand.budget_bytes)
     assert GIB == 2**30
+
+
+def test_a_later_block_of_a_one_micro_batch_step_holds_the_heads_and_one_blocks_gradient_shards():
+    """In a one-micro-batch fsdp step each unit's gradient shard appears at its reduce-scatter: the
+    second block's backward holds the head's and the last block's only (a played Mixtral fsdp ep 8
+    rank held 8 of 2,784 MiB of gradients at its peak; the moment counted them all before). Here the
+    later moment is the largest (a head unit far larger than a block's, no reduce-scatter input under
+    no_sync), so its parts are returned, by hand."""
+    from shardwise.plan.memory import ActivationBytes, _peak_moment
+
+    spec = model_preset("gpt-nano")  # its own head weights small: the final norm's moment stays below
+    layout = Layout("fsdp", dp=8, shard=8)
+    block, head, absent = 200_000_000, 500_000_000, 4_000_000_000
+    act = ActivationBytes(saved=0, recompute_peak=0, per_layer_full=0, outer=0)
+    held = _peak_moment(spec, layout, BF16, act, Kernels(), seq=16, micro_batch=1, unit=head, block_unit=block,
+                        head_unit=head, loss_parts={}, norm_backward=0, no_sync=True, absent_grads=absent)
+    assert held["all-gather (2 units, prefetch)"] == BF16.param * (block + head)  # the later moment's
+    shard = -(-head // 8) * BF16.grad + -(-block // 8) * BF16.grad
+    assert held["gradient shards not created yet (one micro-batch a step)"] == -(absent - shard)
