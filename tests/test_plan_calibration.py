@@ -261,6 +261,14 @@ def test_fsdp_pipeline_rank_peaks_where_the_schedule_holds_the_most():
         assert not any("loss" in k for k in parts)  # freed by the end of a backward
     # Two schedule runs a step: the second holds the shards the first made.
     assert "gradient shards not created yet (pipeline schedule)" not in breakdown(fsdp, 0, accum=16).transient_parts
+    # The first stage's activations: its blocks' and embeddings', and the boundary tensor torch's
+    # schedule keeps as the stage's output until the micro-batch's backward.
+    from shardwise.plan.memory import SHARDWISE_KERNELS, _autocasts, stage_boundary_bytes
+
+    laid = fsdp.with_blocks(spec.n_layers)
+    own = activation_bytes(spec, 4096, 1, BF16.act, checkpoint="full", sp=False, n_layers=len(laid.rank_layers(0)),
+                           first_stage=True, last_stage=False, autocast=_autocasts(laid, SHARDWISE_KERNELS)).saved
+    assert first.activations == own + stage_boundary_bytes(spec, laid, 4096, 1, BF16.act)
 
 
 def test_a_multi_stage_rank_that_finishes_one_stage_first_holds_one_stage():
