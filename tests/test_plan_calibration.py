@@ -480,3 +480,26 @@ def test_a_later_block_of_a_one_micro_batch_step_holds_the_heads_and_one_blocks_
     assert held["all-gather (2 units, prefetch)"] == BF16.param * (block + head)  # the later moment's
     shard = -(-head // 8) * BF16.grad + -(-block // 8) * BF16.grad
     assert held["gradient shards not created yet (one micro-batch a step)"] == -(absent - shard)
+
+
+def test_the_final_norm_under_sequence_parallel_and_a_fused_loss_stage():
+    """Under SP the final norm runs on the sequence shard: only the head's gathered input (h x e a
+    token) is whole; the rest of the norm's saved tensors are split tp ways. And a pipeline's last
+    stage under a fused (compiled) loss counts its logits once: they are the stage output torch's
+    schedule caches and the tensor the fused loss keeps."""
+    from shardwise.plan.memory import Kernels, outer_activation_bytes
+
+    spec = model_preset("llama-3-8b")
+    h, e, tokens = spec.hidden, 2, 4096
+    whole = outer_activation_bytes(spec, tokens, 1, e, tp=4, first_stage=False)
+    shard = outer_activation_bytes(spec, tokens, 1, e, tp=4, first_stage=False, sp=True)
+    norm = 4 * h + 2 * h * e + 4  # eager RMSNorm: fp32 input, rsqrt, normalised value, its output (the head's input)
+    assert whole - shard == tokens * (norm - (norm - h * e) // 4 - h * e)
+    layout = Layout("fsdp+pp", dp=8, pp=4, shard=8, pp_microbatches=8)
+
+    def last_activations(loss: str) -> int:
+        return memory_breakdown(spec, layout, BF16, "adamw", seq=tokens, micro_batch=1, grad_accum=8,
+                                checkpoint="full", stage=3, kernels=Kernels(loss=loss)).activations
+
+    fused_kept = e * spec.vocab + 4 - 4 * spec.vocab  # the fused loss keeps the logits, the eager one its log-softmax
+    assert last_activations("torch") - last_activations("fused") == tokens * (e * spec.vocab - fused_kept)
