@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.core.config import ParallelConfig
 from shardwise.core.layout import Layout
-from shardwise.core.pp_schedules import compile_refusal
+from shardwise.core.pp_schedules import compile_refusal, schedule_info
 from shardwise.core.strategies import COMPOSED_MESH as MESH_DIMS
 from shardwise.parallel.base import ParallelContext, Strategy
 from shardwise.parallel.data.fsdp import apply_fsdp, reshard_all
@@ -174,7 +174,16 @@ class ModelParallelStrategy(Strategy):
         if self.dp_kind == "fsdp":
             # Applied even when dp == 1, so mixed precision comes from the same policy everywhere.
             # One FSDP unit per transformer block plus the root, as under plain fsdp.
-            return apply_fsdp(module, dp_mesh, ctx.options, expert_mesh=ctx.expert_mesh)
+            # The zero-bubble schedules run a stage's weight gradients in a later pass (torch's
+            # stage_backward_weight, after other micro-batches' forwards): a block unit that reshards
+            # after forward lost them (torch 2.13; every unit but each stage's last one, which is never
+            # resharded after forward, kept its weights: tests/test_pp.py). Under a pipeline every unit
+            # of a stage stays unsharded from its first backward to the step's end anyway (torch turns
+            # reshard-after-backward off until REDUCE_GRAD), so keeping them from the first forward
+            # costs only the first forwards' gathers of the step.
+            split_backward = self.layout.pp > 1 and schedule_info(self.layout.pp_schedule).zero_bubble
+            return apply_fsdp(module, dp_mesh, ctx.options, expert_mesh=ctx.expert_mesh,
+                              reshard_after_forward=not split_backward)
         if self.replicates_with_ddp:
             device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             # find_unused_parameters=True turns off DDP's bucket rebuild after the first iteration.
