@@ -117,6 +117,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     """Prepare the model for this rank, run ``spec.steps`` real steps, and return the measurements."""
     import torch  # defers torch
 
+    from shardwise.rehearse.fake_ddp import NOTE, reducers, standing_in  # defers torch
     from shardwise.rehearse.measure import CollectiveLog, MemoryProbe, group_names, peak_rss_bytes  # defers torch
     from shardwise.rehearse.roofline import OpCounter  # defers torch
     from shardwise.rehearse.save_plan import local_save_plan  # defers torch
@@ -136,8 +137,12 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     if not workload.plain_token_ce:
         session.loss_chunks = 0  # as the trainer: only the token-mean CE is chunked
     model = session.build(workload.build_model, init="meta")
-    # The run's own [optimizer] (Adafactor, Muon, SGD...): its state is a column the plan predicts.
-    model, optimizer = session.prepare(model, build_optimizer(model, t, session.device, cfg.optimizer))
+    # Torch's DDP, built inside prepare where the strategy replicates with it, gets the rehearsal's
+    # stand-in for its C++ reducer (rehearse/fake_ddp.py: the C++ one allocates real buffers and
+    # needs real all-reduce results); nothing else changes.
+    with standing_in():
+        # The run's own [optimizer] (Adafactor, Muon, SGD...): its state is a column the plan predicts.
+        model, optimizer = session.prepare(model, build_optimizer(model, t, session.device, cfg.optimizer))
     notes += session.notes
     prepared_s = time.perf_counter() - started
     collate_fn = workload.collate_fn
@@ -159,6 +164,11 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     probe = MemoryProbe(model, optimizer, stages=[s.submod for s in pipeline.stages] if pipeline else None,
                         loss_stage=next((i for i, s in enumerate(pipeline.stages) if s.is_last), None)
                         if pipeline else None)
+    stand_ins = reducers([model, *(s.submod for s in pipeline.stages)] if pipeline else [model])
+    for reducer in stand_ins:
+        reducer.track_with(probe.tracker)  # its buckets: persistent, filed "Other" (the transients column)
+    if stand_ins:
+        notes.append(NOTE)
     if pipeline is not None:
         from shardwise.rehearse.fake_p2p import LocalNeighbours, boundary_dtype, hidden_size  # defers torch
 
