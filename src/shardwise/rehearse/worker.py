@@ -51,13 +51,30 @@ def _fake_group(rank: int, world_size: int, nproc: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def _to_empty_keeping_ties(module: Any, device: Any) -> None:
+    """``module.to_empty(device)`` with tied parameters one Parameter again afterwards, as the
+    runtime's own materialisation does (``InitProgram._retie``): ``to_empty`` allocates every
+    registration of a shared meta parameter separately. The FSDP strategies shard before this and
+    keep one parameter per tie; a model allocated whole (DDP, ZeRO-1) came out with its tied
+    embedding and head split, which the runtime's tie check refuses (GPT-2, until 2026-11-28)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    module.to_empty(device=device)
+    for group in (g for g in names.values() if len(g) > 1):
+        first = module.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, first)
+
+
 def _allocator(device: str) -> tuple[Any, Any]:
     """(the tensor mode the steps run in, the Session's ``allocate`` hook)."""
     import torch  # defers torch
 
     if device == "cuda":
         # Real tensors, uninitialised: the values do not matter to memory or time.
-        return contextlib.nullcontext(), lambda module, target: module.to_empty(device=target)
+        return contextlib.nullcontext(), _to_empty_keeping_ties
     from torch._subclasses.fake_tensor import FakeTensorMode  # defers torch
 
     # Non-fake inputs: the batches come from the real data loader and are converted on entry.
@@ -65,7 +82,7 @@ def _allocator(device: str) -> tuple[Any, Any]:
 
     def allocate(module: torch.nn.Module, target: torch.device) -> None:
         with mode:
-            module.to_empty(device=target)
+            _to_empty_keeping_ties(module, target)
 
     return mode, allocate
 
