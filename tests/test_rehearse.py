@@ -262,8 +262,6 @@ def test_plan_rehearse_plays_the_top_recommendation(capsys: pytest.CaptureFixtur
     ({"device": "cuda"}, "--device cuda plays a rank on this machine's GPU"),
     ({"gpu": "nope"}, "unknown GPU kind 'nope'"),
     ({"strategy": "zero3-offload"}, "runs DeepSpeed's engine"),
-    ({"strategy": "ddp"}, "replicates the model with torch's DDP"),
-    ({"strategy": "zero1"}, "replicates the model with torch's DDP"),
 ])
 def test_bad_rehearsals_are_refused_before_any_rank_starts(flags: dict, message: str) -> None:
     import torch
@@ -487,3 +485,95 @@ def test_a_rank_draws_its_steps_over_several_passes_of_the_data() -> None:
     assert _draw(lambda: iter([1, 2]), 5) == [1, 2, 1, 2, 1]
     with pytest.raises(ShardwiseError, match="fewer samples than one micro-batch per data-parallel rank"):
         _draw(lambda: iter([]), 3)
+
+
+@pytest.mark.parametrize("case", [
+    # DDP at 64 ranks, 2 accumulation steps: the first micro-batch under no_sync (no all-reduce),
+    # the second all-reduces its bucket (the tiny model's gradients fit DDP's 1 MiB first bucket).
+    ("ddp", "0", ("train.grad_accum_steps=2",)),
+    # ZeRO-1 at 64 ranks: DDP's all-reduce, and ZeroRedundancyOptimizer's moments for the few whole
+    # parameters rank 0 owns, broadcast to the others after its step.
+    ("zero1", "0", ("train.grad_accum_steps=2",)),
+    # DDP per pipeline stage (pp 2 x dp 32): find_unused_parameters (composed.py), so the bucket and
+    # the used-parameter map are all-reduced, and torch's schedule arms the reducer itself.
+    ("ddp+pp", "0,32", ("parallel.pp=2",)),
+])
+def test_ddp_layouts_rehearse(case: tuple) -> None:
+    """DDP's C++ reducer is replaced by the rehearsal's stand-in (rehearse/fake_ddp.py): its buckets
+    held as the transients the plan counts ("ddp buckets"), one all-reduce a bucket counted on dp."""
+    strategy, ranks, sets = case
+    report = cli.rehearse(_args("hf-llama-tiny", *_SMALL, *sets, strategy=strategy, nnodes=8, ranks=ranks))
+    _check_runs(report)
+    _check_activations_and_peak(report)
+    assert any("DDP's C++ reducer is replaced by the rehearsal's stand-in" in n for n in report["notes"])
+    for rank in report["ranks"]:
+        by_col = {c["column"]: c for c in rank["comparison"]}
+        grads = by_col["grad_bytes"]["predicted"]
+        reduced = [c for c in rank["collectives"] if c["op"] == "allreduce_" and c["dim"] == "dp"]
+        assert len(reduced) == 1, rank["collectives"]
+        if strategy == "ddp+pp":  # the bucket and the int32 used map of the stage's parameter tensors
+            assert reduced[0]["count"] == 2 and 0 < reduced[0]["bytes"] - grads <= 4 * 64, reduced
+        else:  # one bucket, the whole model's gradients in their dtype, once a step
+            assert reduced[0]["count"] == 1 and reduced[0]["bytes"] == grads, reduced
+        if strategy == "zero1":  # the updated parameters broadcast from their owners (and DDP's buffers)
+            sent = sum(c["bytes"] for c in rank["collectives"] if c["op"] == "broadcast_" and c["dim"] == "dp")
+            assert sent >= by_col["param_bytes"]["predicted"], rank["collectives"]
+            assert 0 < by_col["optim_bytes"]["measured"] < by_col["param_bytes"]["measured"]
+
+
+_STAND_IN_CASE = '''
+import copy, json, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.tensor.debug import CommDebugMode
+from shardwise.rehearse import fake_ddp
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+base = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+batches = [torch.randn(8, 512) for _ in range(6)]
+out = {}
+for name, unused in (("ddp", False), ("ddp_unused", True)):
+    for kind in ("torch", "stand-in"):
+        model = copy.deepcopy(base)
+        with fake_ddp.standing_in() if kind == "stand-in" else torch.enable_grad():
+            ddp = DDP(model, find_unused_parameters=unused)
+        counts, sizes = [], []
+        for i in range(3):  # steps of two micro-batches, the first under no_sync
+            for m in range(2):
+                with ddp.no_sync() if m == 0 else torch.enable_grad(), CommDebugMode() as comm:
+                    ddp(batches[2 * i + m]).square().mean().backward()
+                counts.append({str(k): v for k, v in comm.get_comm_counts().items()})
+            if kind == "torch":
+                data = ddp._get_ddp_logging_data()
+                sizes.append(str(data.get("rebuilt_bucket_sizes") or data["bucket_sizes"]))
+            else:
+                sizes.append(", ".join(str(b.buffer.numel() * 4) for b in ddp.reducer.buckets))
+            grads = [p.grad.clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.grad = None
+        out[name + " " + kind] = {"counts": counts, "sizes": sizes, "grads": [g.sum().item() for g in grads]}
+print(json.dumps(out))
+'''
+
+
+def test_the_ddp_stand_in_buckets_and_reduces_as_torchs_reducer() -> None:
+    """The stand-in against torch's C++ reducer on real tensors (gloo, one rank): the same bucket
+    sizes at every step (plain DDP: one bucket of everything, then the rebuild in gradient-ready
+    order with the 1 MiB first bucket; find_unused_parameters: 1 MiB and 25 MiB buckets from the
+    start, never rebuilt), the same collectives per micro-batch (none under no_sync, the rebuild's
+    two broadcasts, one all-reduce a bucket, the used map), and the same gradients."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STAND_IN_CASE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("ddp", "ddp_unused"):
+        real, stand_in = out[f"{name} torch"], out[f"{name} stand-in"]
+        assert stand_in["counts"] == real["counts"], name
+        assert stand_in["sizes"] == real["sizes"], name
+        assert stand_in["grads"] == pytest.approx(real["grads"], rel=1e-5), name
+    assert out["ddp torch"]["sizes"][0] != out["ddp torch"]["sizes"][1]  # the rebuild is seen
