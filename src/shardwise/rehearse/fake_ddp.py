@@ -312,6 +312,8 @@ class StandInReducer:
         self._handles = []
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and hasattr probes: "no such attribute", as usual
+            raise AttributeError(name)
         raise NotImplementedError(f"DDP called its reducer's {name}, which the rehearsal's stand-in "
                                   "(rehearse/fake_ddp.py) does not play: comm hooks, static_graph, the join "
                                   "context and sparse gradients are not rehearsed")
