@@ -120,17 +120,22 @@ def test_ep_two_ranks_matches_one_process(reference, tmp_path):
              dict(strategy="fsdp", steps=5, start=4, load_dir=b),
              dict(strategy="fsdp+tp", tp=2, sequence_parallel=True), dict(strategy="pp", pp=2, pp_microbatches=2),
              dict(strategy="pp", pp=2, pp_microbatches=2, activation_checkpointing="full"),
-             dict(strategy="fsdp", ep=2, activation_checkpointing="full")]
+             dict(strategy="fsdp", ep=2, activation_checkpointing="full"),
+             dict(strategy="fsdp", ep=2, activation_checkpointing="moe"),
+             dict(strategy="fsdp+tp", tp=2, sequence_parallel=True, activation_checkpointing="moe")]
     ranks = run_distributed(moe_cases, 2, timeout_s=300, cases=cases)
-    ep2, ep2_accum, ddp, ddp_local, first, second, resumed, sp = (ranks[0][i] for i in range(len(cases) - 3))
+    ep2, ep2_accum, ddp, ddp_local, first, second, resumed, sp = (ranks[0][i] for i in range(len(cases) - 5))
     # Activation checkpointing: the recomputed forward runs the aux ops again (same saved tensors,
-    # counts all-reduced again) and records nothing.
+    # counts all-reduced again) and records nothing. "moe" recomputes the MoE layers alone: their
+    # dispatch and combine all-to-alls (ep) and the SP gather around them (tp) run again.
+    assert_parity(reference[1], ranks[0][-3])
+    assert_parity(reference[1], ranks[0][-2])
     assert_parity(reference[1], ranks[0][-1])
     # Pipeline parallel (2 stages, 2 pipeline micro-batches): each stage's aux losses ride on its
     # MoE outputs (parallel/pipeline/moe.py); one process accumulating the same 2 micro-batches. With
     # activation checkpointing the recomputed forward adds no second aux loss.
-    assert_pipeline_parity(reference[2], [r[-3] for r in ranks])
-    assert_pipeline_parity(reference[2], [r[-2] for r in ranks])
+    assert_pipeline_parity(reference[2], [r[-5] for r in ranks])
+    assert_pipeline_parity(reference[2], [r[-4] for r in ranks])
     # Sequence parallel: the MoE layer takes the whole sequence from the sequence-sharded block
     # (one all-gather) and hands back this rank's shard; same routing, same aux loss.
     assert_parity(reference[1], sp)
@@ -283,6 +288,8 @@ def test_planner_moe_math():
     (["--nproc", "4", "--set", "model.preset=moe-nano", "--set", "model.overrides={n_experts = 6}",
       "--set", "parallel.ep=4"], "on 4 data-parallel shard rank(s): 1, 2 (1: no expert parallel)"),
     (["--nproc", "2", "--set", "model.preset=nano", "--set", "parallel.ep=2"], "GPT has no MoE layer"),
+    (["--nproc", "2", "--set", "model.preset=nano", "--set", "parallel.activation_checkpointing=moe"],
+     "'moe' recomputes the mixture-of-experts layers, but GPT has no MoE layer"),
     # Expert parallel runs under fsdp+pp, but not under the zero-bubble schedules: the layout's rule.
     (["--nproc", "4", "--strategy", "fsdp+pp", "--set", "parallel.pp=2", "--set", "model.preset=moe-nano",
       "--set", "model.overrides={n_layer = 4}", "--set", "parallel.pp_schedule=zbv",

@@ -212,3 +212,24 @@ def test_degree_sets_are_one_list_and_searchable_settings_are_named():
     assert SEARCHABLE == ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
     with pytest.raises(Exception, match="cannot search"):
         Workload(seq=128, search=("precision",))
+
+
+def test_moe_checkpointing_is_searched_for_mixtures_of_experts_only():
+    """``moe`` recomputes the MoE layers alone: searched for a MoE model, never for a dense one
+    (where it would equal ``none``, and ``train`` refuses it); its recomputation repeats every
+    dispatch and combine but no attention (no cp exchange)."""
+    from shardwise.plan.advice import Workload
+    from shardwise.plan.choices import checkpoint_choices
+    from shardwise.plan.memory import activation_bytes, recompute_share
+    from shardwise.plan.presets import model_preset
+
+    work = Workload(seq=4096, search=("checkpoint",))
+    dense, moe = model_preset("llama-3-8b"), model_preset("mixtral-8x7b")
+    assert "moe" not in checkpoint_choices(work, dense) and "moe" in checkpoint_choices(work, moe)
+    share = recompute_share(moe, "moe")
+    assert (share.attention, share.cp_collectives, share.ep_collectives) == (0.0, 0.0, 1.0)
+    assert 0 < share.matmul < 1 and share.tp_collectives == 0.5
+    none, recomputed = (activation_bytes(moe, 4096, 1, 2, checkpoint=c) for c in ("none", "moe"))
+    # The routed slots are most of a Mixtral block's saved bytes; one layer's come back in backward.
+    kept = (recomputed.saved - recomputed.outer) // (moe.n_layers or 1)
+    assert recomputed.saved < 0.6 * none.saved and recomputed.recompute_peak == none.per_layer_full - kept

@@ -119,7 +119,7 @@ def check_run(cfg: RunConfig, world_size: int, *, ranks_per_node: int | None = N
         # Mixture of experts: ep divides every layer's experts (parallel/experts/ep.py; degree rules: the layout).
         from shardwise.parallel.experts.ep import check_moe_model  # defers torch
 
-        check_moe_model(meta, layout)
+        check_moe_model(meta, layout, cfg.parallel.activation_checkpointing)
         if layout.cp > 1 and layout.pp > 1 and workload.token_loss:
             from shardwise.models.moe import moe_layers  # defers torch
 

@@ -30,8 +30,9 @@ __all__ = ["AC_MODES", "ALIASES", "COMPOSED_MESH", "DEGREES", "DP_KINDS", "GRAD_
            "composition_for", "degree_set", "strategy_for_degrees", "strategy_info", "strategy_names"]
 
 # ----------------------------------------------------------------- modes (defined once, here)
-# "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block.
-AC_MODES = ("none", "full", "selective", "selective-op")
+# "selective": every ac_every-th block; "selective-op": torchtitan's per-op policy on every block;
+# "moe": every mixture-of-experts layer alone (Megatron-Core's --recompute-modules moe).
+AC_MODES = ("none", "full", "selective", "selective-op", "moe")
 # When gradients are reduced under accumulation: "step" skips the sync on all but the last
 # micro-batch (no_sync); "microbatch" reduces every micro-batch (sharded strategies then never
 # hold a whole unsharded gradient: less memory, one reduce-scatter per micro-batch).

@@ -11,6 +11,14 @@ torchtitan v0.2.2): every block is wrapped, but the outputs of the expensive ops
 Built on ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the recomputation
 replays the same ops on the same inputs, so results are exactly those without checkpointing.
 
+``moe`` wraps every mixture-of-experts layer (router, dispatch, experts, combine) and nothing else
+(Megatron-Core's ``--recompute-modules moe``): a MoE layer keeps the most per token of a block
+(every routed slot's expert activations, ``top_k`` of them) for the least compute (only the
+active experts' matmuls), so recomputing it alone frees most of a MoE block's activations while
+attention, whose recomputation is the expensive part at long sequences, keeps its tensors. The
+layer's input is its norm's output, which the block keeps anyway. Under expert parallel the
+recomputation repeats the dispatch and combine all-to-alls.
+
 We use ``checkpoint_wrapper`` with the non-reentrant implementation (``torch.utils.checkpoint``
 with ``use_reentrant=False``): it works with FSDP2's hooks, with inputs that do not require grad,
 and its state-dict hooks strip the ``_checkpoint_wrapped_module.`` prefix, so checkpoint keys (DCP)
@@ -30,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from shardwise.core.config import AC_MODES
 from shardwise.errors import ConfigError
+from shardwise.models.moe import is_moe_layer
 from shardwise.parallel.blocks import transformer_blocks
 
 
@@ -79,12 +88,32 @@ def checkpointed_indices(n_blocks: int, mode: str, every: int) -> list[int]:
     """Return the indices of the blocks that ``mode`` checkpoints (``every``: selective period)."""
     if mode == "none":
         return []
-    if mode in ("full", "selective-op"):
+    if mode in ("full", "selective-op", "moe"):  # "moe": the blocks whose MoE layers it wraps
         return list(range(n_blocks))
     if mode == "selective":
         # Blocks every-1, 2*every-1, ...: with every=2 on 6 blocks that is blocks 1, 3 and 5.
         return [i for i in range(n_blocks) if (i + 1) % every == 0]
     raise ConfigError(f"unknown activation_checkpointing mode {mode!r}; valid: {', '.join(AC_MODES)}.")
+
+
+def _wrap(module: nn.Module, **extra: Any) -> nn.Module:
+    # preserve_rng_state keeps dropout masks identical between forward and recomputation,
+    # so a checkpointed run computes the same numbers as one without checkpointing.
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True, **extra)
+
+
+def _checkpoint_moe_layers(model: nn.Module, container: nn.Module) -> nn.Module:
+    """``moe``: wrap each block's mixture-of-experts layers (``models.moe.is_moe_layer``) in place."""
+    for block in container.children():
+        if hasattr(block, "_checkpoint_wrapped_module"):
+            continue  # the whole block is checkpointed already (a composition applied it)
+        # A pipeline stage's dense blocks (DeepSeek's first layers) have none: nothing to wrap there.
+        # (A model with no MoE layer at all is refused before launch: experts.ep.check_moe_model.)
+        targets = [(parent, name) for parent in block.modules() for name, child in parent.named_children()
+                   if is_moe_layer(child) and not hasattr(parent, "_checkpoint_wrapped_module")]
+        for parent, name in targets:
+            parent.register_module(name, _wrap(getattr(parent, name)))
+    return model
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
@@ -99,18 +128,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
             "(model.blocks, model.layers, model.model.layers, transformer.h, ...). Keep the blocks in "
             "such a container, or set parallel.activation_checkpointing = 'none'."
         )
+    if mode == "moe":
+        return _checkpoint_moe_layers(model, container)
     children = list(container.named_children())
     for i in checkpointed_indices(len(children), mode, every):
         name, block = children[i]
         if hasattr(block, "_checkpoint_wrapped_module"):
             continue  # already checkpointed (a composition applied it): never nest two wrappers
-        # preserve_rng_state keeps dropout masks identical between forward and recomputation,
-        # so a checkpointed run computes the same numbers as one without checkpointing.
         extra = {"context_fn": _op_sac_context} if mode == "selective-op" else {}
-        container.register_module(
-            name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     preserve_rng_state=True, **extra)
-        )
+        container.register_module(name, _wrap(block, **extra))
     return model
-
-

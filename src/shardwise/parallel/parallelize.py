@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, strategy: Strategy, ctx: ParallelContext) -> n
 
 def check_dimensions(model: nn.Module, ctx: ParallelContext) -> None:
     """Raise ConfigError where ``model``'s shape does not fit the layout's cp or ep (a meta model works)."""
-    check_moe_model(model, ctx.layout)
+    check_moe_model(model, ctx.layout, ctx.options.activation_checkpointing)
     if ctx.layout.cp > 1:
         check_cp_model(model, ctx.layout.cp, ctx.layout.tp, ctx.cp_state.impl)
 

@@ -30,7 +30,7 @@ SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
 FALLBACKS = ("optimizer",)
 FALLBACK_OPTIMIZER = "adafactor"  # no first moment, factored second: ~0 B/param of state against AdamW's 8
 # Order = fewer moving parts first (ties between equally fast, equally small settings).
-CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "full")
+CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "moe", "full")
 MAX_SEARCHED_MICRO_BATCH = 16
 STAGES_PER_RANK_SEARCH = (2, 3, 4, 6, 8)
 
@@ -108,8 +108,12 @@ def exact_micro_batch(micro_batch: int, dp: int, global_batch: int | None) -> bo
     return micro_batch == 1 or global_batch is None or global_batch % (micro_batch * dp) == 0
 
 
-def checkpoint_choices(work: Workload) -> tuple[str, ...]:
-    return CHECKPOINT_SEARCH if "checkpoint" in work.search else (work.checkpoint,)
+def checkpoint_choices(work: Workload, spec: ModelSpec | None = None) -> tuple[str, ...]:
+    """The checkpointing modes to try: the given one, or every mode that applies to ``spec``
+    ("moe" only to a mixture of experts: it recomputes nothing in a dense model)."""
+    if "checkpoint" not in work.search:
+        return (work.checkpoint,)
+    return tuple(m for m in CHECKPOINT_SEARCH if m != "moe" or spec is None or spec.moe is not None)
 
 
 def grad_sync_choices(work: Workload, sharding: str, pp: int, grad_accum: int) -> tuple[str, ...]:

@@ -340,6 +340,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     dpo_reference=args.dpo_reference or reference_for(args.lora, precompute=False))
     if args.attention not in ("sdpa", "math"):
         raise ConfigError(f"--attention must be 'sdpa' or 'math', got {args.attention!r}.")
+    if args.checkpoint == "moe" and model.moe is None:  # train refuses it too (experts.ep.check_moe_model)
+        raise ConfigError(f"--checkpoint moe recomputes the mixture-of-experts layers, but {model.name} is dense. "
+                          "Use full, selective or selective-op (or leave --checkpoint out: searched).")
     cp, pp = args.cp, args.pp
     if model.moe is not None and recipe and _trains_records(recipe, sets):
         # train runs cp for an MoE model on records without a pipeline only (preflight: a stage has no

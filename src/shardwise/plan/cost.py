@@ -285,7 +285,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     compute_micro /= cp
     share = recompute_share(spec, checkpoint, every)
     cp_s = cp_comm_s(spec, layout, fabric, prec.act, seq=seq, micro_batch=micro_batch,
-                     layers=_busiest_stage_layers(spec, layout), recompute=share.tp_collectives,
+                     layers=_busiest_stage_layers(spec, layout), recompute=share.cp_collectives,
                      alpha_s=calib.hop_latency_s, impl=cp_impl) * grad_accum
     cp_exposed = cp_s
     if cp > 1 and cp_impl == "ring":
@@ -305,7 +305,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     ep = getattr(layout, "ep", 1) or 1
     ep_s = ep_all_to_all_s(spec, seq // cp * micro_batch, ep, fabric.collective_gbs(ep, layout.ep_stride), prec.act,
                            calib.hop_latency_s, layers=moe_layers_on_busiest_stage(spec, layout),
-                           recompute=share.tp_collectives) * grad_accum if ep > 1 else 0.0
+                           recompute=share.ep_collectives) * grad_accum if ep > 1 else 0.0
     compute = compute_micro * grad_accum
     ep_exposed = max(0.0, ep_s - compute) if kernels.ep_overlap else ep_s
 

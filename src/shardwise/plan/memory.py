@@ -560,7 +560,7 @@ class ActivationBytes:
 
 def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
                            sp: bool = True, attention: str = "sdpa", kernels: Kernels = SHARDWISE_KERNELS,
-                           autocast: bool = False, ep: int = 1) -> int:
+                           autocast: bool = False, ep: int = 1, moe_layer: bool = True) -> int:
     """Bytes one transformer block saves for backward (no checkpointing), from its structure.
 
     Korthikanti et al. 2022, eq. (1)-(2): s*b*h*(34 + 5*a*s/h) bytes at 2-byte activations with
@@ -590,6 +590,11 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     and normalised value are fp32; its fp32 output is not saved, but every linear reading it
     saves its own 16-bit cast of it (q, k and v three, gate and up two); and each linear saves
     the 16-bit copy of its weight autocast made for this forward (``autocast_weight_bytes``).
+
+    ``moe_layer=False``: without what a mixture-of-experts layer keeps inside itself (its router,
+    routed slots and experts; under autocast also the router's 16-bit copy of the norm output and
+    the experts' and router's weight copies), what a block keeps when that layer is checkpointed
+    (``activation_checkpointing = "moe"``). Its input is the norm's output, kept by the block.
     """
     if not spec.has_structure:
         return 0
@@ -607,13 +612,17 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     # ways (Kernels.experts_whole_on_tp; Mixtral tp 2 rehearsed, 2026-11-28: its 4 unwrapped blocks a
     # stage kept 4.3 GiB more than a tp-split MoE interior).
     whole = 0
+    dropped = spec.moe is not None and not moe_layer  # a checkpointed MoE layer keeps nothing inside
+    if dropped:
+        mlp_in = 0  # the router's 16-bit copy of the norm output is made inside the layer
+    mlp = 0 if dropped else 2 * f  # fc out, GELU out
     if spec.arch == "gpt" and cast:
         # LayerNorm keeps its fp32 input and stats; its linears their own 16-bit copies of its output.
         norm_region = 2 * 4 * h + (attn_in + mlp_in) * h * e + 2 * 2 * 4 + 2 * mask * h
-        inner = (qd + 2 * kvd + qd + 2 * f) * e
+        inner = (qd + 2 * kvd + qd + mlp) * e
     elif spec.arch == "gpt":
         norm_region = 4 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN in/out x2, fp32 stats, residual-dropout masks
-        inner = (qd + 2 * kvd + qd + 2 * f) * e  # q, k, v, attention out, fc out, GELU out
+        inner = (qd + 2 * kvd + qd + mlp) * e  # q, k, v, attention out, fc out, GELU out
     else:
         # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
         # a fused kernel keeps its input, the output and rstd.
@@ -621,7 +630,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
             norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
-        if spec.moe is not None and kernels.experts_whole_on_tp:
+        if dropped:
+            pass
+        elif spec.moe is not None and kernels.experts_whole_on_tp:
             whole = _mlp_interior(spec, e)
         else:
             inner += _mlp_interior(spec, e)  # the MLP, split tp ways with the attention
@@ -635,7 +646,7 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         inner += a * seq * e + mask * a * seq * (1 + e)  # softmax (+ dropout mask and output)
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
-    copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep) if cast else 0
+    copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep, moe_layer=not dropped) if cast else 0
     return tokens * (norm_region // norm_div + inner // tp + whole) + copies
 
 
@@ -663,14 +674,18 @@ def _norm_readers(spec: ModelSpec) -> tuple[int, int]:
     return (1 if fused else 3), mlp
 
 
-def autocast_weight_bytes(spec: ModelSpec, act_bytes: int, *, tp: int = 1, ep: int = 1) -> int:
+def autocast_weight_bytes(spec: ModelSpec, act_bytes: int, *, tp: int = 1, ep: int = 1,
+                          moe_layer: bool = True) -> int:
     """The 16-bit copies of one block's linear weights that ``torch.autocast`` makes in a forward
     and autograd keeps for backward (a cast is cached per weight for the autocast region, so once
     per forward): the block's matmul weights split tp ways, a mixture of experts' every local
-    expert (its experts hold n_experts / ep each)."""
-    dense = sum(i * o for name, i, o, _ in block_matmuls(spec) if not name.startswith("experts "))
+    expert (its experts hold n_experts / ep each). ``moe_layer=False``: without the router's and
+    experts' (a checkpointed MoE layer keeps none)."""
+    moe_names = ("experts ", "router") if spec.moe is not None else ()
+    dense = sum(i * o for name, i, o, _ in block_matmuls(spec)
+                if not name.startswith("experts ") and (moe_layer or not name.startswith(moe_names)))
     experts = 0
-    if spec.moe is not None:
+    if spec.moe is not None and moe_layer:
         experts = spec.moe.n_experts // max(ep, 1) * 3 * (spec.hidden or 0) * (spec.ffn_hidden or 0)
     return (dense + experts) * act_bytes // tp
 
@@ -803,8 +818,9 @@ def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: i
 
 
 def checkpointed_blocks(n_layers: int, checkpoint: str, every: int = 2) -> int:
-    """How many of ``n_layers`` blocks the mode wraps (``selective``: blocks every-1, 2*every-1, ...)."""
-    if checkpoint == "none":
+    """How many of ``n_layers`` blocks the mode wraps whole (``selective``: blocks every-1, 2*every-1,
+    ...; ``moe`` wraps only the blocks' MoE layers: no block whole)."""
+    if checkpoint in ("none", "moe"):
         return 0
     if checkpoint == "selective":
         return n_layers // max(every, 1)
@@ -819,6 +835,15 @@ class RecomputeShare:
     attention: float  # of the attention-core FLOPs
     elementwise: float  # of the memory-bound (norm, activation, rotary, residual) traffic
     tp_collectives: float  # of the forward's TP/SP collectives, re-run during recomputation
+    # Of the attention's context-parallel exchanges, and of the MoE layers' dispatch and combine
+    # (None: as tp_collectives; they differ where a mode recomputes the MoE layer alone).
+    cp_collectives: float | None = None
+    ep_collectives: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cp_collectives", "ep_collectives"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.tp_collectives)
 
 
 def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> RecomputeShare:
@@ -831,6 +856,19 @@ def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> Recompu
     if checkpoint in ("full", "selective"):
         share = checkpointed_blocks(layers, checkpoint, every) / layers
         return RecomputeShare(share, share, share, share)
+    if checkpoint == "moe":
+        # The MoE layers' forward again: the router's and the active experts' matmuls, their share
+        # of the block's memory-bound work, the SP gather around the layer (half the block's TP
+        # collectives), every dispatch and combine; no attention, no cp exchange.
+        if spec.moe is None or not spec.has_structure:
+            return RecomputeShare(0.0, 0.0, 0.0, 0.0)
+        mms = block_matmuls(spec)
+        moe = sum(i * o for name, i, o, _ in mms if name.startswith(("router", "experts ")))
+        e = 2
+        full = layer_activation_bytes(spec, 1, 1, e)
+        inside = full - layer_activation_bytes(spec, 1, 1, e, moe_layer=False)
+        return RecomputeShare(moe / sum(i * o for _, i, o, _ in mms), 0.0, inside / full, 0.5,
+                              cp_collectives=0.0, ep_collectives=1.0)
     if not spec.has_structure:
         return RecomputeShare(0.5, 0.0, 1.0, 0.5)
     mms = block_matmuls(spec)
@@ -866,6 +904,12 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
         kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, autocast=autocast) + dispatch
         # Backward of one block rematerialises what the policy did not keep.
         return ActivationBytes(layers * kept + outer, max(full - kept, 0), full, outer)
+    if checkpoint == "moe":
+        # Each MoE layer keeps only its input (the norm's output, which the block keeps anyway);
+        # its backward rematerialises the layer's interior and, under expert parallel, the routed copy.
+        kept = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
+                                      kernels=kernels, autocast=autocast, ep=ep, moe_layer=False)
+        return ActivationBytes(layers * kept + outer, full - kept + dispatch, full, outer)
     # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism),
     # fp32 under autocast (the residual stream).
     kept = seq * micro_batch * (spec.hidden or 0) * (4 if autocast else act_bytes) // (tp if sp else 1)
@@ -1080,7 +1124,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                            kernels=kernels, ep=layout.ep, autocast=_autocasts(layout, kernels))
     cp = cp_degree(layout)
     if (cp > 1 and spec.has_structure and spec.hidden and spec.n_heads and layout.external is None
-            and checkpoint in ("none", "selective") and cp_impl_for("auto", spec.n_heads, layout.tp, cp) == "alltoall"):
+            and checkpoint in ("none", "selective", "moe")
+            and cp_impl_for("auto", spec.n_heads, layout.tp, cp) == "alltoall"):
         # The all-to-all attention (parallel/context/cp.py) keeps, in each block it does not recompute,
         # one more hidden-wide tensor: the heads gathered back are a new tensor, so the attention's
         # output and the output projection's input are two (one storage without cp). And with fewer

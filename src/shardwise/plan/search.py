@@ -213,7 +213,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
         for lay in layouts:
             if not exact_micro_batch(mb, replicas(lay), global_batch):
                 continue
-            for ckpt in checkpoint_choices(work):
+            for ckpt in checkpoint_choices(work, spec):
                 at = dataclasses.replace(at_mb, checkpoint=ckpt)
                 first = evaluate(spec, cluster, at, lay, calib)
                 tried = [first]

@@ -50,7 +50,7 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     return moe_layers(model)
 
 
-def check_moe_model(model: nn.Module, layout: Layout) -> None:
+def check_moe_model(model: nn.Module, layout: Layout, activation_checkpointing: str = "none") -> None:
     """Raise ConfigError when ``model``'s mixture-of-experts layers do not fit ``layout``.
 
     The one owner of the MoE/EP rules that need only the model's shape (a meta model works):
@@ -60,6 +60,11 @@ def check_moe_model(model: nn.Module, layout: Layout) -> None:
     """
     layers = _moe_layers(model)
     if not layers:
+        if activation_checkpointing == "moe":
+            raise ConfigError(
+                f"parallel.activation_checkpointing = 'moe' recomputes the mixture-of-experts layers, but "
+                f"{type(model).__name__} has no MoE layer. For a dense model use 'full', 'selective' or "
+                "'selective-op' (or 'none').")
         if layout.ep > 1:
             raise ConfigError(
                 f"parallel.ep={layout.ep} (expert parallel) needs a mixture-of-experts model, but "
