@@ -615,7 +615,7 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     dropped = spec.moe is not None and not moe_layer  # a checkpointed MoE layer keeps nothing inside
     if dropped:
         mlp_in = 0  # the router's 16-bit copy of the norm output is made inside the layer
-    mlp = 0 if dropped else 2 * f  # fc out, GELU out
+    mlp = 0 if dropped else (2 + spec.act_extra) * f  # fc out, GELU out (and a Python GELU's own: act_extra)
     if spec.arch == "gpt" and cast:
         # LayerNorm keeps its fp32 input and stats; its linears their own 16-bit copies of its output.
         norm_region = 2 * 4 * h + (attn_in + mlp_in) * h * e + 2 * 2 * 4 + 2 * mask * h
@@ -1296,11 +1296,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if spec.has_structure and spec.arch != "gpt" and kernels.norm == "eager" and spec.hidden:
         norm_backward = 5 * 4 * tokens_here * spec.hidden // (layout.tp if layout.sequence_parallel else 1)
     # A step of one micro-batch starts without gradients (the trainer's zero_grad sets them to None):
-    # under FSDP/ZeRO-2 each unit's shard appears at its reduce-scatter, so the loss and the first
-    # backward moments hold none of the gradients the state counts (a played llama-3-8b fsdp rank:
-    # 0 bytes of gradients at its peak, in the head's backward, 2026-11-28).
-    absent_grads = (state.grads if grad_accum == 1 and layout.sharding in ("zero2", "fsdp")
-                    and layout.external is None and not layout.offload else 0)
+    # under FSDP/ZeRO-2 each unit's shard appears at its reduce-scatter, under DDP/ZeRO-1 each whole
+    # gradient as autograd makes it, so the loss and the first backward moments hold none of the
+    # gradients the state counts (a played llama-3-8b fsdp rank: 0 bytes of gradients at its peak, in
+    # the head's backward, 2026-11-28; played gpt2 and gpt2-xl ddp and zero1 ranks likewise, their
+    # peaks inside lm_head's backward, where DDP's persistent buckets are all the rank holds of them).
+    absent_grads = (state.grads if grad_accum == 1 and layout.external is None and not layout.offload else 0)
     if layout.pp > 1:
         # A pipeline rank (whose rehearsed peaks fall in that backward: 1F1B and interleaved, both
         # ends) holds its in-flight micro-batches and buffers through the whole schedule.

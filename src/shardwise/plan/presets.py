@@ -34,10 +34,10 @@ def _gpt_preset(size: str) -> Callable[[], ModelSpec]:
 
 # Hyper-parameters from each model's published config.json (Hugging Face hub copies).
 MODEL_PRESETS: dict[str, Callable[[], ModelSpec]] = {
-    "gpt2": lambda: from_gpt2_like("gpt2", n_layers=12, hidden=768, n_heads=12),  # 124M
-    "gpt2-medium": lambda: from_gpt2_like("gpt2-medium", n_layers=24, hidden=1024, n_heads=16),  # 355M
-    "gpt2-large": lambda: from_gpt2_like("gpt2-large", n_layers=36, hidden=1280, n_heads=20),  # 774M
-    "gpt2-xl": lambda: from_gpt2_like("gpt2-xl", n_layers=48, hidden=1600, n_heads=25),  # 1.56B
+    "gpt2": lambda: from_gpt2_like("gpt2", n_layers=12, hidden=768, n_heads=12, act_extra=3),  # 124M
+    "gpt2-medium": lambda: from_gpt2_like("gpt2-medium", n_layers=24, hidden=1024, n_heads=16, act_extra=3),  # 355M
+    "gpt2-large": lambda: from_gpt2_like("gpt2-large", n_layers=36, hidden=1280, n_heads=20, act_extra=3),  # 774M
+    "gpt2-xl": lambda: from_gpt2_like("gpt2-xl", n_layers=48, hidden=1600, n_heads=25, act_extra=3),  # 1.56B
     "llama-2-7b": lambda: from_llama_like("llama-2-7b", n_layers=32, hidden=4096, n_heads=32, ffn_hidden=11008,
                                           vocab=32000, max_seq=4096),
     "llama-2-13b": lambda: from_llama_like("llama-2-13b", n_layers=40, hidden=5120, n_heads=40, ffn_hidden=13824,

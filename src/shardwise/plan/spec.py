@@ -72,6 +72,10 @@ class ModelSpec:
     params: tuple[ParamInfo, ...] = field(default=(), repr=False)
     # Mixture of experts: a ``plan.moe.MoEInfo`` (experts, top-k, ...); None when dense.
     moe: Any = field(default=None, repr=False)
+    # MLP-width tensors a GPT MLP's activation keeps for backward beyond its input and its output:
+    # 0 for a fused GELU (F.gelu, MPT's, Megatron's); 3 for transformers' "gelu_new" (GPT-2's default),
+    # written in Python ops (tanh's output, 1 + tanh, 0.5 x: measured on a played gpt2 rank, +216 MiB).
+    act_extra: int = 0
 
     @property
     def has_structure(self) -> bool:
@@ -286,8 +290,9 @@ def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_
 
 
 def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab: int = 50257,
-                   n_positions: int = 1024, ffn_hidden: int | None = None) -> ModelSpec:
-    """A GPT-2-family spec (tied head, learned positions, biases everywhere)."""
+                   n_positions: int = 1024, ffn_hidden: int | None = None, act_extra: int = 0) -> ModelSpec:
+    """A GPT-2-family spec (tied head, learned positions, biases everywhere); ``act_extra``: see
+    ``ModelSpec.act_extra`` (3 for transformers' GPT-2, whose default activation is "gelu_new")."""
     ffn_hidden = ffn_hidden or 4 * hidden
     _check_positive(name, "from the config", n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab)
     params = gpt2_params(n_layers=n_layers, hidden=hidden, vocab=vocab, n_positions=n_positions,
@@ -295,7 +300,14 @@ def from_gpt2_like(name: str, *, n_layers: int, hidden: int, n_heads: int, vocab
     return ModelSpec(name=name, n_params=sum(p.numel for p in params), arch="gpt", n_layers=n_layers,
                      hidden=hidden, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=ffn_hidden, vocab=vocab,
                      max_seq=n_positions, tied_embeddings=True, learned_positions=True, params=params,
-                     family="gpt2")
+                     family="gpt2", act_extra=act_extra)
+
+
+def gelu_extra(activation: str) -> int:
+    """``ModelSpec.act_extra`` for a transformers ``activation_function``: "gelu_new" (GPT-2's
+    default, Python ops) keeps 3 more MLP-width tensors; torch's own GELUs none. (Other Python
+    activations, e.g. "gelu_fast", keep more and are not modelled.)"""
+    return 3 if activation == "gelu_new" else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +359,8 @@ def _spec_of(cfg: dict[str, Any], model_type: str, name: str) -> ModelSpec:
     if model_type == "gpt2":
         return from_gpt2_like(name, n_layers=cfg.get("num_hidden_layers", 12), hidden=cfg.get("hidden_size", 768),
                               n_heads=cfg.get("num_attention_heads", 12), vocab=cfg.get("vocab_size", 50257),
-                              n_positions=cfg.get("max_position_embeddings", 1024), ffn_hidden=cfg.get("n_inner"))
+                              n_positions=cfg.get("max_position_embeddings", 1024), ffn_hidden=cfg.get("n_inner"),
+                              act_extra=gelu_extra(cfg.get("activation_function", "gelu_new")))
     raise ConfigError(f"{name}: model_type {model_type or '(missing)'!r} is not supported by the planner; "
                       f"supported: {', '.join(HF_FAMILIES)}. Use --model-factory module:function to count "
                       "any nn.Module on the meta device, or --params N for a bare count.")
@@ -399,7 +412,9 @@ def from_module(module: Any, name: str = "module") -> ModelSpec:
                          max_seq=getattr(cfg, "block_size", getattr(cfg, "n_positions", None)),
                          dropout=float(getattr(cfg, "dropout", 0.0)), learned_positions=True,
                          tied_embeddings=not any(p.name.split(".")[-2:-1] == ["lm_head"] for p in params),
-                         moe=moe_of_gpt(cfg) if getattr(cfg, "n_experts", 0) else None)
+                         moe=moe_of_gpt(cfg) if getattr(cfg, "n_experts", 0) else None,
+                         # transformers' GPT-2 names its activation; shardwise's GPT runs F.gelu
+                         act_extra=gelu_extra(getattr(cfg, "activation_function", "gelu")))
     elif cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "intermediate_size"):
         n_heads = cfg.num_attention_heads
         structure = dict(arch="llama", n_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, n_heads=n_heads,
