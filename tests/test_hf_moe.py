@@ -145,12 +145,20 @@ def test_fsdp_and_ep_two_ranks_match_one_process_resume_and_export(folders, aux_
              dict(folder=mixtral, strategy="fsdp", start=2, load_dir=ckpt),
              dict(folder=qwen, strategy="fsdp", ep=2),
              dict(folder=aux_folder, strategy="pp", steps=5),
-             dict(folder=deep, strategy="pp", steps=3, pp_schedule="zbv", pp_stages_per_rank=2)]
+             dict(folder=deep, strategy="pp", steps=3, pp_schedule="zbv", pp_stages_per_rank=2),
+             # Each MoE block recomputed alone (activation_checkpointing = "moe"): its checkpoint
+             # wrapper forwards attribute reads to the block, which once made every layer count twice
+             # (Mixtral's experts sharded twice: refused by FSDP; routing statistics doubled).
+             dict(folder=mixtral, strategy="fsdp", ep=2, activation_checkpointing="moe"),
+             dict(folder=qwen, strategy="fsdp", ep=2, activation_checkpointing="moe")]
     ranks = run_distributed(hf_moe_cases, 2, timeout_s=300, cases=cases)
-    fsdp, ep2, first, resumed, qwen_ep2, _, _ = ranks[0]
-    pp = merged([r[-2] for r in ranks])
-    zbv = merged(ranks[0][-1:] + ranks[1][-1:])  # the V puts the last stage (the loss) on rank 0
-    assert_parity(ref_zbv, {**zbv, "losses": ranks[0][-1]["losses"]})
+    fsdp, ep2, first, resumed, qwen_ep2, _, _, ep2_moe, qwen_moe = ranks[0]
+    assert_parity(ref, ep2_moe)
+    assert_parity(ref_q, qwen_moe)
+    assert ep2_moe["stats"] == [pytest.approx(s, rel=1e-5) for s in ref["stats"]]
+    pp = merged([r[-4] for r in ranks])
+    zbv = merged(ranks[0][-3:-2] + ranks[1][-3:-2])  # the V puts the last stage (the loss) on rank 0
+    assert_parity(ref_zbv, {**zbv, "losses": ranks[0][-3]["losses"]})
     assert_parity(ref_pp, pp)
     assert pp["stats"] == [pytest.approx(s, rel=1e-5) for s in ref_pp["stats"]]
     batch = fixed_batches(1, 4, SEQ, VOCAB)[0]

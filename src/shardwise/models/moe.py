@@ -288,8 +288,10 @@ class MoE(nn.Module):
 
 def is_moe_layer(module: nn.Module | None) -> bool:
     """Whether ``module`` is a mixture-of-experts layer: a built-in ``MoE`` or a Hugging Face MoE
-    block hooked by ``models/hf_moe.py``."""
-    return isinstance(module, MoE) or getattr(module, "shardwise_moe", None) is not None
+    block hooked by ``models/hf_moe.py``. The block's own attribute, not one reached through a
+    wrapper: a checkpoint wrapper (``activation_checkpointing = "moe"``) forwards attribute reads to
+    the block it wraps, and counting both made every layer twice (its experts sharded twice)."""
+    return isinstance(module, MoE) or (module is not None and vars(module).get("shardwise_moe") is not None)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
@@ -298,7 +300,9 @@ def moe_layers(model: nn.Module) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for name, m in model.named_modules():
         if is_moe_layer(m):  # a Hugging Face MoE block carries its record (models/hf_moe.py)
-            out.append((clean_name(name), m if isinstance(m, MoE) else m.shardwise_moe))
+            # A module's name, not a parameter's: a checkpoint-wrapped layer's ends in the wrapper's
+            # attribute, with no dot after it (clean_name strips the prefix "<wrapper>.").
+            out.append((clean_name(name + ".")[:-1], m if isinstance(m, MoE) else m.shardwise_moe))
     return out
 
 
