@@ -73,9 +73,30 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool = False, fused: bool = True) -> dict[str, Any]:
     """The optimizer's state as this rank holds it, keyed by parameter name (flattened); ``fused`` as
     in ``model_state``."""
-    state = get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options(trainable_only))
+    local = _local_optimizer(optimizer)
+    if not any(g["params"] for g in local.param_groups):
+        # A ZeRO-1 rank that owns no parameter (fewer parameters than ranks: ZeroRedundancyOptimizer
+        # hands out whole tensors) holds no state; torch 2.13 refuses to make an empty optimizer
+        # state dict, which failed every save of such a run. Its share of the checkpoint is empty.
+        return {}
+    with _without_empty_groups(local):
+        state = get_optimizer_state_dict(model, local, options=_options(trainable_only))
     # A pipeline's last-stage copy of a tied weight saves its state under the original's name.
     return _fused(model, rename_copy_keys(model, state, to_original=True), fused)
+
+
+@contextlib.contextmanager
+def _without_empty_groups(local: torch.optim.Optimizer) -> Any:
+    """``local`` with its parameter groups that hold no parameter (a ZeRO-1 shard's) set aside:
+    torch 2.13's name-keyed state dict reads each group's first parameter name. They hold no state
+    to save or load; they are put back in place afterwards."""
+    groups = local.param_groups
+    local.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        kept = iter(local.param_groups)
+        local.param_groups = [next(kept) if g["params"] else g for g in groups]
 
 
 def _unfused(model: nn.Module, state: dict[str, Any], own: Any) -> dict[str, Any]:
@@ -91,18 +112,14 @@ def set_model_state(model: nn.Module, state: dict[str, Any], trainable_only: boo
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                         trainable_only: bool = False) -> None:
     local = _local_optimizer(optimizer)
-    state = _unfused(model, state, lambda: get_optimizer_state_dict(model, local, options=_options(trainable_only)))
-    state = rename_copy_keys(model, state, to_original=False)
-    # A ZeRO-1 shard can own no parameter of a group. torch 2.13's name-keyed loader fails on
-    # such an empty group (it reads the group's first parameter name), and the group has no state
-    # to load anyway: load into the non-empty groups only, then put the empty ones back in place.
-    groups = local.param_groups
-    local.param_groups = [g for g in groups if g["params"]]
-    try:
+    if not any(g["params"] for g in local.param_groups):
+        return  # a ZeRO-1 rank that owns no parameter: no state to load (see optimizer_state)
+    with _without_empty_groups(local):
+        state = _unfused(model, state, lambda: get_optimizer_state_dict(model, local, options=_options(trainable_only)))
+        state = rename_copy_keys(model, state, to_original=False)
+        # A ZeRO-1 shard can own no parameter of a group: torch 2.13's name-keyed loader fails on
+        # such an empty group, which has no state to load anyway (_without_empty_groups).
         set_optimizer_state_dict(model, local, state, options=_options(trainable_only))
-    finally:
-        loaded = iter(local.param_groups)
-        local.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 @contextlib.contextmanager
