@@ -62,7 +62,9 @@ def _check_runs(report: dict) -> None:
         # Model state is exact arithmetic over shapes in the planner: within 2% (the issue's bound).
         for col in STATE:
             assert by_col[col]["within"], (rank["rank"], by_col[col])
-        assert by_col["param_bytes"]["measured"] > 0 and by_col["optim_bytes"]["measured"] > 0
+        # (A ZeRO-1 rank that owns no parameter holds no optimizer state, and the plan says so.)
+        assert by_col["param_bytes"]["measured"] > 0 and (by_col["optim_bytes"]["measured"] > 0
+                                                          or by_col["optim_bytes"]["predicted"] == 0)
         assert any(c["dim"] != "?" for c in rank["collectives"]), rank["collectives"]
         # DCP's save plan for this rank (nothing written): its chunks of the parameters and optimizer
         # state, never more than it holds (FSDP's padding rows and non-persistent buffers are held but
@@ -492,8 +494,9 @@ def test_a_rank_draws_its_steps_over_several_passes_of_the_data() -> None:
     # the second all-reduces its bucket (the tiny model's gradients fit DDP's 1 MiB first bucket).
     ("ddp", "0", ("train.grad_accum_steps=2",)),
     # ZeRO-1 at 64 ranks: DDP's all-reduce, and ZeroRedundancyOptimizer's moments for the few whole
-    # parameters rank 0 owns, broadcast to the others after its step.
-    ("zero1", "0", ("train.grad_accum_steps=2",)),
+    # parameters rank 0 owns, broadcast to the others after its step; rank 63 owns none (its save
+    # plan failed in torch until 2026-11-28: runtime/checkpoint/state.py).
+    ("zero1", "0,63", ("train.grad_accum_steps=2",)),
     # DDP per pipeline stage (pp 2 x dp 32): find_unused_parameters (composed.py), so the bucket and
     # the used-parameter map are all-reduced, and torch's schedule arms the reducer itself.
     ("ddp+pp", "0,32", ("parallel.pp=2",)),
@@ -518,7 +521,11 @@ def test_ddp_layouts_rehearse(case: tuple) -> None:
         if strategy == "zero1":  # the updated parameters broadcast from their owners (and DDP's buffers)
             sent = sum(c["bytes"] for c in rank["collectives"] if c["op"] == "broadcast_" and c["dim"] == "dp")
             assert sent >= by_col["param_bytes"]["predicted"], rank["collectives"]
-            assert 0 < by_col["optim_bytes"]["measured"] < by_col["param_bytes"]["measured"]
+            if rank["rank"] == 0:
+                assert 0 < by_col["optim_bytes"]["measured"] < by_col["param_bytes"]["measured"]
+            else:  # owns no parameter: no state, planned as such, and its (empty) share of the save plan
+                assert by_col["optim_bytes"]["measured"] == by_col["optim_bytes"]["predicted"] == 0
+                assert rank["save_plan"]["tensor_items"] > 0
 
 
 _STAND_IN_CASE = '''
