@@ -123,6 +123,11 @@ def _check_activations_and_peak(report: dict) -> None:
     # last rank's state as the plan's (plan.memory.fsdp_chunk), both exact.
     ("fsdp", 8, 8, "0,63", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8",
                             "parallel.precision=\"bf16-mixed\"")),
+    # The same with each MoE layer recomputed alone (activation_checkpointing = "moe", which the plan
+    # searches for MoE models): activations, transients and peak within the 15 % (measured
+    # 2026-11-28: -6.1 / -3.5 / -5.3 %).
+    ("fsdp", 8, 8, "0", ("model.hf_config=\"qwen3-moe-tiny\"", "parallel.ep=8",
+                         "parallel.precision=\"bf16-mixed\"", 'parallel.activation_checkpointing="moe"')),
 ])
 def test_rehearsal_at_scale(case: tuple) -> None:
     strategy, nproc, nnodes, ranks, sets = case
@@ -131,7 +136,8 @@ def test_rehearsal_at_scale(case: tuple) -> None:
                                 ranks=ranks))
     _check_runs(report)
     assert report["ranks"][0]["coords"]  # the played rank's place in the 64/256-rank mesh
-    if not any(s.startswith(("optimizer.", "model.hf_config")) for s in sets):
+    if not any(s.startswith(("optimizer.", "model.hf_config")) for s in sets) or \
+            'parallel.activation_checkpointing="moe"' in sets:
         # AdamW on the dense Llama: activations, transients (one moment of the backward at a time,
         # plan.memory._peak_moment) and the peak within the 15 % of the plan.
         _check_activations_and_peak(report)
