@@ -86,9 +86,9 @@ def _op_sac_context() -> Any:
 
 def checkpointed_indices(n_blocks: int, mode: str, every: int) -> list[int]:
     """Return the indices of the blocks that ``mode`` checkpoints (``every``: selective period)."""
-    if mode == "none":
+    if mode in ("none", "moe"):  # "moe" wraps the blocks' MoE layers, no block whole
         return []
-    if mode in ("full", "selective-op", "moe"):  # "moe": the blocks whose MoE layers it wraps
+    if mode in ("full", "selective-op"):
         return list(range(n_blocks))
     if mode == "selective":
         # Blocks every-1, 2*every-1, ...: with every=2 on 6 blocks that is blocks 1, 3 and 5.

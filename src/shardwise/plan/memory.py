@@ -630,11 +630,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
         if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
             norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
-        if dropped:
-            pass
-        elif spec.moe is not None and kernels.experts_whole_on_tp:
-            whole = _mlp_interior(spec, e)
-        else:
+        if spec.moe is not None and kernels.experts_whole_on_tp:
+            whole = 0 if dropped else _mlp_interior(spec, e)
+        elif not dropped:
             inner += _mlp_interior(spec, e)  # the MLP, split tp ways with the attention
         if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
             heads = a + spec.kv_heads
@@ -864,9 +862,9 @@ def recompute_share(spec: ModelSpec, checkpoint: str, every: int = 2) -> Recompu
             return RecomputeShare(0.0, 0.0, 0.0, 0.0)
         mms = block_matmuls(spec)
         moe = sum(i * o for name, i, o, _ in mms if name.startswith(("router", "experts ")))
-        e = 2
-        full = layer_activation_bytes(spec, 1, 1, e)
-        inside = full - layer_activation_bytes(spec, 1, 1, e, moe_layer=False)
+        # The memory-bound share as a ratio of one token's saved bytes at 16-bit activations.
+        full = layer_activation_bytes(spec, 1, 1, 2)
+        inside = full - layer_activation_bytes(spec, 1, 1, 2, moe_layer=False)
         return RecomputeShare(moe / sum(i * o for _, i, o, _ in mms), 0.0, inside / full, 0.5,
                               cp_collectives=0.0, ep_collectives=1.0)
     if not spec.has_structure:
