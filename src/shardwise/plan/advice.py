@@ -32,6 +32,7 @@ from shardwise.plan.memory import (
     indivisible_tp_sizes,
     memory_breakdown,
     precision,
+    unplanned_caveat,
 )
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels, planner_batch
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
@@ -550,6 +551,7 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
         mem = memory_breakdown(spec, layout, prec, work.optimizer, seq=work.seq, micro_batch=work.micro_batch,
                                **options)
         time = predict_step_time(spec, cluster, work, layout, calib, grad_sync)
+    note = "; ".join(filter(None, [note, unplanned_caveat(layout, work.checkpoint)]))
     budget = cluster.usable_gib * GIB * (1 - work.safety_margin)
     host_ram = (cluster.host_ram_gib or cluster.gpu.host_ram_gib) * GIB
     host_fits = mem.host_bytes <= 0.8 * host_ram  # leave 20% of host RAM to the OS, data loaders

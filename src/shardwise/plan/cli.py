@@ -495,6 +495,8 @@ def format_table(plan: Plan) -> str:
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
                      f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")
+        if r.note:
+            lines.append(f"  note: {r.note}")
     if plan.recommended and (pred := run_prediction(plan)) is not None:
         lines += ["per rank as the run stores it (train --dry-run's prediction, checked against its memory "
                   "ledger):", *("  " + row for row in pred.table().splitlines())]

@@ -37,6 +37,7 @@ from shardwise.plan.memory import (
     memory_breakdown,
     stage_boundary_bytes,
     state_bytes,
+    unplanned_caveat,
 )
 from shardwise.plan.preference import reference_for
 from shardwise.plan.spec import from_module
@@ -255,6 +256,8 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     checkpoint = activation_checkpointing
     if not spec.has_structure:
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
+    if unplanned_caveat(layout, checkpoint):
+        notes.append(unplanned_caveat(layout, checkpoint))
     # Activations and transients (gathers, buckets, recomputation, logits) in what a step
     # materialises; model state in what the run stores.
     # One breakdown per pipeline rank: its own activations, in-flight micro-batches and loss.
