@@ -249,3 +249,17 @@ def test_checkpointing_under_a_zero_bubble_schedule_is_flagged_as_under_planned(
     assert unplanned_caveat(layout("zbv"), "none") == ""
     assert unplanned_caveat(layout("interleaved-1f1b"), "full") == ""
     assert unplanned_caveat(Layout("fsdp", dp=2, shard=2), "full") == ""
+
+
+def test_ddp_all_reduces_follow_torchs_bucket_assignment():
+    """The step time's DDP all-reduce count (one call's latency each) is torch's bucket assignment: a
+    bucket closes at 1 MiB (the first) or 25 MiB, so a larger tensor is a bucket of its own. Counted by
+    the rehearsal's DDP (its stand-in follows torch's reducer: tests/test_rehearse.py) on gpt2 and
+    gpt2-xl ddp ranks: 13 and 145 a step, where bytes / 25 MiB gave 19 and 238."""
+    from shardwise.plan.cost import CALIBRATIONS, DDP_FIRST_BUCKET_BYTES
+    from shardwise.plan.memory import Layout, ddp_bucket_count
+    from shardwise.plan.presets import model_preset
+
+    cap = CALIBRATIONS["h100"].ddp_bucket_bytes
+    for name, counted in (("gpt2", 13), ("gpt2-xl", 145)):
+        assert ddp_bucket_count(model_preset(name), Layout("ddp", dp=8), 4, cap, DDP_FIRST_BUCKET_BYTES) == counted

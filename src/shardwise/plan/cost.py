@@ -40,6 +40,7 @@ from shardwise.plan.memory import (
     Layout,
     Precision,
     _memo,
+    ddp_bucket_count,
     layer_activation_bytes,
     outer_activation_bytes,
     recompute_share,
@@ -124,6 +125,9 @@ DEFAULT_CALIBRATION = Calibration(
                   for k in ("matmul_factor", "attention_factor", "link_efficiency", "elementwise_passes",
                             "fragmentation")})
 CALIBRATION = DEFAULT_CALIBRATION  # kept for callers that want the uncalibrated defaults
+# DDP's first bucket once it has rebuilt its buckets in gradient-ready order (and from the start under
+# find_unused_parameters): torch's dist._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB.
+DDP_FIRST_BUCKET_BYTES = 2**20
 
 
 def calibration_for(calibration_key: str) -> Calibration:
@@ -347,7 +351,9 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
             ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
         else:
-            ar = all_reduce_s(dp, grad_bytes, bw, math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
+            buckets = ddp_bucket_count(spec, layout, kernels.grad_comm_bytes or prec.grad, calib.ddp_bucket_bytes,
+                                       DDP_FIRST_BUCKET_BYTES)
+            ar = all_reduce_s(dp, grad_bytes, bw, buckets or math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
         if expert_local:  # the experts' gradients: over the expert data-parallel group
             expert_bytes = (kernels.grad_comm_bytes or prec.grad) * expert_local
             ar += all_reduce_s(edp, expert_bytes, fabric.collective_gbs(edp, edp_stride),

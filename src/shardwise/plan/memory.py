@@ -234,6 +234,29 @@ def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo
     return list(params)
 
 
+def ddp_bucket_count(spec: ModelSpec, layout: Layout, bytes_per_element: int, cap_bytes: float,
+                     first_bytes: float) -> int | None:
+    """All-reduces DDP issues per step on the busiest pipeline rank: torch's bucket assignment of that
+    rank's trainable parameters (its stage, its TP slice) in gradient-ready order, taken as reverse
+    registration order: a bucket closes once it holds ``first_bytes`` (the first) or ``cap_bytes``, so
+    a tensor larger than the cap is a bucket of its own (``dist._compute_bucket_assignment_by_size``;
+    equal to the all-reduces the rehearsal counts on gpt2, 13, and gpt2-xl, 145, where bytes / cap
+    gives 19 and 238). None without the spec's parameter list."""
+    if not spec.params:
+        return None
+    most = 0
+    for stage in range(max(layout.pp, 1)):
+        count, held, limit = 0, 0.0, first_bytes
+        for p in reversed(_local_params(spec, layout, stage)):
+            if not p.trainable:
+                continue
+            held += p.numel * bytes_per_element
+            if held >= limit:
+                count, held, limit = count + 1, 0.0, cap_bytes
+        most = max(most, count + (1 if held else 0))
+    return most
+
+
 def _tp_params(spec: ModelSpec, tp: int) -> tuple[ParamInfo, ...]:
     """Every parameter of the model as one TP rank holds it, in registration order.
 
