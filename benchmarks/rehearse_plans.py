@@ -9,7 +9,8 @@ the optimizer's state exists from the first step's end), memory by kind next to 
 prediction, with each played rank's time and peak RSS. Where the recommendation is refused (a
 layout the fake group cannot play, e.g. DeepSpeed's engine: docs/rehearse.md; DDP and ZeRO-1 play
 since 2026-11-28, with a stand-in for DDP's C++ reducer), its refusal is printed and the case's
-fallback layout is rehearsed instead (named as such). Run one case at a time on a small machine: a played 70B rank is minutes of CPU.
+fallback layout is rehearsed instead (named as such). Run one case at a time on a small machine: a
+played 70B rank is minutes of CPU.
 """
 
 from __future__ import annotations
