@@ -95,7 +95,8 @@ def test_pipeline_p2p_per_schedule_against_a_hand_computation(schedule, pp, v, b
     Before 2026-11-28 the planner charged 2 per micro-batch to every schedule, all exposed."""
     spec = model_preset("llama3-8b")
     fabric = Fabric(gpus_per_node=8, intra_gbs=300.0, nic_gbs=40.0, peak_tflops=989.0)
-    layout = Layout("ddp+pp", dp=2, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_microbatches=8)
+    # fsdp+pp: ddp+pp with two replicas is refused under the zero-bubble schedules (core.pp_schedules).
+    layout = Layout("fsdp+pp", dp=2, shard=2, pp=pp, pp_schedule=schedule, pp_stages_per_rank=v, pp_microbatches=8)
     per_message = 4096 * 4096 * 2 / (fabric.collective_gbs(pp, 2) * 1e9) + H100.hop_latency_s
 
     def p2p(compute_s: float) -> tuple[float, float]:

@@ -366,3 +366,17 @@ def test_split_backward_schedules_train_every_layer_of_a_sharded_stage(schedule,
                        env=cli_env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved-zb", "dualpipev"])
+def test_ddp_replicas_are_refused_under_split_backward_schedules(schedule):
+    """ddp+pp with several replicas under a zero-bubble schedule trained wrong (`shardwise verify`,
+    4 ranks, pp 2: 1.8e-2 on the weights after 3 steps, one layer a stage or two): torch arms DDP's
+    reducer for the last input-gradient pass, before the deferred weight passes make the weights'
+    gradients. Refused by the layout, before launch and in the planner; one replica (plain pp) and
+    the other schedules still run."""
+    with pytest.raises(ConfigError, match=f"zero-bubble pipeline schedule '{schedule}' does not train correctly "
+                                          "under ddp\\+pp"):
+        resolve_layout(ParallelConfig(strategy="ddp+pp", pp=2, pp_schedule=schedule, pp_stages_per_rank=2), 4)
+    resolve_layout(ParallelConfig(strategy="pp", pp=2, pp_schedule=schedule, pp_stages_per_rank=2), 2)
+    resolve_layout(ParallelConfig(strategy="ddp+pp", pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2), 4)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.core.pp_schedules import check_schedule, ep_refusal, stage_ids_of
+from shardwise.core.pp_schedules import check_schedule, ddp_refusal, ep_refusal, stage_ids_of
 from shardwise.core.strategies import (
     COMPOSED_MESH,
     REGISTRY,
@@ -289,6 +289,11 @@ class Layout:
     def _check_schedule(self) -> None:
         # Every schedule's rules (stages per rank, micro-batch count) live in pp_schedules.
         check_schedule(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches)
+        # Replicated stages are DDP-wrapped where there is more than one replica (parallel/composed.py).
+        if self.external is None and self.info.dp_kind == "replicate" and self.dp > 1:
+            refusal = ddp_refusal(self.pp_schedule)
+            if refusal:
+                raise ConfigError(refusal + ".")
         if self.pp_first_stage_fewer < 0:
             raise ConfigError(f"parallel.pp_first_stage_fewer must be >= 0, got {self.pp_first_stage_fewer}.")
 
