@@ -350,3 +350,13 @@ def test_gpt_spec_without_torch_equals_the_module(name):
         module = GPT(GPT_PRESETS[name.removeprefix("gpt-")])
     spec, real = model_preset(name), from_module(module)
     assert [(p.name, p.shape, p.unit) for p in spec.params] == [(p.name, p.shape, p.unit) for p in real.params]
+
+
+def test_plan_refuses_moe_checkpointing_for_a_dense_model():
+    """``--checkpoint moe`` recomputes MoE layers: a dense model gets the message (as ``train`` gives), not a plan."""
+    with pytest.raises(ConfigError, match="--checkpoint moe recomputes the mixture-of-experts layers, but "
+                                          "llama-3-8b is dense"):
+        plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--gpus-per-node", "8", "--checkpoint", "moe"))
+    moe = plan_cli.build_plan(plan_args("--model", "mixtral-8x7b", "--gpus-per-node", "8", "--nodes", "8",
+                                        "--checkpoint", "moe"))
+    assert moe.recommended is not None and moe.recommended.checkpoint == "moe"

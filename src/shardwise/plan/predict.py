@@ -256,8 +256,8 @@ def predict_run(spec: ModelSpec, layout: Layout, *, precision: str, seq: int, mi
     checkpoint = activation_checkpointing
     if not spec.has_structure:
         notes.append("activations not modelled: the model's layers/hidden/heads/vocab are unknown")
-    if unplanned_caveat(layout, checkpoint):
-        notes.append(unplanned_caveat(layout, checkpoint))
+    if caveat := unplanned_caveat(layout, checkpoint):
+        notes.append(caveat)
     # Activations and transients (gathers, buckets, recomputation, logits) in what a step
     # materialises; model state in what the run stores.
     # One breakdown per pipeline rank: its own activations, in-flight micro-batches and loss.

@@ -57,15 +57,11 @@ def _to_empty_keeping_ties(module: Any, device: Any) -> None:
     registration of a shared meta parameter separately. The FSDP strategies shard before this and
     keep one parameter per tie; a model allocated whole (DDP, ZeRO-1) came out with its tied
     embedding and head split, which the runtime's tie check refuses (GPT-2, until 2026-11-28)."""
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    from shardwise.parallel.ties import retie, tied_groups  # defers torch
+
+    groups = tied_groups(module)
     module.to_empty(device=device)
-    for group in (g for g in names.values() if len(g) > 1):
-        first = module.get_parameter(group[0])
-        for name in group[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, attr, first)
+    retie(module, groups)
 
 
 def _allocator(device: str) -> tuple[Any, Any]:
