@@ -215,10 +215,11 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         tp, pp = run["tp"], run["pp"]
         dp = n // (tp * pp)
         # A stack that gives the embedding and the head a block's slot each in the pipeline split
-        # (BLOOM's --pp-partition-method 'type:transformer|embedding') is the runtime's
-        # parallel.pp_first_stage_fewer = 1.
+        # (BLOOM's --pp-partition-method 'type:transformer|embedding', Megatron's
+        # --account-for-embedding/loss-in-pipeline-split) is the runtime's
+        # parallel.pp_first_stage_fewer = 1 (plan --pp-first-stage-fewer 1; the end stages may hold no layer).
         extra = {"pp_first_stage_fewer": run["pp_first_stage_fewer"]} if "pp_first_stage_fewer" in run else {}
-        if "sequence_parallel" in run:  # a stack without it (Megatron-DeepSpeed 2022) says so
+        if "sequence_parallel" in run:  # a stack without it (Megatron-DeepSpeed 2022): plan --sequence-parallel off
             extra["sequence_parallel"] = run["sequence_parallel"]
         for key in ("cp", "ep", "pp_schedule", "pp_stages_per_rank"):
             if run.get(key, 1) != 1:

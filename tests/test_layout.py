@@ -118,6 +118,28 @@ def test_stage_ranges_and_blocks_come_from_the_layout():
     assert "stage layers: 0-1 | 2-3 | 4-5 | 6-7" in layout.describe()
 
 
+def test_end_stages_may_hold_no_layer_when_they_count_the_embedding_and_head():
+    """``pp_first_stage_fewer = k`` gives the embedding and the head + loss k blocks' place each; an end
+    stage may then hold no layer (the Llama 3 paper's 126 layers in 16 x 8 stages, Megatron's
+    --account-for-embedding/loss-in-pipeline-split), a middle one never."""
+    ranges = stage_layer_ranges(126, 128, 1)
+    assert len(ranges[0]) == len(ranges[-1]) == 0 and all(len(r) == 1 for r in ranges[1:-1])
+    assert [len(r) for r in stage_layer_ranges(94, 96, 1)] == [0] + [1] * 94 + [0]
+    assert [list(r) for r in stage_layer_ranges(2, 4, 1)] == [[], [0], [1], []]
+    assert [len(r) for r in stage_layer_ranges(10, 4, 1)] == [2, 3, 3, 2]  # unchanged where no end is empty
+    with pytest.raises(ConfigError, match="the first and the last may hold none when parallel.pp_first_stage_fewer"):
+        stage_layer_ranges(2, 4)  # without the setting every stage needs a layer
+    with pytest.raises(ConfigError, match="exceed the model's 93 layers: each stage needs at least one layer, except"):
+        stage_layer_ranges(93, 96, 1)  # a middle stage would be empty
+    with pytest.raises(ConfigError, match="a stage would get -1 layers"):
+        stage_layer_ranges(3, 4, 2)
+    layout = resolve_layout(ParallelConfig(strategy="pp", pp_schedule="interleaved-1f1b", pp_stages_per_rank=2,
+                                           pp_microbatches=4, pp_first_stage_fewer=1), 2, n_blocks=2,
+                            block_path="blocks")
+    assert layout.rank_layers(0) == [1] and layout.rank_layers(1) == [0]
+    assert "stage layers: embedding | 0 | 1 | head" in layout.describe()
+
+
 def test_layout_is_frozen_and_checked_when_built_directly():
     layout = Layout("fsdp", dp=8)
     assert layout.shard == 8 and layout.sharding == "fsdp"  # the strategy implies the shard group

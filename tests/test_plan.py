@@ -121,18 +121,27 @@ def test_zero1_partition_is_greedy_largest_first():
 
 def test_our_activation_model_reduces_to_korthikanti():
     """With dropout masks and a materialised softmax at 2 bytes, our count IS the published formula
-    (apart from LayerNorm's fp32 statistics, which the paper leaves out)."""
+    (apart from LayerNorm's fp32 statistics, which the paper leaves out) for a stack whose sequence
+    parallel keeps each linear's input shard and gathers it again in backward (Megatron's, the
+    paper's 34/t: ``Kernels.sp_regather``). torch's tensor parallel (shardwise's runtime) saves the
+    all-gathered inputs of the attention and the MLP instead: the two LayerNorm outputs whole,
+    2 x s*b*h*2 bytes x (1 - 1/tp) more (rehearsed on llama-3-8b tp 8: exact)."""
     spec = model_preset("gpt2")
     from dataclasses import replace
+
+    from shardwise.plan.memory import Kernels
 
     # The paper's GELU is one kernel (transformers' GPT-2 "gelu_new" keeps three more tensors: act_extra).
     spec = replace(spec, dropout=0.1, act_extra=0)
     s, b, h, a = 1024, 4, spec.hidden, spec.n_heads
     stats = s * b * 16
+    megatron = Kernels(sp_regather=True)
     for tp, sp in ((1, False), (2, False), (4, True)):
-        ours = layer_activation_bytes(spec, s, b, 2, tp=tp, sp=sp, attention="math")
+        ours = layer_activation_bytes(spec, s, b, 2, tp=tp, sp=sp, attention="math", kernels=megatron)
         assert ours - stats // (tp if sp else 1) == pytest.approx(
             korthikanti_layer_bytes(s, b, h, a, tp=tp, sp=sp), rel=1e-9)
+        torch_tp = layer_activation_bytes(spec, s, b, 2, tp=tp, sp=sp, attention="math")
+        assert torch_tp - ours == (2 * s * b * h * 2 * (tp - 1) // tp if sp else 0)
     full = activation_bytes(spec, s, b, 2, checkpoint="full", n_layers=1, first_stage=False, last_stage=False)
     assert full.saved == korthikanti_layer_bytes(s, b, h, a, recompute="full")
 

@@ -115,3 +115,25 @@ def test_cp_impl_ring_changes_the_reported_comm_time():
     assert "--set parallel.cp_impl=ring" in ring["commands"][0] and "cp_impl" not in a2a["commands"][0]
     with pytest.raises(SystemExit):
         plan_args("--model", "gpt-lab", "--cp-impl", "ulysses")
+
+
+def test_tensor_parallel_collectives_carry_a_cp_ranks_share_of_the_sequence():
+    """Under context parallel a rank's blocks see seq / cp tokens, so its TP all-reduces move that
+    many (the whole sequence was charged before: 16 times too much on the Llama 3 paper's CP-16 run,
+    which the planner put at -61 % of its published throughput)."""
+    from shardwise.plan.cost import all_reduce_s, tp_comm_s
+
+    spec = model_preset("llama-3-8b")  # hidden 4096, 32 layers
+    bf16 = precision("bf16")
+    fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
+    alpha = 5e-6
+    for cp in (1, 4):
+        lay = Layout("fsdp+tp", dp=8, tp=2, cp=cp)
+        act = 2 * (32768 // cp) * 4096 * 2  # micro-batch 2 x the rank's tokens x hidden, bf16
+        by_hand = 32 * 4 * all_reduce_s(2, act, fabric.collective_gbs(2, 1), 1, alpha)
+        assert tp_comm_s(spec, lay, bf16, fabric, seq=32768, micro_batch=2, alpha_s=alpha) == pytest.approx(by_hand)
+    # Full recompute repeats the forward's two all-reduces per block.
+    lay = Layout("fsdp+tp", dp=8, tp=2, cp=4)
+    full = tp_comm_s(spec, lay, bf16, fabric, seq=32768, micro_batch=2, checkpoint="full", alpha_s=alpha)
+    assert full == pytest.approx(1.5 * tp_comm_s(spec, lay, bf16, fabric, seq=32768, micro_batch=2, alpha_s=alpha))
+    assert tp_comm_s(spec, Layout("fsdp", dp=8, cp=4), bf16, fabric, seq=32768, micro_batch=2) == 0.0

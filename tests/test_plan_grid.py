@@ -277,6 +277,27 @@ def test_interleaved_pipeline_from_the_plan_cli():
     assert searched.recommended.time.step_s <= plan.recommended.time.step_s
 
 
+def test_end_stage_and_sequence_parallel_settings_from_the_plan_cli():
+    """``plan --pp-first-stage-fewer K`` and ``--sequence-parallel off`` are the runtime's settings (the
+    calibration's rows use them): planned with, printed in the command, and resolved by train --dry-run."""
+    base = ("--model", "gpt-lab", "--gpus-per-node", "2", "--nodes", "4", "--pp", "4", "--global-batch", "16",
+            "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--micro-batch", "1",
+            "--checkpoint", "none")
+    refused = plan_cli.build_plan(plan_args(*base))  # 8 stages, 6 layers: not offered, with the reason
+    assert not refused.candidates and any("exceed the model's 6 layers" in s for s in refused.skipped)
+    plan = plan_cli.build_plan(plan_args(*base, "--pp-first-stage-fewer", "1"))
+    lay = plan.recommended.layout
+    assert [len(r) for r in lay.stage_ranges] == [0, 1, 1, 1, 1, 1, 1, 0]  # the ends hold no layer
+    assert "--set parallel.pp_first_stage_fewer=1" in plan.commands[0]
+    assert dry_run_train(plan.commands[0])[1] == 8
+    with pytest.raises(ConfigError, match="use at most 8"):
+        plan_cli.build_plan(plan_args("--model", "gpt-lab", "--pp", "9", "--pp-first-stage-fewer", "1"))
+    sp = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--tp", "2", "--sequence-parallel", "off"))
+    assert all(not c.layout.sequence_parallel for c in sp.candidates if c.layout.tp > 1)
+    assert "--set parallel.sequence_parallel=false" in sp.commands[0]
+    assert dry_run_train(sp.commands[0])[1] == 8
+
+
 def test_hf_moe_models_are_planned_with_a_pinned_pipeline():
     # Mixtral has a stage split (parallel/pipeline/hf_moe.py): a pinned --pp is planned, not refused.
     plan = plan_cli.build_plan(plan_args("--model", "mixtral-8x7b", "--nodes", "2", "--pp", "2"))

@@ -368,6 +368,26 @@ def test_split_backward_schedules_train_every_layer_of_a_sharded_stage(schedule,
     assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
 
 
+@pytest.mark.parametrize(("strategy", "schedule"), [("fsdp+pp", "interleaved-1f1b"), ("pp", "zbv")])
+def test_end_stages_with_no_layer_train_as_one_process(strategy, schedule, tmp_path, cli_env):
+    """``parallel.pp_first_stage_fewer = 1`` with as many stages as layers + 2: the first stage only
+    embeds and the last only runs the head and the loss (the Llama 3 paper's interleaved split).
+    Interleaved, each rank holds one empty end stage (FSDP wraps an embedding-only stage); under ZBV
+    rank 0 holds both ends and no layer at all. `shardwise verify` (fp32, 2 layers, 4 stages)."""
+    import sys
+
+    from shardwise.testing import run_command
+
+    proc = run_command([sys.executable, "-m", "shardwise", "verify", "hf-llama-tiny", "--strategy", strategy,
+                        "--nproc", "2", "--steps", "3", "--set", "parallel.pp=2",
+                        "--set", f"parallel.pp_schedule={schedule}", "--set", "parallel.pp_stages_per_rank=2",
+                        "--set", "parallel.pp_first_stage_fewer=1", "--set", "model.overrides.num_hidden_layers=2",
+                        "--set", "train.micro_batch_size=4", "--set", "model.overrides.block_size=32",
+                        "--out", str(tmp_path / "out")], env=cli_env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "PASS", proc.stdout
+
+
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved-zb", "dualpipev"])
 def test_ddp_replicas_are_refused_under_split_backward_schedules(schedule):
     """ddp+pp with several replicas under a zero-bubble schedule trained wrong (`shardwise verify`,

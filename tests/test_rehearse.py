@@ -172,6 +172,22 @@ def test_experts_run_whole_on_every_tensor_parallel_rank_in_the_plan() -> None:
     _check_activations_and_peak(report)
 
 
+def test_sequence_parallel_keeps_the_gathered_inputs_in_the_plan() -> None:
+    """torch's tensor parallel saves the attention's and the MLP's all-gathered whole-sequence inputs
+    under sequence parallel (Megatron's keeps the shard and gathers again: Kernels.sp_regather). Planned
+    as shards, llama-3-8b tp 8 at seq 8192 without checkpointing kept 52 % more activations than the
+    plan (112 MiB a layer); exact since. The dense tiny Llama without checkpointing, bf16: its
+    activations +8.1 % over the plan before, inside the issue's 15 %, so this case holds them to the
+    2 % it asks of model state (every saved tensor here is counted, none estimated)."""
+    report = cli.rehearse(_args("hf-llama-tiny", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                "parallel.precision=\"bf16-mixed\"", "train.micro_batch_size=4",
+                                "model.overrides.block_size=256", strategy="fsdp+tp"))
+    _check_runs(report)
+    _check_activations_and_peak(report)
+    row = next(r for r in report["ranks"][0]["comparison"] if r["column"] == "activation_bytes")
+    assert abs(row["measured"] - row["predicted"]) <= 0.02 * row["predicted"], row
+
+
 _SMALL = ("train.micro_batch_size=4", "train.grad_accum_steps=1", "train.grad_clip=1.0",
           "model.overrides.block_size=32")
 

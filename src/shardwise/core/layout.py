@@ -70,12 +70,19 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
 
     The first stage also runs the embeddings and the last one the head and the loss, so
     ``fewer = k`` counts each of them as k blocks of work: ``n_layer + 2k`` virtual blocks are
-    split evenly (the remainder goes to the middle stages) and k come off each end.
+    split evenly (the remainder goes to the middle stages) and k come off each end. An end stage
+    may be left with no block at all: it still embeds (the first) or runs the head and the loss
+    (the last), as Megatron's ``--account-for-embedding/loss-in-pipeline-split`` and the Llama 3
+    paper's interleaved schedule do (126 layers in 16 x 8 stages, the end chunks one slot each).
+    A middle stage needs a block: it would have nothing to run.
     """
-    if n_stages > n_layer:
+    if n_stages > n_layer + (2 if fewer and n_stages > 1 else 0):
         raise ConfigError(
             f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
-            f"model's {n_layer} layers: each stage needs at least one layer."
+            f"model's {n_layer} layers: each stage needs at least one layer"
+            + (" (the first and the last may hold none when parallel.pp_first_stage_fewer >= 1: "
+               "they still run the embedding and the head)." if not fewer else
+               ", except the first and the last, which run the embedding and the head.")
         )
     if n_stages == 1:
         return [range(n_layer)]
@@ -86,11 +93,13 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
     sizes = [base + (1 if s in order[:rem] else 0) for s in range(n_stages)]
     sizes[0] -= fewer
     sizes[-1] -= fewer
-    if min(sizes) < 1:
+    if min(sizes[0], sizes[-1]) < 0 or min(sizes[1:-1], default=1) < 1:
+        worst = min(sizes[0], sizes[-1]) if min(sizes[0], sizes[-1]) < 0 else min(sizes[1:-1])
         raise ConfigError(
             f"cannot split {n_layer} layers into {n_stages} pipeline stages with "
-            f"parallel.pp_first_stage_fewer={fewer}: a stage would get {min(sizes)} layers. Use fewer "
-            "stages (pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
+            f"parallel.pp_first_stage_fewer={fewer}: a stage would get {worst} layers (the first and "
+            "the last may hold none, every other stage needs one). Use fewer stages "
+            "(pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
         )
     out, start = [], 0
     for size in sizes:
@@ -467,7 +476,13 @@ class Layout:
             lines.append(f"  pipeline: {self.pp_schedule}, {self.n_stages} stages ({self.pp_stages_per_rank} per "
                          f"rank), {self.pp_microbatches} microbatches per step")
             if self.stage_ranges:
-                spans = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.stage_ranges]
+                # An end stage with no layer runs only the embedding (first) or the head and loss (last).
+                spans = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) if r else
+                         ("embedding" if i == 0 else "head") for i, r in enumerate(self.stage_ranges)]
+                if len(spans) > 16:  # a long pipeline: its ends and the sizes between
+                    sizes = [len(r) for r in self.stage_ranges[2:-2]]
+                    each = f"{min(sizes)}-{max(sizes)}" if min(sizes) < max(sizes) else str(min(sizes))
+                    spans = [*spans[:2], f"... {len(sizes)} stages of {each} layer(s) ...", *spans[-2:]]
                 lines.append(f"  stage layers: {' | '.join(spans)}")
         return "\n".join(lines)
 

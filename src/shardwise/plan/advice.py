@@ -111,6 +111,11 @@ class Workload:
     # Pipeline candidates: schedule and stages per rank (interleaved 1F1B needs >= 2).
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
+    # parallel.pp_first_stage_fewer: the embedding and the head + loss each take k blocks' place in
+    # the stage split (core.layout.stage_layer_ranges; an end stage may hold no block).
+    pp_first_stage_fewer: int = 0
+    # parallel.sequence_parallel of the tp candidates (the runtime's default: on; LoRA runs without).
+    sequence_parallel: bool = True
     # What the printed commands train: a recipe (built-in name or TOML) and the --set overrides
     # that select the planned model. No recipe: the model is not one shardwise can build (a bare
     # parameter count), so no command is printed.
@@ -169,6 +174,8 @@ class Workload:
             raise unknown_choice("pipeline schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank < 1:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
+        if self.pp_first_stage_fewer < 0:
+            raise ConfigError(f"--pp-first-stage-fewer must be >= 0, got {self.pp_first_stage_fewer}.")
         unknown = set(self.search) - set(SEARCHABLE) - set(FALLBACKS)
         if unknown:
             raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches "
@@ -332,7 +339,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     pinned ones (``--cp``, ``--ep``) say why.
     """
     world, g = cluster.world, cluster.gpus_per_node
-    _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq)
+    _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq, work.pp_first_stage_fewer)
     layouts: list[Layout] = []
     skipped: list[str] = refused_degrees(spec, cluster, cp=cp)
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
@@ -376,8 +383,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     strategy=info.name, tp=t, pp=p, cp=c, ep=x, hsdp_shard_size=g if info.hybrid else 0,
                     precision=TRAIN_PRECISION[work.precision],
                     # The runtime runs LoRA without sequence parallel.
-                    sequence_parallel=t > 1 and not work.lora_rank,
+                    sequence_parallel=t > 1 and work.sequence_parallel and not work.lora_rank,
                     pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
+                    pp_first_stage_fewer=work.pp_first_stage_fewer if p > 1 else 0,
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
                 try:
@@ -420,7 +428,7 @@ def refused_degrees(spec: ModelSpec, cluster: Cluster, *, cp: int | None = None)
 
 
 def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int | None, cp: int | None = None,
-                      ep: int | None = None, cp_impl: str = "auto", seq: int = 0) -> None:
+                      ep: int | None = None, cp_impl: str = "auto", seq: int = 0, fewer: int = 0) -> None:
     for flag, value in (("--cp", cp), ("--ep", ep)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}.")
@@ -459,10 +467,12 @@ def _validate_degrees(spec: ModelSpec, cluster: Cluster, tp: int | None, pp: int
             raise ConfigError(f"--pp must be >= 1, got {pp}.")
         if spec.n_layers:
             try:
-                stage_layer_ranges(spec.n_layers, pp)  # the layout's rule: each stage needs a layer
+                stage_layer_ranges(spec.n_layers, pp, fewer)  # the layout's rule: each stage needs a layer
             except ConfigError:
+                most = spec.n_layers + (2 if fewer else 0)
+                ends = " (the first and the last stage may hold none: --pp-first-stage-fewer)" if fewer else ""
                 raise ConfigError(f"--pp {pp} asks for more pipeline stages than {spec.name}'s {spec.n_layers} "
-                                  f"layers; use at most {spec.n_layers}.") from None
+                                  f"layers{ends}; use at most {most}.") from None
         if pp > 1 and not REGISTRY["pp"].supports(spec.family):
             raise ConfigError(f"--pp {pp}: {REGISTRY['pp'].unsupported_reason(spec.family)}.")
     if cluster.world % ((tp or 1) * (pp or 1)):
@@ -594,6 +604,8 @@ def train_settings(cand: Candidate, work: Workload) -> list[str]:
                  f"parallel.pp_schedule={lay.pp_schedule}"]
         if lay.pp_stages_per_rank > 1:
             sets.append(f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}")
+        if lay.pp_first_stage_fewer:
+            sets.append(f"parallel.pp_first_stage_fewer={lay.pp_first_stage_fewer}")
     if lay.cp > 1:
         sets.append(f"parallel.cp={lay.cp}")
         if cand.cp_impl == "ring":  # the runtime's auto is the all-to-all

@@ -147,6 +147,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
                    help="pipeline stages per rank (interleaved/looped schedules: 2 or more, searched when "
                    "left out; shrinks the bubble V times; V-shaped schedules: 2)")
+    w.add_argument("--pp-first-stage-fewer", type=int, default=0, metavar="K",
+                   help="parallel.pp_first_stage_fewer of the pipeline candidates: the embedding and the head + "
+                   "loss each take K blocks' place in the stage split, so the end stages hold K blocks fewer "
+                   "(and may hold none; default 0)")
+    w.add_argument("--sequence-parallel", default="on", choices=("on", "off"),
+                   help="parallel.sequence_parallel of the tensor-parallel candidates (default on, the runtime's)")
     w.add_argument("--stack", default="shardwise", help="whose training stack the times and memory describe "
                    "(plan/stacks.py): shardwise (default), torchtitan, megatron or deepspeed; the printed "
                    "commands always run shardwise")
@@ -334,6 +340,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
+                    pp_first_stage_fewer=args.pp_first_stage_fewer, sequence_parallel=args.sequence_parallel == "on",
                     extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
                     loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl,
                     objective="dpo" if dpo_objective(args, recipe) else "lm",

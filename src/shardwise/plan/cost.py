@@ -403,12 +403,8 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         exposed += host_opt
         total += h2d
     if tp > 1 and spec.has_structure:
-        # Megatron TP(+SP): per block, 2 all-reduces (or all-gather + reduce-scatter pairs, same
-        # volume) in forward and 2 in backward, plus the forward's again where it is recomputed.
-        act = tokens_micro * (spec.hidden or 0) * prec.act
-        redo = recompute_share(spec, checkpoint, every).tp_collectives
-        per_layer = (4 + 2 * redo) * all_reduce_s(tp, act, fabric.collective_gbs(tp, 1), 1, alpha)
-        tp_s = grad_accum * per_layer * _busiest_stage_layers(spec, layout)
+        tp_s = grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq, micro_batch=micro_batch,
+                                      checkpoint=checkpoint, every=every, alpha_s=alpha)
         exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
         total += tp_s
     bubble = 0.0
@@ -425,6 +421,24 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
+
+
+def tp_comm_s(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
+              checkpoint: str = "none", every: int = 2, alpha_s: float = 0.0) -> float:
+    """Tensor-parallel collective seconds of one micro-batch on the busiest pipeline rank.
+
+    Megatron TP(+SP): per block, 2 all-reduces (or all-gather + reduce-scatter pairs, same volume)
+    in forward and 2 in backward, plus the forward's again where it is recomputed, each of one
+    activation of the rank's tokens: ``micro_batch x seq / cp`` under context parallel (a cp rank's
+    blocks see only its share of the sequence; the whole sequence was charged before 2026-11-28,
+    16 times too much for the Llama 3 paper's CP-16 run).
+    """
+    if layout.tp == 1:
+        return 0.0
+    act = micro_batch * (seq // cp_degree(layout)) * (spec.hidden or 0) * prec.act
+    redo = recompute_share(spec, checkpoint, every).tp_collectives
+    per_layer = (4 + 2 * redo) * all_reduce_s(layout.tp, act, fabric.collective_gbs(layout.tp, 1), 1, alpha_s)
+    return per_layer * _busiest_stage_layers(spec, layout)
 
 
 def pipeline_p2p_s(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,

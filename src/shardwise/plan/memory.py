@@ -140,6 +140,10 @@ class Kernels:
       ranks), "dp" (DeepSpeed-MoE: the data-parallel ranks of any kind), "tp-dp" (Megatron-Core's
       MoE parallel folding with expert-tensor-parallel 1: tp x dp x cp of a pipeline stage). The
       planner resolves its layouts with it (advice.candidate_layouts); ``train`` runs "dp-shard" only.
+    * ``sp_regather``: under sequence parallel the stack keeps only each linear's 1/tp input shard and
+      all-gathers it again in backward (Megatron's sequence parallel, Korthikanti et al. 2022's 34/t).
+      False (shardwise, torchtitan): torch's tensor parallel saves the all-gathered whole-sequence
+      input of the attention and the MLP (``layer_activation_bytes``).
     """
 
     loss: str = "torch"
@@ -154,6 +158,7 @@ class Kernels:
     ep_groups: str = "dp-shard"
     ep_dispatch_copy: bool = True
     experts_whole_on_tp: bool = True
+    sp_regather: bool = False
 
     def __post_init__(self) -> None:
         if self.ep_groups not in EP_GROUPS:
@@ -639,19 +644,29 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     if dropped:
         mlp_in = 0  # the router's 16-bit copy of the norm output is made inside the layer
     mlp = 0 if dropped else (2 + spec.act_extra) * f  # fc out, GELU out (and a Python GELU's own: act_extra)
+    # ``read``: what the linears after a norm save of its output. Under torch's sequence parallel
+    # they read it all-gathered over the sequence (parallel/tensor/plans.py gathers once per
+    # attention and MLP), so it is a whole-sequence tensor on every TP rank, not a 1/tp shard like
+    # the rest of the norm region (llama-3-8b tp 8, seq 8192, no checkpointing, rehearsed
+    # 2026-11-28: 112 MiB a layer more than planned, 2 x s*h*2 bytes x (1 - 1/8)). A stack that
+    # gathers it again in backward (Kernels.sp_regather, Megatron) keeps the shard.
     if spec.arch == "gpt" and cast:
         # LayerNorm keeps its fp32 input and stats; its linears their own 16-bit copies of its output.
-        norm_region = 2 * 4 * h + (attn_in + mlp_in) * h * e + 2 * 2 * 4 + 2 * mask * h
+        norm_region = 2 * 4 * h + 2 * 2 * 4 + 2 * mask * h
+        read = (attn_in + mlp_in) * h * e
         inner = (qd + 2 * kvd + qd + mlp) * e
     elif spec.arch == "gpt":
-        norm_region = 4 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN in/out x2, fp32 stats, residual-dropout masks
+        norm_region = 2 * h * e + 2 * 2 * 4 + 2 * mask * h  # LN inputs, fp32 stats, residual-dropout masks
+        read = 2 * h * e  # LN outputs
         inner = (qd + 2 * kvd + qd + mlp) * e  # q, k, v, attention out, fc out, GELU out
     else:
         # Two RMSNorms: eager keeps the fp32 input copy, the normalised value, the output and rstd;
         # a fused kernel keeps its input, the output and rstd.
-        norm_region = 2 * (4 * h + 2 * h * e + 4) if kernels.norm == "eager" else 2 * (2 * h * e + 4)
+        norm_region = 2 * (4 * h + h * e + 4) if kernels.norm == "eager" else 2 * (h * e + 4)
+        read = 2 * h * e
         if cast:  # fp32 input and normalised value; each reading linear's 16-bit copy of the output
-            norm_region = 2 * (4 * h + 4 * h + 4) + (attn_in + mlp_in) * h * e
+            norm_region = 2 * (4 * h + 4 * h + 4)
+            read = (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
         if spec.moe is not None and kernels.experts_whole_on_tp:
             whole = 0 if dropped else _mlp_interior(spec, e)
@@ -668,7 +683,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
     else:
         raise unknown_choice("attention implementation", attention, ("sdpa", "math"))
     copies = autocast_weight_bytes(spec, e, tp=tp, ep=ep, moe_layer=not dropped) if cast else 0
-    return tokens * (norm_region // norm_div + inner // tp + whole) + copies
+    if kernels.sp_regather:
+        norm_region, read = norm_region + read, 0
+    return tokens * (norm_region // norm_div + read + inner // tp + whole) + copies
 
 
 def ep_dispatch_bytes(spec: ModelSpec, tokens: int, act_bytes: int, *, ep: int = 1) -> int:
@@ -1129,7 +1146,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {sizes} of {spec.name} "
                           "(tensor parallel splits each); use a divisor of all of them.")
     if layout.pp > 1 and spec.n_layers:
-        stage_layer_ranges(spec.n_layers, layout.n_stages)  # the layout's rule: stages <= layers
+        stage_layer_ranges(spec.n_layers, layout.n_stages, layout.pp_first_stage_fewer)  # the layout's rule
 
     if grad_sync not in GRAD_SYNC_MODES:
         raise unknown_choice("gradient sync mode", grad_sync, GRAD_SYNC_MODES)

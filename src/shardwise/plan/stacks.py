@@ -18,7 +18,8 @@ What each stack implies (the properties not named keep shardwise's defaults):
   micro-batches' own tensors; expert groups folded over tp x dp x cp of a pipeline stage (MoE
   parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``, each TP rank routing its
   own tokens: ``experts_whole_on_tp = false``); its token dispatcher keeps no routed copy beyond
-  the experts' tensors (``ep_dispatch_copy = false``).
+  the experts' tensors (``ep_dispatch_copy = false``); its sequence parallel keeps each linear's
+  input shard and all-gathers it again in backward (``sp_regather = true``).
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
   parameters with an fp32 master copy, pipeline receives into its in-flight buffers; expert groups
   carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``), no routed copy
@@ -45,7 +46,8 @@ STACKS: dict[str, dict[str, Any]] = {
     "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False},
     "megatron": {"loss": "fused", "norm": "fused", "tp_overlap": True, "dp_overlap": True,
                  "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
-                 "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False},
+                 "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False,
+                 "sp_regather": True},
     "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False,
                   "ep_groups": "dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False},
 }
