@@ -68,8 +68,10 @@ def test_stage_split_is_balanced_with_lighter_ends():
     assert [len(r) for r in stage_layer_ranges(6, 2, fewer=1)] == [3, 3]
     sizes = [len(r) for r in stage_layer_ranges(10, 4, fewer=1)]
     assert sum(sizes) == 10 and sizes[0] < max(sizes) and sizes[-1] < max(sizes)
+    # An end stage may be left with the embedding or the head alone; a middle stage never empty.
+    assert [len(r) for r in stage_layer_ranges(3, 3, fewer=2)] == [0, 3, 0]
     with pytest.raises(ConfigError, match="a stage would get"):
-        stage_layer_ranges(3, 3, fewer=2)
+        stage_layer_ranges(3, 4, fewer=2)
 
 
 def test_pipeline_constraints_are_checked_up_front():
