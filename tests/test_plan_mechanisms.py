@@ -12,6 +12,8 @@
   another rank, once per micro-batch; exposed: the transfers the schedule waits on (all under 1F1B and
   GPipe, the fill and drain's where torch posts receives early, DualPipeV's gradients) and what the
   links carry beyond the compute.
+* A pipeline's compute at its busiest rank's pace: the rank holding the last stage also runs the
+  output head, so an even split of the blocks leaves it behind; ``pp_first_stage_fewer`` evens it.
 """
 
 from __future__ import annotations
@@ -345,3 +347,33 @@ def test_cp_all_to_all_keeps_one_more_tensor_a_layer_and_repeated_kv_heads():
     assert saved(2) - saved(1) == layers * tokens * spec.hidden * 2
     assert saved(16) - saved(1) == layers * (tokens * spec.hidden * 2 + 2 * tokens * (32 - 8) * 128 * 2)
     assert saved(2, "full") == saved(1, "full")  # recomputed blocks keep neither
+
+
+def test_a_pipeline_computes_at_its_busiest_ranks_pace():
+    """llama-3-8b's head (4096 x 128,256: 6 h V FLOPs a token) is 1.8 blocks of work at 8,192 tokens: four
+    stages of 8 blocks leave the last rank 8 blocks + the head behind the others' 8 blocks; with the
+    embedding and the head a block's place each (7, 9, 9, 7 blocks) the busiest are the middle ranks'
+    9 blocks, the last at 7 blocks + the head close behind."""
+    from shardwise.plan.cost import hardware_flops_per_token, stage_imbalance
+
+    spec = model_preset("llama-3-8b")
+    seq = 8192
+    total = hardware_flops_per_token(spec, seq, "none")
+    head = 6.0 * 4096 * 128256
+    block = (total - head) / 32
+    assert 1.7 < head / block < 2.0
+    even = Layout("fsdp+pp", dp=2, pp=4)
+    assert stage_imbalance(spec, even, seq) == pytest.approx(4 * (8 * block + head) / total)
+    lighter = dataclasses.replace(even, pp_first_stage_fewer=1)
+    assert stage_imbalance(spec, lighter, seq) == pytest.approx(4 * max(9 * block, 7 * block + head) / total)
+    assert 1.0 < stage_imbalance(spec, lighter, seq) < stage_imbalance(spec, even, seq)
+    assert stage_imbalance(spec, Layout("fsdp", dp=8), seq) == 1.0
+    # The step's compute is the busiest rank's: the even split is slower by the ratio.
+    fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
+    from shardwise.plan.cost import step_time
+
+    bf16 = PRECISIONS["bf16"]
+    a = step_time(spec, even, bf16, fabric, seq=seq, micro_batch=1, grad_accum=8)
+    b = step_time(spec, lighter, bf16, fabric, seq=seq, micro_batch=1, grad_accum=8)
+    assert a.compute_s / b.compute_s == pytest.approx(stage_imbalance(spec, even, seq)
+                                                      / stage_imbalance(spec, lighter, seq))

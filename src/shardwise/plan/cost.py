@@ -287,6 +287,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     # the all-to-alls around attention (not overlapped) or the ring's steps.
     cp = cp_degree(layout)
     compute_micro /= cp
+    compute_micro *= stage_imbalance(spec, layout, seq, checkpoint, every)
     share = recompute_share(spec, checkpoint, every)
     cp_s = cp_comm_s(spec, layout, fabric, prec.act, seq=seq, micro_batch=micro_batch,
                      layers=_busiest_stage_layers(spec, layout), recompute=share.cp_collectives,
@@ -500,6 +501,29 @@ def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:
         return max(round(routed_expert_numel(spec, split, r) / per_layer) for r in range(split.pp))
 
     return _memo(("moe-busiest", id(spec), layout), spec, busiest)
+
+
+def stage_imbalance(spec: ModelSpec, layout: Layout, seq: int, checkpoint: str = "none", every: int = 2) -> float:
+    """The busiest pipeline rank's compute over an even 1/pp share (1.0 without a pipeline).
+
+    The schedule moves at its slowest rank's pace. A rank computes its blocks, and the one holding
+    the last stage also the output head (6 h V FLOPs a token, never recomputed: a Llama 3 8B head is
+    1.8 blocks of work at 8,192 tokens), so a split by layer count alone leaves the last rank behind;
+    ``parallel.pp_first_stage_fewer`` gives the ends fewer blocks to even it out.
+    """
+    if layout.pp == 1 or not spec.has_structure or not spec.n_layers:
+        return 1.0
+    total = hardware_flops_per_token(spec, seq, checkpoint, every)
+    head = 6.0 * (spec.hidden or 0) * (spec.vocab or 0)
+    block = max(total - head, 0.0) / spec.n_layers
+
+    def factor() -> float:
+        split = layout.with_blocks(spec.n_layers) if layout.n_blocks is None else layout
+        busiest = max(len(split.rank_layers(r)) * block + (head if split.holds_last_stage(r) else 0.0)
+                      for r in range(split.pp))
+        return layout.pp * busiest / total
+
+    return _memo(("imbalance", id(spec), layout, seq, checkpoint, every), spec, factor)
 
 
 def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:
