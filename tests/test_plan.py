@@ -207,7 +207,8 @@ def test_cli_json_and_table(capsys):
     (("--model", "llama-3-8"), "Did you mean 'llama-3-8b'"),
     (("--model", "gpt2", "--gpu", "h10"), "Did you mean"),
     (("--model", "llama-3-8b", "--tp", "3"), "does not divide the 32 attention heads"),
-    (("--model", "gpt-nano", "--gpus-per-node", "4", "--pp", "4"), "more pipeline stages than"),
+    # gpt-nano's 2 layers: 4 stages with the ends holding only the embedding and the head, not 5.
+    (("--model", "gpt-nano", "--gpus-per-node", "5", "--pp", "5"), "more pipeline stages than"),
     (("--model", "gpt2", "--gpus-per-node", "0"), "at least one GPU"),
     (("--model", "gpt2", "--params", "1e9"), "exactly one model source"),
     (("--model", "gpt2", "--precision", "fp8"), "unknown precision"),

@@ -22,7 +22,7 @@ from tests.test_plan_grid import plan_args
 # qwen3-30b-a3b: 48 layers, 128 experts of gate_up (1536 x 2048) + down (2048 x 768), top-8, hidden 2048.
 PINNED = ("--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--nodes", "32", "--gpu", "h100",
           "--tp", "2", "--pp", "8", "--ep", "32", "--seq", "4096", "--global-batch", "1024",
-          "--micro-batch", "1", "--checkpoint", "none")
+          "--micro-batch", "1", "--checkpoint", "none", "--pp-first-stage-fewer", "0")
 EXPERTS_PER_LAYER = 128 * (1536 * 2048 + 2048 * 768)
 REFUSAL = ("parallel.ep=32 must divide the ranks that FSDP shards over, dp_shard x cp = 16 (expert groups are made "
            "of those ranks). Valid ep here: 1, 2, 4, 8, 16. Expert groups that span tensor-parallel ranks "

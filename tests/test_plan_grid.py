@@ -283,9 +283,11 @@ def test_end_stage_and_sequence_parallel_settings_from_the_plan_cli():
     base = ("--model", "gpt-lab", "--gpus-per-node", "2", "--nodes", "4", "--pp", "4", "--global-batch", "16",
             "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "2", "--micro-batch", "1",
             "--checkpoint", "none")
-    refused = plan_cli.build_plan(plan_args(*base))  # 8 stages, 6 layers: not offered, with the reason
+    # 8 stages, 6 layers, ends not lighter: not offered, with the reason.
+    refused = plan_cli.build_plan(plan_args(*base, "--pp-first-stage-fewer", "0"))
     assert not refused.candidates and any("exceed the model's 6 layers" in s for s in refused.skipped)
     plan = plan_cli.build_plan(plan_args(*base, "--pp-first-stage-fewer", "1"))
+    assert plan_cli.build_plan(plan_args(*base)).recommended.layout == plan.recommended.layout  # searched: found
     lay = plan.recommended.layout
     assert [len(r) for r in lay.stage_ranges] == [0, 1, 1, 1, 1, 1, 1, 0]  # the ends hold no layer
     assert "--set parallel.pp_first_stage_fewer=1" in plan.commands[0]

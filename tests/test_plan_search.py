@@ -126,7 +126,7 @@ def test_llama3_70b_on_4x8_h100_at_8k_is_planned_and_runs_as_printed():
     # loss's head gradient is counted (2026-11-28: 10 GiB on a played 70B fsdp cp 4 rank), the
     # fastest such layout here is tight (fsdp cp 4, selective-op, 74.97 GiB with fragmentation).
     assert out["recommended"] and usable(plan.recommended)
-    assert set(out["workload"]["searched"]) == {"checkpoint", "micro_batch", "grad_sync"}
+    assert set(out["workload"]["searched"]) == {"checkpoint", "micro_batch", "grad_sync", "pp_first_stage_fewer"}
     best = plan.recommended
     assert best.checkpoint != "none"  # the search found the checkpointing the layout needs
     train, torchrun = plan.commands
@@ -141,13 +141,15 @@ def test_llama3_70b_on_4x8_h100_at_8k_is_planned_and_runs_as_printed():
 def test_what_the_user_fixes_stays_fixed():
     plan = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--nodes", "2", "--checkpoint", "selective",
                                          "--micro-batch", "2", "--grad-sync", "microbatch", "--global-batch", "64"))
-    assert plan.workload.search == ("optimizer",)  # no --optimizer: Adafactor only where AdamW fits nowhere
+    # No --optimizer: Adafactor only where AdamW fits nowhere; no --pp-first-stage-fewer: a pipeline's
+    # end stages are tried even and one block lighter.
+    assert plan.workload.search == ("pp_first_stage_fewer", "optimizer")
     assert all((c.checkpoint, c.micro_batch) == ("selective", 2) for c in plan.candidates)
     assert all(c.grad_sync == "microbatch" for c in plan.candidates)
     assert "--set parallel.grad_sync=microbatch" in plan.commands[0]
     # Only the checkpointing fixed: micro-batch and sync are still searched.
     part = plan_cli.build_plan(plan_args("--model", "llama-3-8b", "--checkpoint", "full", "--global-batch", "64"))
-    assert part.workload.search == ("micro_batch", "grad_sync", "optimizer")
+    assert part.workload.search == ("micro_batch", "grad_sync", "pp_first_stage_fewer", "optimizer")
     assert {c.checkpoint for c in part.candidates} == {"full"} and len({c.micro_batch for c in part.candidates}) > 1
     table = plan_cli.format_table(part)
     assert "searched per layout: micro-batch, grad-sync" in table and "checkpointing full" in table
@@ -209,7 +211,7 @@ def test_degree_sets_are_one_list_and_searchable_settings_are_named():
     sets = degree_sets(model_preset("gpt-lab"), Cluster(gpu("h100"), gpus_per_node=2, nodes=3))
     assert {"tp": 1, "pp": 1, "cp": 1, "ep": 1} in sets and {"tp": 2, "pp": 3, "cp": 1, "ep": 1} in sets
     assert all(6 % (s["tp"] * s["pp"]) == 0 for s in sets)
-    assert SEARCHABLE == ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
+    assert SEARCHABLE == ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank", "pp_first_stage_fewer")
     with pytest.raises(Exception, match="cannot search"):
         Workload(seq=128, search=("precision",))
 

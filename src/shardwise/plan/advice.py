@@ -15,7 +15,13 @@ from shardwise.core.pp_schedules import compile_refusal, schedule_info, tied_wei
 from shardwise.core.strategies import REGISTRY, StrategyInfo
 from shardwise.errors import ConfigError, unknown_choice
 from shardwise.optim.rules import check_optimizer
-from shardwise.plan.choices import FALLBACKS, SEARCHABLE, degree_sets, stages_per_rank_choices
+from shardwise.plan.choices import (
+    FALLBACKS,
+    SEARCHABLE,
+    degree_sets,
+    first_stage_fewer_choices,
+    stages_per_rank_choices,
+)
 from shardwise.plan.cost import Calibration, Fabric, StepTime, calibration_for, step_time
 from shardwise.plan.cp import CP_IMPLS, chunked_loss_off, cp_impl_for, cp_multiple
 from shardwise.plan.finetune import shell_word
@@ -339,7 +345,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
     pinned ones (``--cp``, ``--ep``) say why.
     """
     world, g = cluster.world, cluster.gpus_per_node
-    _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq, work.pp_first_stage_fewer)
+    fewer = max(first_stage_fewer_choices(work))  # the most stages any tried split allows
+    _validate_degrees(spec, cluster, tp, pp, cp, ep, work.cp_impl, work.seq, fewer)
     layouts: list[Layout] = []
     skipped: list[str] = refused_degrees(spec, cluster, cp=cp)
     for degrees in degree_sets(spec, cluster, tp=tp, pp=pp, tp_ok=lambda t: _tp_divides(spec, t), cp=cp, ep=ep,
@@ -378,14 +385,15 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                                f"the global batch gives {accum} per replica; raise --global-batch or --grad-accum")
                 continue
             errors = []
-            for v in stages_per_rank_choices(work) if p > 1 else (1,):
+            for v, k in [(v, k) for v in (stages_per_rank_choices(work) if p > 1 else (1,))
+                         for k in (first_stage_fewer_choices(work) if p > 1 else (0,))]:
                 options = ParallelConfig(
                     strategy=info.name, tp=t, pp=p, cp=c, ep=x, hsdp_shard_size=g if info.hybrid else 0,
                     precision=TRAIN_PRECISION[work.precision],
                     # The runtime runs LoRA without sequence parallel.
                     sequence_parallel=t > 1 and work.sequence_parallel and not work.lora_rank,
                     pp_schedule=work.pp_schedule if p > 1 else "1f1b", pp_stages_per_rank=v,
-                    pp_first_stage_fewer=work.pp_first_stage_fewer if p > 1 else 0,
+                    pp_first_stage_fewer=k,
                     # One pipeline schedule per step runs all of a replica's micro-batches.
                     pp_microbatches=accum if p > 1 else 0)
                 try:

@@ -26,13 +26,16 @@ if TYPE_CHECKING:
     from shardwise.plan.spec import ModelSpec
 
 # Settings the planner searches per layout unless the user fixes them (Workload.search).
-SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank")
+SEARCHABLE = ("checkpoint", "micro_batch", "grad_sync", "pp_stages_per_rank", "pp_first_stage_fewer")
 FALLBACKS = ("optimizer",)
 FALLBACK_OPTIMIZER = "adafactor"  # no first moment, factored second: ~0 B/param of state against AdamW's 8
 # Order = fewer moving parts first (ties between equally fast, equally small settings).
 CHECKPOINT_SEARCH = ("none", "selective", "selective-op", "moe", "full")
 MAX_SEARCHED_MICRO_BATCH = 16
 STAGES_PER_RANK_SEARCH = (2, 3, 4, 6, 8)
+# parallel.pp_first_stage_fewer tried per pipeline layout: the even split, and the embedding and the
+# head a block's place each (Megatron's --account-for-embedding/loss-in-pipeline-split).
+FIRST_STAGE_FEWER_SEARCH = (0, 1)
 
 assert set(CHECKPOINT_SEARCH) == set(CHECKPOINT_MODES)
 
@@ -127,3 +130,9 @@ def stages_per_rank_choices(work: Workload) -> tuple[int, ...]:
     if schedule_info(work.pp_schedule).stages_per_rank == "many" and "pp_stages_per_rank" in work.search:
         return STAGES_PER_RANK_SEARCH
     return (work.pp_stages_per_rank,)
+
+
+def first_stage_fewer_choices(work: Workload) -> tuple[int, ...]:
+    """The end-stage lightening to try on a pipeline layout: the given one, or none and one block's
+    worth (the planner's compute follows the busiest rank, whose head it can then even out)."""
+    return FIRST_STAGE_FEWER_SEARCH if "pp_first_stage_fewer" in work.search else (work.pp_first_stage_fewer,)

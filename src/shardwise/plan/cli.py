@@ -147,10 +147,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pp-stages-per-rank", type=int, metavar="V",
                    help="pipeline stages per rank (interleaved/looped schedules: 2 or more, searched when "
                    "left out; shrinks the bubble V times; V-shaped schedules: 2)")
-    w.add_argument("--pp-first-stage-fewer", type=int, default=0, metavar="K",
+    w.add_argument("--pp-first-stage-fewer", type=int, metavar="K",
                    help="parallel.pp_first_stage_fewer of the pipeline candidates: the embedding and the head + "
                    "loss each take K blocks' place in the stage split, so the end stages hold K blocks fewer "
-                   "(and may hold none; default 0)")
+                   "(and may hold none; default: 0 and 1 searched per layout)")
     w.add_argument("--sequence-parallel", default="on", choices=("on", "off"),
                    help="parallel.sequence_parallel of the tensor-parallel candidates (default on, the runtime's)")
     w.add_argument("--stack", default="shardwise", help="whose training stack the times and memory describe "
@@ -334,13 +334,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
     search = tuple(knob for knob, given in (
         ("checkpoint", args.checkpoint), ("micro_batch", args.micro_batch), ("grad_sync", args.grad_sync),
         ("pp_stages_per_rank", args.pp_stages_per_rank if stages == "many" else 1),
+        # (only where a pipeline can be planned: a pinned --pp 1 or one GPU has none)
+        ("pp_first_stage_fewer", args.pp_first_stage_fewer if args.pp != 1 and cluster.world > 1 else 0),
         ("optimizer", args.optimizer)) if given is None)
     work = Workload(seq=seq, micro_batch=args.micro_batch or 1, global_batch=args.global_batch, kernels=kernels,
                     grad_accum=args.grad_accum, precision=args.precision, optimizer=args.optimizer or "adamw",
                     checkpoint=args.checkpoint or "none", attention=args.attention, ac_every=args.ac_every,
                     grad_sync=args.grad_sync or "step", safety_margin=args.margin, pp_schedule=args.pp_schedule,
                     pp_stages_per_rank=args.pp_stages_per_rank or (1 if stages == "one" else 2), recipe=recipe,
-                    pp_first_stage_fewer=args.pp_first_stage_fewer, sequence_parallel=args.sequence_parallel == "on",
+                    pp_first_stage_fewer=args.pp_first_stage_fewer or 0,
+                    sequence_parallel=args.sequence_parallel == "on",
                     extra_sets=sets, search=search, compile=args.compile, lora_rank=args.lora,
                     loss_chunks=parse_loss_chunks(args.loss_chunks), cp_impl=args.cp_impl,
                     objective="dpo" if dpo_objective(args, recipe) else "lm",
@@ -400,7 +403,8 @@ def _per_rank(pred: RunPrediction) -> list[dict]:
 def _settings(c: Candidate) -> dict:
     """The settings the recommendation runs with (searched or given)."""
     return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
-            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank, "cp": c.layout.cp,
+            "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank,
+            "pp_first_stage_fewer": c.layout.pp_first_stage_fewer, "cp": c.layout.cp,
             "cp_impl": c.cp_impl if c.layout.cp > 1 else None,
             "ep": c.layout.ep, "loss_chunked": c.loss_chunked, "verdict": c.verdict}
 
@@ -438,6 +442,13 @@ def _param_count(n: int) -> str:
         if n >= size:
             return f"{n / size:.3f}{unit}" if unit == "B" else f"{n / size:.1f}{unit}"
     return str(n)
+
+
+def _ends(fewer: int) -> str:
+    """The recommendation's pipeline split, where its end stages are lighter (parallel.pp_first_stage_fewer)."""
+    if not fewer:
+        return ""
+    return f", pipeline end stages {fewer} block{'s' if fewer > 1 else ''} lighter (embedding, head)"
 
 
 def format_table(plan: Plan) -> str:
@@ -498,7 +509,8 @@ def format_table(plan: Plan) -> str:
         r = plan.recommended
         lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
                      f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync}"
-                     f"{', chunked loss' if r.loss_chunked else ''} - {gib(r.memory.total)} "
+                     f"{', chunked loss' if r.loss_chunked else ''}"
+                     f"{_ends(r.layout.pp_first_stage_fewer)} - {gib(r.memory.total)} "
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
                      f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")

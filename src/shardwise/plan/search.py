@@ -102,7 +102,8 @@ def moving_parts(c: Candidate) -> int:
     """How many things a run has to get right beyond plain data parallelism."""
     lay = c.layout
     return (sum(d > 1 for d in (lay.tp, lay.pp, lay.cp, lay.ep)) + int(lay.info.hybrid) + int(bool(lay.offload))
-            + int(c.checkpoint != "none") + int(c.grad_sync != "step") + int(lay.pp_stages_per_rank > 1))
+            + int(c.checkpoint != "none") + int(c.grad_sync != "step") + int(lay.pp_stages_per_rank > 1)
+            + int(lay.pp_first_stage_fewer > 0))
 
 
 # The ranking rule (what a practitioner picks):
