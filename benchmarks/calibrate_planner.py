@@ -231,7 +231,8 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],
                         kernels=kernels, safety_margin=0.0,
-                        pp_schedule=run.get("pp_schedule", "1f1b"), pp_stages_per_rank=run.get("pp_stages_per_rank", 1))
+                        pp_schedule=run.get("pp_schedule", "1f1b"), pp_stages_per_rank=run.get("pp_stages_per_rank", 1),
+                        cp_impl=run.get("cp_impl", "auto"))  # plan --cp-impl: the source's context-parallel kind
         refused = ""
         try:
             layout = run_layout(run["strategy"], dp, tp, pp, **extra)
