@@ -95,3 +95,26 @@ def env_of(rank: int, world_size: int, names: tuple[str, ...]) -> dict[str, str 
     import os
 
     return {name: os.environ.get(name) for name in names}
+
+
+def segfault_once(rank: int, world_size: int, marker: str) -> int:
+    """Rank 1 dies of SIGSEGV the first time (``marker`` does not exist yet), as gloo's transport
+    thread once did under load; its peer then sees the connection close. Every later run succeeds."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if rank == 1 and not Path(marker).exists():
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return rank
+
+
+def segfault_always(rank: int, world_size: int) -> None:
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
