@@ -141,19 +141,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
     ``fn`` must be importable by the child (a module-level function). Raises DistributedTestError
     naming the first failing rank, or, after ``timeout_s``, with every rank's stack.
     """
-    crashed = False
-    for attempt in range(3):
+    port_retries, crashed = 0, False
+    while True:
         try:
             return _run_once(fn, world_size, timeout_s, collective_timeout_s, env, kwargs)
         except DistributedTestError as e:
             # free_port's port can be taken by another process before rank 0's store binds it (many
             # test runs on one machine): that is the harness's race, not the test's failure; retry
-            # on a new port before any test code ran.
-            if "EADDRINUSE" in str(e) and attempt < 2:
+            # on a new port (twice at most) before any test code ran.
+            if "EADDRINUSE" in str(e) and port_retries < 2:
+                port_retries += 1
                 continue
             # A rank killed by a native crash (gloo's transport thread segfaulted once in a loaded
             # full run; the test passed when run again): run the test once more, and say so. A crash
-            # that comes back fails the test with both messages.
+            # that comes back fails the test (the first one's cause is in the warning).
             if e.native_crash and not crashed:
                 crashed = True
                 cause = str(e).splitlines()[0].rstrip(":")
@@ -161,7 +162,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: f
                               "running it once more", RuntimeWarning, stacklevel=2)
                 continue
             raise
-    raise AssertionError("unreachable")
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, timeout_s: float, collective_timeout_s: float,
