@@ -45,7 +45,7 @@ class DistributedTestError(AssertionError):
 
 
 # Signals a process dies of when native code crashes (not a kill by the harness or the OS's OOM killer).
-NATIVE_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT)
+NATIVE_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT})
 
 
 def _native_crash(procs: list[Any]) -> str:
@@ -57,7 +57,7 @@ def _native_crash(procs: list[Any]) -> str:
     while True:
         for r, p in enumerate(procs):
             code = p.exitcode
-            if code is not None and code < 0 and -code in {int(s) for s in NATIVE_CRASH_SIGNALS}:
+            if code is not None and code < 0 and -code in NATIVE_CRASH_SIGNALS:
                 return f"rank {r} crashed in native code ({signal.Signals(-code).name})"
         if time.monotonic() > end:
             return ""

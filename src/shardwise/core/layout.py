@@ -76,7 +76,7 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
     paper's interleaved schedule do (126 layers in 16 x 8 stages, the end chunks one slot each).
     A middle stage needs a block: it would have nothing to run.
     """
-    if n_stages > n_layer + (2 if fewer and n_stages > 1 else 0):
+    if n_stages > n_layer + (2 if fewer else 0):
         raise ConfigError(
             f"{n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) exceed the "
             f"model's {n_layer} layers: each stage needs at least one layer"
@@ -93,8 +93,9 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
     sizes = [base + (1 if s in order[:rem] else 0) for s in range(n_stages)]
     sizes[0] -= fewer
     sizes[-1] -= fewer
-    if min(sizes[0], sizes[-1]) < 0 or min(sizes[1:-1], default=1) < 1:
-        worst = min(sizes[0], sizes[-1]) if min(sizes[0], sizes[-1]) < 0 else min(sizes[1:-1])
+    ends, middle = min(sizes[0], sizes[-1]), min(sizes[1:-1], default=1)
+    if ends < 0 or middle < 1:
+        worst = ends if ends < 0 else middle
         raise ConfigError(
             f"cannot split {n_layer} layers into {n_stages} pipeline stages with "
             f"parallel.pp_first_stage_fewer={fewer}: a stage would get {worst} layers (the first and "

@@ -236,9 +236,15 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: i
             f"micro-batches as stages (2 x pp = {2 * pp}).")
 
 
+def _splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` is a known zero-bubble one (input- and weight-gradient passes apart)."""
+    info = SCHEDULES.get(schedule)
+    return info is not None and info.zero_bubble
+
+
 def ep_refusal(schedule: str) -> str | None:
     """Why expert parallel (``parallel.ep > 1``) cannot run under ``schedule`` (None when it can)."""
-    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].zero_bubble:
+    if _splits_backward(schedule):
         return (f"expert parallel (parallel.ep > 1) does not train correctly under the zero-bubble pipeline "
                 f"schedule {schedule!r} yet: its split backward (input-gradient pass, then a deferred "
                 "weight-gradient pass) gives the experts, whose tokens travel by all-to-all, other "
@@ -250,7 +256,7 @@ def ep_refusal(schedule: str) -> str | None:
 def ddp_refusal(schedule: str) -> str | None:
     """Why DDP-replicated stages (``ddp+pp`` with several data-parallel ranks) cannot run under
     ``schedule`` (None when they can)."""
-    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].zero_bubble:
+    if _splits_backward(schedule):
         return (f"the zero-bubble pipeline schedule {schedule!r} does not train correctly under ddp+pp with "
                 "several data-parallel ranks: torch arms DDP's reducer for the last input-gradient pass and "
                 "the deferred weight-gradient passes make the weights' gradients after it, so the replicas "
@@ -261,7 +267,7 @@ def ddp_refusal(schedule: str) -> str | None:
 
 def compile_refusal(schedule: str) -> str | None:
     """Why ``train.compile`` cannot run under ``schedule`` (None when it can)."""
-    if SCHEDULES.get(schedule) is not None and SCHEDULES[schedule].zero_bubble:
+    if _splits_backward(schedule):
         return (f"the zero-bubble pipeline schedule {schedule!r} splits each backward into input- and "
                 "weight-gradient passes, which torch.compile does not support in this PyTorch; use "
                 "'1f1b' or 'interleaved-1f1b' to compile, or set train.compile = false")

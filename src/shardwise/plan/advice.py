@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -385,8 +386,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                                f"the global batch gives {accum} per replica; raise --global-batch or --grad-accum")
                 continue
             errors = []
-            for v, k in [(v, k) for v in (stages_per_rank_choices(work) if p > 1 else (1,))
-                         for k in (first_stage_fewer_choices(work) if p > 1 else (0,))]:
+            pipeline_settings = (itertools.product(stages_per_rank_choices(work), first_stage_fewer_choices(work))
+                                 if p > 1 else [(1, 0)])
+            for v, k in pipeline_settings:
                 options = ParallelConfig(
                     strategy=info.name, tp=t, pp=p, cp=c, ep=x, hsdp_shard_size=g if info.hybrid else 0,
                     precision=TRAIN_PRECISION[work.precision],

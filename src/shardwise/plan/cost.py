@@ -488,6 +488,11 @@ def _expert_reduce_group(spec: ModelSpec, layout: Layout) -> tuple[int, int, int
     return per_rank, layout.expert_dp, layout.ep_stride * layout.ep
 
 
+def _split(spec: ModelSpec, layout: Layout) -> Layout:
+    """``layout`` with the model's blocks split into its stages, as the runtime splits them."""
+    return layout.with_blocks(spec.n_layers or 1) if layout.n_blocks is None else layout
+
+
 def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:
     """MoE layers on the pipeline rank that holds the most of them (None: no pipeline, every MoE
     layer): counted from the routed-expert tensors of each rank's stages, which TP leaves whole."""
@@ -497,7 +502,7 @@ def moe_layers_on_busiest_stage(spec: ModelSpec, layout: Layout) -> int | None:
     per_layer = info.n_experts * info.params_per_expert
 
     def busiest() -> int:
-        split = layout.with_blocks(spec.n_layers or 1) if layout.n_blocks is None else layout
+        split = _split(spec, layout)
         return max(round(routed_expert_numel(spec, split, r) / per_layer) for r in range(split.pp))
 
     return _memo(("moe-busiest", id(spec), layout), spec, busiest)
@@ -513,12 +518,12 @@ def stage_imbalance(spec: ModelSpec, layout: Layout, seq: int, checkpoint: str =
     """
     if layout.pp == 1 or not spec.has_structure or not spec.n_layers:
         return 1.0
-    total = hardware_flops_per_token(spec, seq, checkpoint, every)
-    head = 6.0 * (spec.hidden or 0) * (spec.vocab or 0)
-    block = max(total - head, 0.0) / spec.n_layers
 
     def factor() -> float:
-        split = layout.with_blocks(spec.n_layers) if layout.n_blocks is None else layout
+        total = hardware_flops_per_token(spec, seq, checkpoint, every)
+        head = 6.0 * (spec.hidden or 0) * (spec.vocab or 0)
+        block = max(total - head, 0.0) / spec.n_layers
+        split = _split(spec, layout)
         busiest = max(len(split.rank_layers(r)) * block + (head if split.holds_last_stage(r) else 0.0)
                       for r in range(split.pp))
         return layout.pp * busiest / total
@@ -528,12 +533,11 @@ def stage_imbalance(spec: ModelSpec, layout: Layout, seq: int, checkpoint: str =
 
 def _busiest_stage_layers(spec: ModelSpec, layout: Layout) -> int:
     """Blocks on the busiest pipeline rank, split as the runtime splits them (all of them without PP)."""
-    n_layers = spec.n_layers or 1
     if layout.pp == 1:
-        return n_layers
+        return spec.n_layers or 1
 
     def busiest() -> int:
-        split = layout.with_blocks(n_layers) if layout.n_blocks is None else layout
+        split = _split(spec, layout)
         return max(len(split.rank_layers(r)) for r in range(split.pp))
 
     # Memoised per (spec, layout): the search and the calibration's fit ask it for the same layout
