@@ -831,14 +831,19 @@ def op_sac_saved(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
 
 
 def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int, *, tp: int = 1,
-                       sp: bool = True, autocast: bool = False) -> int:
+                       sp: bool = True, autocast: bool = False, kernels: Kernels = SHARDWISE_KERNELS) -> int:
     """Bytes one block keeps under ``selective-op`` (torchtitan's per-op policy), per micro-batch.
 
     The checkpoint keeps the block's input; the policy keeps the outputs of every other matmul
     and of the attention kernel (its output and fp32 log-sum-exp per head); everything else is
     recomputed in backward. Under TP a column-parallel output is 1/tp of its width, a row-parallel
-    one is the full-width partial sum (plus, with sequence parallelism, the reduce-scatter output
-    that the policy also keeps). Under ``autocast`` the block input is the fp32 residual stream.
+    one is the full-width partial sum. With sequence parallelism the policy also keeps every
+    row-parallel matmul's reduce-scatter output, whether or not it keeps the matmul's (the
+    attention's output projection is a recomputed one: rehearsed, the tiny Llama's 64 bytes a
+    token a block under tp 2). Under ``autocast`` the block input is the fp32 residual stream.
+    A mixture of experts' router runs whole on every TP rank (``Kernels.experts_whole_on_tp``):
+    its output is not split; a model that returns its routers' probabilities for the aux loss
+    (``MoEInfo.router_outputs``) keeps them as the block's output (fp32, ``checkpoint_outputs_bytes``).
     """
     if not spec.has_structure:
         return 0
@@ -846,13 +851,29 @@ def op_sac_layer_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: i
     h, e, a = spec.hidden, act_bytes, spec.n_heads
     qd = a * spec.dim_head
     per_token = h * (4 if autocast else e) / (tp if sp else 1)  # the block input (sequence-sharded under SP)
-    for _name, _in, out, row_parallel in op_sac_saved(spec):
+    whole = spec.moe is not None and kernels.experts_whole_on_tp
+    for name, _in, out, row_parallel in op_sac_saved(spec):
         if row_parallel:
-            per_token += out * e + (h * e / tp if sp and tp > 1 else 0)
+            per_token += out * e
         else:
-            per_token += out * e / tp
+            per_token += out * e / (1 if whole and name == "router" else tp)
+    if sp and tp > 1:  # the reduce-scatters the policy saves: the TP-split row-parallel matmuls'
+        per_token += sum(h * e / tp for name, _in, _out, row_parallel in block_matmuls(spec)
+                         if row_parallel and not (whole and name.startswith("experts ")))
     per_token += (qd * e + 4 * a) / tp  # attention output and its log-sum-exp
-    return math.ceil(seq * micro_batch * per_token)
+    return math.ceil(seq * micro_batch * per_token) + checkpoint_outputs_bytes(spec, seq * micro_batch)
+
+
+def checkpoint_outputs_bytes(spec: ModelSpec, tokens: int) -> int:
+    """What a checkpointed block returns beyond its hidden state and so keeps whatever the policy
+    recomputes: a mixture of experts' router probabilities when the model returns them for its
+    load-balancing loss (transformers' ``output_router_logits``; fp32, every expert, on the whole
+    sequence on every TP rank). Rehearsed on the tiny Mixtral (tp 2, SP, selective-op): 4,096
+    bytes a block at 256 tokens, 16 bytes a token with 4 experts. Without checkpointing the same
+    tensor is the router softmax's saved output (``_mlp_interior``)."""
+    if spec.moe is None or not spec.moe.router_outputs:
+        return 0
+    return tokens * 4 * spec.moe.n_experts
 
 
 def checkpointed_blocks(n_layers: int, checkpoint: str, every: int = 2) -> int:
@@ -950,7 +971,8 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
     if checkpoint == "none":
         return ActivationBytes(layers * (full + dispatch) + outer, 0, full, outer)
     if checkpoint == "selective-op":
-        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, autocast=autocast) + dispatch
+        kept = op_sac_layer_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, autocast=autocast,
+                                  kernels=kernels) + dispatch
         # Backward of one block rematerialises what the policy did not keep.
         return ActivationBytes(layers * kept + outer, max(full - kept, 0), full, outer)
     if checkpoint == "moe":
@@ -958,10 +980,12 @@ def activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_bytes: int
         # its backward rematerialises the layer's interior and, under expert parallel, the routed copy.
         kept = layer_activation_bytes(spec, seq, micro_batch, act_bytes, tp=tp, sp=sp, attention=attention,
                                       kernels=kernels, autocast=autocast, ep=ep, moe_layer=False)
-        return ActivationBytes(layers * kept + outer, full - kept + dispatch, full, outer)
+        kept += checkpoint_outputs_bytes(spec, seq * micro_batch)
+        return ActivationBytes(layers * kept + outer, max(full - kept, 0) + dispatch, full, outer)
     # full / selective: a wrapped block keeps only its input (split tp ways under sequence parallelism),
     # fp32 under autocast (the residual stream).
     kept = seq * micro_batch * (spec.hidden or 0) * (4 if autocast else act_bytes) // (tp if sp else 1)
+    kept += checkpoint_outputs_bytes(spec, seq * micro_batch)
     wrapped = checkpointed_blocks(layers, checkpoint, every)
     saved = wrapped * kept + (layers - wrapped) * (full + dispatch) + outer
     return ActivationBytes(saved, full if wrapped else 0, full, outer)

@@ -39,6 +39,9 @@ class MoEInfo:
     n_moe_layers: int
     params_per_expert: int  # one routed expert of one layer (all its matrices)
     hidden: int
+    # The model returns every MoE layer's router probabilities for its load-balancing loss
+    # (transformers' ``output_router_logits``): a checkpointed layer's are kept as its output.
+    router_outputs: bool = False
 
     @property
     def routed_params(self) -> int:

@@ -252,13 +252,15 @@ def from_llama_like(
 def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_heads: int, vocab: int,
                    n_experts: int, top_k: int, moe_ffn: int, head_dim: int | None = None,
                    shared_ffn: int = 0, max_seq: int = 4096, tied: bool = False, family: str = "mixtral",
-                   qk_norm: bool = False, qkv_bias: bool = False, qk_norm_full: bool = False) -> ModelSpec:
+                   qk_norm: bool = False, qkv_bias: bool = False, qk_norm_full: bool = False,
+                   router_outputs: bool = False) -> ModelSpec:
     """A Mixtral / Qwen-MoE-style spec: Llama attention, every block's MLP an MoE of SwiGLU experts.
 
     Expert tensors are the fused 3-D ones transformers 5.x stores (``mlp.experts.gate_up_proj``
     ``(E, 2f, h)``, ``mlp.experts.down_proj`` ``(E, h, f)``) plus the router ``mlp.gate.weight``.
     ``shared_ffn``: Qwen2-MoE's shared expert and its (1, h) gate; ``qk_norm_full``: OLMoE's q/k
-    norms over all heads (Qwen3-MoE's are per head).
+    norms over all heads (Qwen3-MoE's are per head). ``router_outputs``: the config's
+    ``output_router_logits`` (the model returns its routers' probabilities for the aux loss).
     """
     base = from_llama_like(name, n_layers=n_layers, hidden=hidden, n_heads=n_heads, ffn_hidden=moe_ffn,
                            vocab=vocab, n_kv_heads=n_kv_heads, head_dim=head_dim, max_seq=max_seq,
@@ -285,7 +287,7 @@ def moe_llama_spec(name: str, *, n_layers: int, hidden: int, n_heads: int, n_kv_
             params += [ParamInfo(pre.replace("mlp.", "self_attn.") + f"{n}.weight", (w,), p.unit)
                        for n, w in zip(("q_norm", "k_norm"), widths)]
     info = MoEInfo(n_experts=n_experts, top_k=top_k, n_moe_layers=n_layers,
-                   params_per_expert=3 * hidden * moe_ffn, hidden=hidden)
+                   params_per_expert=3 * hidden * moe_ffn, hidden=hidden, router_outputs=router_outputs)
     return replace(base, n_params=sum(p.numel for p in params), params=tuple(params), moe=info)
 
 
@@ -355,7 +357,7 @@ def _spec_of(cfg: dict[str, Any], model_type: str, name: str) -> ModelSpec:
             shared_ffn=int(cfg.get("shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
             max_seq=cfg.get("max_position_embeddings", 4096), tied=bool(cfg.get("tie_word_embeddings", False)),
             family=model_type, qk_norm=model_type in ("qwen3_moe", "olmoe"), qkv_bias=qkv_bias,
-            qk_norm_full=model_type == "olmoe")
+            qk_norm_full=model_type == "olmoe", router_outputs=bool(cfg.get("output_router_logits", False)))
     if model_type == "gpt2":
         return from_gpt2_like(name, n_layers=cfg.get("num_hidden_layers", 12), hidden=cfg.get("hidden_size", 768),
                               n_heads=cfg.get("num_attention_heads", 12), vocab=cfg.get("vocab_size", 50257),
