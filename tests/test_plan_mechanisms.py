@@ -410,3 +410,31 @@ def test_selective_op_keeps_every_sequence_parallel_reduce_scatter_and_the_route
         spec = from_hf_config_dict(dict(mixtral_cfg, output_router_logits=returned))
         moe = h * e / tp + 64 * e / tp + 32 * e / tp + 4 * e + h * e / tp + attention + (4 * 4 if returned else 0)
         assert op_sac_layer_bytes(spec, 128, 2, e, tp=tp, sp=True) == 256 * moe
+
+
+def test_zero_bubble_schedules_recompute_a_checkpointed_block_twice():
+    """A split backward's input and weight passes are two autograd calls, and torch's checkpoint
+    recomputes a block once per call (parallel/pipeline/pp._recompute_once keeps the weight pass to
+    one): under ``interleaved-zb`` a checkpointed block's forward runs three times a micro-batch,
+    under ``interleaved-1f1b`` (the same placement and split) twice. The compute and the TP
+    collectives charge the second recomputation as the first."""
+    from shardwise.plan.cost import DEFAULT_CALIBRATION, micro_batch_compute_s, step_time
+
+    spec = model_preset("llama-3-8b")
+    fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
+    bf16 = PRECISIONS["bf16"]
+
+    def run(schedule: str, checkpoint: str):
+        layout = Layout("fsdp+tp+pp", dp=2, tp=2, pp=4, shard=2, pp_schedule=schedule, pp_stages_per_rank=2)
+        return step_time(spec, layout, bf16, fabric, seq=4096, micro_batch=1, grad_accum=8, checkpoint=checkpoint)
+
+    def micro(checkpoint: str) -> float:  # one micro-batch's compute on a rank, before the stage balance
+        return micro_batch_compute_s(spec, bf16, fabric, seq=4096, micro_batch=1, checkpoint=checkpoint, every=2,
+                                     calib=DEFAULT_CALIBRATION, tp=2, pp=4)
+
+    plain, once, twice = run("interleaved-1f1b", "none"), run("interleaved-1f1b", "full"), run("interleaved-zb", "full")
+    recomputation = (micro("full") - micro("none")) / micro("full")  # its share of a checkpointed micro-batch
+    assert recomputation > 0.2
+    assert (twice.compute_s - once.compute_s) / once.compute_s == pytest.approx(recomputation)
+    assert run("interleaved-zb", "none").compute_s == pytest.approx(plain.compute_s)
+    assert twice.comm_total_s > once.comm_total_s  # the TP collectives of the second recomputation

@@ -347,15 +347,17 @@ def test_an_evaluation_inside_an_accumulation_window_keeps_the_gradients():
         assert run_distributed(_accumulate_around_eval, 2, timeout_s=200, strategy=strategy) == [0.0, 0.0], strategy
 
 
-@pytest.mark.parametrize("schedule", ["zbv", "interleaved-zb", "dualpipev"])
-def test_split_backward_schedules_train_every_layer_of_a_sharded_stage(schedule, tmp_path, cli_env):
+@pytest.mark.parametrize(("schedule", "checkpointing"), [("zbv", "none"), ("interleaved-zb", "none"),
+                                                        ("dualpipev", "none"), ("zbv", "full")])
+def test_split_backward_schedules_train_every_layer_of_a_sharded_stage(schedule, checkpointing, tmp_path, cli_env):
     """The zero-bubble schedules run each stage's weight gradients in a later pass (torch's
     ``stage_backward_weight``). Under FSDP a stage of several blocks lost the weight gradients of
     every block unit that resharded after forward: only each stage's last unit (kept unsharded, as
     the last unit always is) trained, so one layer in two of this model never moved while the loss
     went on falling (found rehearsing llama-3-405b under ZBV: rank 0's layers 119-124 had no
     gradient). The units of a stage now keep their parameters under these schedules (composed.py).
-    `shardwise verify` (fp32): fsdp+pp, 8 layers in 4 stages, equals one process."""
+    `shardwise verify` (fp32): fsdp+pp, 8 layers in 4 stages, equals one process; under ZBV also with
+    every block checkpointed (each weight pass shares one recomputation: ``pp._recompute_once``)."""
     import sys
 
     from shardwise.testing import run_command
@@ -363,6 +365,7 @@ def test_split_backward_schedules_train_every_layer_of_a_sharded_stage(schedule,
     proc = run_command([sys.executable, "-m", "shardwise", "verify", "hf-llama-tiny", "--strategy", "fsdp+pp",
                         "--nproc", "4", "--steps", "3", "--set", "parallel.pp=2",
                         "--set", f"parallel.pp_schedule={schedule}", "--set", "parallel.pp_stages_per_rank=2",
+                        "--set", f"parallel.activation_checkpointing={checkpointing}",
                         "--set", "model.overrides.num_hidden_layers=8", "--set", "train.micro_batch_size=4",
                         "--set", "model.overrides.block_size=32", "--out", str(tmp_path / "out")],
                        env=cli_env, timeout=600)
@@ -402,3 +405,54 @@ def test_ddp_replicas_are_refused_under_split_backward_schedules(schedule):
         resolve_layout(ParallelConfig(strategy="ddp+pp", pp=2, pp_schedule=schedule, pp_stages_per_rank=2), 4)
     resolve_layout(ParallelConfig(strategy="pp", pp=2, pp_schedule=schedule, pp_stages_per_rank=2), 2)
     resolve_layout(ParallelConfig(strategy="ddp+pp", pp=2, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2), 4)
+
+
+def test_a_weight_pass_recomputes_each_checkpointed_block_once():
+    """torch's weight pass (``stage_backward_weight``) runs one autograd call per parameter group,
+    and non-reentrant checkpointing recomputes a block once per call: two checkpointed GPT blocks'
+    weight pass recomputed their forward once per group (8x the input pass's matmuls here; 9x on a
+    Llama block, where the rehearsal's zero-bubble ranks held every copy: +85 % peaks). The runtime
+    runs each weight pass under one ``GraphExecGroup`` (``pp._recompute_once``): the same matmuls
+    as the input pass, and bitwise the same gradients as a plain backward."""
+    import functools
+
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardwise.parallel.checkpointing import apply_activation_checkpointing
+    from shardwise.parallel.pipeline.pp import _recompute_once
+
+    class RecomputedMatmuls(TorchDispatchMode):
+        """Matmuls run inside a backward with grad mode on: a checkpoint's recomputation."""
+
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled() and func in (
+                    torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    gpt = apply_activation_checkpointing(GPT(GPT_PRESETS["nano"]), "full")
+    blocks = torch.nn.Sequential(*gpt.blocks.values())  # the stage: its checkpointed blocks
+    x = torch.randn(2, 16, gpt.config.n_embd, generator=torch.Generator().manual_seed(1))
+    counts, grads = {}, {}
+    for shared in (False, True):
+        blocks.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        out = blocks(inp)
+        with RecomputedMatmuls() as mode:
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [inp], blocks.parameters())
+            input_pass = mode.count
+            weight = functools.partial(stage_backward_weight, blocks.parameters(), groups)
+            (_recompute_once(weight) if shared else weight)()
+        counts[shared] = (input_pass, mode.count - input_pass)
+        grads[shared] = [p.grad.clone() for p in blocks.parameters()]
+    blocks.zero_grad(set_to_none=True)
+    blocks(x.clone().requires_grad_(True)).sum().backward()
+    plain = [p.grad for p in blocks.parameters()]
+    assert counts[True][1] == counts[True][0], counts  # one recomputation, as the input pass
+    assert counts[False][1] > 2 * counts[False][0], counts  # torch alone: one per parameter group
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], plain))
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], plain))

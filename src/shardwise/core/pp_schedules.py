@@ -242,6 +242,15 @@ def _splits_backward(schedule: str) -> bool:
     return info is not None and info.zero_bubble
 
 
+def recompute_passes(schedule: str) -> int:
+    """How many times a checkpointed block's forward runs again per micro-batch: once per backward
+    pass that reads its tensors. Twice under the zero-bubble schedules, whose input-gradient pass and
+    deferred weight-gradient pass are separate autograd calls (torch's non-reentrant checkpoint
+    recomputes once per call; the weight pass's own calls, one per parameter group, share one:
+    ``parallel/pipeline/pp._recompute_once``); once otherwise."""
+    return 2 if _splits_backward(schedule) else 1
+
+
 def ep_refusal(schedule: str) -> str | None:
     """Why expert parallel (``parallel.ep > 1``) cannot run under ``schedule`` (None when it can)."""
     if _splits_backward(schedule):

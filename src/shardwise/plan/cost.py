@@ -31,7 +31,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from shardwise.core.pp_schedules import p2p_messages_per_step, waited_transfers
+from shardwise.core.pp_schedules import p2p_messages_per_step, recompute_passes, waited_transfers
 from shardwise.plan.cp import cp_comm_s, cp_degree
 from shardwise.plan.memory import (
     REDUCE_BYTES,
@@ -282,6 +282,13 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     compute_micro = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch,
                                           checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
                                           kernels=kernels)
+    # The zero-bubble schedules recompute a checkpointed block in each of their two backward passes
+    # (core/pp_schedules.recompute_passes): the second costs what the first does.
+    passes = recompute_passes(layout.pp_schedule) if pp > 1 and checkpoint != "none" else 1
+    if passes > 1:
+        plain = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch, checkpoint="none",
+                                      every=every, calib=calib, tp=tp, pp=pp, kernels=kernels)
+        compute_micro += (passes - 1) * (compute_micro - plain)
     # Context parallel (plan/cp.py): each rank computes 1/cp of every sequence (attention: the
     # whole sequence for heads/cp heads, or its queries against every K/V block on the ring), plus
     # the all-to-alls around attention (not overlapped) or the ring's steps.
@@ -290,7 +297,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     compute_micro *= stage_imbalance(spec, layout, seq, checkpoint, every)
     share = recompute_share(spec, checkpoint, every)
     cp_s = cp_comm_s(spec, layout, fabric, prec.act, seq=seq, micro_batch=micro_batch,
-                     layers=_busiest_stage_layers(spec, layout), recompute=share.cp_collectives,
+                     layers=_busiest_stage_layers(spec, layout), recompute=share.cp_collectives * passes,
                      alpha_s=calib.hop_latency_s, impl=cp_impl) * grad_accum
     cp_exposed = cp_s
     if cp > 1 and cp_impl == "ring":
@@ -406,6 +413,9 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     if tp > 1 and spec.has_structure:
         tp_s = grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq, micro_batch=micro_batch,
                                       checkpoint=checkpoint, every=every, alpha_s=alpha)
+        if passes > 1:  # the second recomputation's collectives
+            tp_s += (passes - 1) * (tp_s - grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq,
+                                                                  micro_batch=micro_batch, alpha_s=alpha))
         exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
         total += tp_s
     bubble = 0.0
