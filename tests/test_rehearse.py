@@ -207,6 +207,12 @@ _SMALL = ("train.micro_batch_size=4", "train.grad_accum_steps=1", "train.grad_cl
     # weight passes (3); both hold a weight pass's gradients until FSDP's next post-backward.
     ("0,32", ("parallel.tp=2", "parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.pp_stages_per_rank=2",
             "model.overrides.num_hidden_layers=4")),
+    # The same under full checkpointing, rank 32 (the middle of the V): each weight pass shares one
+    # recomputation (pp._recompute_once; torch alone ran one per parameter group and the tracker kept every
+    # copy: +85 % peaks), a pending weight pass keeps its norms' output gradients. (Rank 0 reads its loss's
+    # log-softmax among the activations where the plan has it in the transients.)
+    ("32", ("parallel.tp=2", "parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.pp_stages_per_rank=2",
+            "model.overrides.num_hidden_layers=4", 'parallel.activation_checkpointing="full"')),
     # Context parallel (all-to-all) at 64 ranks: the rank holding the second chunk of each sequence.
     ("1", ("parallel.cp=2", 'parallel.cp_impl="alltoall"')),
 ])

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardwise.core.pp_schedules import check_schedule, ddp_refusal, ep_refusal, stage_ids_of
+from shardwise.core.pp_schedules import check_schedule, checkpoint_refusal, ddp_refusal, ep_refusal, stage_ids_of
 from shardwise.core.strategies import (
     COMPOSED_MESH,
     REGISTRY,
@@ -699,6 +699,8 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         raise ConfigError(
             "precision 'fp16-mixed' is not supported with pipeline parallel: the schedule runs "
             "backward itself, so the fp16 loss scaler cannot scale the loss. Use 'bf16-mixed'.")
+    if pp > 1 and (refusal := checkpoint_refusal(options.pp_schedule, options.activation_checkpointing)):
+        raise ConfigError(refusal + ".")
     layout = Layout(
         name, dp=dp, tp=tp, pp=pp, shard=shard, cp=options.cp, ep=options.ep, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,

@@ -274,6 +274,18 @@ def ddp_refusal(schedule: str) -> str | None:
     return None
 
 
+def checkpoint_refusal(schedule: str, mode: str) -> str | None:
+    """Why activation checkpointing ``mode`` cannot run under ``schedule`` (None when it can)."""
+    if mode == "selective-op" and _splits_backward(schedule):
+        return (f"activation_checkpointing = 'selective-op' cannot run under the zero-bubble pipeline schedule "
+                f"{schedule!r}: torch's per-op selective checkpointing allows one backward per checkpointed "
+                "region, and this schedule runs two (an input-gradient pass, then a deferred weight-gradient "
+                "pass; torch raises 'Trying to backward an extra time' at the first weight pass). Use 'full' or "
+                "'selective' (whole blocks) with it, or 'selective-op' under '1f1b', 'gpipe', 'interleaved-1f1b' "
+                "or 'looped-bfs'")
+    return None
+
+
 def compile_refusal(schedule: str) -> str | None:
     """Why ``train.compile`` cannot run under ``schedule`` (None when it can)."""
     if _splits_backward(schedule):

@@ -944,14 +944,14 @@ def unplanned_caveat(layout: Layout, checkpoint: str) -> str:
 
     Checkpointing under a V-shaped zero-bubble schedule: rank 0 (both ends of the V) is planned as if
     its terms all peaked together, which they do not (rehearsed at llama-3-405b tp 8 pp 8, 2026-11-28:
-    rank 0 28 % (zbv) and 37 % (dualpipev) under its planned peak, the middle ranks 7 % and 12 %). It
+    rank 0 16 % (zbv) and 27 % (dualpipev) under its planned peak, the middle ranks within 2 %). It
     said "under-planned" until the runtime's weight pass stopped recomputing each block once per
     parameter group (parallel/pipeline/pp._recompute_once), whose copies the rehearsal had held."""
     if layout.pp > 1 and checkpoint != "none" and schedule_info(layout.pp_schedule).zero_bubble \
             and schedule_info(layout.pp_schedule).placement == "v":
         return (f"memory over-planned on pipeline rank 0 under '{layout.pp_schedule}' with activation checkpointing: "
                 "it holds both ends of the V and its planned terms do not all peak together (rehearsed: llama-3-405b "
-                "rank 0 28-37 % below its planned peak, the middle ranks 7-12 %); its figure is an upper bound, "
+                "rank 0 16-27 % below its planned peak, the middle ranks within 2 %); its figure is an upper bound, "
                 "shardwise rehearse measures it")
     return ""
 
@@ -1312,9 +1312,10 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         if due and layout.sharding in ("zero2", "fsdp") and prec.param < REDUCE_BYTES:
             # The weight pass sets each weight's gradient in the compute dtype; FSDP casts it to fp32 and
             # adds it to the stage's accumulated gradients only in its next post-backward, which runs
-            # in the next input pass: there one stage's weight gradients and their fp32 copy are alive.
-            parts["zero-bubble weight grads awaiting FSDP (1 stage, + fp32 copy)"] = (
-                (prec.param + REDUCE_BYTES) * math.ceil(held_local / v))
+            # in the next input pass: one stage's weight gradients wait. (Their fp32 copy was counted too
+            # until 2026-11-28: read at llama-3-405b's ZBV peak, the fp32 gradients alive are the stage's
+            # unsharded accumulations alone, above, and the copy over-planned every rank by 11.4 GiB.)
+            parts["zero-bubble weight grads awaiting FSDP (1 stage)"] = prec.param * math.ceil(held_local / v)
         if due and spec.has_structure:
             widths = sum(out if row_parallel else out / layout.tp for _, _, out, row_parallel in block_matmuls(spec))
             # And the gradient of each of the block's two norms' outputs (the intermediate leading to the

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from shardwise.core.pp_schedules import checkpoint_refusal
 from shardwise.core.strategies import REGISTRY
 from shardwise.errors import ConfigError
 from shardwise.optim.rules import DEVICE_STATE_OPTIMIZERS
@@ -41,6 +42,7 @@ from shardwise.plan.advice import (
     evaluate,
     launch_commands,
     layout_key,
+    layout_label,
     replicas,
 )
 from shardwise.plan.choices import (
@@ -215,6 +217,11 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | None 
             if not exact_micro_batch(mb, replicas(lay), global_batch):
                 continue
             for ckpt in checkpoint_choices(work, spec):
+                if lay.pp > 1 and (why := checkpoint_refusal(lay.pp_schedule, ckpt)):  # the runtime's rule
+                    if "checkpoint" not in work.search:  # asked for: say why its pipeline layouts are left out
+                        label = layout_label(lay.strategy, lay.tp, lay.pp, cp=lay.cp, ep=lay.ep)
+                        skipped.setdefault(label, f"{label}: {why}")
+                    continue
                 at = dataclasses.replace(at_mb, checkpoint=ckpt)
                 first = evaluate(spec, cluster, at, lay, calib)
                 tried = [first]
