@@ -239,7 +239,7 @@ def test_moe_checkpointing_is_searched_for_mixtures_of_experts_only():
 
 def test_checkpointing_under_a_v_shaped_zero_bubble_schedule_is_flagged_as_over_planned():
     """A known gap is said where the figures are printed: rehearsed at 405B, rank 0 of the V-shaped
-    zero-bubble schedules under checkpointing holds 16-27 % less than planned (docs/rehearse.md), so
+    zero-bubble schedules under checkpointing holds 6-18 % less than planned (docs/rehearse.md), so
     plan and --dry-run name it for those layouts and only those. (Until the runtime's weight pass shared
     one recomputation the rehearsal read the opposite, +19-52 %.)"""
     from shardwise.plan.memory import Layout, unplanned_caveat

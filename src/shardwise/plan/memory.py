@@ -793,14 +793,20 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
             # seq / tp tokens. Counted whole until 2026-11-28: llama-3-405b's last stage (tp 8, SP)
             # was planned 896 MiB over what a rehearsal of it saves.
             final_norm = (final_norm - h * e) // tp + h * e
-        # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
-        # under TP); a fused loss keeps the logits themselves instead.
-        # The chunked loss keeps no logits between forward and backward (plan/cp.logits_bytes
-        # counts its chunk and per-token log-sum-exp as a transient).
-        kept = (4 * spec.vocab // tp if kernels.loss == "torch" else
-                0 if kernels.loss == "chunked" else e * spec.vocab // tp + 4)
-        total += tokens * (final_norm + kept)
+        total += tokens * final_norm + loss_kept_bytes(spec, tokens, e, tp=tp, kernels=kernels)
     return total
+
+
+def loss_kept_bytes(spec: ModelSpec, tokens: int, act_bytes: int, *, tp: int = 1,
+                    kernels: Kernels = SHARDWISE_KERNELS) -> int:
+    """What the loss keeps for its backward over ``tokens``. The loss up-casts logits to fp32 and
+    log_softmax keeps its fp32 output (vocab-parallel under TP); a fused loss keeps the logits
+    themselves instead. The chunked loss keeps no logits between forward and backward
+    (plan/cp.logits_bytes counts its chunk and per-token log-sum-exp as a transient)."""
+    vocab = spec.vocab or 0
+    if kernels.loss == "chunked":
+        return 0
+    return tokens * (4 * vocab // tp if kernels.loss == "torch" else act_bytes * vocab // tp + 4)
 
 
 def block_matmuls(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
@@ -944,14 +950,14 @@ def unplanned_caveat(layout: Layout, checkpoint: str) -> str:
 
     Checkpointing under a V-shaped zero-bubble schedule: rank 0 (both ends of the V) is planned as if
     its terms all peaked together, which they do not (rehearsed at llama-3-405b tp 8 pp 8, 2026-11-28:
-    rank 0 16 % (zbv) and 27 % (dualpipev) under its planned peak, the middle ranks within 2 %). It
+    rank 0 6 % (zbv) and 18 % (dualpipev) under its planned peak, the middle ranks within 2 %). It
     said "under-planned" until the runtime's weight pass stopped recomputing each block once per
     parameter group (parallel/pipeline/pp._recompute_once), whose copies the rehearsal had held."""
     if layout.pp > 1 and checkpoint != "none" and schedule_info(layout.pp_schedule).zero_bubble \
             and schedule_info(layout.pp_schedule).placement == "v":
         return (f"memory over-planned on pipeline rank 0 under '{layout.pp_schedule}' with activation checkpointing: "
                 "it holds both ends of the V and its planned terms do not all peak together (rehearsed: llama-3-405b "
-                "rank 0 16-27 % below its planned peak, the middle ranks within 2 %); its figure is an upper bound, "
+                "rank 0 6-18 % below its planned peak, the middle ranks within 2 %); its figure is an upper bound, "
                 "shardwise rehearse measures it")
     return ""
 
@@ -1219,6 +1225,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             per_layer += 2 * tokens_local * (heads - kv) * spec.dim_head * prec.act
         unwrapped = layers_here - checkpointed_blocks(layers_here, checkpoint, every)
         act = replace(act, saved=act.saved + unwrapped * per_layer)
+    last_share = 0
     if layout.pp > 1 and spec.has_structure and layout.external is None:
         # torch's schedule keeps each stage's output in its forward cache until that micro-batch's
         # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
@@ -1230,6 +1237,14 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
                   seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act) if last \
             else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
         act = replace(act, saved=act.saved + output, outer=act.outer + output)
+        if last and layout.pp_stages_per_rank > 1:
+            # The last stage's share of one micro-batch (its blocks, final norm, head input, loss and
+            # logits): a loss stage runs each micro-batch's backward right after its forward, so the
+            # schedule's other in-flight micro-batches are this rank's other stages' (in-flight below).
+            last_blocks = len(layout.stage_ranges[layout.n_stages - 1]) * (act.saved - act.outer) // max(layers_here, 1)
+            last_share = last_blocks + output + outer_activation_bytes(
+                spec, seq // cp_degree(layout), micro_batch, prec.act, tp=layout.tp, first_stage=False,
+                last_stage=True, kernels=kernels, autocast=_autocasts(layout, kernels), sp=layout.sequence_parallel)
     parts: dict[str, int] = {}
     unit = spec.largest_unit_params()
     # Expert parallel (plan/moe.py): FSDP gathers a MoE block's n_experts / ep experts, not all.
@@ -1304,7 +1319,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             # Each in-flight micro-batch of an end stage also keeps that end's own tensors (the token ids
             # and rotary tables of the first stage, the final norm's and the loss's of the last): a ZBV
             # rank 0 holds both ends (73 KiB per hf-llama-tiny micro-batch, not counted before 2026-11-27).
-            parts[f"pipeline in-flight ({chunks} stage micro-batches)"] = math.ceil((chunks - v) * act.saved / v)
+            # A rank holding the last stage: each in-flight micro-batch is one of its other stages'
+            # (the mean of those), not the mean of all v with the loss's tensors. Charged the mean of all v
+            # until 2026-11-28: llama-3-405b's ZBV rank 0 was planned 12.4 GiB of in-flight tensors where
+            # it held 5.5 (its first stage's checkpoint inputs; docs/rehearse.md).
+            per_chunk = (act.saved - last_share) / (v - 1) if last_share else act.saved / v
+            parts[f"pipeline in-flight ({chunks} stage micro-batches)"] = math.ceil((chunks - v) * per_chunk)
         # The zero-bubble schedules split each backward: the input-gradient pass keeps the gradients
         # of every weight op's output (the block's matmuls: column-parallel ones 1/tp wide) for the
         # deferred weight-gradient pass, stage-micro-batch by stage-micro-batch.
