@@ -438,3 +438,29 @@ def test_zero_bubble_schedules_recompute_a_checkpointed_block_twice():
     assert (twice.compute_s - once.compute_s) / once.compute_s == pytest.approx(recomputation)
     assert run("interleaved-zb", "none").compute_s == pytest.approx(plain.compute_s)
     assert twice.comm_total_s > once.comm_total_s  # the TP collectives of the second recomputation
+
+
+def test_in_flight_micro_batches_of_a_loss_rank_carry_no_loss_tensors():
+    """A loss stage runs each micro-batch's backward right after its forward, so a rank holding the last
+    stage keeps its logits and loss tensors for one micro-batch (the activations column); its other
+    in-flight micro-batches are its other stages'. The in-flight term of ZBV's rank 0 (both ends) does not
+    grow with the vocabulary; it did while every in-flight micro-batch was charged the mean of the rank's
+    stages (llama-3-405b ZBV rank 0: 12.4 GiB planned in flight, 5.5 GiB held)."""
+    import json
+    from pathlib import Path
+
+    import shardwise.models as models
+    from shardwise.plan.spec import from_hf_config_dict
+
+    cfg = json.loads((Path(models.__file__).parent / "hf_configs" / "llama-tiny.json").read_text())
+    layout = Layout("fsdp+pp", dp=1, pp=2, shard=1, pp_schedule="zbv", pp_stages_per_rank=2,
+                    pp_microbatches=8).with_blocks(8)
+
+    def in_flight(vocab: int, stage: int) -> int:
+        spec = from_hf_config_dict(dict(cfg, num_hidden_layers=8, vocab_size=vocab))
+        parts = memory_breakdown(spec, layout, PRECISIONS["bf16"], "adamw", seq=128, micro_batch=1,
+                                 checkpoint="full", grad_accum=8, stage=stage).transient_parts
+        return next(v for k, v in parts.items() if k.startswith("pipeline in-flight"))
+
+    assert in_flight(65, 0) == in_flight(65_000, 0)  # rank 0: stages 0 and 3 (the loss)
+    assert in_flight(65, 1) == in_flight(65_000, 1)  # rank 1: two middle stages
