@@ -1316,9 +1316,8 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         v = layout.pp_stages_per_rank
         chunks = peak_in_flight(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
         if chunks > v:
-            # Each in-flight micro-batch of an end stage also keeps that end's own tensors (the token ids
-            # and rotary tables of the first stage, the final norm's and the loss's of the last): a ZBV
-            # rank 0 holds both ends (73 KiB per hf-llama-tiny micro-batch, not counted before 2026-11-27).
+            # Each in-flight micro-batch of the first stage also keeps its token ids and rotary tables (73 KiB
+            # per hf-llama-tiny micro-batch on ZBV's rank 0, not counted before 2026-11-27).
             # A rank holding the last stage: each in-flight micro-batch is one of its other stages'
             # (the mean of those), not the mean of all v with the loss's tensors. Charged the mean of all v
             # until 2026-11-28: llama-3-405b's ZBV rank 0 was planned 12.4 GiB of in-flight tensors where
