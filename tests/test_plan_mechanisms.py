@@ -387,16 +387,12 @@ def test_selective_op_keeps_every_sequence_parallel_reduce_scatter_and_the_route
     Llama's +8.5 % activations, llama-3-8b's +256 MiB at tp 8). A mixture of experts' router runs
     whole on each TP rank, and a model that returns its routers' probabilities for the aux loss
     keeps them, fp32, as the block's output (the tiny Mixtral read +19.1 % before)."""
-    import json
-    from pathlib import Path
-
-    import shardwise.models as models
+    from shardwise.models.hf_config import load_hf_config_dict
     from shardwise.plan.memory import op_sac_layer_bytes
     from shardwise.plan.spec import from_hf_config_dict
 
-    configs = Path(models.__file__).parent / "hf_configs"
-    llama = from_hf_config_dict(json.loads((configs / "llama-tiny.json").read_text()))
-    mixtral_cfg = json.loads((configs / "mixtral-tiny.json").read_text())
+    llama = from_hf_config_dict(load_hf_config_dict("llama-tiny"))
+    mixtral_cfg = load_hf_config_dict("mixtral-tiny")
     h, tp, e = 64, 2, 2
     attention = (64 * e + 4 * 4) / tp  # output (4 heads of 16) and fp32 log-sum-exp per head
     # Llama: q, v, gate (column-parallel, split) and down (row-parallel: the whole partial sum) of
@@ -446,13 +442,10 @@ def test_in_flight_micro_batches_of_a_loss_rank_carry_no_loss_tensors():
     in-flight micro-batches are its other stages'. The in-flight term of ZBV's rank 0 (both ends) does not
     grow with the vocabulary; it did while every in-flight micro-batch was charged the mean of the rank's
     stages (llama-3-405b ZBV rank 0: 12.4 GiB planned in flight, 5.5 GiB held)."""
-    import json
-    from pathlib import Path
-
-    import shardwise.models as models
+    from shardwise.models.hf_config import load_hf_config_dict
     from shardwise.plan.spec import from_hf_config_dict
 
-    cfg = json.loads((Path(models.__file__).parent / "hf_configs" / "llama-tiny.json").read_text())
+    cfg = load_hf_config_dict("llama-tiny")
     layout = Layout("fsdp+pp", dp=1, pp=2, shard=1, pp_schedule="zbv", pp_stages_per_rank=2,
                     pp_microbatches=8).with_blocks(8)
 

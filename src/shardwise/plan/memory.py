@@ -793,20 +793,14 @@ def outer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
             # seq / tp tokens. Counted whole until 2026-11-28: llama-3-405b's last stage (tp 8, SP)
             # was planned 896 MiB over what a rehearsal of it saves.
             final_norm = (final_norm - h * e) // tp + h * e
-        total += tokens * final_norm + loss_kept_bytes(spec, tokens, e, tp=tp, kernels=kernels)
+        # The loss up-casts logits to fp32 and log_softmax keeps its fp32 output (vocab-parallel
+        # under TP); a fused loss keeps the logits themselves instead.
+        # The chunked loss keeps no logits between forward and backward (plan/cp.logits_bytes
+        # counts its chunk and per-token log-sum-exp as a transient).
+        kept = (4 * spec.vocab // tp if kernels.loss == "torch" else
+                0 if kernels.loss == "chunked" else e * spec.vocab // tp + 4)
+        total += tokens * (final_norm + kept)
     return total
-
-
-def loss_kept_bytes(spec: ModelSpec, tokens: int, act_bytes: int, *, tp: int = 1,
-                    kernels: Kernels = SHARDWISE_KERNELS) -> int:
-    """What the loss keeps for its backward over ``tokens``. The loss up-casts logits to fp32 and
-    log_softmax keeps its fp32 output (vocab-parallel under TP); a fused loss keeps the logits
-    themselves instead. The chunked loss keeps no logits between forward and backward
-    (plan/cp.logits_bytes counts its chunk and per-token log-sum-exp as a transient)."""
-    vocab = spec.vocab or 0
-    if kernels.loss == "chunked":
-        return 0
-    return tokens * (4 * vocab // tp if kernels.loss == "torch" else act_bytes * vocab // tp + 4)
 
 
 def block_matmuls(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
@@ -953,8 +947,8 @@ def unplanned_caveat(layout: Layout, checkpoint: str) -> str:
     rank 0 6 % (zbv) and 18 % (dualpipev) under its planned peak, the middle ranks within 2 %). It
     said "under-planned" until the runtime's weight pass stopped recomputing each block once per
     parameter group (parallel/pipeline/pp._recompute_once), whose copies the rehearsal had held."""
-    if layout.pp > 1 and checkpoint != "none" and schedule_info(layout.pp_schedule).zero_bubble \
-            and schedule_info(layout.pp_schedule).placement == "v":
+    info = schedule_info(layout.pp_schedule)
+    if layout.pp > 1 and checkpoint != "none" and info.zero_bubble and info.placement == "v":
         return (f"memory over-planned on pipeline rank 0 under '{layout.pp_schedule}' with activation checkpointing: "
                 "it holds both ends of the V and its planned terms do not all peak together (rehearsed: llama-3-405b "
                 "rank 0 6-18 % below its planned peak, the middle ranks within 2 %); its figure is an upper bound, "
