@@ -457,3 +457,29 @@ def test_in_flight_micro_batches_of_a_loss_rank_carry_no_loss_tensors():
 
     assert in_flight(65, 0) == in_flight(65_000, 0)  # rank 0: stages 0 and 3 (the loss)
     assert in_flight(65, 1) == in_flight(65_000, 1)  # rank 1: two middle stages
+
+
+def test_a_pending_weight_pass_keeps_its_norms_output_gradients():
+    """Under a split backward each pending stage micro-batch keeps the gradients of its weight ops'
+    outputs for the deferred weight pass: the matmuls' (column-parallel ones 1/tp wide) and each of the
+    block's two norms' outputs, fp32 under autocast, sequence-sharded under SP (read on played ZBV ranks:
+    four residual-width gradients a two-layer stage micro-batch beyond the matmuls'). By hand for the tiny
+    Llama (hidden 64: q 64, k 32, v 32, o 64, gate 172, up 172, down 64), 128 tokens, two layers a stage."""
+    from shardwise.core.pp_schedules import peak_weight_passes_due
+    from shardwise.models.hf_config import load_hf_config_dict
+    from shardwise.plan.spec import from_hf_config_dict
+
+    spec = from_hf_config_dict(dict(load_hf_config_dict("llama-tiny"), num_hidden_layers=8))
+
+    def pending(strategy: str, tp: int, sp: bool) -> tuple[int, int]:
+        layout = Layout(strategy, dp=1, pp=2, tp=tp, shard=1, pp_schedule="zbv", pp_stages_per_rank=2,
+                        pp_microbatches=8, sequence_parallel=sp).with_blocks(8)
+        parts = memory_breakdown(spec, layout, PRECISIONS["bf16"], "adamw", seq=128, micro_batch=1,
+                                 checkpoint="full", grad_accum=8, stage=1).transient_parts
+        due = peak_weight_passes_due("zbv", 2, 8, 2, 1)
+        return next(v for k, v in parts.items() if k.startswith("weight-op output gradients")), due * 2 * 128
+
+    got, layer_tokens = pending("pp", 1, False)  # autocast: the norms' gradients in fp32
+    assert got == layer_tokens * (600 * 2 + 2 * 64 * 4)
+    got, layer_tokens = pending("fsdp+tp+pp", 2, True)  # bf16, tp 2, the norms' on the sequence shard
+    assert got == layer_tokens * ((32 + 16 + 16 + 64 + 86 + 86 + 64) * 2 + 2 * 64 * 2 / 2)
