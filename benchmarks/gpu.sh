@@ -46,6 +46,9 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Every line as it is printed: a step killed at its box keeps what it had printed (tee is a pipe,
+# which Python would otherwise block-buffer until exit).
+export PYTHONUNBUFFERED=1
 OUT="${1:-runs/gpu-bench}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PY" ]] || PY="$(command -v python3)"

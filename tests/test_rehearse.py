@@ -89,8 +89,9 @@ def test_the_report_sets_the_planners_compute_beside_a_measured_gpu_step() -> No
     planned = {"step_s": 2.9, "compute_s": 2.85, "comm_exposed_s": 0.05, "bubble_s": 0.0}
     rank = {"cuda": {"device_name": "NVIDIA H200"}, "step_s": [3.5, 3.083, 3.1]}
     line = _planned_compute(planned, {"roofline_s": 2.34}, rank)[0]
-    assert "compute 2850 ms (the roofline floor is 82% of it)" in line
-    assert "measured step on this GPU (fake collectives: compute only) 3083 ms, the planner's compute -7.6%" in line
+    assert "compute 2,850 ms (the roofline floor is 82% of it)" in line
+    assert ("measured step on this GPU (uninstrumented, fake collectives: compute only) 3,083 ms, the planner's "
+            "compute -7.6%") in line
     assert "measured" not in _planned_compute(planned, {"roofline_s": 2.34}, {"step_s": [1.0]})[0]  # fake CPU times
     assert "not computed (no)" in _planned_compute({"refused": "no"}, {}, rank)[0]
     assert _planned_compute(None, {}, rank) == []
@@ -286,10 +287,14 @@ def test_plan_rehearse_plays_the_top_recommendation(capsys: pytest.CaptureFixtur
 
     code = main(["plan", "--hf-config", "llama-tiny", "--gpus-per-node", "8", "--nodes", "8", "--seq", "128",
                  "--pp", "1", "--cp", "1", "--rehearse", "1"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0
     table = out[out.index("rehearsed (fake tensors"):]
     assert " runs\n" in table and "on 8x8 h100-sxm" in table, table
+    # Each played rank's progress is relayed as it comes (a big rank takes minutes), the last step too.
+    assert "rehearse: rank 0: prepared in " in captured.err, captured.err
+    assert "rehearse: rank 0: step 3 of 3 in " in captured.err, captured.err
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -616,3 +621,18 @@ def test_the_ddp_stand_in_buckets_and_reduces_as_torchs_reducer() -> None:
         assert stand_in["sizes"] == real["sizes"], name
         assert stand_in["grads"] == pytest.approx(real["grads"], rel=1e-5), name
     assert out["ddp torch"]["sizes"][0] != out["ddp torch"]["sizes"][1]  # the rebuild is seen
+
+
+def test_a_gpu_ranks_step_is_the_one_timed_alone() -> None:
+    """On a GPU the tracked and counted steps carry their instruments' per-op work (a 70B rank's
+    counted step read 16.3 s against 9.6 s alone): the report sets the step timed alone beside the
+    planner's compute, not the fastest one (a result without it, above, falls back to the fastest)."""
+    from shardwise.rehearse.report import _planned_compute
+
+    planned = {"compute_s": 9.441, "comm_exposed_s": 0.98, "bubble_s": 0.0}
+    rank = {"cuda": {"device_name": "GPU"}, "step_s": [36.9, 34.7, 17.7, 9.61], "timed_step_s": 9.61}
+    (line,) = _planned_compute(planned, {"roofline_s": 6.5}, rank)
+    assert "measured step on this GPU (uninstrumented, fake collectives: compute only) 9,610 ms" in line
+    assert "the planner's compute -1.8%" in line
+    rank["timed_step_s"] = 9.9  # slower than a counted step would be: still the one reported
+    assert "9,900 ms" in _planned_compute(planned, {"roofline_s": 6.5}, rank)[0]

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.forkserver import adopt_environment, preloaded_context
-from shardwise.rehearse.worker import DEVICES, PlaySpec
+from shardwise.rehearse.worker import DEVICES, PROGRESS, PlaySpec
 from shardwise.rehearse.worker import main as worker_main
 
 
@@ -99,6 +99,21 @@ def _played_rank(spec_path: str, env: dict[str, str], log_path: str) -> None:
     os._exit(code)  # no interpreter teardown after the work is done (job/exit.py)
 
 
+def _relay_progress(rank: int, log_path: Path, offset: int) -> int:
+    """Print the progress lines a played rank wrote to its log since ``offset``; the new offset."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except OSError:
+        return offset
+    end = chunk.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
+    for line in chunk[:end].decode("utf-8", errors="replace").splitlines():
+        if line.startswith(PROGRESS):
+            print(f"rehearse: rank {rank}: {line[len(PROGRESS):]}", file=sys.stderr, flush=True)
+    return offset + end
+
+
 def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], device: str = "cpu",
          steps: int = 3, timeout_s: float = 600.0, jobs: int = 1) -> list[dict[str, Any]]:
     """Run each of ``ranks`` as its own process; return their results in rank order."""
@@ -113,6 +128,7 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
         ctx = preloaded_context()
         pending = list(ranks)
         running: dict[int, tuple[Any, float, Path]] = {}
+        relayed: dict[int, int] = {}  # each running rank's log offset read so far
         while pending or running:
             while pending and len(running) < max(1, jobs):
                 rank = pending.pop(0)
@@ -126,6 +142,7 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
                 running[rank] = (proc, time.monotonic(), Path(spec.result_path))
             time.sleep(0.05)
             for rank, (proc, t0, result_path) in list(running.items()):
+                relayed[rank] = _relay_progress(rank, Path(tmp) / f"rank{rank}.log", relayed.get(rank, 0))
                 if proc.is_alive() and time.monotonic() - t0 < timeout_s:
                     continue
                 if proc.is_alive():
@@ -135,6 +152,7 @@ def play(config_toml: str, *, world_size: int, nproc: int, ranks: list[int], dev
                     del running[rank]
                     continue
                 proc.join()  # reap it
+                _relay_progress(rank, Path(tmp) / f"rank{rank}.log", relayed.pop(rank, 0))
                 if result_path.is_file():
                     results[rank] = json.loads(result_path.read_text(encoding="utf-8"))
                 else:

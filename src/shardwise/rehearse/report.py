@@ -127,7 +127,14 @@ def _pipeline_messages(collectives: list[dict[str, Any]], prediction: dict[str, 
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g} ms"
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 1000 else f"{ms:.4g} ms"  # never 1.63e+04
+
+
+def _measured_step(rank: dict[str, Any]) -> float:
+    """A GPU rank's step time: the step run with no tracker and no counter (the others carry their
+    per-op Python work), or the fastest step where there is none (a result from before it ran)."""
+    return rank.get("timed_step_s") or min(rank["step_s"])
 
 
 def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], rank: dict[str, Any]) -> list[str]:
@@ -143,8 +150,8 @@ def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], r
             f"{roofline['roofline_s'] / planned['compute_s']:.0%} of it), exposed communication "
             f"{_ms(planned['comm_exposed_s'])}, bubble {_ms(planned['bubble_s'])}")
     if rank.get("cuda") and rank.get("step_s"):
-        measured = min(rank["step_s"])
-        line += (f"; measured step on this GPU (fake collectives: compute only) {_ms(measured)}, "
+        measured = _measured_step(rank)
+        line += (f"; measured step on this GPU (uninstrumented, fake collectives: compute only) {_ms(measured)}, "
                  f"the planner's compute {100 * (planned['compute_s'] - measured) / measured:+.1f}%")
     return [line]
 
@@ -176,7 +183,7 @@ def format_text(report: dict[str, Any]) -> str:
             cu = rank["cuda"]
             lines.append(f"  {cu['device_name']}: max_memory_allocated {cu['max_memory_allocated'] / GIB:.2f} GiB, "
                          f"reserved {cu['max_memory_reserved'] / GIB:.2f} GiB, "
-                         f"step {min(rank['step_s']):.3f} s")
+                         f"step {_measured_step(rank):.3f} s (uninstrumented)")
         if rank.get("modules"):
             # Every ancestor of the module running at the peak shares its peak: name the deepest one.
             top = max(m["peak_bytes"] for m in rank["modules"])

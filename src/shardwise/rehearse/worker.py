@@ -126,6 +126,15 @@ def _one_sequence_per_row() -> None:
     masking_utils.find_packed_sequence_indices = find_on_fake
 
 
+PROGRESS = "[rehearse progress] "
+
+
+def progress(message: str) -> None:
+    """One line of a played rank's progress into its log, which ``launch.play`` relays as it comes
+    (a 70B rank takes minutes: a user, or a time-boxed script, sees how far it got)."""
+    print(PROGRESS + message, file=sys.stderr, flush=True)
+
+
 def play_rank(spec: PlaySpec) -> dict[str, Any]:
     """Prepare the model for this rank, run ``spec.steps`` real steps, and return the measurements."""
     import torch  # defers torch
@@ -158,6 +167,7 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         model, optimizer = session.prepare(model, build_optimizer(model, t, session.device, cfg.optimizer))
     notes += session.notes
     prepared_s = time.perf_counter() - started
+    progress(f"prepared in {prepared_s:.1f} s")
     collate_fn = workload.collate_fn
     if collate_fn is not None and session.layout.pp > 1:
         from shardwise.parallel.pipeline.pp import fixed_shape_collate  # defers torch
@@ -166,9 +176,14 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     # At least two memory-tracked steps: the optimizer's state exists only from the first step's
     # end, so a peak read from the first step alone misses it (a 70B rank read 21 % low that way).
     tracked = max(2, spec.steps - 1)
+    cuda = spec.device == "cuda"
+    # On a GPU one more step runs with no tracker and no counter: the others are slowed by them
+    # (a played llama-3-70b rank's counted step took 16.3 s on an H200, its per-op Python work), so
+    # its time alone is the rank's compute.
+    timed = 1 if cuda else 0
     # Drawn before the tensor mode is entered: the loader's sampler reads real values.
     drawn = _draw(lambda: iter(session.dataloader(workload.train_set, t.micro_batch_size, seed=t.seed,
-                                                  collate_fn=collate_fn)), (tracked + 1) * t.grad_accum_steps)
+                                                  collate_fn=collate_fn)), (tracked + 1 + timed) * t.grad_accum_steps)
     if spec.device == "cpu" and cfg.model.kind == "hf" and all(isinstance(x, torch.Tensor) for x, _ in drawn):
         _one_sequence_per_row()
     batches = iter(drawn)
@@ -192,7 +207,6 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
     # Context and expert parallel run on views of their own (parallel/mesh.py): their groups too.
     views = (session.meshes.sparse, session.meshes.batch) if session.meshes is not None else ()
     collectives = CollectiveLog({k: v for m in (*views, session.mesh) for k, v in group_names(m).items()})
-    cuda = spec.device == "cuda"
     step_s: list[float] = []
 
     def one_step() -> None:
@@ -206,6 +220,9 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
+        what = ("memory tracked" if len(step_s) <= tracked else "collectives and FLOPs counted"
+                if len(step_s) == tracked + 1 else "timed alone")
+        progress(f"step {len(step_s)} of {tracked + 1 + timed} in {step_s[-1]:.1f} s ({what})")
 
     with mode:
         if cuda:
@@ -218,6 +235,8 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         counter = OpCounter()
         with collectives, counter:
             one_step()
+        for _ in range(timed):
+            one_step()
     try:
         # Outside the fake mode: DCP computes each shard's offset from the mesh's real coordinates.
         save_plan = local_save_plan(model, optimizer, rank=spec.rank, trainable_only=session.trainable_only)
@@ -227,7 +246,8 @@ def play_rank(spec: PlaySpec) -> dict[str, Any]:
         "rank": spec.rank, "device": spec.device, "coords": session.layout.coords(spec.rank),
         "memory": memory, "modules": memory.pop("modules"), "save_plan": save_plan, "collectives": collectives.result(),
         "compute": counter.result(),
-        "collective_steps": 1, "prepare_s": round(prepared_s, 3), "step_s": [round(s, 4) for s in step_s],
+        "collective_steps": 1, "timed_step_s": round(step_s[-1], 4) if timed else None,
+        "prepare_s": round(prepared_s, 3), "step_s": [round(s, 4) for s in step_s],
         "wall_s": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes(), "notes": notes,
     }
     if cuda:
