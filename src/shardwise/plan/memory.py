@@ -1045,6 +1045,12 @@ def _autocasts(layout: Layout, kernels: Kernels) -> bool:
     return layout.casts_with_autocast and layout.external is None and kernels.state == "fp32-params"
 
 
+def _experts_own_unit(spec: ModelSpec, layout: Layout) -> bool:
+    """Whether this runtime's FSDP shards a MoE block's experts as a unit apart from the rest of the
+    block: under expert parallel (``parallel/experts/ep.shard_experts``), not on another stack."""
+    return (spec.moe is not None and (getattr(layout, "ep", 1) or 1) > 1 and layout.external is None)
+
+
 def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: ActivationBytes, kernels: Kernels, *,
                  seq: int, micro_batch: int, unit: int, block_unit: int, head_unit: int, loss_parts: dict[str, int],
                  norm_backward: int, no_sync: bool, absent_grads: int = 0) -> dict[str, int]:
@@ -1095,9 +1101,18 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     if act.recompute_peak:
         block["recompute (1 block)"] = act.recompute_peak
     rs = sharded and not no_sync
-    first = {**({"all-gather (2 units, prefetch)": 2 * prec.param * block_unit} if fsdp else {}),
+    prefetch = {"all-gather (2 units, prefetch)": 2 * prec.param * block_unit}
+    prefetch_later = {"all-gather (2 units, prefetch)": prec.param * (block_unit + unit)}
+    if fsdp and _experts_own_unit(spec, layout):
+        # The runtime shards a block's experts as an FSDP unit of their own (parallel/data/fsdp.py),
+        # so backward gathers the experts and the rest of a block in turn, each prefetching the
+        # other: one block's parameters at most, never two (a played Mixtral fsdp ep 2 rank held
+        # its last block's experts and attention, 1,424 MiB, at its peak; 2,848 were planned).
+        prefetch = prefetch_later = {"all-gather (1 block: its experts' unit and the rest, in turn)":
+                                     prec.param * block_unit}
+    first = {**(prefetch if fsdp else {}),
              **({"reduce-scatter (1 unit)": REDUCE_BYTES * head_unit} if rs else {}), **block}
-    later = {**({"all-gather (2 units, prefetch)": prec.param * (block_unit + unit)} if fsdp else {}),
+    later = {**(prefetch_later if fsdp else {}),
              **({"reduce-scatter (1 unit)": REDUCE_BYTES * block_unit} if rs else {}), **block}
     if absent_grads:
         label = "gradient shards not created yet (one micro-batch a step)"

@@ -235,12 +235,18 @@ def _hf_expert_parallel(experts: nn.Module, top_k: int, dispatcher: ExpertDispat
         order = flat.argsort(stable=True)
         token = order // top_k
         got, _ = dispatcher.dispatch(experts, (hidden_states[token], counts))
-        gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+        # One unbind, not an index per expert: ``w[e]``'s backward (select_backward) makes a zero
+        # gradient of the whole 3-D weight for each expert and autograd sums them, three whole
+        # copies alive at once (a played Mixtral ep 2 rank: 2.6 GiB in its experts' backward) and
+        # a memset and an add of the whole weight per expert; unbind's backward stacks the
+        # experts' own gradients once.
+        down = _local(experts.down_proj)
+        gate_ups, downs = _local(experts.gate_up_proj).unbind(0), down.unbind(0)
         outs = []
         for e, chunk in enumerate(got.split(dispatcher.local_sizes)):  # known on the host: no sync
             if chunk.shape[0]:
-                gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(experts.act_fn(gate) * up, down[e]))
+                gate, up = F.linear(chunk, gate_ups[e]).chunk(2, dim=-1)
+                outs.append(F.linear(experts.act_fn(gate) * up, downs[e]))
         out = torch.cat(outs) if outs else got.new_zeros(0, down.shape[1])
         routed = dispatcher.combine(experts, None, out)
         scale = top_k_weights.reshape(-1)[order].to(routed.dtype).unsqueeze(-1)
