@@ -90,8 +90,8 @@ def test_the_report_sets_the_planners_compute_beside_a_measured_gpu_step() -> No
     rank = {"cuda": {"device_name": "NVIDIA H200"}, "step_s": [3.5, 3.083, 3.1]}
     line = _planned_compute(planned, {"roofline_s": 2.34}, rank)[0]
     assert "compute 2,850 ms (the roofline floor is 82% of it)" in line
-    assert ("measured step on this GPU (uninstrumented, fake collectives: compute only) 3,083 ms, the planner's "
-            "compute -7.6%") in line
+    assert ("measured step on this GPU (the fastest, instrumented, fake collectives: compute only) 3,083 ms, "
+            "the planner's compute -7.6%") in line
     assert "measured" not in _planned_compute(planned, {"roofline_s": 2.34}, {"step_s": [1.0]})[0]  # fake CPU times
     assert "not computed (no)" in _planned_compute({"refused": "no"}, {}, rank)[0]
     assert _planned_compute(None, {}, rank) == []

@@ -131,10 +131,13 @@ def _ms(seconds: float) -> str:
     return f"{ms:,.0f} ms" if ms >= 1000 else f"{ms:.4g} ms"  # never 1.63e+04
 
 
-def _measured_step(rank: dict[str, Any]) -> float:
-    """A GPU rank's step time: the step run with no tracker and no counter (the others carry their
-    per-op Python work), or the fastest step where there is none (a result from before it ran)."""
-    return rank.get("timed_step_s") or min(rank["step_s"])
+def _measured_step(rank: dict[str, Any]) -> tuple[float, str]:
+    """A GPU rank's step time and what it is: the step run with no tracker and no counter (the
+    others carry their per-op Python work), or the fastest step where there is none (a result
+    written before that step existed)."""
+    if rank.get("timed_step_s"):
+        return rank["timed_step_s"], "uninstrumented"
+    return min(rank["step_s"]), "the fastest, instrumented"
 
 
 def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], rank: dict[str, Any]) -> list[str]:
@@ -150,8 +153,8 @@ def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], r
             f"{roofline['roofline_s'] / planned['compute_s']:.0%} of it), exposed communication "
             f"{_ms(planned['comm_exposed_s'])}, bubble {_ms(planned['bubble_s'])}")
     if rank.get("cuda") and rank.get("step_s"):
-        measured = _measured_step(rank)
-        line += (f"; measured step on this GPU (uninstrumented, fake collectives: compute only) {_ms(measured)}, "
+        measured, how = _measured_step(rank)
+        line += (f"; measured step on this GPU ({how}, fake collectives: compute only) {_ms(measured)}, "
                  f"the planner's compute {100 * (planned['compute_s'] - measured) / measured:+.1f}%")
     return [line]
 
@@ -183,7 +186,7 @@ def format_text(report: dict[str, Any]) -> str:
             cu = rank["cuda"]
             lines.append(f"  {cu['device_name']}: max_memory_allocated {cu['max_memory_allocated'] / GIB:.2f} GiB, "
                          f"reserved {cu['max_memory_reserved'] / GIB:.2f} GiB, "
-                         f"step {_measured_step(rank):.3f} s (uninstrumented)")
+                         "step {:.3f} s ({})".format(*_measured_step(rank)))
         if rank.get("modules"):
             # Every ancestor of the module running at the peak shares its peak: name the deepest one.
             top = max(m["peak_bytes"] for m in rank["modules"])
