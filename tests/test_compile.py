@@ -101,3 +101,29 @@ def test_apply_compile_wraps_each_block_and_keeps_names():
     assert list(model.blocks.values()) == blocks
     # Compiled after activation checkpointing: the compiled module holds the checkpoint wrapper.
     assert all(isinstance(b._orig_mod._checkpoint_wrapped_module, torch.nn.Module) for b in blocks)
+
+
+def test_the_compiled_losss_backward_writes_a_new_gradient_of_the_logits():
+    """The planner's "compiled" loss (plan.memory.Kernels, plan.predict.loss_kernels) rests on what
+    inductor makes of the runtime's loss: its forward keeps the 16-bit logits and per-token
+    statistics (no fp32 copy of the logits), and its backward returns a new 16-bit buffer of the
+    logits' shape rather than writing in place (so the loss's backward holds both). Read from the
+    generated code; a torch that changes it changes the plan's "logits gradient" term."""
+    from torch._inductor.utils import run_and_get_code
+
+    from shardwise.workloads import cross_entropy_loss
+
+    tokens, vocab = 64, 256
+    logits = torch.randn(2, tokens // 2, vocab, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, vocab, (2, tokens // 2))
+    loss_fn = torch.compile(cross_entropy_loss)
+
+    def step() -> None:
+        loss_fn(logits, target).backward()
+
+    torch._dynamo.reset()
+    _, (forward, backward) = run_and_get_code(step)
+    buffers = [line for line in forward.splitlines() if "empty_strided" in line and "= empty_strided" in line]
+    assert buffers and not any(f"({tokens}, {vocab})" in b for b in buffers), buffers  # no logits-sized copy kept
+    assert any(f"({tokens}, {vocab})" in line and "torch.bfloat16" in line and "= empty_strided" in line
+               for line in backward.splitlines()), backward

@@ -205,14 +205,15 @@ def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, 
 def loss_kernels(chunked: bool, compiled: bool, tp: int) -> Kernels:
     """The runtime's loss as the planner's ``Kernels``: the chunked head's; a compiled one's, which
     inductor fuses (up-cast, log-softmax and NLL in one kernel: it keeps the 16-bit logits and a
-    per-token log-sum-exp, not the eager loss's fp32 copies -- on an H200, GPT-2 124M at 8 x 1024
-    tokens peaked 1.0 GiB above its chunked run with the logits whole, where the eager loss's 10
-    bytes a logit would be 3.1 GiB); else torch's eager ``F.cross_entropy``. The trainer leaves the
-    loss eager under tensor parallel (``Session.compile_loss``)."""
+    per-token log-sum-exp, not the eager loss's fp32 copies, and its backward writes a new 16-bit
+    gradient of the logits -- on an H200, GPT-2 124M at 8 x 1024 tokens peaked 1.0 GiB above its
+    chunked run with the logits whole, where the eager loss's 10 bytes a logit would be 3.1 GiB);
+    else torch's eager ``F.cross_entropy``. The trainer leaves the loss eager under tensor parallel
+    (``Session.compile_loss``)."""
     if chunked:
         return Kernels(loss="chunked")
     if compiled and tp == 1:
-        return Kernels(loss="fused")
+        return Kernels(loss="compiled")
     return SHARDWISE_KERNELS
 
 
