@@ -91,7 +91,11 @@ def test_the_report_sets_the_planners_compute_beside_a_measured_gpu_step() -> No
     line = _planned_compute(planned, {"roofline_s": 2.34}, rank)[0]
     assert "compute 2,850 ms (the roofline floor is 82% of it)" in line
     assert ("measured step on this GPU (the fastest, instrumented, fake collectives: compute only) 3,083 ms, "
-            "the planner's compute -7.6%") in line
+            "the planner's compute 2,850 ms: -7.6%") in line
+    # Played on another GPU than the target: the measured step is set beside the term priced there.
+    here = dict(planned, here={"compute_s": 2.7, "gpu": "h200"})
+    assert "the planner's compute priced on this h200 2,700 ms: -12.4%" in _planned_compute(here, {"roofline_s": 2.34},
+                                                                                              rank)[0]
     assert "measured" not in _planned_compute(planned, {"roofline_s": 2.34}, {"step_s": [1.0]})[0]  # fake CPU times
     assert "not computed (no)" in _planned_compute({"refused": "no"}, {}, rank)[0]
     assert _planned_compute(None, {}, rank) == []
@@ -633,6 +637,21 @@ def test_a_gpu_ranks_step_is_the_one_timed_alone() -> None:
     rank = {"cuda": {"device_name": "GPU"}, "step_s": [36.9, 34.7, 17.7, 9.61], "timed_step_s": 9.61}
     (line,) = _planned_compute(planned, {"roofline_s": 6.5}, rank)
     assert "measured step on this GPU (uninstrumented, fake collectives: compute only) 9,610 ms" in line
-    assert "the planner's compute -1.8%" in line
+    assert "the planner's compute 9,441 ms: -1.8%" in line
     rank["timed_step_s"] = 9.9  # slower than a counted step would be: still the one reported
     assert "9,900 ms" in _planned_compute(planned, {"roofline_s": 6.5}, rank)[0]
+
+
+def test_a_gpu_rehearsal_prices_the_planners_compute_on_the_gpu_it_ran_on(monkeypatch) -> None:
+    """``--device cuda`` on an H200 with the default target h100-sxm: the target's plan stays the
+    verdict's, and the measured step is set beside the planner's term priced on the local GPU."""
+    import torch
+
+    monkeypatch.setattr(launch, "check_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(launch, "play", lambda *a, **k: [{"rank": 0, "failed": "not played here"}])
+    args = _args("hf-shakespeare", "model.kind=hf", "model.hf_config=llama-tiny", strategy="fsdp", nproc=2)
+    args.device = "cuda"
+    planned = cli.rehearse(args)["planned_step"]
+    assert planned["here"]["gpu"] == "h200" and planned["here"]["compute_s"] > 0, planned
+    assert planned["compute_s"] > 0  # the target's own, for the report's first line

@@ -104,6 +104,16 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     ranks = launch.parse_ranks(args.ranks, run.layout.world_size) if args.ranks else launch.default_ranks(run.layout)
     prediction = dry_run_prediction(run)
     planned_step = _planned_step(run, target.name, args.nnodes)
+    if planned_step and args.device == "cuda" and "refused" not in planned_step:
+        # The played rank's step runs on this machine's GPU: the planner's term it is set beside is
+        # priced on that GPU, not on the target (an A100 against an h100-sxm plan says nothing).
+        import torch  # defers torch
+
+        from shardwise.observe.throughput import catalog_gpu  # defers torch
+
+        here = catalog_gpu(torch.cuda.get_device_name())
+        if here and here != target.name:
+            planned_step = {**planned_step, "here": {**(_planned_step(run, here, args.nnodes) or {}), "gpu": here}}
     results = launch.play(to_toml(run.config), world_size=run.layout.world_size, nproc=run.nproc, ranks=ranks,
                           device=args.device, steps=args.steps, timeout_s=args.rank_timeout, jobs=args.jobs)
     budget = Cluster(gpu=target, gpus_per_node=run.nproc, nodes=args.nnodes).usable_gib

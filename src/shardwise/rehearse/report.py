@@ -154,8 +154,11 @@ def _planned_compute(planned: dict[str, Any] | None, roofline: dict[str, Any], r
             f"{_ms(planned['comm_exposed_s'])}, bubble {_ms(planned['bubble_s'])}")
     if rank.get("cuda") and rank.get("step_s"):
         measured, how = _measured_step(rank)
+        here = planned.get("here") or {}
+        compute, priced = ((here["compute_s"], f" priced on this {here['gpu']}") if here.get("compute_s")
+                           else (planned["compute_s"], ""))
         line += (f"; measured step on this GPU ({how}, fake collectives: compute only) {_ms(measured)}, "
-                 f"the planner's compute {100 * (planned['compute_s'] - measured) / measured:+.1f}%")
+                 f"the planner's compute{priced} {_ms(compute)}: {100 * (compute - measured) / measured:+.1f}%")
     return [line]
 
 
