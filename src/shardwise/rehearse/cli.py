@@ -50,7 +50,8 @@ def add_rehearse_options(p: argparse.ArgumentParser) -> None:
                    help="ranks to play (default: one of each role: rank 0, the first rank of the last pipeline "
                         "stage, of the last context-parallel chunk and of the last experts, the last rank)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu: fake tensors (any machine); cuda: real tensors on this machine's GPU, fake collectives")
+                   help="cpu: fake tensors (any machine); cuda: real tensors on this machine's GPU, fake collectives, "
+                        "and one more step timed alone (no tracker or counter) as the rank's measured step")
     p.add_argument("--steps", type=int, default=3, metavar="N",
                    help="optimizer steps per played rank (default and least 3: memory is read over all but "
                         "the last, which counts collectives; the optimizer's state exists from the first step on)")
