@@ -31,6 +31,8 @@
 #                   PyTorch loop (torch-ddp on one rank), both bf16-mixed + per-block compile
 #   rehearse-70b    rank 0 of the plan's recommendation for llama-3-70b on 4 x 8 H100 (fsdp+tp, tp 4,
 #                   selective AC, 8,192 tokens) played on this GPU: measured peak and step time vs the plan
+#   kernel-rates    the matrix-product and attention rates the planner prices a step with, measured at
+#                   llama-3-8b's shapes (forward + backward, bf16) beside the planner's for an H200
 # Every `shardwise train` step reports the planner's predicted peak next to the measured one.
 # To add a step: write a function step_<name> (it may call train_step / py_step) and add
 # "<name> <box seconds>" to STEP_LIST; docs/performance.md adds the boxes up into the visit's length.
@@ -72,6 +74,7 @@ EXTRA_STEPS=(
     "gpt2-chunked 75"
     "mfu-peers 150"
     "rehearse-70b 240"
+    "kernel-rates 30"
 )
 SELECTED=()
 if [[ -n "${GPU_SH_STEPS:-}" ]]; then
@@ -296,6 +299,11 @@ step_rehearse-70b() {
         --strategy fsdp+tp --set model.kind=hf --set parallel.precision=bf16-mixed --set train.micro_batch_size=1 \
         --set train.grad_accum_steps=4 --set parallel.activation_checkpointing=selective-op \
         --set parallel.sequence_parallel=true --set parallel.grad_sync=microbatch "${what[@]}"
+}
+
+step_kernel-rates() {
+    py_step kernel-rates "$ROOT/benchmarks/kernel_rates.py" --gpu h200 \
+        --device "$( (( CPU_MODE )) && echo cpu || echo cuda)"
 }
 
 # ------------------------------------------------------------------------------ run them, each in its box
