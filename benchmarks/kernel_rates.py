@@ -89,7 +89,8 @@ def main() -> int:
     cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=1)
     calib = cluster.calibration
     fabric = cluster.fabric("bf16", calib)
-    priced = {"matmul": fabric.matmul_flops_per_s(calib) / 1e12, "attention": fabric.attention_flops_per_s(calib) / 1e12}
+    priced = {"matmul": fabric.matmul_flops_per_s(calib) / 1e12,
+              "attention": fabric.attention_flops_per_s(calib) / 1e12}
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (a check of the script: figures mean nothing)"
     print(f"device: {name}; planner's rates for {args.gpu} (peak {fabric.peak_tflops:.0f} TFLOP/s 16-bit)")
     for what, secs, flops in (("matmul", gemm_s, gemm_flops), ("attention", attn_s, attn_flops)):
