@@ -406,14 +406,19 @@ def goal_check(label: str, results: list[Result]) -> str:
             + ("MET" if met else "MISSED"))
 
 
-def blind(cases: list[Case], calibrations: dict[str, Calibration]) -> str:
+def blind(cases: list[Case], calibrations: dict[str, Calibration], rounds: dict[str, str] | None = None) -> str:
     """The held-out sources (``"held_out": true``), with the constants in plan/cost.py: per source,
-    per kind, and each refused or wrong run by name."""
+    per blind round (``rounds``: source -> the round that first evaluated it), per kind, and each
+    refused or wrong run by name."""
     held = [c for c in cases if c.source_held_out]
     results = evaluate_all(held, calibrations)
     lines = ["held-out sources, constants as in plan/cost.py (never fitted on these):"]
     for src in dict.fromkeys(c.run["source"] for c in held):
         lines.append("  " + goal_check(src, [r for r in results if r.case.run["source"] == src]))
+    rounds = rounds or {}
+    for name in dict.fromkeys(rounds[c.run["source"]] for c in held if c.run["source"] in rounds):
+        part = [r for r in results if rounds.get(r.case.run["source"]) == name]
+        lines.append("  " + goal_check(f"round {name}", part))
     for kind in ("moe-ep", "moe", "cp", "pp", "dense"):
         part = [r for r in results if run_kind(r.case) == kind]
         if part:
@@ -549,12 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(DATA.read_text())
     cases = load_cases(data)
     calibrations = {g: CALIBRATIONS[g] for g in GENERATIONS}
+    rounds = {name: src["blind"] for name, src in data["sources"].items() if src.get("blind")}
     if args.blind:
-        print(blind(cases, calibrations))
+        print(blind(cases, calibrations, rounds))
         return 0
     if args.by_source:
         print(by_source(cases, calibrations))
-        print(blind(cases, calibrations))
+        print(blind(cases, calibrations, rounds))
         return 0
     if not args.no_fit:
         calibrations = fit(cases, calibrations)
