@@ -60,7 +60,7 @@ from shardwise.plan.cost import (  # noqa: E402
     flops_per_token,  # noqa: E402
 )
 from shardwise.plan.memory import Kernels, Layout  # noqa: E402
-from shardwise.plan.presets import ceiling, gpu, gpu_from_dict, model_preset  # noqa: E402
+from shardwise.plan.presets import attention_op, ceiling, gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
 from shardwise.plan.stacks import stack_settings  # noqa: E402
 
@@ -101,7 +101,10 @@ def prior(name: str, gen: str | None = None) -> float | None:
     typical = GENERATION_PRIORS.get(gen or "", {}).get(name, PRIORS.get(name))
     if typical is None or name not in FACTOR_BANDS.get(gen or "", {}):
         return typical
-    return typical / ceiling(gpu(GENERATION_GPU[gen or ""]), name.removesuffix("_factor"), "bf16")[0]
+    # The typical attention fractions of peak are FlashAttention-2's (the kernel of the runs and
+    # papers they come from), so that prior is over FlashAttention-2's ceiling (presets.attention_op).
+    op = {"matmul_factor": "matmul", "attention_factor": attention_op("flash2")}[name]
+    return typical / ceiling(gpu(GENERATION_GPU[gen or ""]), op, "bf16")[0]
 
 
 # ------------------------------------------------------------------------------ runs -> planner inputs
@@ -169,6 +172,22 @@ def published_tokens_per_s(run: dict[str, Any], spec: ModelSpec) -> float | None
         per_token = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     elif formula == "megatron-model-flops":  # 72 B s l h^2 (1 + s/6h + V/12lh)
         per_token = 72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    elif formula == "megatron-core-2025":
+        # Megatron-Core's num_floating_point_operations since ADLR/megatron-lm!2789 (2025-03-06, in
+        # force at the source's runs; megatron/training/training.py at aecce9e9, 2025-11-04): GQA
+        # projections 12 L h qd (1 + g/n), the causal core attention halved (6 L s qd: "Only half of
+        # the attention matrix is non-zero"), SwiGLU MLPs (routed experts: top_k of them), the
+        # logits 6 h V; no router, no norms. (V unpadded here: Megatron pads it to 128 x tp, < 0.2 %.)
+        assert spec.n_heads and spec.head_dim and spec.n_kv_heads
+        qd = spec.n_heads * spec.head_dim
+        attn = 12 * L * h * qd * (1 + spec.n_kv_heads / spec.n_heads) + 6 * L * s * qd
+        if spec.moe is not None:
+            moe_layers = spec.moe.n_moe_layers
+            mlp = 6 * spec.moe.params_per_expert * spec.moe.top_k * moe_layers
+            mlp += 18 * h * (spec.ffn_hidden or 0) * (L - moe_layers)
+        else:
+            mlp = 18 * h * (spec.ffn_hidden or 0) * L
+        per_token = attn + mlp + 6 * h * V
     elif formula == "planner":  # the source states none: the planner's own convention (plan/cost.py)
         per_token = flops_per_token(spec, s)
     else:

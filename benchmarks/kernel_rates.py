@@ -2,11 +2,14 @@
 
 The planner's compute term (``plan.cost.micro_batch_compute_s``) runs a step's matrix products at
 ``peak x matmul ceiling x matmul_factor`` and the attention core (unhalved FLOPs) at
-``peak x attention ceiling x attention_factor``, the factors fitted to published runs. A played
-llama-3-8b rank on an H200 (full recomputation, 8,192 tokens) ran 17 % faster than that term, a
-llama-3-70b rank (selective-op) 5 % slower; attention is 22.6 % of the first's planned FLOPs and
-12.1 % of the second's. This measures both rates at the 8B's shapes, forward and backward, and
-prints them beside the planner's for ``--gpu``:
+``peak x attention ceiling x attention_factor``, the ceiling that of the stack's attention kernel
+(``Kernels.attention_kernel``: "flash2" for SDPA's default FlashAttention-2, "flash3" for cuDNN's
+or FlashAttention-3 on Hopper), the factors fitted to published runs. A played llama-3-8b rank on
+an H200 (full recomputation, 8,192 tokens) ran 20 % faster than that term priced as "flash2" (and
+as fast as "flash3"), a llama-3-70b rank (selective-op) 4 % slower ("flash2"); attention is 22.6 %
+of the first's planned FLOPs and 12.1 % of the second's. This measures both rates at the 8B's
+shapes, forward and backward, SDPA's default and (on CUDA) its cuDNN kernel, and prints them
+beside the planner's for ``--gpu``:
 
     .venv/bin/python benchmarks/kernel_rates.py [--gpu h200] [--seq 8192] [--device cuda]
 
@@ -84,16 +87,29 @@ def main() -> int:
         torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), go)
 
     attn_s = _timed(attention, dev, args.repeats)
+    cudnn_s = None
+    if dev == "cuda":  # cuDNN's fused attention, SDPA's opt-in Hopper kernel (the planner's "flash3" class)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn_s = _timed(attention, dev, args.repeats)
+        except RuntimeError as e:  # no cuDNN attention for this GPU or shape: say so, keep the rest
+            print(f"cuDNN attention not run: {str(e).splitlines()[0]}")
     attn_flops = 12 * args.heads * args.head_dim * s * s  # unhalved, as the planner counts it
 
     cluster = Cluster(gpu=gpu(args.gpu), gpus_per_node=1)
     calib = cluster.calibration
     fabric = cluster.fabric("bf16", calib)
+    # SDPA's default (FlashAttention-2 first on every GPU) is priced as "flash2"; cuDNN's as "flash3".
     priced = {"matmul": fabric.matmul_flops_per_s(calib) / 1e12,
-              "attention": fabric.attention_flops_per_s(calib) / 1e12}
+              "attention": fabric.attention_flops_per_s(calib, "flash2") / 1e12,
+              "attn-cudnn": fabric.attention_flops_per_s(calib, "flash3") / 1e12}
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu (a check of the script: figures mean nothing)"
     print(f"device: {name}; planner's rates for {args.gpu} (peak {fabric.peak_tflops:.0f} TFLOP/s 16-bit)")
-    for what, secs, flops in (("matmul", gemm_s, gemm_flops), ("attention", attn_s, attn_flops)):
+    rows = [("matmul", gemm_s, gemm_flops), ("attention", attn_s, attn_flops)]
+    if cudnn_s is not None:
+        rows.append(("attn-cudnn", cudnn_s, attn_flops))
+    for what, secs, flops in rows:
         rate = flops / secs / 1e12
         print(f"{what:<10} {secs * 1e3:9.3f} ms  {rate:8.1f} TFLOP/s measured  {priced[what]:8.1f} priced  "
               f"measured / priced {rate / priced[what]:.2f}")

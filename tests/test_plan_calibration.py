@@ -26,6 +26,7 @@ from shardwise.plan.cost import (
     FACTOR_BANDS,
     Fabric,
     all_reduce_s,
+    attention_flops_per_token,
     flops_per_token,
     hardware_flops_per_token,
     step_time,
@@ -168,14 +169,16 @@ def test_constants_in_code_are_the_fit_optimum(calibration):
 
 def test_matmul_band_floor_lets_every_published_run_s_mfu_be_reached(calibration):
     """cost.FACTOR_BANDS' rule: at the floor of its band a generation's GEMMs still run at least as
-    fast as the highest model-FLOPs utilisation any of its published runs reached, so no fit can
-    cap the predicted MFU below a published run (docs/planner.md, calibration)."""
+    fast as the highest FLOPs utilisation any of its published runs reached (the FLOPs it executes:
+    a causal kernel runs half of the attention the planner's convention counts), so no fit can cap
+    the predicted MFU below a published run (docs/planner.md, calibration)."""
     cp, cases = calibration
     for c in cases:
         if not c.published_tps or c.cluster.gpu.calibration not in FACTOR_BANDS:
             continue
         fabric = c.cluster.fabric(c.work.precision, CALIBRATIONS[c.cluster.gpu.calibration])
-        mfu = c.published_tps * flops_per_token(c.spec, c.work.seq) / (fabric.peak_tflops * 1e12)
+        executed = flops_per_token(c.spec, c.work.seq) - attention_flops_per_token(c.spec, c.work.seq) / 2
+        mfu = c.published_tps * executed / (fabric.peak_tflops * 1e12)
         floor = FACTOR_BANDS[c.cluster.gpu.calibration]["matmul_factor"][0]
         assert mfu <= fabric.matmul_ceiling * floor, (c.id, mfu)
 
@@ -503,3 +506,18 @@ def test_the_final_norm_under_sequence_parallel_and_a_fused_loss_stage():
 
     fused_kept = e * spec.vocab + 4 - 4 * spec.vocab  # the fused loss keeps the logits, the eager one its log-softmax
     assert last_activations("torch") - last_activations("fused") == tokens * (e * spec.vocab - fused_kept)
+
+
+def test_megatron_core_2025_flop_formula_halves_the_causal_attention(calibration):
+    """The megatron-moe-modelzoo long-context rows' TFLOPS are converted with Megatron-Core's own
+    num_floating_point_operations of their date (causal attention halved since
+    ADLR/megatron-lm!2789), by hand for Qwen3-235B-A22B at 131,072 tokens."""
+    cp, cases = calibration
+    case = next(c for c in cases if c.id == "qwen3-235b-h100-256gpu-s131072-cp8")
+    assert case.run["published"]["flops_formula"] == "megatron-core-2025"
+    L, h, n, g, d, s, V = 94, 4096, 64, 4, 128, 131072, 151936
+    qd = n * d
+    per_token = (12 * L * h * qd * (1 + g / n) + 6 * L * s * qd  # projections; the causal core, halved
+                 + 12 * L * h * 1536 * 8 * 3 / 2  # 8 routed SwiGLU experts of 1,536
+                 + 6 * h * V)  # the logits
+    assert case.published_tps == pytest.approx(case.run["published"]["tflops_per_gpu"] * 1e12 / per_token)

@@ -17,6 +17,7 @@ from shardwise.plan.presets import (
     ceiling,
     gpu,
     gpu_from_dict,
+    model_preset,
     training_attention_fraction,
 )
 from shardwise.plan.spec import from_param_count
@@ -77,3 +78,37 @@ def test_gpu_spec_names_its_ceilings_row_or_inherits_its_base_s():
                          "test").ceilings == "a100-sxm"
     with pytest.raises(ConfigError, match="ceilings must be one of"):
         gpu_from_dict({"base": "h100-sxm", "ceilings": "b200"}, "test")
+
+
+def test_the_attention_kernel_is_a_stack_property_with_its_own_ceiling():
+    """Kernels.attention_kernel (docs/planner.md, "The attention kernel is a stack property"): on an
+    H100 FlashAttention-2 rates at 0.35 / 0.748 of FlashAttention-3's ceiling (its abstract), cuDNN /
+    FA3 ("flash3") at FA3's; on an A100, where no newer kernel runs, both at FlashAttention-2's.
+    Megatron's stack (Transformer Engine: cuDNN on Hopper) says flash3, shardwise's runtime flash2."""
+    from shardwise.plan.memory import Kernels
+    from shardwise.plan.presets import attention_op
+    from shardwise.plan.stacks import stack_settings
+
+    fa3 = training_attention_fraction(740 / 989, 561 / 989)
+    for name in ("h100-sxm", "h200"):
+        assert ceiling(gpu(name), attention_op("flash3"), "bf16")[0] == pytest.approx(fa3)
+        assert ceiling(gpu(name), attention_op("flash2"), "bf16")[0] == pytest.approx(fa3 * 0.35 / (740 / 989))
+    a100 = ceiling(gpu("a100-80gb"), "attention", "bf16")
+    assert ceiling(gpu("a100-80gb"), attention_op("flash2"), "bf16") == a100
+    assert ceiling(gpu("l40s"), attention_op("flash2"), "bf16") == (UNMEASURED_CEILINGS["attention"], "")
+    assert stack_settings("megatron")[0].attention_kernel == "flash3"
+    assert stack_settings("shardwise")[0].attention_kernel == "flash2"
+    assert stack_settings("shardwise", ["attention_kernel=flash3"])[0].attention_kernel == "flash3"
+    with pytest.raises(ConfigError, match="flash2"):
+        Kernels(attention_kernel="flash4")
+
+    # The step: only the attention term moves, by the ratio of the ceilings (H100), not at all (A100).
+    spec = model_preset("llama-3-8b")
+    for name, faster in (("h100-sxm", True), ("a100-80gb", False)):
+        cluster = Cluster(gpu(name), gpus_per_node=8, nodes=1)
+        times = {}
+        for k in ("flash2", "flash3"):
+            work = Workload(seq=8192, micro_batch=1, grad_accum=1, precision="bf16", optimizer="adamw",
+                            kernels=Kernels(attention_kernel=k))
+            times[k] = predict_step_time(spec, cluster, work, Layout("fsdp", dp=8)).compute_s
+        assert (times["flash3"] < times["flash2"] * 0.95) if faster else times["flash3"] == times["flash2"]

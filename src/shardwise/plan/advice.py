@@ -96,7 +96,8 @@ class Cluster:
         eff = calib.link_efficiency
         return Fabric(g, intra * eff, inter * eff, peak, self.gpu.mem_bw_tbs,
                       matmul_ceiling=ceiling(self.gpu, "matmul", precision_name)[0],
-                      attention_ceiling=ceiling(self.gpu, "attention", precision_name)[0])
+                      attention_ceiling=ceiling(self.gpu, "attention", precision_name)[0],
+                      attention_flash2_ceiling=ceiling(self.gpu, "attention-flash2", precision_name)[0])
 
 
 @dataclass(frozen=True)

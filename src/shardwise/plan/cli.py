@@ -497,9 +497,11 @@ def format_table(plan: Plan) -> str:
                  "+ bubble; verdict: fits the budget, tight = over the budget but within the device's memory, "
                  "no = above it; ckpt/mb/sync: the settings chosen for that layout)")
     cal = plan.calibration
-    mm, at = (presets.ceiling(c.gpu, op, w.precision)[0] for op in ("matmul", "attention"))
+    mm, at = (presets.ceiling(c.gpu, op, w.precision)[0]
+              for op in ("matmul", presets.attention_op(w.kernels.attention_kernel)))
     lines.append(f"(calibration {cal.name!r}: of peak, matmul {mm:.2f} ceiling x {cal.matmul_factor:.2f} "
-                 f"fitted = {mm * cal.matmul_factor:.2f}, attention {at:.2f} x {cal.attention_factor:.2f} = "
+                 f"fitted = {mm * cal.matmul_factor:.2f}, attention ({w.kernels.attention_kernel}) {at:.2f} x "
+                 f"{cal.attention_factor:.2f} = "
                  f"{at * cal.attention_factor:.2f} (unhalved causal FLOPs), links {cal.link_efficiency:.2f} of line "
                  "rate; " + (f"fitted on {cal.fitted_runs} published runs)" if cal.fitted_runs else "not fitted)"))
     if w.optimizer == "muon" and plan.recommended:

@@ -92,19 +92,21 @@ class Calibration:
 # How far a fit may move each rate below its published ceiling (presets.KERNEL_CEILINGS), per
 # generation, and why (docs/planner.md, "Calibration per GPU generation"):
 # * matmul: at most 1.0 (a run's GEMMs never beat the best measured shape); at least the fraction
-#   at which a GEMM-bound layout still reaches the highest model-FLOPs utilisation a published run
-#   of that generation reached (benchmarks/published_runs.json), rounded up to 0.05: A100 64.1 %
-#   (MPT-7B on 8 A100 80GB) / 0.869 -> 0.75; H100 49.5 % (Megatron-LM 2024, GPT 16B on 192 H100)
-#   / 0.803 -> 0.65. So no fit can cap the predicted MFU below what a published run reached
-#   (tests/test_plan_calibration.py checks this rule against every run of the data).
-# * attention 0.35-1.0: the ceiling is the newest flash kernel of each generation (FlashAttention-3
-#   on H100, -2 on A100); the published stacks also ran older ones, which the papers put at 35 % of
-#   the H100's peak against FlashAttention-3's 75 % (0.47), and FlashAttention-1 at 25-40 % of the
-#   A100's against FlashAttention-2's 73 % (0.34-0.55), both non-causal.
+#   at which a GEMM-bound layout still reaches the highest FLOPs utilisation a published run of that
+#   generation reached (benchmarks/published_runs.json; the FLOPs a run executes: causal attention
+#   halved), rounded up to 0.05: A100 61.8 % (MPT-7B on 8 A100 80GB) / 0.869 -> 0.75; H100 56.1 %
+#   (NeMo's Llama 3.1 405B proxy, 7 layers, on 32 H100: dgxc-benchmarking) / 0.803 -> 0.70 (0.65
+#   until that source was added, 2026-11-28, when the highest was Megatron-LM 2024's GPT 16B). So no
+#   fit can cap the predicted MFU below what a published run reached (tests/test_plan_calibration.py
+#   checks this rule against every run of the data).
+# * attention 0.35-1.0: the ceiling is the run's own kernel class (Kernels.attention_kernel:
+#   FlashAttention-2, or the generation's newest, FlashAttention-3 / cuDNN on H100); the published
+#   stacks also ran older ones still, FlashAttention-1 at 25-40 % of the A100's peak against
+#   FlashAttention-2's 73 % (0.34-0.55), non-causal.
 ATTENTION_BAND = (0.35, 1.0)
 FACTOR_BANDS: dict[str, dict[str, tuple[float, float]]] = {
     "a100": {"matmul_factor": (0.75, 1.0), "attention_factor": ATTENTION_BAND},
-    "h100": {"matmul_factor": (0.65, 1.0), "attention_factor": ATTENTION_BAND},
+    "h100": {"matmul_factor": (0.70, 1.0), "attention_factor": ATTENTION_BAND},
 }
 
 # Fitted by benchmarks/calibrate_planner.py on benchmarks/published_runs.json (run it to
@@ -112,10 +114,10 @@ FACTOR_BANDS: dict[str, dict[str, tuple[float, float]]] = {
 # jointly over all generations; the factors and the link efficiency per generation, each with a
 # weak prior (calibrate_planner.PRIORS, GENERATION_PRIORS) and inside FACTOR_BANDS.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_factor=0.7652, attention_factor=0.4756, link_efficiency=0.6522,
-                        elementwise_passes=9.151, fragmentation=0.1428, fitted_runs=41),
-    "h100": Calibration("h100", matmul_factor=0.6855, attention_factor=0.35, link_efficiency=0.7832,
-                        elementwise_passes=9.151, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_factor=0.7722, attention_factor=0.473, link_efficiency=0.6616,
+                        elementwise_passes=9.309, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_factor=0.702, attention_factor=0.642, link_efficiency=0.7741,
+                        elementwise_passes=9.309, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -189,7 +191,8 @@ class Fabric:
     # The GPU's published kernel ceilings as fractions of ``peak_tflops`` (presets.ceiling); a
     # Fabric built by hand gets the unmeasured GPUs' values.
     matmul_ceiling: float = UNMEASURED_CEILINGS["matmul"]
-    attention_ceiling: float = UNMEASURED_CEILINGS["attention"]
+    attention_ceiling: float = UNMEASURED_CEILINGS["attention"]  # the GPU's best attention kernel
+    attention_flash2_ceiling: float = UNMEASURED_CEILINGS["attention"]  # FlashAttention-2's on it
 
     @property
     def inter_gbs(self) -> float:
@@ -216,9 +219,11 @@ class Fabric:
         """The rate of the training GEMMs: peak x measured ceiling x the fitted factor."""
         return self.peak_tflops * 1e12 * self.matmul_ceiling * calib.matmul_factor
 
-    def attention_flops_per_s(self, calib: Calibration) -> float:
-        """The rate of the attention core on unhalved FLOPs: peak x measured ceiling x the fitted factor."""
-        return self.peak_tflops * 1e12 * self.attention_ceiling * calib.attention_factor
+    def attention_flops_per_s(self, calib: Calibration, kernel: str = "flash2") -> float:
+        """The rate of the attention core on unhalved FLOPs: peak x the measured ceiling of ``kernel``
+        (memory.ATTENTION_KERNELS: "flash2" FlashAttention-2, "flash3" the GPU's best) x the fitted factor."""
+        top = self.attention_ceiling if kernel == "flash3" else self.attention_flash2_ceiling
+        return self.peak_tflops * 1e12 * top * calib.attention_factor
 
 
 @dataclass
@@ -253,7 +258,8 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
     share = recompute_share(spec, checkpoint, every)
     attn = attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
     matmul = hardware_flops_per_token(spec, seq, checkpoint, every) - attn
-    t = tokens * (matmul / fabric.matmul_flops_per_s(calib) + attn / fabric.attention_flops_per_s(calib))
+    t = tokens * (matmul / fabric.matmul_flops_per_s(calib)
+                  + attn / fabric.attention_flops_per_s(calib, kernels.attention_kernel))
     if spec.has_structure:
         # Memory-bound ops: proportional to what they save for backward (per block and the loss),
         # and repeated for the recomputed share of the forward.
@@ -304,7 +310,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         # torch's ring sends each K/V block before computing on the one it holds: the transfers hide
         # behind the attention kernels of the cp-1 remote blocks (forward, backward and recompute).
         attn_s = (seq * micro_batch * attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
-                  / fabric.attention_flops_per_s(calib) / (tp * pp * cp))
+                  / fabric.attention_flops_per_s(calib, kernels.attention_kernel) / (tp * pp * cp))
         cp_exposed = max(0.0, cp_s - attn_s * (cp - 1) / cp * grad_accum)
     if kernels.loss == "chunked" and spec.hidden and spec.vocab:
         # The chunked loss recomputes each chunk's logits in backward: one more head forward.

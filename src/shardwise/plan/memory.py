@@ -65,6 +65,7 @@ CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused", "compiled", "chunked")
 STATE_KINDS = ("fp32-params", "master-copy")
 NORM_KINDS = ("eager", "fused")
+ATTENTION_KERNELS = ("flash2", "flash3")
 GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
 
 
@@ -85,6 +86,12 @@ class Kernels:
     * ``norm``: "eager" is RMSNorm written in PyTorch ops (HF, torchtitan's default: keeps an fp32
       copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
       its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
+    * ``attention_kernel``: the class of the attention kernel, which sets the rate the step time
+      prices attention at (presets.KERNEL_CEILINGS): "flash2" FlashAttention-2 (torch SDPA's flash
+      backend, first in SDPA's priority on every GPU: shardwise's and torchtitan's attention);
+      "flash3" a Hopper kernel, FlashAttention-3 or cuDNN's fused attention (Transformer Engine
+      prefers cuDNN's on Hopper: Megatron-Core, NeMo). On a GPU with no newer kernel (the A100)
+      both rate at FlashAttention-2's figure.
     * ``tp_overlap``: TP collectives overlap the matmuls (Megatron's --tp-comm-overlap, async TP).
     * ``dp_overlap``: Megatron's distributed optimizer with --overlap-grad-reduce and
       --overlap-param-gather (a "zero1" data-parallel kind): gradients are reduce-scattered (not
@@ -151,6 +158,7 @@ class Kernels:
 
     loss: str = "torch"
     norm: str = "eager"
+    attention_kernel: str = "flash2"
     tp_overlap: bool = False
     dp_overlap: bool = False
     ep_overlap: bool = False
@@ -172,6 +180,8 @@ class Kernels:
             raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
         if self.norm not in NORM_KINDS:
             raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise unknown_choice("attention kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.grad_buffer not in GRAD_BUFFER_KINDS:
             raise unknown_choice("gradient buffer", self.grad_buffer, GRAD_BUFFER_KINDS)
 

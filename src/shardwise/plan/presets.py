@@ -205,6 +205,15 @@ KERNEL_CEILINGS: dict[str, dict[tuple[str, str], KernelCeiling]] = {
         ("attention", "bf16"): KernelCeiling(training_attention_fraction(740 / 989, 561 / 989),
                                              "FlashAttention-3 on H100 SXM5, FP16 (arXiv:2407.08608): forward "
                                              "740, backward 561 of 989 TFLOPS"),
+        # FlashAttention-2 on the same GPU: "only 35 % utilization on H100" against FlashAttention-3's
+        # 75 % (arXiv:2407.08608, abstract), applied to both passes (the paper's backward figure for
+        # FA2 is a plot). Measured again by tritonbench on H100 with torch 2.6's SDPA, whose flash
+        # backend is FlashAttention-2: 329 against cuDNN's 631 and FA3's 632 TFLOPS at (1, 24, 4608,
+        # 128) (pytorch/pytorch#142132): 0.52 of FA3 where the abstract gives 0.47.
+        ("attention-flash2", "bf16"): KernelCeiling(training_attention_fraction(740 / 989, 561 / 989)
+                                                    * 0.35 / (740 / 989),
+                                                    "FlashAttention-2 on H100 SXM5: 35 % of peak against "
+                                                    "FlashAttention-3's 75 % (arXiv:2407.08608, abstract)"),
     },
     "mi300x": {
         ("matmul", "bf16"): KernelCeiling(668.4 / 1300, f"MAMF, AMD MI300X: 668.4 of 1300 TFLOPS ({MAMF_URL})"),
@@ -220,15 +229,26 @@ UNMEASURED_CEILINGS: dict[str, float] = {
 }
 
 
+def attention_op(kernel: str) -> str:
+    """The KERNEL_CEILINGS op key of an attention kernel class (memory.ATTENTION_KERNELS): "flash3"
+    rates at each GPU's best published attention kernel ("attention": FlashAttention-3 / cuDNN on
+    Hopper, FlashAttention-2 where nothing newer runs), "flash2" at FlashAttention-2's own figure."""
+    return "attention" if kernel == "flash3" else "attention-flash2"
+
+
 def ceiling(g: GPU, op: str, precision: str) -> tuple[float, str]:
     """``op``'s ceiling on ``g`` in ``precision`` (a planner precision name): the fraction of the
-    peak the planner rates that precision at, and where it comes from ("" when nothing is published)."""
+    peak the planner rates that precision at, and where it comes from ("" when nothing is published).
+    An attention kernel's own row ("attention-flash2") falls back to the GPU's best attention row,
+    which on a GPU without a newer kernel (the A100) is that kernel's."""
     row = KERNEL_CEILINGS.get(g.ceilings, {})
+    if op.startswith("attention-") and not any(k == op for k, _ in row):
+        op = "attention"
     # fp32 trains on TF32 tensor cores: with no TF32 row, the 16-bit fraction of the TF32 peak (the
     # same tensor cores at half the rate).
     measured = row.get((op, "tf32" if precision == "fp32" else "bf16")) or row.get((op, "bf16"))
     if measured is None:
-        return UNMEASURED_CEILINGS[op], ""
+        return UNMEASURED_CEILINGS[op.split("-")[0]], ""
     return measured.fraction, measured.source
 
 
