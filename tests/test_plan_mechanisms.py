@@ -237,19 +237,27 @@ def test_ranking_rule():
     assert any(line.startswith("fsdp-offload: fits") and "more than 2x slower" in line for line in plan.rejected)
 
 
-@pytest.mark.parametrize("model,nodes", [("llama-3-8b", 2), ("qwen3-30b-a3b", 1), ("gpt2", 2)])
-def test_dry_run_columns_equal_plan_columns_for_every_strategy(model, nodes):
+@pytest.mark.parametrize("model,nodes,precision", [("llama-3-8b", 2, None), ("qwen3-30b-a3b", 1, None),
+                                                   ("gpt2", 2, None), ("qwen3-30b-a3b", 1, "bf16-true")])
+def test_dry_run_columns_equal_plan_columns_for_every_strategy(model, nodes, precision):
     """``train --dry-run``'s per-rank prediction (plan/predict.py, what the run stores) and the
     plan's table agree on every column for every candidate, offload included: parameters (with any
     master copy), gradients, optimizer state, activations, transients, the peak without the
-    allocator's fragmentation, and host-resident state in the host column, not the GPU's."""
+    allocator's fragmentation, and host-resident state in the host column, not the GPU's. Also under
+    train's ``bf16-true`` (bfloat16 parameters, gradients and AdamW moments), which plan takes too."""
     from shardwise.plan import cli as plan_cli
     from shardwise.plan.advice import TRAIN_PRECISION, runtime_batch
     from shardwise.plan.predict import predict_run
     from tests.test_plan_grid import plan_args
 
     plan = plan_cli.build_plan(plan_args("--model", model, "--gpus-per-node", "8", "--nodes", str(nodes),
-                                         "--seq", "2048" if model == "gpt2" else "4096"))
+                                         "--seq", "2048" if model == "gpt2" else "4096",
+                                         *(("--precision", precision) if precision else ())))
+    if precision == "bf16-true":  # bfloat16 state: AdamW's two moments twice the parameters (+ fp32 steps)
+        for c in plan.candidates:
+            if not c.layout.offload and c.layout.sharding != "zero1":  # (ZeRO-1 shards only the state)
+                assert 0 <= c.memory.optimizer - 2 * c.memory.params < 2**20 and c.memory.master == 0, c.name
+        assert not plan.offload  # DeepSpeed's engines refuse bf16-true (plan/offload.py)
     strategies = set()
     for c in plan.candidates:
         w = plan.workload

@@ -582,7 +582,8 @@ def evaluate(spec: ModelSpec, cluster: Cluster, work: Workload, layout: Layout,
 
 
 # Planner precision (how bytes are stored) -> the trainer's parallel.precision setting.
-TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16-fp32grad": "bf16-mixed"}
+TRAIN_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16-fp32grad": "bf16-mixed",
+                   "bf16-true": "bf16-true"}
 
 
 def runtime_batch(layout: Layout, micro_batch: int, micro_batches: int) -> tuple[int, int]:

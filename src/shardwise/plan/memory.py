@@ -52,6 +52,9 @@ PRECISIONS: dict[str, Precision] = {
     "bf16": Precision("bf16", 2, 2, 4, 2),
     "fp16": Precision("fp16", 2, 2, 4, 2),
     "bf16-fp32grad": Precision("bf16-fp32grad", 2, 4, 4, 2),
+    # train's parallel.precision = "bf16-true": parameters, gradients and AdamW's moments stored in
+    # bfloat16, no master copy (state_bytes halves AdamW's moments; its step counters stay fp32).
+    "bf16-true": Precision("bf16-true", 2, 2, 0, 2),
 }
 
 # train's parallel.precision spellings, which the planner takes as its own (a user copies them from a
@@ -405,8 +408,20 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
     Offloaded state is still counted here (it lives in host RAM; see MemoryBreakdown.host_bytes).
     """
     held = _memo(("state", id(spec), layout, prec, optimizer, rank, stage), spec,
-                 lambda: _state_bytes(spec, layout, prec, optimizer, rank, stage))
+                 lambda: _bf16_true_moments(spec, layout, prec, optimizer, rank, stage,
+                                            _state_bytes(spec, layout, prec, optimizer, rank, stage)))
     return replace(held)  # a copy: StateBytes is mutable
+
+
+def _bf16_true_moments(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
+                       rank: int | None, stage: int, sb: StateBytes) -> StateBytes:
+    """Under ``bf16-true`` AdamW's moments follow the bfloat16 parameters (4 bytes an element, not 8;
+    its ``step`` counters stay fp32): one fp32 moment's worth less (SGD's single fp32 buffer is exactly
+    that). The runtime's other optimizers keep their fp32 state (plan/predict.py)."""
+    if prec.name != "bf16-true" or optimizer != "adamw":
+        return sb
+    one_moment = _state_bytes(spec, layout, prec, "sgd", rank, stage).optimizer
+    return replace(sb, optimizer=sb.optimizer - one_moment)
 
 
 def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:

@@ -150,6 +150,9 @@ def offload_advice(spec: Any, cluster: Any, work: Any, cands: list[Any],
     and checkpointing -- from the cost model (``offload_compute``), never another candidate's.
     """
     del cands  # the rows never borrow a GPU candidate's compute or batch
+    if work.precision == "bf16-true":  # the DeepSpeed strategy's own refusal (parallel/deepspeed/strategy.py)
+        return [], [], ("no offload row: DeepSpeed's engines (zero3-offload, zero3-nvme) keep fp32 master weights "
+                        "and refuse parallel.precision bf16-true; plan with --precision bf16 to see them.")
     compute_s, mb, accum = offload_compute(spec, cluster, work)
     host_gib = cluster.host_ram_gib or cluster.gpu.host_ram_gib
     nodes = cluster.nodes

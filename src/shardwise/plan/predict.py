@@ -17,7 +17,6 @@ run's own layout, model shapes and settings:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -193,13 +192,8 @@ def _full_shards(spec: ModelSpec, layout: Layout, stage: int) -> int:
 
 def _runtime_state(spec: ModelSpec, layout: Layout, prec: Precision, rank: int, stage: int,
                    optimizer: str = "adamw") -> StateBytes:
-    sb = state_bytes(spec, layout, prec, optimizer, rank=rank, stage=stage)
-    if prec.name == "bf16-true" and optimizer == "adamw":
-        # AdamW's moments follow the bfloat16 parameters (4 bytes/element instead of 8); its
-        # ``step`` counters stay fp32. SGD's single fp32 buffer is exactly one moment's worth.
-        one_moment = state_bytes(spec, layout, prec, "sgd", rank=rank, stage=stage).optimizer
-        sb = dataclasses.replace(sb, optimizer=sb.optimizer - one_moment)
-    return sb
+    # Under bf16-true AdamW's moments are bfloat16: plan.memory.state_bytes counts them so.
+    return state_bytes(spec, layout, prec, optimizer, rank=rank, stage=stage)
 
 
 def loss_kernels(chunked: bool, compiled: bool, tp: int) -> Kernels:
