@@ -105,3 +105,27 @@ def test_shardwise_stack_and_train_refuse_the_same_layout_by_name(capsys):
     out = capsys.readouterr()
     assert code == 2 and REFUSAL in out.err and "Traceback" not in out.err, out.err
     assert "dry run" not in out.out
+
+
+def test_expert_tensor_parallel_splits_the_experts_state_where_the_stack_does():
+    """Kernels.experts_tp_split, the one rule (Layout.experts_tp): a stack whose experts are
+    tensor-parallel (torchtitan's expert-tensor-parallel = tp; Megatron-Core before its parallel
+    folding: ``experts_whole_on_tp = false`` under the "dp" groups) holds 1/tp of each expert's FFN
+    dimension on a rank; shardwise's runtime keeps them whole, and Megatron's folding (ETP 1, "tp-dp")
+    divides them by an ep that spans the TP ranks instead. By hand for qwen3-30b-a3b at tp 2."""
+    from shardwise.plan.memory import Kernels, routed_expert_numel
+
+    assert not Kernels().experts_tp_split
+    assert Kernels(experts_whole_on_tp=False).experts_tp_split
+    assert stack_settings("torchtitan")[0].experts_tp_split
+    assert not stack_settings("megatron")[0].experts_tp_split  # ETP 1 under the folding
+    assert stack_settings("megatron", ["ep_groups=dp"])[0].experts_tp_split  # Megatron-Core 0.9: ETP = tp
+    spec = model_preset("qwen3-30b-a3b")
+    whole = routed_expert_numel(spec, Layout("fsdp+tp", dp=4, tp=2), 0)
+    split = routed_expert_numel(spec, Layout("fsdp+tp", dp=4, tp=2, experts_tp=True), 0)
+    assert whole == 48 * EXPERTS_PER_LAYER and split == whole // 2
+    plan = plan_cli.build_plan(plan_args("--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--tp", "2",
+                                         "--stack", "torchtitan"))
+    assert plan.candidates and all(c.layout.experts_tp for c in plan.candidates if c.layout.tp > 1)
+    plan = plan_cli.build_plan(plan_args("--model", "qwen3-30b-a3b", "--gpus-per-node", "8", "--tp", "2"))
+    assert not any(c.layout.experts_tp for c in plan.candidates)

@@ -136,6 +136,10 @@ class Layout:
     # Which ranks expert groups are carved from (EP_GROUPS): the runtime's "dp-shard"; another
     # stack's rule only where the planner describes that stack (plan --stack megatron).
     ep_groups: str = "dp-shard"
+    # The routed experts tensor-parallel over tp (expert-tensor-parallel = tp: torchtitan, Megatron-Core
+    # before its parallel folding), for the planner only (plan.memory.Kernels.experts_tp_split); the
+    # runtime's TP plan keeps them whole on every TP rank and splits them by ep instead.
+    experts_tp: bool = False
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
@@ -657,13 +661,15 @@ def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
 
 
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
-                   n_blocks: int | None = None, block_path: str = "", ep_groups: str = "dp-shard") -> Layout:
+                   n_blocks: int | None = None, block_path: str = "", ep_groups: str = "dp-shard",
+                   experts_tp: bool = False) -> Layout:
     """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
 
     ``ranks_per_node``: the default HSDP shard group (``parallel.hsdp_shard_size = 0``); the
     world size when None. ``n_blocks``: the model's transformer blocks, when known (pipeline
     stage ranges are computed and checked). ``ep_groups``: another stack's expert-group rule
-    (EP_GROUPS), for the planner only; the runtime always resolves with its own.
+    (EP_GROUPS), for the planner only; the runtime always resolves with its own. ``experts_tp``:
+    the routed experts tensor-parallel over tp (``Layout.experts_tp``), for the planner only.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
@@ -705,7 +711,7 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         name, dp=dp, tp=tp, pp=pp, shard=shard, cp=options.cp, ep=options.ep, pp_schedule=options.pp_schedule,
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
-        n_blocks=n_blocks, block_path=block_path, ep_groups=ep_groups,
+        n_blocks=n_blocks, block_path=block_path, ep_groups=ep_groups, experts_tp=experts_tp,
     )
     _check_given_degrees(layout, given)
     return layout

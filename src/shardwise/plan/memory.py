@@ -147,7 +147,9 @@ class Kernels:
       on the whole (SP-gathered) sequence, so a MoE layer's saved tensors are not split tp ways
       (shardwise: ``MOE_WHOLE_PARTS``). False where each TP rank routes only its own tokens or
       holds a TP slice of each expert (Megatron-Core's MoE parallel folding, torchtitan's
-      expert-tensor-parallel = tp, DeepSpeed): the MoE interior is split tp ways as the MLP's is.
+      expert-tensor-parallel = tp, DeepSpeed): the MoE interior is split tp ways as the MLP's is; and,
+      except under Megatron's folding (``ep_groups = "tp-dp"``, ETP 1: its ep spans the TP ranks), the
+      experts' weights are tensor-parallel too (``experts_tp_split``, ``Layout.experts_tp``).
     * ``ep_groups``: which ranks the stack carves expert-parallel groups from (core/layout.py
       ``EP_GROUPS``, the one owner of each rule): "dp-shard" (shardwise, torchtitan: the FSDP shard
       ranks), "dp" (DeepSpeed-MoE: the data-parallel ranks of any kind), "tp-dp" (Megatron-Core's
@@ -187,6 +189,14 @@ class Kernels:
             raise unknown_choice("attention kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.grad_buffer not in GRAD_BUFFER_KINDS:
             raise unknown_choice("gradient buffer", self.grad_buffer, GRAD_BUFFER_KINDS)
+
+    @property
+    def experts_tp_split(self) -> bool:
+        """The routed experts' weights are tensor-parallel over tp (expert-tensor-parallel = tp:
+        torchtitan's default, Megatron-Core before its parallel folding): not whole on every TP rank,
+        and not folded into the expert groups either (Megatron's "tp-dp" rule, ETP 1, which divides
+        them by an ep that spans the TP ranks). The one owner of that rule (Layout.experts_tp)."""
+        return not self.experts_whole_on_tp and self.ep_groups != "tp-dp"
 
     @property
     def grad_comm_bytes(self) -> int | None:
@@ -232,7 +242,7 @@ def staging_host_bytes(state: StateBytes, checkpoint_mode: str = "async") -> int
 
 def _local_params(spec: ModelSpec, layout: Layout, stage: int) -> list[ParamInfo]:
     """Parameters one rank holds before data-parallel sharding: its pipeline stage, its TP slice."""
-    params = _tp_params(spec, layout.tp)
+    params = _tp_params(spec, layout.tp, layout.experts_tp)
     if layout.pp > 1:
         # ``stage`` is the pipeline rank; it holds the blocks of every stage the runtime gives it
         # (``Layout.stage_ranges``: the runtime's own split, interleaved stages included).
@@ -278,7 +288,7 @@ def ddp_bucket_count(spec: ModelSpec, layout: Layout, bytes_per_element: int, ca
     return most
 
 
-def _tp_params(spec: ModelSpec, tp: int) -> tuple[ParamInfo, ...]:
+def _tp_params(spec: ModelSpec, tp: int, experts_tp: bool = False) -> tuple[ParamInfo, ...]:
     """Every parameter of the model as one TP rank holds it, in registration order.
 
     Matrices are split tp ways on the dimension their plan splits (column-parallel and vocab-parallel
@@ -288,13 +298,14 @@ def _tp_params(spec: ModelSpec, tp: int) -> tuple[ParamInfo, ...]:
     of in (which rounds up to a whole row of twice the width once the shards outnumber the rows: rank
     0 of hf-llama-tiny at tp 2 x dp 64 held 14.7 % less than planned). Once per (spec, tp): the
     search asks for it per candidate and stage, and a 405B model has thousands of tensors.
+    ``experts_tp``: the routed experts are split too (Layout.experts_tp; whole otherwise).
     """
 
     def compute() -> tuple[ParamInfo, ...]:
         params = tuple(spec.params) or (ParamInfo("all", (spec.n_params,), ROOT_UNIT),)  # bare count: one flat tensor
-        return tuple(_tp_shard(p, tp) for p in params) if tp > 1 else params
+        return tuple(_tp_shard(p, tp, experts_tp) for p in params) if tp > 1 else params
 
-    return _memo(("tp", id(spec), tp), spec, compute)
+    return _memo(("tp", id(spec), tp, experts_tp), spec, compute)
 
 
 # The row-parallel linear layers of the tensor-parallel plans (``parallel/tensor/plans.py``; the rest
@@ -310,13 +321,20 @@ MOE_WHOLE_PARTS = (".router.", ".mlp.gate.", ".experts.", ".mlp.shared.", ".shar
 CONV1D_COLWISE_LAYERS = ("c_attn", "c_fc")
 
 
-def _tp_split_dim(p: ParamInfo) -> int | None:
+def _tp_split_dim(p: ParamInfo, experts_tp: bool = False) -> int | None:
     """The dimension tensor parallel splits ``p`` on (None: every TP rank holds it whole).
+
+    Routed experts stay whole unless ``experts_tp`` (expert-tensor-parallel = tp), which splits each
+    expert's FFN dimension as the dense MLP's: the up / gate projections' output rows, the down
+    projection's input columns (per-expert 2-D weights or the stacked (experts, out, in) tensors).
 
     LoRA adapters follow their base layer (``tensor.plans.with_lora``): a column-parallel base splits
     ``lora_B`` (out, r) on its rows and keeps ``lora_A`` whole, a row-parallel base splits ``lora_A``
     (r, in) on its columns and keeps ``lora_B``.
     """
+    if experts_tp and ".experts." in p.name and len(p.shape) >= 2:
+        down = "down_proj" in p.name or ".w2." in p.name or p.name.endswith(".w2")
+        return len(p.shape) - 1 if down else len(p.shape) - 2
     if len(p.shape) < 2 or any(part in p.name for part in MOE_WHOLE_PARTS):
         return None
     for adapter, split_under_rowwise in ((".lora_A.", True), (".lora_B.", False)):
@@ -330,10 +348,10 @@ def _tp_split_dim(p: ParamInfo) -> int | None:
     return 1 if layer in ROWWISE_LAYERS or layer in CONV1D_COLWISE_LAYERS else 0
 
 
-def _tp_shard(p: ParamInfo, tp: int) -> ParamInfo:
+def _tp_shard(p: ParamInfo, tp: int, experts_tp: bool = False) -> ParamInfo:
     """``p`` as one TP rank holds it: its split dimension divided by ``tp`` (rounded up, as torch's
     ``Shard`` gives the first ranks the larger pieces)."""
-    dim = _tp_split_dim(p)
+    dim = _tp_split_dim(p, experts_tp)
     if dim is None:
         return p
     shape = list(p.shape)
