@@ -120,6 +120,16 @@ def test_expert_tensor_parallel_splits_the_experts_state_where_the_stack_does():
     assert stack_settings("torchtitan")[0].experts_tp_split
     assert not stack_settings("megatron")[0].experts_tp_split  # ETP 1 under the folding
     assert stack_settings("megatron", ["ep_groups=dp"])[0].experts_tp_split  # Megatron-Core 0.9: ETP = tp
+    from shardwise.plan.memory import _tp_split_dim
+    from shardwise.plan.spec import ParamInfo
+
+    # Each expert's FFN dimension: HF's stacked (E, 2I, D) / (E, D, I), the built-in GPT's (E, D, F) /
+    # (E, F, D), per-expert w1 (I, D) / w2 (D, I).
+    for name, shape, dim in (("l.mlp.experts.gate_up_proj", (8, 6, 4), 1), ("l.mlp.experts.down_proj", (8, 4, 3), 2),
+                             ("b.mlp.experts.w_in", (4, 32, 64), 2), ("b.mlp.experts.w_out", (4, 64, 32), 1),
+                             ("l.moe.experts.0.w1.weight", (6, 4), 0), ("l.moe.experts.0.w2.weight", (4, 6), 1)):
+        assert _tp_split_dim(ParamInfo(name, shape, "u"), experts_tp=True) == dim, name
+        assert _tp_split_dim(ParamInfo(name, shape, "u")) is None, name
     spec = model_preset("qwen3-30b-a3b")
     whole = routed_expert_numel(spec, Layout("fsdp+tp", dp=4, tp=2), 0)
     split = routed_expert_numel(spec, Layout("fsdp+tp", dp=4, tp=2, experts_tp=True), 0)

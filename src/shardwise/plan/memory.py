@@ -319,6 +319,8 @@ MOE_WHOLE_PARTS = (".router.", ".mlp.gate.", ".experts.", ".mlp.shared.", ".shar
 # GPT-2's Conv1D layers store their weight transposed, (in, out): the column-parallel ones
 # (``tensor.gpt2.Conv1DColwise``) split dim 1, the row-parallel ``c_proj`` dim 0.
 CONV1D_COLWISE_LAYERS = ("c_attn", "c_fc")
+# Routed-expert tensors whose FFN dimension is their last (what expert-tensor-parallel splits).
+EXPERT_FFN_LAST = ("down_proj", "w2", "w_in")
 
 
 def _tp_split_dim(p: ParamInfo, experts_tp: bool = False) -> int | None:
@@ -333,8 +335,12 @@ def _tp_split_dim(p: ParamInfo, experts_tp: bool = False) -> int | None:
     (r, in) on its columns and keeps ``lora_B``.
     """
     if experts_tp and ".experts." in p.name and len(p.shape) >= 2:
-        down = "down_proj" in p.name or ".w2." in p.name or p.name.endswith(".w2")
-        return len(p.shape) - 1 if down else len(p.shape) - 2
+        # The FFN dimension is the last one of Hugging Face's down projections ((E, D, I), w2 (D, I))
+        # and of the built-in GPT's w_in (E, D, F), the one before it elsewhere (gate_up (E, 2I, D),
+        # w1 / w3 (I, D), the built-in's w_out (E, F, D)).
+        parts = p.name.split(".")
+        name = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+        return len(p.shape) - 1 if name in EXPERT_FFN_LAST else len(p.shape) - 2
     if len(p.shape) < 2 or any(part in p.name for part in MOE_WHOLE_PARTS):
         return None
     for adapter, split_under_rowwise in ((".lora_A.", True), (".lora_B.", False)):
