@@ -246,7 +246,7 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         kernels = run_kernels(run)
         if kernels.ep_groups != Kernels().ep_groups:  # the stack's expert groups (plan --stack-set ep_groups)
             extra["ep_groups"] = kernels.ep_groups
-        if kernels.experts_tp_split:  # its experts tensor-parallel (plan --stack-set experts_whole_on_tp=false)
+        if kernels.experts_tp:  # its experts tensor-parallel (plan --stack-set experts_tp=true)
             extra["experts_tp"] = True
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],

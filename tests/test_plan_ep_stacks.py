@@ -108,18 +108,21 @@ def test_shardwise_stack_and_train_refuse_the_same_layout_by_name(capsys):
 
 
 def test_expert_tensor_parallel_splits_the_experts_state_where_the_stack_does():
-    """Kernels.experts_tp_split, the one rule (Layout.experts_tp): a stack whose experts are
+    """Kernels.experts_tp, a stack property (Layout.experts_tp): a stack whose experts are
     tensor-parallel (torchtitan's expert-tensor-parallel = tp; Megatron-Core before its parallel
-    folding: ``experts_whole_on_tp = false`` under the "dp" groups) holds 1/tp of each expert's FFN
-    dimension on a rank; shardwise's runtime keeps them whole, and Megatron's folding (ETP 1, "tp-dp")
-    divides them by an ep that spans the TP ranks instead. By hand for qwen3-30b-a3b at tp 2."""
+    folding) holds 1/tp of each expert's FFN dimension on a rank; shardwise's runtime and
+    DeepSpeed-MoE keep them whole, and Megatron's folding (ETP 1, "tp-dp") divides them by an ep that
+    spans the TP ranks instead. By hand for qwen3-30b-a3b at tp 2."""
     from shardwise.plan.memory import Kernels, routed_expert_numel
 
-    assert not Kernels().experts_tp_split
-    assert Kernels(experts_whole_on_tp=False).experts_tp_split
-    assert stack_settings("torchtitan")[0].experts_tp_split
-    assert not stack_settings("megatron")[0].experts_tp_split  # ETP 1 under the folding
-    assert stack_settings("megatron", ["ep_groups=dp"])[0].experts_tp_split  # Megatron-Core 0.9: ETP = tp
+    assert not Kernels().experts_tp and not stack_settings("deepspeed")[0].experts_tp
+    assert stack_settings("torchtitan")[0].experts_tp
+    assert not stack_settings("megatron")[0].experts_tp  # ETP 1 under the folding
+    # Megatron-Core 0.9 (NeMo 24.09): ep from the data-parallel ranks, experts tensor-parallel.
+    assert stack_settings("megatron", ["ep_groups=dp", "experts_tp=true"])[0].experts_tp
+    for bad in (["experts_tp=true"], ["experts_tp=true", "experts_whole_on_tp=false"]):  # whole; folding
+        with pytest.raises(ConfigError, match="experts_tp"):
+            stack_settings("shardwise" if len(bad) == 1 else "megatron", bad)
     from shardwise.plan.memory import _tp_split_dim
     from shardwise.plan.spec import ParamInfo
 

@@ -137,7 +137,7 @@ class Layout:
     # stack's rule only where the planner describes that stack (plan --stack megatron).
     ep_groups: str = "dp-shard"
     # The routed experts tensor-parallel over tp (expert-tensor-parallel = tp: torchtitan, Megatron-Core
-    # before its parallel folding), for the planner only (plan.memory.Kernels.experts_tp_split); the
+    # before its parallel folding), for the planner only (plan.memory.Kernels.experts_tp); the
     # runtime's TP plan keeps them whole on every TP rank and splits them by ep instead.
     experts_tp: bool = False
     pp_schedule: str = "1f1b"

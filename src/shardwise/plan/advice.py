@@ -404,7 +404,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     # describes another stack (--stack megatron), whose ep train would refuse.
                     layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers,
                                             ep_groups=work.kernels.ep_groups,
-                                            experts_tp=work.kernels.experts_tp_split)
+                                            experts_tp=work.kernels.experts_tp)
                 except ConfigError as e:
                     errors.append(e)
                     continue

@@ -147,9 +147,12 @@ class Kernels:
       on the whole (SP-gathered) sequence, so a MoE layer's saved tensors are not split tp ways
       (shardwise: ``MOE_WHOLE_PARTS``). False where each TP rank routes only its own tokens or
       holds a TP slice of each expert (Megatron-Core's MoE parallel folding, torchtitan's
-      expert-tensor-parallel = tp, DeepSpeed): the MoE interior is split tp ways as the MLP's is; and,
-      except under Megatron's folding (``ep_groups = "tp-dp"``, ETP 1: its ep spans the TP ranks), the
-      experts' weights are tensor-parallel too (``experts_tp_split``, ``Layout.experts_tp``).
+      expert-tensor-parallel = tp, DeepSpeed): the MoE interior is split tp ways as the MLP's is.
+    * ``experts_tp``: the routed experts' weights are tensor-parallel over tp (expert-tensor-parallel =
+      tp: torchtitan's default, Megatron-Core before its parallel folding), each TP rank holding a
+      slice of every expert's FFN dimension (``Layout.experts_tp``). False: whole on every TP rank
+      (shardwise's TP plan; DeepSpeed-MoE without expert tensor parallelism; Megatron's folding with
+      ETP 1, whose ep spans the TP ranks instead).
     * ``ep_groups``: which ranks the stack carves expert-parallel groups from (core/layout.py
       ``EP_GROUPS``, the one owner of each rule): "dp-shard" (shardwise, torchtitan: the FSDP shard
       ranks), "dp" (DeepSpeed-MoE: the data-parallel ranks of any kind), "tp-dp" (Megatron-Core's
@@ -174,6 +177,7 @@ class Kernels:
     ep_groups: str = "dp-shard"
     ep_dispatch_copy: bool = True
     experts_whole_on_tp: bool = True
+    experts_tp: bool = False
     sp_regather: bool = False
 
     def __post_init__(self) -> None:
@@ -189,14 +193,10 @@ class Kernels:
             raise unknown_choice("attention kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.grad_buffer not in GRAD_BUFFER_KINDS:
             raise unknown_choice("gradient buffer", self.grad_buffer, GRAD_BUFFER_KINDS)
-
-    @property
-    def experts_tp_split(self) -> bool:
-        """The routed experts' weights are tensor-parallel over tp (expert-tensor-parallel = tp:
-        torchtitan's default, Megatron-Core before its parallel folding): not whole on every TP rank,
-        and not folded into the expert groups either (Megatron's "tp-dp" rule, ETP 1, which divides
-        them by an ep that spans the TP ranks). The one owner of that rule (Layout.experts_tp)."""
-        return not self.experts_whole_on_tp and self.ep_groups != "tp-dp"
+        if self.experts_tp and (self.experts_whole_on_tp or self.ep_groups == "tp-dp"):
+            raise ConfigError(
+                "experts_tp=true (each TP rank a slice of every expert) needs experts_whole_on_tp=false "
+                "and expert groups other than Megatron's folding (ep_groups tp-dp, expert-tensor-parallel 1).")
 
     @property
     def grad_comm_bytes(self) -> int | None:

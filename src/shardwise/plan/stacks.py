@@ -12,16 +12,19 @@ What each stack implies (the properties not named keep shardwise's defaults):
   (``attention_kernel = "flash2"``), no TP or EP overlap, DDP's bucket copy, fp32 parameters
   (FSDP2 / autocast), gradients reduced once per step (no_sync).
 * ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch, and its
-  experts tensor-parallel under TP (expert-tensor-parallel = tp: ``experts_whole_on_tp = false``).
+  experts tensor-parallel under TP (expert-tensor-parallel = tp: ``experts_whole_on_tp = false``,
+  ``experts_tp = true``).
 * ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, Transformer Engine's attention
   (cuDNN's fused kernel on Hopper, which TE prefers there: ``attention_kernel = "flash3"``), TP
   communication overlap, the distributed optimizer overlapping its reduce-scatter / all-gather, a
-  contiguous fp32 gradient buffer, 16-bit parameters with an fp32 master copy, pipeline receives into the in-flight
-  micro-batches' own tensors; expert groups folded over tp x dp x cp of a pipeline stage (MoE
-  parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``, each TP rank routing its
-  own tokens: ``experts_whole_on_tp = false``); its token dispatcher keeps no routed copy beyond
-  the experts' tensors (``ep_dispatch_copy = false``); its sequence parallel keeps each linear's
-  input shard and all-gathers it again in backward (``sp_regather = true``).
+  contiguous fp32 gradient buffer, 16-bit parameters with an fp32 master copy, pipeline receives
+  into the in-flight micro-batches' own tensors; expert groups folded over tp x dp x cp of a
+  pipeline stage (MoE parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``, each TP
+  rank routing its own tokens: ``experts_whole_on_tp = false``); its token dispatcher keeps no
+  routed copy beyond the experts' tensors (``ep_dispatch_copy = false``); its sequence parallel
+  keeps each linear's input shard and all-gathers it again in backward (``sp_regather = true``).
+  Megatron-Core before its folding (NeMo 24.x) carved ep from the data-parallel ranks and split
+  every expert over tp: ``--stack-set ep_groups=dp --stack-set experts_tp=true``.
 * ``deepspeed``: DeepSpeed's BF16 optimizer -- bf16 gradients kept beside the fp32 buffer, 16-bit
   parameters with an fp32 master copy, pipeline receives into its in-flight buffers; expert groups
   carved from the data-parallel ranks of any ZeRO stage (``ep_groups = "dp"``), no routed copy
@@ -45,7 +48,7 @@ __all__ = ["STACKS", "STACK_KEYS", "settings_from", "stack_settings"]
 
 STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
-    "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False},
+    "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False, "experts_tp": True},
     "megatron": {"loss": "fused", "norm": "fused", "attention_kernel": "flash3", "tp_overlap": True, "dp_overlap": True,
                  "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
                  "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False,
