@@ -432,20 +432,8 @@ def state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str
     Offloaded state is still counted here (it lives in host RAM; see MemoryBreakdown.host_bytes).
     """
     held = _memo(("state", id(spec), layout, prec, optimizer, rank, stage), spec,
-                 lambda: _bf16_true_moments(spec, layout, prec, optimizer, rank, stage,
-                                            _state_bytes(spec, layout, prec, optimizer, rank, stage)))
+                 lambda: _state_bytes(spec, layout, prec, optimizer, rank, stage))
     return replace(held)  # a copy: StateBytes is mutable
-
-
-def _bf16_true_moments(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str,
-                       rank: int | None, stage: int, sb: StateBytes) -> StateBytes:
-    """Under ``bf16-true`` AdamW's moments follow the bfloat16 parameters (4 bytes an element, not 8;
-    its ``step`` counters stay fp32): one fp32 moment's worth less (SGD's single fp32 buffer is exactly
-    that). The runtime's other optimizers keep their fp32 state (plan/predict.py)."""
-    if prec.name != "bf16-true" or optimizer != "adamw":
-        return sb
-    one_moment = _state_bytes(spec, layout, prec, "sgd", rank, stage).optimizer
-    return replace(sb, optimizer=sb.optimizer - one_moment)
 
 
 def local_numel(spec: ModelSpec, layout: Layout, stage: int = 0) -> int:
@@ -538,6 +526,20 @@ def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: st
 def _state_bytes_one(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
                      params: list[ParamInfo], zero1_owned: list[list[int]] | None = None,
                      numels: list[int] | None = None) -> StateBytes:
+    """One rank's model state. Under ``bf16-true`` AdamW's moments follow the bfloat16 parameters (4
+    bytes an element, not 8; its ``step`` counters stay fp32): one fp32 moment's worth less, which is
+    SGD's single fp32 buffer on the same tensors. The runtime's other optimizers keep their fp32
+    state (plan/predict.py)."""
+    sb = _state_bytes_of(spec, layout, prec, optimizer, rank, params, zero1_owned, numels)
+    if prec.name == "bf16-true" and optimizer == "adamw":
+        one_moment = _state_bytes_of(spec, layout, prec, "sgd", rank, params, zero1_owned, numels).optimizer
+        sb.optimizer -= one_moment
+    return sb
+
+
+def _state_bytes_of(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: str, rank: int,
+                    params: list[ParamInfo], zero1_owned: list[list[int]] | None = None,
+                    numels: list[int] | None = None) -> StateBytes:
     out = StateBytes()
     if layout.sharding in ("replicate", "zero1"):
         numels = numels if numels is not None else [p.numel for p in params]
