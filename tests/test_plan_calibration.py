@@ -521,3 +521,18 @@ def test_megatron_core_2025_flop_formula_halves_the_causal_attention(calibration
                  + 12 * L * h * 1536 * 8 * 3 / 2  # 8 routed SwiGLU experts of 1,536
                  + 6 * h * V)  # the logits
     assert case.published_tps == pytest.approx(case.run["published"]["tflops_per_gpu"] * 1e12 / per_token)
+
+
+def test_blind_report_has_a_line_per_round_over_exactly_its_sources(calibration):
+    """``--blind`` reports each blind round (a source's ``"blind"``: the round that first evaluated it)
+    over that round's sources only, so a round's first figure can be read apart from the others."""
+    cp, cases = calibration
+    data = json.loads(cp.DATA.read_text())
+    rounds = {name: s["blind"] for name, s in data["sources"].items() if s.get("blind")}
+    assert len(set(rounds.values())) >= 2
+    text = cp.blind(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS}, rounds)
+    for name in set(rounds.values()):
+        runs = sum(1 for c in cases if c.source_held_out and rounds.get(c.run["source"]) == name)
+        line = next(x for x in text.splitlines() if x.strip().startswith(f"round {name} "))
+        assert f" {runs} runs:" in line, line
+    assert "round" not in cp.blind(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
