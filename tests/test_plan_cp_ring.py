@@ -137,3 +137,36 @@ def test_tensor_parallel_collectives_carry_a_cp_ranks_share_of_the_sequence():
     full = tp_comm_s(spec, lay, bf16, fabric, seq=32768, micro_batch=2, checkpoint="full", alpha_s=alpha)
     assert full == pytest.approx(1.5 * tp_comm_s(spec, lay, bf16, fabric, seq=32768, micro_batch=2, alpha_s=alpha))
     assert tp_comm_s(spec, Layout("fsdp", dp=8, cp=4), bf16, fabric, seq=32768, micro_batch=2) == 0.0
+
+
+def test_tp_overlap_modes_hide_what_each_stack_overlaps_by_hand():
+    """``Kernels.tp_overlap``: "none" leaves every TP collective exposed; "backward" (Megatron-LM's
+    linears without --tp-comm-overlap, nanotron's async linears) hides one of a block's four
+    all-reduce-sized collectives, the column linears' input-gradient one, up to the weight-gradient
+    GEMMs (a third of the compute) and none of the recomputed forward's; "full" hides all of them up
+    to the step's compute. The same step otherwise: only the exposed TP time differs."""
+    from shardwise.plan.cost import DEFAULT_CALIBRATION, tp_comm_s, tp_exposed_s
+    from shardwise.plan.memory import Kernels
+
+    spec = model_preset("llama-3-8b")
+    bf16 = precision("bf16")
+    fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
+    lay = Layout("fsdp+tp", dp=4, tp=2)
+    for checkpoint in ("none", "full"):
+        kw = dict(seq=4096, micro_batch=2, grad_accum=3, checkpoint=checkpoint)
+        steps = {mode: step_time(spec, lay, bf16, fabric, kernels=Kernels(tp_overlap=mode), **kw)
+                 for mode in ("none", "backward", "full")}
+        alpha = DEFAULT_CALIBRATION.hop_latency_s  # step_time's default calibration
+        tp_s = 3 * tp_comm_s(spec, lay, bf16, fabric, seq=4096, micro_batch=2, checkpoint=checkpoint, alpha_s=alpha)
+        plain = 3 * tp_comm_s(spec, lay, bf16, fabric, seq=4096, micro_batch=2, alpha_s=alpha)
+        compute = steps["none"].compute_s
+        assert all(s.compute_s == compute for s in steps.values())
+        # The hand rule, independent of the code's helper.
+        hidden = {"none": 0.0, "backward": min(plain / 4, compute / 3), "full": min(tp_s, compute)}
+        for mode, s in steps.items():
+            assert steps["none"].comm_exposed_s - s.comm_exposed_s == pytest.approx(hidden[mode], rel=1e-6), mode
+            assert tp_exposed_s(tp_s, plain, compute, mode) == pytest.approx(tp_s - hidden[mode])
+        if checkpoint == "full":  # the recomputed forward's collectives stay exposed under "backward"
+            assert tp_s > plain and hidden["backward"] == pytest.approx(plain / 4)
+    with pytest.raises(ConfigError, match="TP overlap"):
+        Kernels(tp_overlap="sometimes")

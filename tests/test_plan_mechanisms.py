@@ -297,7 +297,9 @@ def test_stack_names_its_properties_and_each_is_settable_alone():
     kernels, sync = stack_settings("megatron")
     assert kernels == Kernels(**STACKS["megatron"]) and sync is None
     kernels, sync = stack_settings("megatron", ["tp_overlap=false", "grad_sync=microbatch"])
-    assert not kernels.tp_overlap and kernels.state == "master-copy" and sync == "microbatch"
+    assert kernels.tp_overlap == "none" and kernels.state == "master-copy" and sync == "microbatch"
+    assert stack_settings("megatron")[0].tp_overlap == "full"  # true / false: the boolean it was
+    assert stack_settings("shardwise", ["tp_overlap=backward"])[0].tp_overlap == "backward"
     assert stack_settings("torchtitan")[1] == "microbatch"
     for bad in (("nope", []), ("shardwise", ["tp_overlap=maybe"]), ("shardwise", ["colour=red"]),
                 ("shardwise", ["state=bf16"])):

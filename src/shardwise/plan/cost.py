@@ -419,10 +419,12 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     if tp > 1 and spec.has_structure:
         tp_s = grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq, micro_batch=micro_batch,
                                       checkpoint=checkpoint, every=every, alpha_s=alpha)
+        # The forward and backward collectives alone (the recomputed forward's aside).
+        tp_plain = grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq, micro_batch=micro_batch,
+                                          alpha_s=alpha)
         if passes > 1:  # the second recomputation's collectives
-            tp_s += (passes - 1) * (tp_s - grad_accum * tp_comm_s(spec, layout, prec, fabric, seq=seq,
-                                                                  micro_batch=micro_batch, alpha_s=alpha))
-        exposed += max(0.0, tp_s - compute) if kernels.tp_overlap else tp_s
+            tp_s += (passes - 1) * (tp_s - tp_plain)
+        exposed += tp_exposed_s(tp_s, tp_plain, compute, kernels.tp_overlap)
         total += tp_s
     bubble = 0.0
     if pp > 1:
@@ -438,6 +440,25 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     tokens_per_step = tokens_micro * grad_accum * dp // cp  # cp ranks share their sequences
     return StepTime(compute, exposed, bubble, total, tokens_per_step, layout.world,
                     flops_per_token(spec, seq), fabric.peak_tflops)
+
+
+def tp_exposed_s(tp_s: float, tp_plain_s: float, compute_s: float, overlap: str) -> float:
+    """The part of a step's TP collectives (``tp_s``; ``tp_plain_s`` of it the forward's and the
+    backward's, without recomputation) left on the critical path by the stack's overlap
+    (memory.Kernels.tp_overlap).
+
+    "full" pipelines every collective with its GEMM: hidden up to the step's compute. "backward"
+    issues only the column-parallel linears' input-gradient collective before their weight-gradient
+    GEMM: one of a block's four all-reduce-sized collectives (forward: all-gather + reduce-scatter
+    around attention and around the MLP; backward: the same again), hidden up to the weight-gradient
+    GEMMs, a third of the compute; the forward's, the row-parallel backward's and the recomputed
+    forward's stay exposed. "none": all exposed.
+    """
+    if overlap == "full":
+        return max(0.0, tp_s - compute_s)
+    if overlap == "backward":
+        return tp_s - min(tp_plain_s / 4, compute_s / 3)
+    return tp_s
 
 
 def tp_comm_s(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,

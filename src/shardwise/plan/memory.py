@@ -69,6 +69,8 @@ LOSS_KINDS = ("torch", "fused", "compiled", "chunked")
 STATE_KINDS = ("fp32-params", "master-copy")
 NORM_KINDS = ("eager", "fused")
 ATTENTION_KERNELS = ("flash2", "flash3")
+# How a stack overlaps its tensor-parallel collectives with the matmuls (Kernels.tp_overlap).
+TP_OVERLAP_KINDS = ("none", "backward", "full")
 GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
 
 
@@ -95,7 +97,15 @@ class Kernels:
       "flash3" a Hopper kernel, FlashAttention-3 or cuDNN's fused attention (Transformer Engine
       prefers cuDNN's on Hopper: Megatron-Core, NeMo). On a GPU with no newer kernel (the A100)
       both rate at FlashAttention-2's figure.
-    * ``tp_overlap``: TP collectives overlap the matmuls (Megatron's --tp-comm-overlap, async TP).
+    * ``tp_overlap``: how the TP collectives overlap the matmuls. "none" (shardwise: torch's tensor
+      parallel, every collective on the critical path); "backward" (Megatron-LM's linear layers
+      without --tp-comm-overlap, nanotron's async linears): only the column-parallel linears'
+      backward collective (the reduce-scatter or all-reduce of the input gradient) is issued before
+      the weight-gradient GEMM and runs under it -- a quarter of a block's collectives under
+      sequence parallel, none of the forward's or the recomputed forward's; "full" (Megatron's
+      --tp-comm-overlap with Transformer Engine's userbuffers, torch's async TP): every collective
+      is pipelined with its GEMM, hidden up to the step's compute. ``--stack-set tp_overlap=true``
+      / ``false`` read as "full" / "none".
     * ``dp_overlap``: Megatron's distributed optimizer with --overlap-grad-reduce and
       --overlap-param-gather (a "zero1" data-parallel kind): gradients are reduce-scattered (not
       all-reduced) in buckets of max(40M, 1M x dp) parameters during the last micro-batch's
@@ -167,7 +177,7 @@ class Kernels:
     loss: str = "torch"
     norm: str = "eager"
     attention_kernel: str = "flash2"
-    tp_overlap: bool = False
+    tp_overlap: str = "none"
     dp_overlap: bool = False
     ep_overlap: bool = False
     grad_allreduce_after_backward: bool = False
@@ -189,6 +199,8 @@ class Kernels:
             raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
         if self.norm not in NORM_KINDS:
             raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+        if self.tp_overlap not in TP_OVERLAP_KINDS:
+            raise unknown_choice("TP overlap", self.tp_overlap, TP_OVERLAP_KINDS)
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise unknown_choice("attention kernel", self.attention_kernel, ATTENTION_KERNELS)
         if self.grad_buffer not in GRAD_BUFFER_KINDS:

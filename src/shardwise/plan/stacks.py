@@ -16,7 +16,8 @@ What each stack implies (the properties not named keep shardwise's defaults):
   ``experts_tp = true``).
 * ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, Transformer Engine's attention
   (cuDNN's fused kernel on Hopper, which TE prefers there: ``attention_kernel = "flash3"``), TP
-  communication overlap, the distributed optimizer overlapping its reduce-scatter / all-gather, a
+  communication pipelined with the GEMMs (``--tp-comm-overlap``: ``tp_overlap = "full"``; a run without
+  it: ``--stack-set tp_overlap=backward``), the distributed optimizer overlapping its reduce-scatter / all-gather, a
   contiguous fp32 gradient buffer, 16-bit parameters with an fp32 master copy, pipeline receives
   into the in-flight micro-batches' own tensors; expert groups folded over tp x dp x cp of a
   pipeline stage (MoE parallel folding, expert-tensor-parallel 1: ``ep_groups = "tp-dp"``, each TP
@@ -49,8 +50,8 @@ __all__ = ["STACKS", "STACK_KEYS", "settings_from", "stack_settings"]
 STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
     "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False, "experts_tp": True},
-    "megatron": {"loss": "fused", "norm": "fused", "attention_kernel": "flash3", "tp_overlap": True, "dp_overlap": True,
-                 "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
+    "megatron": {"loss": "fused", "norm": "fused", "attention_kernel": "flash3", "tp_overlap": "full",
+                 "dp_overlap": True, "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
                  "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False,
                  "sp_regather": True},
     "deepspeed": {"grad_buffer": "deepspeed-bf16", "state": "master-copy", "pp_receive_buffers": False,
@@ -65,6 +66,8 @@ def _value(key: str, text: str) -> Any:
         if text not in GRAD_SYNC_MODES:
             raise ConfigError(f"--stack-set grad_sync={text}: allowed: {', '.join(GRAD_SYNC_MODES)}.")
         return text
+    if key == "tp_overlap" and text.lower() in ("true", "false"):
+        return "full" if text.lower() == "true" else "none"  # the boolean this property was until 2026-11-29
     default = getattr(Kernels(), key)
     if isinstance(default, bool):
         if text.lower() not in ("true", "false"):
