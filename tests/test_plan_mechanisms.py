@@ -495,3 +495,29 @@ def test_a_pending_weight_pass_keeps_its_norms_output_gradients():
     assert got == layer_tokens * (600 * 2 + 2 * 64 * 4)
     got, layer_tokens = pending("fsdp+tp+pp", 2, True)  # bf16, tp 2, the norms' on the sequence shard
     assert got == layer_tokens * ((32 + 16 + 16 + 64 + 86 + 86 + 64) * 2 + 2 * 64 * 2 / 2)
+
+
+def test_fused_glu_keeps_three_ffn_widths_a_token_not_four_by_hand(mixtral):
+    """``Kernels.glu = "fused"`` (Megatron's bias_swiglu_impl: the activation saves its 2 x ffn input
+    and is recomputed in backward; fc2 keeps the product) keeps one ffn-wide tensor a token less
+    than eager SwiGLU (gate, up, silu(gate), product), split tp ways with the MLP; a mixture of
+    experts one less per routed slot. GELU MLPs (no gate) are unchanged; the megatron stack fuses."""
+    from shardwise.errors import ConfigError
+    from shardwise.plan.memory import layer_activation_bytes
+    from shardwise.plan.stacks import stack_settings
+
+    dense = model_preset("llama-3-8b")  # ffn 14,336
+    seq, mb = 8192, 1
+    for tp in (1, 4):
+        eager = layer_activation_bytes(dense, seq, mb, 2, tp=tp, kernels=Kernels())
+        fused = layer_activation_bytes(dense, seq, mb, 2, tp=tp, kernels=Kernels(glu="fused"))
+        assert eager - fused == seq * mb * 14336 * 2 // tp
+    moe_eager = layer_activation_bytes(mixtral, 4096, 1, 2, kernels=Kernels(experts_whole_on_tp=False))
+    moe_fused = layer_activation_bytes(mixtral, 4096, 1, 2, kernels=Kernels(experts_whole_on_tp=False, glu="fused"))
+    assert moe_eager - moe_fused == 4096 * mixtral.moe.top_k * mixtral.ffn_hidden * 2
+    gpt = model_preset("gpt2")
+    assert (layer_activation_bytes(gpt, 1024, 2, 2, kernels=Kernels(glu="fused"))
+            == layer_activation_bytes(gpt, 1024, 2, 2, kernels=Kernels()))
+    assert stack_settings("megatron")[0].glu == "fused" and stack_settings("shardwise")[0].glu == "eager"
+    with pytest.raises(ConfigError, match="gated-MLP activation"):
+        Kernels(glu="compiled")

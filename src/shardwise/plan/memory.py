@@ -68,6 +68,8 @@ CHECKPOINT_MODES = AC_MODES
 LOSS_KINDS = ("torch", "fused", "compiled", "chunked")
 STATE_KINDS = ("fp32-params", "master-copy")
 NORM_KINDS = ("eager", "fused")
+# How a gated MLP (SwiGLU, GeGLU) keeps its activation for backward (Kernels.glu).
+GLU_KINDS = ("eager", "fused")
 ATTENTION_KERNELS = ("flash2", "flash3")
 # How a stack overlaps its tensor-parallel collectives with the matmuls (Kernels.tp_overlap).
 TP_OVERLAP_KINDS = ("none", "backward", "full")
@@ -91,6 +93,12 @@ class Kernels:
     * ``norm``: "eager" is RMSNorm written in PyTorch ops (HF, torchtitan's default: keeps an fp32
       copy of its input and the normalised value); "fused" a fused RMSNorm kernel that keeps only
       its input and the per-token rstd. (LayerNorm is one fused op in PyTorch either way.)
+    * ``glu``: a gated MLP's activation (SwiGLU, GeGLU). "eager" (transformers, torchtitan, shardwise:
+      ``act(gate) * up`` in PyTorch ops) keeps the gate and up outputs, the activation's output and
+      the product: 4 x ffn per token (routed slot, for experts). "fused" (Megatron's
+      ``bias_swiglu_impl`` / ``bias_geglu_impl`` and its experts' ``weighted_bias_swiglu_impl``,
+      on by default in Megatron-LM and NeMo: one autograd function that saves only its 2 x ffn input
+      and recomputes the activation in backward; fc2 keeps the product): 3 x ffn.
     * ``attention_kernel``: the class of the attention kernel, which sets the rate the step time
       prices attention at (presets.KERNEL_CEILINGS): "flash2" FlashAttention-2 (torch SDPA's flash
       backend, first in SDPA's priority on every GPU: shardwise's and torchtitan's attention);
@@ -176,6 +184,7 @@ class Kernels:
 
     loss: str = "torch"
     norm: str = "eager"
+    glu: str = "eager"
     attention_kernel: str = "flash2"
     tp_overlap: str = "none"
     dp_overlap: bool = False
@@ -199,6 +208,8 @@ class Kernels:
             raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
         if self.norm not in NORM_KINDS:
             raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
+        if self.glu not in GLU_KINDS:
+            raise unknown_choice("gated-MLP activation", self.glu, GLU_KINDS)
         if self.tp_overlap not in TP_OVERLAP_KINDS:
             raise unknown_choice("TP overlap", self.tp_overlap, TP_OVERLAP_KINDS)
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -735,9 +746,9 @@ def layer_activation_bytes(spec: ModelSpec, seq: int, micro_batch: int, act_byte
             read = (attn_in + mlp_in) * h * e
         inner = (2 * qd + 2 * kvd) * e  # rotated q, k, v, attention out
         if spec.moe is not None and kernels.experts_whole_on_tp:
-            whole = 0 if dropped else _mlp_interior(spec, e)
+            whole = 0 if dropped else _mlp_interior(spec, e, kernels.glu)
         elif not dropped:
-            inner += _mlp_interior(spec, e)  # the MLP, split tp ways with the attention
+            inner += _mlp_interior(spec, e, kernels.glu)  # the MLP, split tp ways with the attention
         if _has_qk_norm(spec):  # Qwen3's per-head RMSNorms on q and k: the same tensors per head row
             heads = a + spec.kv_heads
             inner += (4 * (qd + kvd) + 2 * (qd + kvd) * e + 4 * heads) if kernels.norm == "eager" else (
@@ -794,20 +805,22 @@ def autocast_weight_bytes(spec: ModelSpec, act_bytes: int, *, tp: int = 1, ep: i
     return (dense + experts) * act_bytes // tp
 
 
-def _mlp_interior(spec: ModelSpec, e: int) -> int:
+def _mlp_interior(spec: ModelSpec, e: int, glu: str = "eager") -> int:
     """Bytes per token a llama-like block's MLP keeps for backward.
 
-    Dense SwiGLU: gate, up, silu(gate) and their product (4 x ffn_hidden elements). A mixture of
+    Dense SwiGLU: gate, up, silu(gate) and their product (4 x ffn_hidden elements; 3 with a fused
+    activation, ``Kernels.glu = "fused"``: its 2 x ffn input and the product). A mixture of
     experts (transformers' experts module, one pass per expert hit) sends each token to ``top_k``
     experts, and per routed slot keeps the gathered input and the expert's output (2 x hidden), the
     gate/up output, the activation and the product (4 x the expert width, as dense), the routing
     weight, and two int64 indices (token, slot); the router keeps its fp32 softmax (n_experts) and
     the top-k indices (int64) and fp32 weights, before and after normalising."""
     f = spec.ffn_hidden or 0
+    width = 3 if glu == "fused" else 4
     if spec.moe is None:
-        return 4 * f * e
+        return width * f * e
     h, k, n = spec.hidden or 0, spec.moe.top_k, spec.moe.n_experts
-    routed = k * ((2 * h + 4 * f + 1) * e + 2 * 8)
+    routed = k * ((2 * h + width * f + 1) * e + 2 * 8)
     router = 4 * n + k * (8 + 2 * 4)
     return routed + router
 

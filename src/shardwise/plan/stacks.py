@@ -14,7 +14,9 @@ What each stack implies (the properties not named keep shardwise's defaults):
 * ``torchtitan``: FSDP2 as shardwise, but gradients reduce-scattered every micro-batch, and its
   experts tensor-parallel under TP (expert-tensor-parallel = tp: ``experts_whole_on_tp = false``,
   ``experts_tp = true``).
-* ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, Transformer Engine's attention
+* ``megatron``: Megatron-Core -- fused cross-entropy and RMSNorm, its fused SwiGLU / GeGLU
+  (``glu = "fused"``: the activation's input kept, the activation recomputed in backward),
+  Transformer Engine's attention
   (cuDNN's fused kernel on Hopper, which TE prefers there: ``attention_kernel = "flash3"``), TP
   communication pipelined with the GEMMs (``--tp-comm-overlap``: ``tp_overlap = "full"``; a run without
   it: ``--stack-set tp_overlap=backward``), the distributed optimizer overlapping its reduce-scatter / all-gather, a
@@ -50,7 +52,7 @@ __all__ = ["STACKS", "STACK_KEYS", "settings_from", "stack_settings"]
 STACKS: dict[str, dict[str, Any]] = {
     "shardwise": {},
     "torchtitan": {"grad_sync": "microbatch", "experts_whole_on_tp": False, "experts_tp": True},
-    "megatron": {"loss": "fused", "norm": "fused", "attention_kernel": "flash3", "tp_overlap": "full",
+    "megatron": {"loss": "fused", "norm": "fused", "glu": "fused", "attention_kernel": "flash3", "tp_overlap": "full",
                  "dp_overlap": True, "grad_buffer": "contiguous", "state": "master-copy", "pp_receive_buffers": False,
                  "ep_groups": "tp-dp", "ep_dispatch_copy": False, "experts_whole_on_tp": False,
                  "sp_regather": True},
