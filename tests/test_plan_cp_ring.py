@@ -151,7 +151,7 @@ def test_tp_overlap_modes_hide_what_each_stack_overlaps_by_hand():
     spec = model_preset("llama-3-8b")
     bf16 = precision("bf16")
     fabric = Fabric(gpus_per_node=8, intra_gbs=450, nic_gbs=50, peak_tflops=989)
-    lay = Layout("fsdp+tp", dp=4, tp=2)
+    lay = Layout("fsdp+tp", dp=4, tp=2, sequence_parallel=True)
     for checkpoint in ("none", "full"):
         kw = dict(seq=4096, micro_batch=2, grad_accum=3, checkpoint=checkpoint)
         steps = {mode: step_time(spec, lay, bf16, fabric, kernels=Kernels(tp_overlap=mode), **kw)
@@ -168,5 +168,14 @@ def test_tp_overlap_modes_hide_what_each_stack_overlaps_by_hand():
             assert tp_exposed_s(tp_s, plain, compute, mode) == pytest.approx(tp_s - hidden[mode])
         if checkpoint == "full":  # the recomputed forward's collectives stay exposed under "backward"
             assert tp_s > plain and hidden["backward"] == pytest.approx(plain / 4)
+    # Without sequence parallel the backward's two collectives are the QKV and fc1 input-gradient
+    # all-reduces: half of the block's four hide.
+    plain_lay = Layout("fsdp+tp", dp=4, tp=2)
+    kw = dict(seq=4096, micro_batch=2, grad_accum=3)
+    none, back = (step_time(spec, plain_lay, bf16, fabric, kernels=Kernels(tp_overlap=m), **kw)
+                  for m in ("none", "backward"))
+    plain = 3 * tp_comm_s(spec, plain_lay, bf16, fabric, seq=4096, micro_batch=2,
+                          alpha_s=DEFAULT_CALIBRATION.hop_latency_s)
+    assert none.comm_exposed_s - back.comm_exposed_s == pytest.approx(min(plain / 2, none.compute_s / 3), rel=1e-6)
     with pytest.raises(ConfigError, match="TP overlap"):
         Kernels(tp_overlap="sometimes")

@@ -424,7 +424,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
                                           alpha_s=alpha)
         if passes > 1:  # the second recomputation's collectives
             tp_s += (passes - 1) * (tp_s - tp_plain)
-        exposed += tp_exposed_s(tp_s, tp_plain, compute, kernels.tp_overlap)
+        exposed += tp_exposed_s(tp_s, tp_plain, compute, kernels.tp_overlap, sp=layout.sequence_parallel)
         total += tp_s
     bubble = 0.0
     if pp > 1:
@@ -442,22 +442,24 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
                     flops_per_token(spec, seq), fabric.peak_tflops)
 
 
-def tp_exposed_s(tp_s: float, tp_plain_s: float, compute_s: float, overlap: str) -> float:
+def tp_exposed_s(tp_s: float, tp_plain_s: float, compute_s: float, overlap: str, *, sp: bool = True) -> float:
     """The part of a step's TP collectives (``tp_s``; ``tp_plain_s`` of it the forward's and the
     backward's, without recomputation) left on the critical path by the stack's overlap
     (memory.Kernels.tp_overlap).
 
     "full" pipelines every collective with its GEMM: hidden up to the step's compute. "backward"
     issues only the column-parallel linears' input-gradient collective before their weight-gradient
-    GEMM: one of a block's four all-reduce-sized collectives (forward: all-gather + reduce-scatter
-    around attention and around the MLP; backward: the same again), hidden up to the weight-gradient
-    GEMMs, a third of the compute; the forward's, the row-parallel backward's and the recomputed
+    GEMM, hidden up to those GEMMs (a third of the compute): under sequence parallel (``sp``) the
+    reduce-scatters after QKV's and fc1's input gradients, one of a block's four all-reduce-sized
+    collectives (forward: all-gather + reduce-scatter around attention and around the MLP; backward:
+    the row linears' all-gathers and those reduce-scatters); without it their two all-reduces, half
+    of the block's four (the forward's two follow the row linears). The forward's and the recomputed
     forward's stay exposed. "none": all exposed.
     """
     if overlap == "full":
         return max(0.0, tp_s - compute_s)
     if overlap == "backward":
-        return tp_s - min(tp_plain_s / 4, compute_s / 3)
+        return tp_s - min(tp_plain_s / (4 if sp else 2), compute_s / 3)
     return tp_s
 
 

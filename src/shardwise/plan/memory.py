@@ -110,7 +110,7 @@ class Kernels:
       without --tp-comm-overlap, nanotron's async linears): only the column-parallel linears'
       backward collective (the reduce-scatter or all-reduce of the input gradient) is issued before
       the weight-gradient GEMM and runs under it -- a quarter of a block's collectives under
-      sequence parallel, none of the forward's or the recomputed forward's; "full" (Megatron's
+      sequence parallel, half without it, none of the forward's or the recomputed forward's; "full" (Megatron's
       --tp-comm-overlap with Transformer Engine's userbuffers, torch's async TP): every collective
       is pipelined with its GEMM, hidden up to the step's compute. ``--stack-set tp_overlap=true``
       / ``false`` read as "full" / "none".
