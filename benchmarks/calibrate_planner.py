@@ -10,6 +10,7 @@ run's own strategy, degrees, micro-batch and checkpointing, and a zero safety ma
     python benchmarks/calibrate_planner.py --markdown   # the table docs/planner.md shows
     python benchmarks/calibrate_planner.py --by-source  # leave-one-source-out error per source
     python benchmarks/calibrate_planner.py --blind      # the held-out sources, against the 10 % goal
+                                                        # (and their memory, where a source reads it)
 
 Sources marked ``"held_out": true`` never enter a fit. Every run is scored: a layout the planner
 cannot express is a refusal (no prediction, a wrong verdict for a run that ran), never a skipped
@@ -391,11 +392,15 @@ def fit(cases: list[Case], start: dict[str, Calibration],
 # ------------------------------------------------------------------------------ reporting
 def summary(results: list[Result]) -> dict[str, Any]:
     errs = [abs(r.error) for r in results if r.error is not None]
+    # Memory where the source publishes it (a reading, not a bound: reported beside the goal).
+    mem = [abs(r.memory_error) for r in results if not r.case.refused and r.memory_error is not None]
     return {"runs": len(results), "with_throughput": len(errs),
             "mean_abs_error": statistics.fmean(errs) if errs else float("nan"),
             "max_abs_error": max(errs) if errs else float("nan"),
             "verdicts_right": sum(r.verdict_right for r in results),
-            "refused": sum(bool(r.case.refused) for r in results)}
+            "refused": sum(bool(r.case.refused) for r in results),
+            "with_memory": len(mem), "memory_mean_abs_error": statistics.fmean(mem) if mem else float("nan"),
+            "memory_within_10": sum(1 for e in mem if e <= 0.10)}
 
 
 # The goal every report is checked against (issue: a planner right on runs it has never seen):
@@ -422,9 +427,11 @@ def goal_check(label: str, results: list[Result]) -> str:
            and s["verdicts_right"] == s["runs"])
     err = (f"mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} over {s['with_throughput']}"
            if s["with_throughput"] else "no throughput predicted")
+    mem = (f"; memory mean |error| {s['memory_mean_abs_error']:.1%} over {s['with_memory']} "
+           f"({s['memory_within_10']} within 10 %)" if s["with_memory"] else "")
     return (f"{label:28s} {s['runs']:>3} runs: {err}; verdicts right {s['verdicts_right']}/{s['runs']}; "
             f"refused {s['refused']}; goal (<= {GOAL_MEAN_ABS_ERROR:.0%} mean, every verdict right): "
-            + ("MET" if met else "MISSED"))
+            + ("MET" if met else "MISSED") + mem)
 
 
 def blind(cases: list[Case], calibrations: dict[str, Calibration], rounds: dict[str, str] | None = None) -> str:
@@ -449,8 +456,12 @@ def blind(cases: list[Case], calibrations: dict[str, Calibration], rounds: dict[
         what = (f"refused: {r.case.refused}" if r.case.refused else
                 f"predicted {r.predicted_tps:,.0f} vs {r.case.published_tps or float('nan'):,.0f} tok/s/GPU "
                 f"({r.error:+.1%})" if r.error is not None else f"predicted {r.predicted_tps:,.0f}")
+        mem = ""
+        if not r.case.refused and r.memory_error is not None:
+            mem = (f"; memory {r.memory_gib:.1f} vs {r.case.run['published']['memory_gib']:.1f} GiB "
+                   f"({r.memory_error:+.1%})")
         lines.append(f"    {r.case.id:44s} {run_kind(r.case):6s} {what}; verdict {r.verdict}"
-                     + ("" if r.verdict_right else " WRONG"))
+                     + ("" if r.verdict_right else " WRONG") + mem)
     return "\n".join(lines)
 
 

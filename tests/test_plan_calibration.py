@@ -536,3 +536,25 @@ def test_blind_report_has_a_line_per_round_over_exactly_its_sources(calibration)
         line = next(x for x in text.splitlines() if x.strip().startswith(f"round {name} "))
         assert f" {runs} runs:" in line, line
     assert "round" not in cp.blind(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
+
+
+def test_blind_report_gives_memory_where_a_held_out_source_publishes_it(calibration):
+    """A held-out source that publishes memory (FlagPerf's nvidia-smi column) gets its memory error
+    beside the goal line, counted over exactly its rows with a reading, and per run; a source
+    without any (the Llama 3 paper) gets none."""
+    import statistics
+
+    cp, cases = calibration
+    results = cp.evaluate_all([c for c in cases if c.source_held_out],
+                              {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
+    text = cp.blind(cases, {g: CALIBRATIONS[g] for g in cp.GENERATIONS})
+    for src in ("flagperf", "llama3-paper"):
+        mine = [r for r in results if r.case.run["source"] == src and r.memory_error is not None]
+        line = next(x for x in text.splitlines() if x.strip().startswith(src + " "))
+        if not mine:
+            assert "memory" not in line, line
+            continue
+        mean = statistics.fmean(abs(r.memory_error) for r in mine)
+        assert f"memory mean |error| {mean:.1%} over {len(mine)} " in line, line
+        first = next(x for x in text.splitlines() if x.strip().startswith(mine[0].case.id + " "))
+        assert f"({mine[0].memory_error:+.1%})" in first, first
