@@ -297,13 +297,29 @@ def test_no_sync_accumulation_keeps_unsharded_gradients():
     spec = model_preset("llama-3-8b")
     layout = Layout("fsdp", dp=8, shard=8)
 
-    def parts(accum: int, sync: str) -> dict[str, int]:
-        return memory_breakdown(spec, layout, BF16, "adamw", seq=4096, micro_batch=1, grad_accum=accum,
+    def parts(accum: int, sync: str, prec=BF16) -> dict[str, int]:
+        return memory_breakdown(spec, layout, prec, "adamw", seq=4096, micro_batch=1, grad_accum=accum,
                                 grad_sync=sync).transient_parts
 
     assert "unsharded grads (no_sync accumulation)" not in parts(1, "step")
     assert parts(4, "step")["unsharded grads (no_sync accumulation)"] == 4 * spec.n_params
     assert "unsharded grads (no_sync accumulation)" not in parts(4, "microbatch")
+    # bf16-true's FSDP policy is a no-op, so the accumulated unsharded gradients are the parameters'
+    # bfloat16 (checked on FSDP2 with set_requires_gradient_sync(False)), not fp32.
+    true = parts(4, "step", PRECISIONS["bf16-true"])
+    assert true["unsharded grads (no_sync accumulation)"] == 2 * spec.n_params
+    # The sharded gradients are made by the last micro-batch's reduce-scatters (zero_grad freed
+    # them), so at the peak they are missing as in a one-micro-batch step, and the two peaks differ
+    # by the unsharded accumulation alone (played llama-3-8b fsdp ranks, grad_accum 2, matched to the
+    # byte on bf16-true and bf16-mixed, 2026-11-29).
+    one, four = (memory_breakdown(spec, layout, BF16, "adamw", seq=4096, micro_batch=1, grad_accum=a,
+                                  grad_sync="step") for a in (1, 4))
+    label = "gradient shards not created yet (reduced once a step)"
+    assert four.transient_parts[label] == one.transient_parts[label] < 0
+    assert four.transient - one.transient == four.transient_parts["unsharded grads (no_sync accumulation)"]
+    micro = memory_breakdown(spec, layout, BF16, "adamw", seq=4096, micro_batch=1, grad_accum=4,
+                             grad_sync="microbatch")
+    assert label not in micro.transient_parts  # reduced every micro-batch: the shards exist after the first
 
 
 def test_fragmentation_and_kernels_change_the_total():
@@ -482,7 +498,7 @@ def test_a_later_block_of_a_one_micro_batch_step_holds_the_heads_and_one_blocks_
                         head_unit=head, loss_parts={}, norm_backward=0, no_sync=True, absent_grads=absent)
     assert held["all-gather (2 units, prefetch)"] == BF16.param * (block + head)  # the later moment's
     shard = -(-head // 8) * BF16.grad + -(-block // 8) * BF16.grad
-    assert held["gradient shards not created yet (one micro-batch a step)"] == -(absent - shard)
+    assert held["gradient shards not created yet (reduced once a step)"] == -(absent - shard)
 
 
 def test_the_final_norm_under_sequence_parallel_and_a_fused_loss_stage():

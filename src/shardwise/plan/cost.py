@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from shardwise.core.pp_schedules import p2p_messages_per_step, recompute_passes, waited_transfers
 from shardwise.plan.cp import cp_comm_s, cp_degree
 from shardwise.plan.memory import (
-    REDUCE_BYTES,
     SHARDWISE_KERNELS,
     Kernels,
     Layout,
@@ -44,6 +43,7 @@ from shardwise.plan.memory import (
     layer_activation_bytes,
     outer_activation_bytes,
     recompute_share,
+    reduce_bytes,
     routed_expert_numel,
     stage_boundary_bytes,
 )
@@ -388,7 +388,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     if sharding in ("zero2", "fsdp") and shard > 1:
         bw = fabric.collective_gbs(shard, tp)
         gather = all_gather_s(shard, prec.param * local_params, bw, units, alpha)
-        scatter = all_gather_s(shard, REDUCE_BYTES * local_params, bw, units, alpha)
+        scatter = all_gather_s(shard, reduce_bytes(prec) * local_params, bw, units, alpha)
         if pp > 1:
             # Under a pipeline schedule the stage stays unsharded from its first forward to the
             # step (torch.distributed.pipelining): one gather and one reduce-scatter per step.
@@ -403,7 +403,7 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         exposed += max(0.0, comm - compute) + (grad_accum if gathers_per_micro else 1) * first_unit
         total += comm
         if replicate > 1:  # HSDP: all-reduce of the shard across replicas, once per step
-            ar = all_reduce_s(replicate, REDUCE_BYTES * local_params / shard,
+            ar = all_reduce_s(replicate, reduce_bytes(prec) * local_params / shard,
                               fabric.collective_gbs(replicate, tp * shard), units, alpha)
             exposed += max(0.0, ar - compute_micro * 2 / 3)
             total += ar

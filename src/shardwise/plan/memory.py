@@ -232,6 +232,15 @@ SHARDWISE_KERNELS = Kernels()
 REDUCE_BYTES = 4  # FSDP reduces (and accumulates unsharded) gradients in fp32 (precision.fsdp_mp_policy)
 
 
+def reduce_bytes(prec: Precision) -> int:
+    """Bytes per element of the gradients FSDP reduce-scatters and accumulates unsharded: fp32 under
+    a mixed-precision policy and for fp32 parameters (REDUCE_BYTES), the parameters' own bfloat16
+    under bf16-true, whose policy is a no-op (precision.fsdp_mp_policy). Checked on FSDP2 with
+    set_requires_gradient_sync(False): the accumulated unsharded gradient is float32 under
+    bf16-mixed and bfloat16 under bf16-true (2026-11-29)."""
+    return prec.grad if prec.name == "bf16-true" else REDUCE_BYTES
+
+
 def precision(name: str) -> Precision:
     if name not in PRECISIONS:
         raise unknown_choice("precision", name, PRECISIONS)
@@ -1156,8 +1165,9 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
     The reduce-scatter input (fp32) is extra only without no_sync accumulation: under it, FSDP
     copies the accumulated unsharded gradients (counted for the whole step) into it and frees them.
 
-    ``absent_grads``: the gradient shards the state counts that do not exist yet when a step has one
-    micro-batch (zero_grad sets them to None; each unit's shard appears at its reduce-scatter):
+    ``absent_grads``: the gradient shards the state counts that do not exist yet when a step reduces
+    its gradients once, in its only or (no_sync) its last micro-batch (zero_grad sets them to None;
+    each unit's shard appears at its reduce-scatter):
     all of them at the loss and the final norm, all but the head unit's at the first block, all but
     the head's and one block's at a later one.
     """
@@ -1190,11 +1200,11 @@ def _peak_moment(spec: ModelSpec, layout: Layout, prec: Precision, act: Activati
         prefetch = prefetch_later = {"all-gather (1 block: its experts' unit and the rest, in turn)":
                                      prec.param * block_unit}
     first = {**(prefetch if fsdp else {}),
-             **({"reduce-scatter (1 unit)": REDUCE_BYTES * head_unit} if rs else {}), **block}
+             **({"reduce-scatter (1 unit)": reduce_bytes(prec) * head_unit} if rs else {}), **block}
     later = {**(prefetch_later if fsdp else {}),
-             **({"reduce-scatter (1 unit)": REDUCE_BYTES * block_unit} if rs else {}), **block}
+             **({"reduce-scatter (1 unit)": reduce_bytes(prec) * block_unit} if rs else {}), **block}
     if absent_grads:
-        label = "gradient shards not created yet (one micro-batch a step)"
+        label = "gradient shards not created yet (reduced once a step)"
         head_shard = math.ceil(head_unit / max(layout.shard, 1)) * prec.grad
         block_shard = math.ceil(block_unit / max(layout.shard, 1)) * prec.grad
         loss, norm = {**loss, label: -absent_grads}, {**norm, label: -absent_grads}
@@ -1386,15 +1396,16 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
             stages_held = math.ceil(held_local * stages_in_backward(layout.pp_schedule, layout.pp,
                                                                     layout.pp_microbatches, v) / v)
         parts[_STAGE_PARAMS] = prec.param * stages_held
-        parts["unsharded stage grads (pp schedule)"] = REDUCE_BYTES * stages_held
+        parts["unsharded stage grads (pp schedule)"] = reduce_bytes(prec) * stages_held
     elif layout.sharding == "zero2":
         # reshard_after_forward=False: every unsharded parameter stays from forward to backward.
         parts["unsharded params (fwd->bwd)"] = prec.param * full_local
     no_sync = layout.sharding in ("zero2", "fsdp") and layout.pp == 1 and grad_accum > 1 and grad_sync == "step"
     if no_sync:
         # no_sync under gradient accumulation (set_requires_gradient_sync(False)): FSDP keeps every
-        # unit's unsharded gradients, in the fp32 reduce dtype, until the last micro-batch.
-        parts["unsharded grads (no_sync accumulation)"] = REDUCE_BYTES * held_local
+        # unit's unsharded gradients, in the reduce dtype (fp32; bf16 under bf16-true), until the
+        # last micro-batch.
+        parts["unsharded grads (no_sync accumulation)"] = reduce_bytes(prec) * held_local
     if act.recompute_peak and layout.pp > 1:
         parts["recompute (1 block)"] = act.recompute_peak
     if layout.pp > 1:
@@ -1416,7 +1427,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         # of every weight op's output (the block's matmuls: column-parallel ones 1/tp wide) for the
         # deferred weight-gradient pass, stage-micro-batch by stage-micro-batch.
         due = peak_weight_passes_due(layout.pp_schedule, layout.pp, layout.pp_microbatches, v, stage)
-        if due and layout.sharding in ("zero2", "fsdp") and prec.param < REDUCE_BYTES:
+        if due and layout.sharding in ("zero2", "fsdp") and prec.param < reduce_bytes(prec):
             # The weight pass sets each weight's gradient in the compute dtype; FSDP casts it to fp32 and
             # adds it to the stage's accumulated gradients only in its next post-backward, which runs
             # in the next input pass: one stage's weight gradients wait. (Their fp32 copy was counted too
@@ -1504,7 +1515,12 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     # gradients the state counts (a played llama-3-8b fsdp rank: 0 bytes of gradients at its peak, in
     # the head's backward, 2026-11-28; played gpt2 and gpt2-xl ddp and zero1 ranks likewise, their
     # peaks inside lm_head's backward, where DDP's persistent buckets are all the rank holds of them).
-    absent_grads = (state.grads if grad_accum == 1 and layout.external is None and not layout.offload else 0)
+    # So does a step whose sharded gradients are reduced once, after its last micro-batch (no_sync):
+    # zero_grad freed the shards and each reappears only at its unit's reduce-scatter in that
+    # micro-batch's backward (played llama-3-8b fsdp ranks, grad_accum 2: 1,915 MiB of bf16-true
+    # shards and 3,829 MiB of bf16-mixed ones planned at the peak that were not there, 2026-11-29).
+    absent_grads = (state.grads if (grad_accum == 1 or no_sync) and layout.external is None
+                    and not layout.offload else 0)
     if layout.pp > 1:
         # A pipeline rank (whose rehearsed peaks fall in that backward: 1F1B and interleaved, both
         # ends) holds its in-flight micro-batches and buffers through the whole schedule.
