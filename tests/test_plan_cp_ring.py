@@ -142,8 +142,9 @@ def test_tensor_parallel_collectives_carry_a_cp_ranks_share_of_the_sequence():
 def test_tp_overlap_modes_hide_what_each_stack_overlaps_by_hand():
     """``Kernels.tp_overlap``: "none" leaves every TP collective exposed; "backward" (Megatron-LM's
     linears without --tp-comm-overlap, nanotron's async linears) hides one of a block's four
-    all-reduce-sized collectives, the column linears' input-gradient one, up to the weight-gradient
-    GEMMs (a third of the compute) and none of the recomputed forward's; "full" hides all of them up
+    all-reduce-sized collectives under sequence parallel (two without it), the column linears'
+    input-gradient ones, up to the weight-gradient GEMMs (a third of the compute) and none of the
+    recomputed forward's; "full" hides all of them up
     to the step's compute. The same step otherwise: only the exposed TP time differs."""
     from shardwise.plan.cost import DEFAULT_CALIBRATION, tp_comm_s, tp_exposed_s
     from shardwise.plan.memory import Kernels
