@@ -200,22 +200,17 @@ class Kernels:
     sp_regather: bool = False
 
     def __post_init__(self) -> None:
-        if self.ep_groups not in EP_GROUPS:
-            raise unknown_choice("expert-group rule", self.ep_groups, tuple(EP_GROUPS))
-        if self.state not in STATE_KINDS:
-            raise unknown_choice("model-state storage", self.state, STATE_KINDS)
-        if self.loss not in LOSS_KINDS:
-            raise unknown_choice("loss implementation", self.loss, LOSS_KINDS)
-        if self.norm not in NORM_KINDS:
-            raise unknown_choice("norm implementation", self.norm, NORM_KINDS)
-        if self.glu not in GLU_KINDS:
-            raise unknown_choice("gated-MLP activation", self.glu, GLU_KINDS)
-        if self.tp_overlap not in TP_OVERLAP_KINDS:
-            raise unknown_choice("TP overlap", self.tp_overlap, TP_OVERLAP_KINDS)
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise unknown_choice("attention kernel", self.attention_kernel, ATTENTION_KERNELS)
-        if self.grad_buffer not in GRAD_BUFFER_KINDS:
-            raise unknown_choice("gradient buffer", self.grad_buffer, GRAD_BUFFER_KINDS)
+        # Each named-choice property and what its error calls it.
+        for name, what, allowed in (("ep_groups", "expert-group rule", tuple(EP_GROUPS)),
+                                    ("state", "model-state storage", STATE_KINDS),
+                                    ("loss", "loss implementation", LOSS_KINDS),
+                                    ("norm", "norm implementation", NORM_KINDS),
+                                    ("glu", "gated-MLP activation", GLU_KINDS),
+                                    ("tp_overlap", "TP overlap", TP_OVERLAP_KINDS),
+                                    ("attention_kernel", "attention kernel", ATTENTION_KERNELS),
+                                    ("grad_buffer", "gradient buffer", GRAD_BUFFER_KINDS)):
+            if getattr(self, name) not in allowed:
+                raise unknown_choice(what, getattr(self, name), allowed)
         if self.experts_tp and (self.experts_whole_on_tp or self.ep_groups == "tp-dp"):
             raise ConfigError(
                 "experts_tp=true (each TP rank a slice of every expert) needs experts_whole_on_tp=false "
