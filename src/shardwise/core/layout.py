@@ -65,6 +65,15 @@ def _runs_ep(info: StrategyInfo) -> bool:
     return info.dp_kind == "fsdp" and info.impl in ("fsdp", "model-parallel") and not info.offload
 
 
+def _ranges(sizes: tuple[int, ...]) -> tuple[range, ...]:
+    """Consecutive block ranges of the given sizes, from block 0."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return tuple(out)
+
+
 def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[range]:
     """Return the block indices of each stage: balanced, first and last ``fewer`` blocks lighter.
 
@@ -102,11 +111,7 @@ def stage_layer_ranges(n_layer: int, n_stages: int, fewer: int = 0) -> list[rang
             "the last may hold none, every other stage needs one). Use fewer stages "
             "(pp x pp_stages_per_rank) or a smaller pp_first_stage_fewer."
         )
-    out, start = [], 0
-    for size in sizes:
-        out.append(range(start, start + size))
-        start += size
-    return out
+    return list(_ranges(tuple(sizes)))
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,11 @@ class Layout:
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
     pp_first_stage_fewer: int = 0
+    # Another stack's stage split, for the planner only: the blocks of each stage in order (empty:
+    # the runtime's split, stage_layer_ranges). nanotron balances its stages by a per-block cost
+    # (plan.pipeline.cost_balanced_stage_layers, plan.memory.Kernels.pp_split); the runtime never
+    # runs such a split.
+    stage_layers: tuple[int, ...] = ()
     sequence_parallel: bool = False
     # The model's transformer blocks, once known: how many, and where (a dotted module path).
     n_blocks: int | None = None
@@ -214,11 +224,32 @@ class Layout:
         else:
             # One stage: nothing to schedule. Pipeline options of the config do not apply.
             for key, value in (("pp_schedule", "1f1b"), ("pp_stages_per_rank", 1), ("pp_microbatches", 1),
-                               ("pp_first_stage_fewer", 0)):
+                               ("pp_first_stage_fewer", 0), ("stage_layers", ())):
                 set_(self, key, value)
+        if self.stage_layers:
+            set_(self, "stage_layers", tuple(self.stage_layers))
+            self._check_stage_layers()
         if self.n_blocks is not None:
             set_(self, "stage_ranges",
-                 tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
+                 _ranges(self.stage_layers) if self.stage_layers
+                 else tuple(stage_layer_ranges(self.n_blocks, self.n_stages, self.pp_first_stage_fewer)))
+
+    def _check_stage_layers(self) -> None:
+        """An explicit split (``stage_layers``): one count per stage, the end stages may hold no
+        block (they embed / run the head), every other stage one at least, all the model's blocks."""
+        sizes = self.stage_layers
+        if self.pp_first_stage_fewer:
+            raise ConfigError("an explicit stage split (stage_layers) and parallel.pp_first_stage_fewer "
+                              "both set the stage sizes; give one.")
+        if len(sizes) != self.n_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                                              for n in sizes):
+            raise ConfigError(f"stage_layers={list(sizes)}: give {self.n_stages} block counts >= 0, one per "
+                              "pipeline stage (parallel.pp x parallel.pp_stages_per_rank).")
+        if any(n < 1 for n in sizes[1:-1]):
+            raise ConfigError(f"stage_layers={list(sizes)}: every stage but the first and the last needs a block.")
+        if self.n_blocks is not None and sum(sizes) != self.n_blocks:
+            raise ConfigError(f"stage_layers={list(sizes)} holds {sum(sizes)} blocks; the model has "
+                              f"{self.n_blocks}.")
 
     def _check_ep(self) -> None:
         """Expert groups are carved out of the ranks ``ep_group_ranks`` names (the runtime's rule:

@@ -41,6 +41,7 @@ from shardwise.plan.memory import (
     precision,
     unplanned_caveat,
 )
+from shardwise.plan.pipeline import cost_balanced_stage_layers
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels, planner_batch
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, ceiling, gpu, link
@@ -184,6 +185,9 @@ class Workload:
             raise ConfigError(f"--pp-stages-per-rank must be >= 1, got {self.pp_stages_per_rank}.")
         if self.pp_first_stage_fewer < 0:
             raise ConfigError(f"--pp-first-stage-fewer must be >= 0, got {self.pp_first_stage_fewer}.")
+        if self.pp_first_stage_fewer and self.kernels.pp_split != "layers":
+            raise ConfigError(f"--pp-first-stage-fewer {self.pp_first_stage_fewer} and --stack-set "
+                              f"pp_split={self.kernels.pp_split} both set the pipeline stage sizes; give one.")
         unknown = set(self.search) - set(SEARCHABLE) - set(FALLBACKS)
         if unknown:
             raise ConfigError(f"cannot search {sorted(unknown)}: the planner searches "
@@ -405,6 +409,9 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers,
                                             ep_groups=work.kernels.ep_groups,
                                             experts_tp=work.kernels.experts_tp)
+                    if p > 1 and work.kernels.pp_split == "cost":  # the stack's own stage split
+                        layout = dataclasses.replace(
+                            layout, stage_layers=cost_balanced_stage_layers(spec, layout.n_stages))
                 except ConfigError as e:
                     errors.append(e)
                     continue

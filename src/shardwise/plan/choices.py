@@ -135,4 +135,6 @@ def stages_per_rank_choices(work: Workload) -> tuple[int, ...]:
 def first_stage_fewer_choices(work: Workload) -> tuple[int, ...]:
     """The end-stage lightening to try on a pipeline layout: the given one, or none and one block's
     worth (the planner's compute follows the busiest rank, whose head it can then even out)."""
+    if work.kernels.pp_split != "layers":  # the stack balances its stages itself (Kernels.pp_split)
+        return (0,)
     return FIRST_STAGE_FEWER_SEARCH if "pp_first_stage_fewer" in work.search else (work.pp_first_stage_fewer,)

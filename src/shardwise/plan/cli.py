@@ -39,7 +39,7 @@ from shardwise.plan.memory import (
 from shardwise.plan.optim_state import muon_cost, muon_line
 from shardwise.plan.predict import RunPrediction, predict_run
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, reference_for
-from shardwise.plan.search import device_gib, gib, make_plan, runtime_ep_refusal, searched, tps
+from shardwise.plan.search import device_gib, gib, make_plan, runtime_refusal, searched, tps
 from shardwise.plan.stacks import STACK_KEYS, stack_settings
 from shardwise.rehearse.plan import format_rows, rehearse_candidates
 
@@ -376,7 +376,7 @@ def run_prediction(plan: Plan) -> RunPrediction | None:
     memory ledger measures. The table's columns are the planner's general model (16-bit parameters
     plus an fp32 master copy, as Megatron and DeepSpeed keep them)."""
     c = plan.recommended
-    if c is None or runtime_ep_refusal(c.layout):  # another stack's ep (--stack megatron): train refuses it
+    if c is None or runtime_refusal(c.layout):  # another stack's ep or stage split: train refuses it
         return None
     w = plan.workload
     micro_batch_size, accum_steps = runtime_batch(c.layout, c.micro_batch, c.grad_accum)
@@ -404,7 +404,8 @@ def _settings(c: Candidate) -> dict:
     """The settings the recommendation runs with (searched or given)."""
     return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank,
-            "pp_first_stage_fewer": c.layout.pp_first_stage_fewer, "cp": c.layout.cp,
+            "pp_first_stage_fewer": c.layout.pp_first_stage_fewer,
+            "stage_layers": list(c.layout.stage_layers) or None, "cp": c.layout.cp,
             "cp_impl": c.cp_impl if c.layout.cp > 1 else None,
             "ep": c.layout.ep, "loss_chunked": c.loss_chunked, "verdict": c.verdict}
 
@@ -444,8 +445,11 @@ def _param_count(n: int) -> str:
     return str(n)
 
 
-def _ends(fewer: int) -> str:
-    """The recommendation's pipeline split, where its end stages are lighter (parallel.pp_first_stage_fewer)."""
+def _ends(fewer: int, stage_layers: tuple[int, ...] = ()) -> str:
+    """The recommendation's pipeline split, where its end stages are lighter (parallel.pp_first_stage_fewer)
+    or the stack sets the blocks of each stage (Kernels.pp_split)."""
+    if stage_layers:
+        return f", pipeline stages of {'/'.join(map(str, stage_layers))} blocks (the stack's cost-balanced split)"
     if not fewer:
         return ""
     return f", pipeline end stages {fewer} block{'s' if fewer > 1 else ''} lighter (embedding, head)"
@@ -512,7 +516,7 @@ def format_table(plan: Plan) -> str:
         lines.append(f"recommended: {r.name} ({r.verdict}) with checkpointing {r.checkpoint}, micro-batch "
                      f"{r.micro_batch} x {r.grad_accum} accumulation, grad sync {r.grad_sync}"
                      f"{', chunked loss' if r.loss_chunked else ''}"
-                     f"{_ends(r.layout.pp_first_stage_fewer)} - {gib(r.memory.total)} "
+                     f"{_ends(r.layout.pp_first_stage_fewer, r.layout.stage_layers)} - {gib(r.memory.total)} "
                      f"GiB of {gib(r.budget_bytes)} GiB budget, {gib(r.headroom_bytes)} GiB left of the device's "
                      f"{device_gib(c.gpu.memory_gib)} GiB; "
                      f"{tps(r.time.tokens_per_s_per_gpu)} tokens/s/GPU, MFU {r.time.mfu:.1%}")

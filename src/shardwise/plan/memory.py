@@ -74,6 +74,8 @@ ATTENTION_KERNELS = ("flash2", "flash3")
 # How a stack overlaps its tensor-parallel collectives with the matmuls (Kernels.tp_overlap).
 TP_OVERLAP_KINDS = ("none", "backward", "full")
 GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
+# How a stack splits the blocks into pipeline stages (Kernels.pp_split).
+PP_SPLIT_KINDS = ("layers", "cost")
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,11 @@ class Kernels:
       all-gathers it again in backward (Megatron's sequence parallel, Korthikanti et al. 2022's 34/t).
       False (shardwise, torchtitan): torch's tensor parallel saves the all-gathered whole-sequence
       input of the attention and the MLP (``layer_activation_bytes``).
+    * ``pp_split``: how the stack splits the blocks into pipeline stages. "layers": by block count,
+      the runtime's rule (``core.layout.stage_layer_ranges``, with ``parallel.pp_first_stage_fewer``;
+      Megatron, torchtitan). "cost": nanotron's, which balances an estimated cost per stage -- each
+      block 4 h (heads x head_dim) + 3 h ffn, the head V h, the embedding nothing -- greedily
+      (``plan.pipeline.cost_balanced_stage_layers``), so the stage holding the head gets fewer blocks.
     """
 
     loss: str = "torch"
@@ -198,6 +205,7 @@ class Kernels:
     experts_whole_on_tp: bool = True
     experts_tp: bool = False
     sp_regather: bool = False
+    pp_split: str = "layers"
 
     def __post_init__(self) -> None:
         # Each named-choice property and what its error calls it.
@@ -208,7 +216,8 @@ class Kernels:
                                     ("glu", "gated-MLP activation", GLU_KINDS),
                                     ("tp_overlap", "TP overlap", TP_OVERLAP_KINDS),
                                     ("attention_kernel", "attention kernel", ATTENTION_KERNELS),
-                                    ("grad_buffer", "gradient buffer", GRAD_BUFFER_KINDS)):
+                                    ("grad_buffer", "gradient buffer", GRAD_BUFFER_KINDS),
+                                    ("pp_split", "pipeline stage split", PP_SPLIT_KINDS)):
             if getattr(self, name) not in allowed:
                 raise unknown_choice(what, getattr(self, name), allowed)
         if self.experts_tp and (self.experts_whole_on_tp or self.ep_groups == "tp-dp"):
@@ -1275,7 +1284,7 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
     if sizes:
         raise ConfigError(f"tensor-parallel degree {layout.tp} does not divide the {sizes} of {spec.name} "
                           "(tensor parallel splits each); use a divisor of all of them.")
-    if layout.pp > 1 and spec.n_layers:
+    if layout.pp > 1 and spec.n_layers and not layout.stage_layers:
         stage_layer_ranges(spec.n_layers, layout.n_stages, layout.pp_first_stage_fewer)  # the layout's rule
 
     if grad_sync not in GRAD_SYNC_MODES:

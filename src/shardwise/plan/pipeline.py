@@ -25,9 +25,15 @@ torch's orders and prints both (equal for every schedule, p in 2..8, several m a
 
 from __future__ import annotations
 
-from shardwise.core.pp_schedules import schedule_info
+from typing import TYPE_CHECKING
 
-__all__ = ["bubble_fraction", "idle_ratio", "pipeline_degrees"]
+from shardwise.core.pp_schedules import schedule_info
+from shardwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardwise.plan.spec import ModelSpec
+
+__all__ = ["bubble_fraction", "cost_balanced_stage_layers", "idle_ratio", "pipeline_degrees"]
 
 
 def idle_ratio(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -57,3 +63,37 @@ def pipeline_degrees(n_layers: int | None, nodes: int) -> list[int]:
     """
     limit = n_layers or 0
     return [d for d in range(2, nodes + 1) if nodes % d == 0 and d <= limit]
+
+
+def cost_balanced_stage_layers(spec: ModelSpec, n_stages: int) -> tuple[int, ...]:
+    """The blocks of each of ``n_stages`` stages under nanotron's split (``Kernels.pp_split = "cost"``).
+
+    nanotron (``models/base.py`` build_model, ``get_block_compute_costs`` of its Llama and Qwen2)
+    walks its pipeline blocks in order -- the embedding (cost 0), the decoder layers (4 h (heads x
+    head_dim) + 3 h ffn each), the final norm (0), the head (V h), the loss (0) -- and gives each to
+    the current stage, moving on once the running total passes that stage's share of the whole
+    (k+1)/n: the stage that crosses its share keeps the block that crossed it. The head therefore
+    lands on the last stage, which gets fewer decoder layers.
+    """
+    h, heads, ffn, vocab, n = spec.hidden, spec.n_heads, spec.ffn_hidden, spec.vocab, spec.n_layers
+    if not (h and heads and ffn and vocab and n):
+        raise ConfigError(f"the cost-balanced pipeline split (pp_split=cost) needs {spec.name}'s shape "
+                          "(layers, hidden, heads, ffn, vocabulary); it is not known.")
+    block = 4 * heads * (h // heads) * h + 3 * ffn * h
+    costs = [0] + [block] * n + [0, vocab * h]  # embedding, layers, final norm, head (the loss costs 0)
+    total = sum(costs)
+    shares = [total * (k + 1) / n_stages for k in range(n_stages)]
+    sizes, stage, running = [0] * n_stages, 0, 0
+    for i, cost in enumerate(costs):
+        if 1 <= i <= n:
+            sizes[stage] += 1
+        running += cost
+        if i == len(costs) - 1:
+            break  # the head's stage is the output stage
+        if running > shares[stage]:
+            stage += 1
+    if stage != n_stages - 1 or any(k < 1 for k in sizes[1:-1]):
+        raise ConfigError(f"the cost-balanced pipeline split (pp_split=cost) of {spec.name}'s {n} layers into "
+                          f"{n_stages} stages leaves a stage without work ({list(sizes)} layers, the head on "
+                          f"stage {stage}); use fewer stages or pp_split=layers.")
+    return tuple(sizes)

@@ -70,9 +70,13 @@ VERDICTS = ("fits", "tight", "no")
 
 # -------------------------------------------------------------------------------------- ranking
 
-def runtime_ep_refusal(layout: Layout) -> str:
-    """Why shardwise's runtime refuses ``layout``'s ep ('' when it runs it): the layout rebuilt
-    with the runtime's expert-group rule ("dp-shard"), so Layout._check_ep stays the one owner."""
+def runtime_refusal(layout: Layout) -> str:
+    """Why shardwise's runtime refuses a layout planned under another stack's rules ('' when it runs
+    it): that stack's stage split (Kernels.pp_split), or its expert groups (the layout rebuilt with
+    the runtime's rule, "dp-shard", so Layout._check_ep stays the one owner)."""
+    if layout.stage_layers:
+        return (f"its pipeline stages hold {list(layout.stage_layers)} blocks (the stack's cost-balanced split, "
+                "pp_split=cost), and train splits them by block count (parallel.pp_first_stage_fewer).")
     if layout.ep_groups == "dp-shard":
         return ""
     try:
@@ -291,10 +295,10 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
             "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or add GPUs.")
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
-    if best is not None and (why := runtime_ep_refusal(best.layout)):
-        # Planned under another stack's expert groups (Kernels.ep_groups): train would refuse it.
-        warnings.append(f"{best.name} is planned with {work.kernels.ep_groups!r} expert groups (the --stack's rule), "
-                        f"which shardwise's train does not run: {why} No command printed.")
+    if best is not None and (why := runtime_refusal(best.layout)):
+        # Planned under another stack's rules (Kernels.ep_groups, Kernels.pp_split): train would refuse it.
+        warnings.append(f"{best.name} is planned under the --stack's rules, which shardwise's train does not "
+                        f"run: {why} No command printed.")
         commands = []
     offload: list = []
     if not cands and skipped:
@@ -327,5 +331,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
 
 
 def searched(work: Workload) -> Iterable[str]:
-    """The settings the plan searched (for headers and JSON)."""
-    return tuple(k for k in SEARCHABLE if k in work.search)
+    """The settings the plan searched (for headers and JSON); the end-stage lightening is not searched
+    under a stack that balances its stages itself (Kernels.pp_split, choices.first_stage_fewer_choices)."""
+    skip = ("pp_first_stage_fewer",) if work.kernels.pp_split != "layers" else ()
+    return tuple(k for k in SEARCHABLE if k in work.search and k not in skip)

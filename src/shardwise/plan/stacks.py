@@ -37,6 +37,10 @@ What each stack implies (the properties not named keep shardwise's defaults):
 rule itself: core/layout.py ``EP_GROUPS``); ``train`` still refuses it (``Layout._check_ep``).
 torchtitan keeps shardwise's rule here (its default expert-tensor-parallel = tp); its etp 1 folds
 ep over tp as well: ``--stack-set ep_groups=tp-dp`` says so.
+
+``pp_split = cost`` (no stack above implies it) is nanotron's pipeline split, balanced by a cost per
+block with the head counted (plan/pipeline.py ``cost_balanced_stage_layers``); planned, never run by
+``train``, which splits by block count.
 """
 
 from __future__ import annotations
