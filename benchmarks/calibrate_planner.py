@@ -250,6 +250,8 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
             extra["ep_groups"] = kernels.ep_groups
         if kernels.experts_tp:  # its experts tensor-parallel (plan --stack-set experts_tp=true)
             extra["experts_tp"] = True
+        if kernels.zero1_group:  # its ZeRO-1 shard group (plan --stack-set zero1_group=G)
+            extra["zero1_group"] = kernels.zero1_group
         work = Workload(seq=run["seq"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
                         precision=run["precision"], optimizer=run["optimizer"], checkpoint=run["checkpoint"],
                         attention=run["attention"], ac_every=run.get("ac_every", 2), grad_sync=run["grad_sync"],

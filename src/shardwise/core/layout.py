@@ -145,6 +145,10 @@ class Layout:
     # before its parallel folding), for the planner only (plan.memory.Kernels.experts_tp); the
     # runtime's TP plan keeps them whole on every TP rank and splits them by ep instead.
     experts_tp: bool = False
+    # ZeRO-1's optimizer-state shard group, for the planner only (plan.memory.Kernels.zero1_group):
+    # 0 shards over every data-parallel rank (the runtime, DeepSpeed, Megatron's distributed
+    # optimizer); g: each group of g consecutive dp ranks shards it, the groups replicate it.
+    zero1_group: int = 0
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0  # per step and per pipeline; 0: 2 x pp
@@ -199,6 +203,16 @@ class Layout:
         if info.max_world is not None and self.world_size > info.max_world:
             raise ConfigError(f"strategy {self.strategy!r} runs at most {info.max_world} rank(s).")
         set_(self, "shard", self._checked_shard(info))
+        if isinstance(self.zero1_group, bool) or not isinstance(self.zero1_group, int) or self.zero1_group < 0:
+            raise ConfigError(f"zero1_group must be an integer >= 0 (0: every data-parallel rank), got "
+                              f"{self.zero1_group!r}.")
+        if not self.zero1_group:
+            pass
+        elif info.dp_kind != "zero1" or self.zero1_group >= self.dp:
+            set_(self, "zero1_group", 0)  # nothing to group: not ZeRO-1, or the group is every dp rank
+        elif self.dp % self.zero1_group:
+            raise ConfigError(f"zero1_group={self.zero1_group} must divide the {self.dp} data-parallel ranks "
+                              "(ZeRO-1 shards its optimizer state within groups of that many).")
         offload = bool(info.offload)
         if self.offload is not None and bool(self.offload) != offload:
             raise ConfigError(f"strategy {self.strategy!r} {'always' if offload else 'never'} offloads; "
@@ -347,6 +361,11 @@ class Layout:
     def info(self) -> StrategyInfo:
         """The registry entry of the strategy (another stack's description for external layouts)."""
         return self.external or REGISTRY[self.strategy]
+
+    @property
+    def zero1_shards(self) -> int:
+        """Ranks a ZeRO-1 layout shards its optimizer state over: its group (zero1_group), else dp."""
+        return self.zero1_group or self.dp
 
     @property
     def sharding(self) -> str:
@@ -693,7 +712,7 @@ def _check_given_degrees(layout: Layout, options: ParallelConfig) -> None:
 
 def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: int | None = None,
                    n_blocks: int | None = None, block_path: str = "", ep_groups: str = "dp-shard",
-                   experts_tp: bool = False) -> Layout:
+                   experts_tp: bool = False, zero1_group: int = 0) -> Layout:
     """Return the layout of ``options`` on ``world_size`` ranks; ConfigError names what cannot work.
 
     ``ranks_per_node``: the default HSDP shard group (``parallel.hsdp_shard_size = 0``); the
@@ -701,6 +720,7 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
     stage ranges are computed and checked). ``ep_groups``: another stack's expert-group rule
     (EP_GROUPS), for the planner only; the runtime always resolves with its own. ``experts_tp``:
     the routed experts tensor-parallel over tp (``Layout.experts_tp``), for the planner only.
+    ``zero1_group``: another stack's ZeRO-1 shard group (``Layout.zero1_group``), for the planner only.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"the world size must be at least 1 rank, got {world_size!r}.")
@@ -743,6 +763,7 @@ def resolve_layout(options: ParallelConfig, world_size: int, *, ranks_per_node: 
         pp_stages_per_rank=options.pp_stages_per_rank, pp_microbatches=options.pp_microbatches,
         pp_first_stage_fewer=options.pp_first_stage_fewer, sequence_parallel=options.sequence_parallel,
         n_blocks=n_blocks, block_path=block_path, ep_groups=ep_groups, experts_tp=experts_tp,
+        zero1_group=zero1_group,
     )
     _check_given_degrees(layout, given)
     return layout

@@ -408,7 +408,8 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                     # describes another stack (--stack megatron), whose ep train would refuse.
                     layout = resolve_layout(options, world, ranks_per_node=g, n_blocks=spec.n_layers,
                                             ep_groups=work.kernels.ep_groups,
-                                            experts_tp=work.kernels.experts_tp)
+                                            experts_tp=work.kernels.experts_tp,
+                                            zero1_group=work.kernels.zero1_group)
                     if p > 1 and work.kernels.pp_split == "cost":  # the stack's own stage split
                         layout = dataclasses.replace(
                             layout, stage_layers=cost_balanced_stage_layers(spec, layout.n_stages))

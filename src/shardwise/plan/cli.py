@@ -405,7 +405,8 @@ def _settings(c: Candidate) -> dict:
     return {"checkpoint": c.checkpoint, "micro_batch": c.micro_batch, "grad_accum": c.grad_accum,
             "grad_sync": c.grad_sync, "pp_stages_per_rank": c.layout.pp_stages_per_rank,
             "pp_first_stage_fewer": c.layout.pp_first_stage_fewer,
-            "stage_layers": list(c.layout.stage_layers) or None, "cp": c.layout.cp,
+            "stage_layers": list(c.layout.stage_layers) or None, "zero1_group": c.layout.zero1_group or None,
+            "cp": c.layout.cp,
             "cp_impl": c.cp_impl if c.layout.cp > 1 else None,
             "ep": c.layout.ep, "loss_chunked": c.loss_chunked, "verdict": c.verdict}
 

@@ -169,9 +169,20 @@ def hardware_flops_per_token(spec: ModelSpec, seq: int, checkpoint: str, every: 
             + attention_flops_per_token(spec, seq) / 3 * share.attention)
 
 
-def all_reduce_s(n: int, size_bytes: float, gbs: float, calls: float = 0, alpha_s: float = 0.0) -> float:
-    """Ring all-reduce: 2(n-1)/n * S/B, plus 2(n-1) hops of latency per call."""
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * size_bytes / (gbs * 1e9) + calls * 2 * (n - 1) * alpha_s
+def all_reduce_s(n: int, size_bytes: float, gbs: float, calls: float = 0, alpha_s: float = 0.0,
+                 nodes: int = 1) -> float:
+    """All-reduce of S bytes over ``n`` ranks on ``nodes`` nodes: 2(n-1)/n * S/B, plus per call the
+    latency of the fewer hops NCCL's two algorithms take (its tuner, graph/tuning.cc, times both and
+    runs the faster): the ring's 2(n-1), or the double binary tree's 2((n/nodes - 1) + log2(nodes))
+    -- a chain through each node's ranks, a tree across the nodes (NCCL >= 2.4). Inside one node
+    the two are the same; across 128 nodes of 8 a call's 2,046 ring hops become 28. The bytes move
+    at the ring's bus rate either way (NCCL's trees reach it for large messages)."""
+    if n <= 1:
+        return 0.0
+    hops = 2 * (n - 1)
+    if nodes > 1:
+        hops = min(hops, 2 * (max(1, n // nodes) - 1) + 2 * math.ceil(math.log2(nodes)))
+    return 2 * (n - 1) / n * size_bytes / (gbs * 1e9) + calls * hops * alpha_s
 
 
 def all_gather_s(n: int, size_bytes: float, gbs: float, calls: float = 0, alpha_s: float = 0.0) -> float:
@@ -210,6 +221,14 @@ class Fabric:
             return self.intra_gbs
         per_node = max(1, min(group, self.gpus_per_node // max(stride, 1)))
         return min(self.intra_gbs, per_node * self.nic_gbs)
+
+    def nodes_spanned(self, group: int, stride: int) -> int:
+        """Nodes a group of ``group`` ranks ``stride`` ranks apart spans (its members per node as
+        ``collective_gbs`` counts them)."""
+        if group * stride <= self.gpus_per_node:
+            return 1
+        per_node = max(1, min(group, self.gpus_per_node // max(stride, 1)))
+        return math.ceil(group / per_node)
 
     def link_for(self, group: int, stride: int) -> float:
         """Alias of ``collective_gbs`` (older name)."""
@@ -348,10 +367,18 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         # Megatron's distributed optimizer (Kernels.dp_overlap): a bucketed reduce-scatter of the
         # gradients hidden behind the last micro-batch's backward (2/3 of its compute) and a
         # bucketed all-gather of the parameters behind the next step's first forward (1/3).
-        bw = fabric.collective_gbs(dp, tp)
-        buckets = math.ceil(local_params / max(40e6, 1e6 * dp))
-        rs = all_gather_s(dp, prec.grad * local_params, bw, buckets, alpha)
-        ag = all_gather_s(dp, prec.param * local_params, bw, buckets, alpha)
+        # Under a shard group of g < dp ranks (Kernels.zero1_group: Megatron's distributed-optimizer
+        # instances) the reduce-scatter and the all-gather stay inside the group, and each rank's
+        # 1/g shard of the gradients is all-reduced across the dp / g instances.
+        group = layout.zero1_shards
+        bw = fabric.collective_gbs(group, tp)
+        buckets = math.ceil(local_params / max(40e6, 1e6 * group))
+        rs = all_gather_s(group, prec.grad * local_params, bw, buckets, alpha)
+        ag = all_gather_s(group, prec.param * local_params, bw, buckets, alpha)
+        if group < dp:
+            copies = dp // group
+            rs += all_reduce_s(copies, prec.grad * local_params / group, fabric.collective_gbs(copies, tp * group),
+                               buckets, alpha, fabric.nodes_spanned(copies, tp * group))
         if expert_local:  # the experts' buffer: its own buckets over the expert data-parallel group
             ebw, ebuckets = fabric.collective_gbs(edp, edp_stride), math.ceil(expert_local / max(40e6, 1e6 * edp))
             rs += all_gather_s(edp, prec.grad * expert_local, ebw, ebuckets, alpha)
@@ -363,15 +390,17 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         # The gradient dtype, unless the stack casts for the collective (Kernels.grad_comm_bytes).
         grad_bytes = (kernels.grad_comm_bytes or prec.grad) * local_params
         if kernels.grad_allreduce_after_backward:  # one buffer, reduced after backward (Kernels)
-            ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha)
+            ar = all_reduce_s(dp, grad_bytes, bw, 1, alpha, fabric.nodes_spanned(dp, tp))
         else:
             buckets = ddp_bucket_count(spec, layout, kernels.grad_comm_bytes or prec.grad, calib.ddp_bucket_bytes,
                                        DDP_FIRST_BUCKET_BYTES)
-            ar = all_reduce_s(dp, grad_bytes, bw, buckets or math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha)
+            ar = all_reduce_s(dp, grad_bytes, bw, buckets or math.ceil(grad_bytes / calib.ddp_bucket_bytes), alpha,
+                              fabric.nodes_spanned(dp, tp))
         if expert_local:  # the experts' gradients: over the expert data-parallel group
             expert_bytes = (kernels.grad_comm_bytes or prec.grad) * expert_local
             ar += all_reduce_s(edp, expert_bytes, fabric.collective_gbs(edp, edp_stride),
-                               math.ceil(expert_bytes / calib.ddp_bucket_bytes), alpha)
+                               math.ceil(expert_bytes / calib.ddp_bucket_bytes), alpha,
+                               fabric.nodes_spanned(edp, edp_stride))
         if kernels.grad_allreduce_after_backward:
             exposed += ar
         else:
@@ -380,7 +409,10 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
             exposed += max(0.0, ar - compute_micro * 2 / 3)
         total += ar
         if sharding == "zero1":  # updated parameters are broadcast after the step: not overlapped
-            bc = all_gather_s(dp, prec.param * local_params, bw, len(spec.params) or 1, alpha)
+            # (within the shard group, Kernels.zero1_group: every dp rank unless the stack groups them)
+            group = layout.zero1_shards
+            bc = all_gather_s(group, prec.param * local_params, fabric.collective_gbs(group, tp),
+                              len(spec.params) or 1, alpha)
             if expert_local:
                 bc += all_gather_s(edp, prec.param * expert_local, fabric.collective_gbs(edp, edp_stride), 1, alpha)
             exposed += bc
@@ -404,7 +436,8 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
         total += comm
         if replicate > 1:  # HSDP: all-reduce of the shard across replicas, once per step
             ar = all_reduce_s(replicate, reduce_bytes(prec) * local_params / shard,
-                              fabric.collective_gbs(replicate, tp * shard), units, alpha)
+                              fabric.collective_gbs(replicate, tp * shard), units, alpha,
+                              fabric.nodes_spanned(replicate, tp * shard))
             exposed += max(0.0, ar - compute_micro * 2 / 3)
             total += ar
     if layout.offload:

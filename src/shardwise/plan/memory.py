@@ -187,6 +187,11 @@ class Kernels:
       Megatron, torchtitan). "cost": nanotron's, which balances an estimated cost per stage -- each
       block 4 h (heads x head_dim) + 3 h ffn, the head V h, the embedding nothing -- greedily
       (``plan.pipeline.cost_balanced_stage_layers``), so the stage holding the head gets fewer blocks.
+    * ``zero1_group``: the ranks a ZeRO-1 stack shards its optimizer state and master copy over. 0:
+      every data-parallel rank (shardwise, DeepSpeed ZeRO-1, Megatron's distributed optimizer). g:
+      each group of g consecutive dp ranks shards them and the dp / g groups replicate them, so the
+      updated parameters are gathered within the group only (InternEvo's ``zero1`` size,
+      Megatron-Core's ``--num-distributed-optimizer-instances`` dp / g). ``Layout.zero1_group``.
     """
 
     loss: str = "torch"
@@ -206,6 +211,7 @@ class Kernels:
     experts_tp: bool = False
     sp_regather: bool = False
     pp_split: str = "layers"
+    zero1_group: int = 0
 
     def __post_init__(self) -> None:
         # Each named-choice property and what its error calls it.
@@ -220,6 +226,9 @@ class Kernels:
                                     ("pp_split", "pipeline stage split", PP_SPLIT_KINDS)):
             if getattr(self, name) not in allowed:
                 raise unknown_choice(what, getattr(self, name), allowed)
+        if isinstance(self.zero1_group, bool) or not isinstance(self.zero1_group, int) or self.zero1_group < 0:
+            raise ConfigError(f"zero1_group={self.zero1_group!r}: the ZeRO-1 shard group is an integer >= 0 "
+                              "(0: every data-parallel rank).")
         if self.experts_tp and (self.experts_whole_on_tp or self.ep_groups == "tp-dp"):
             raise ConfigError(
                 "experts_tp=true (each TP rank a slice of every expert) needs experts_whole_on_tp=false "
@@ -543,7 +552,7 @@ def _state_bytes(spec: ModelSpec, layout: Layout, prec: Precision, optimizer: st
                 # Expert tensors split by ep have their state sharded over the expert data-parallel
                 # ranks instead (_state_bytes_one): only the others are dealt out over dp.
                 dealt = [0 if e else n for n, e in zip(numels, experts)] if experts else numels
-                owned = _zero1_owned(params, dealt, layout.dp)
+                owned = _zero1_owned(params, dealt, layout.zero1_shards)
                 if spec.params:
                     # ZeRO-1's ranks hold the same parameters and gradients and differ only in the
                     # optimizer state and master copy of the tensors each owns: the busiest is the
@@ -597,7 +606,7 @@ def _state_bytes_of(spec: ModelSpec, layout: Layout, prec: Precision, optimizer:
         out.grads = prec.grad * sum(n for n, p in zip(numels, params) if p.trainable)
         if layout.sharding == "zero1" and not spec.params:
             # Bare count: no tensor boundaries known, so assume an even split of the flat state.
-            share = math.ceil(numels[0] / layout.dp)
+            share = math.ceil(numels[0] / layout.zero1_shards)
             out.optimizer = tensor_state_bytes(params[0], (share,), optimizer)
             out.master = prec.master * share
             return out
@@ -605,8 +614,8 @@ def _state_bytes_of(spec: ModelSpec, layout: Layout, prec: Precision, optimizer:
             owned: range | list[int] = [i for i, p in enumerate(params) if p.trainable and not (experts and experts[i])]
         else:
             dealt = [0 if e else n for n, e in zip(numels, experts)] if experts else numels
-            owned = [i for i in (zero1_owned or _zero1_owned(params, dealt, layout.dp))[rank]
-                     if not (experts and experts[i])]
+            owned = [i for i in (zero1_owned or _zero1_owned(params, dealt, layout.zero1_shards))
+                     [rank % layout.zero1_shards] if not (experts and experts[i])]
         for i in owned:
             out.optimizer += tensor_state_bytes(params[i], params[i].shape, optimizer)
             out.master += prec.master * numels[i]

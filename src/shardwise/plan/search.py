@@ -72,8 +72,12 @@ VERDICTS = ("fits", "tight", "no")
 
 def runtime_refusal(layout: Layout) -> str:
     """Why shardwise's runtime refuses a layout planned under another stack's rules ('' when it runs
-    it): that stack's stage split (Kernels.pp_split), or its expert groups (the layout rebuilt with
-    the runtime's rule, "dp-shard", so Layout._check_ep stays the one owner)."""
+    it): that stack's ZeRO-1 group (Kernels.zero1_group), its stage split (Kernels.pp_split), or its
+    expert groups (the layout rebuilt with the runtime's rule, "dp-shard", so Layout._check_ep stays
+    the one owner)."""
+    if layout.zero1_group:
+        return (f"it shards ZeRO-1's optimizer state within groups of {layout.zero1_group} data-parallel ranks (the "
+                "stack's zero1_group), and train's ZeRO-1 shards it over all of them.")
     if layout.stage_layers:
         return (f"its pipeline stages hold {list(layout.stage_layers)} blocks (the stack's cost-balanced split, "
                 "pp_split=cost), and train splits them by block count (parallel.pp_first_stage_fewer).")

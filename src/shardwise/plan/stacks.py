@@ -40,7 +40,9 @@ ep over tp as well: ``--stack-set ep_groups=tp-dp`` says so.
 
 ``pp_split = cost`` (no stack above implies it) is nanotron's pipeline split, balanced by a cost per
 block with the head counted (plan/pipeline.py ``cost_balanced_stage_layers``); planned, never run by
-``train``, which splits by block count.
+``train``, which splits by block count. ``zero1_group = G`` (none implies it either) shards a ZeRO-1
+stack's optimizer state within groups of G data-parallel ranks (InternEvo's ``zero1`` size,
+Megatron-Core's distributed-optimizer instances); ``train`` shards over every dp rank.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def _value(key: str, text: str) -> Any:
         if text.lower() not in ("true", "false"):
             raise ConfigError(f"--stack-set {key}={text}: {key} is true or false.")
         return text.lower() == "true"
+    if isinstance(default, int):
+        if not text.isdigit():
+            raise ConfigError(f"--stack-set {key}={text}: {key} is a whole number >= 0.")
+        return int(text)
     return text
 
 
