@@ -521,7 +521,7 @@ def predict_step_time(spec: ModelSpec, cluster: Cluster, work: Workload, layout:
     return step_time(spec, layout, precision(work.precision), cluster.fabric(work.precision, calib), seq=work.seq,
                      micro_batch=work.micro_batch, grad_accum=accum, checkpoint=work.checkpoint,
                      every=work.ac_every, grad_sync=grad_sync or work.grad_sync, kernels=kernels, calib=calib,
-                     cp_impl=layout_cp_impl(spec, layout, work))
+                     cp_impl=layout_cp_impl(spec, layout, work), attention=work.attention)
 
 
 def predict_step_for_spec(spec: ModelSpec, layout: Layout, cfg: Any, *, seq: int, gpu_name: str,

@@ -114,10 +114,10 @@ FACTOR_BANDS: dict[str, dict[str, tuple[float, float]]] = {
 # jointly over all generations; the factors and the link efficiency per generation, each with a
 # weak prior (calibrate_planner.PRIORS, GENERATION_PRIORS) and inside FACTOR_BANDS.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_factor=0.7722, attention_factor=0.473, link_efficiency=0.6616,
-                        elementwise_passes=9.309, fragmentation=0.1428, fitted_runs=41),
-    "h100": Calibration("h100", matmul_factor=0.702, attention_factor=0.642, link_efficiency=0.7741,
-                        elementwise_passes=9.309, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_factor=0.7863, attention_factor=0.4738, link_efficiency=0.6813,
+                        elementwise_passes=9.653, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_factor=0.7064, attention_factor=0.643, link_efficiency=0.7736,
+                        elementwise_passes=9.653, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -271,8 +271,11 @@ class StepTime:
 
 def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
                           checkpoint: str, every: int, calib: Calibration, tp: int = 1, pp: int = 1,
-                          kernels: Kernels = SHARDWISE_KERNELS) -> float:
-    """Seconds one GPU computes on one micro-batch (its 1/(tp*pp) share of the replica's work)."""
+                          kernels: Kernels = SHARDWISE_KERNELS, attention: str = "sdpa") -> float:
+    """Seconds one GPU computes on one micro-batch (its 1/(tp*pp) share of the replica's work).
+
+    ``attention`` "math" materialises each head's s x s scores (softmax, dropout): their bytes join
+    the memory-bound traffic, as every tensor a block saves for backward does."""
     tokens = seq * micro_batch
     share = recompute_share(spec, checkpoint, every)
     attn = attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
@@ -282,7 +285,7 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
     if spec.has_structure:
         # Memory-bound ops: proportional to what they save for backward (per block and the loss),
         # and repeated for the recomputed share of the forward.
-        layer = layer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
+        layer = layer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels, attention=attention)
         outer = outer_activation_bytes(spec, seq, micro_batch, prec.act, kernels=kernels)
         moved = calib.elementwise_passes * ((spec.n_layers or 0) * layer * (1 + share.elementwise / 3) + outer)
         t += moved / (fabric.mem_bw_tbs * 1e12)
@@ -292,7 +295,7 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
 def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, *, seq: int, micro_batch: int,
               grad_accum: int, checkpoint: str = "none", every: int = 2, grad_sync: str = "step",
               kernels: Kernels = SHARDWISE_KERNELS, offload_state_bytes: int = 0,
-              calib: Calibration = DEFAULT_CALIBRATION, cp_impl: str = "alltoall") -> StepTime:
+              calib: Calibration = DEFAULT_CALIBRATION, cp_impl: str = "alltoall", attention: str = "sdpa") -> StepTime:
     """Predicted time of one optimizer step (``grad_accum`` micro-batches per data-parallel replica).
 
     ``cp_impl``: how context parallel moves the sequence (plan/cp.py): the all-to-alls (not
@@ -306,13 +309,13 @@ def step_time(spec: ModelSpec, layout: Layout, prec: Precision, fabric: Fabric, 
     tokens_micro = seq * micro_batch
     compute_micro = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch,
                                           checkpoint=checkpoint, every=every, calib=calib, tp=tp, pp=pp,
-                                          kernels=kernels)
+                                          kernels=kernels, attention=attention)
     # The zero-bubble schedules recompute a checkpointed block in each of their two backward passes
     # (core/pp_schedules.recompute_passes): the second costs what the first does.
     passes = recompute_passes(layout.pp_schedule) if pp > 1 and checkpoint != "none" else 1
     if passes > 1:
         plain = micro_batch_compute_s(spec, prec, fabric, seq=seq, micro_batch=micro_batch, checkpoint="none",
-                                      every=every, calib=calib, tp=tp, pp=pp, kernels=kernels)
+                                      every=every, calib=calib, tp=tp, pp=pp, kernels=kernels, attention=attention)
         compute_micro += (passes - 1) * (compute_micro - plain)
     # Context parallel (plan/cp.py): each rank computes 1/cp of every sequence (attention: the
     # whole sequence for heads/cp heads, or its queries against every K/V block on the ring), plus
