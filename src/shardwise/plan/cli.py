@@ -502,8 +502,8 @@ def format_table(plan: Plan) -> str:
                  "+ bubble; verdict: fits the budget, tight = over the budget but within the device's memory, "
                  "no = above it; ckpt/mb/sync: the settings chosen for that layout)")
     cal = plan.calibration
-    mm, at = (presets.ceiling(c.gpu, op, w.precision)[0]
-              for op in ("matmul", presets.attention_op(w.kernels.attention_kernel)))
+    mm = presets.ceiling(c.gpu, "matmul", w.precision)[0]
+    at = presets.attention_ceiling(c.gpu, w.kernels.attention_kernel, w.precision)[0]
     lines.append(f"(calibration {cal.name!r}: of peak, matmul {mm:.2f} ceiling x {cal.matmul_factor:.2f} "
                  f"fitted = {mm * cal.matmul_factor:.2f}, attention ({w.kernels.attention_kernel}) {at:.2f} x "
                  f"{cal.attention_factor:.2f} = "

@@ -50,14 +50,18 @@ from shardwise.plan.memory import (
 from shardwise.plan.moe import all_to_all_s as ep_all_to_all_s
 from shardwise.plan.moe import inactive_matmul_params
 from shardwise.plan.pipeline import idle_ratio
-from shardwise.plan.presets import UNMEASURED_CEILINGS
+from shardwise.plan.presets import FLASH1_OF_FLASH2, UNMEASURED_CEILINGS, training_attention_fraction
 from shardwise.plan.spec import ModelSpec
 
-# Typical fractions of the dense peak where nothing better is known (large training GEMMs at 0.6,
-# flash attention at 0.5 on unhalved FLOPs): the weak priors of the calibration fit
-# (benchmarks/calibrate_planner.py) and, over the unmeasured GPUs' ceilings, a hand-built
-# Calibration's factors.
-TYPICAL_OF_PEAK: dict[str, float] = {"matmul": 0.6, "attention": 0.5}
+# Typical fractions of the dense peak where nothing better is known: the weak priors of the
+# calibration fit (benchmarks/calibrate_planner.py) and, over the unmeasured GPUs' ceilings, a
+# hand-built Calibration's factors. Large training GEMMs at 0.6; flash attention at
+# FlashAttention-2's typical A100 rate, the midpoint of its published 50-73 % of peak (Dao 2023,
+# arXiv:2307.08691, abstract; FLOPs a causal kernel runs), in the planner's convention
+# (presets.training_attention_fraction: unhalved causal FLOPs, backward = 2 forwards): 1.05.
+# It was 0.5 until 2026-11-29: the published percentage taken as a fraction of the unhalved FLOPs,
+# half the rate the paper measured.
+TYPICAL_OF_PEAK: dict[str, float] = {"matmul": 0.6, "attention": training_attention_fraction(0.615, 0.615)}
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,10 @@ FACTOR_BANDS: dict[str, dict[str, tuple[float, float]]] = {
 # jointly over all generations; the factors and the link efficiency per generation, each with a
 # weak prior (calibrate_planner.PRIORS, GENERATION_PRIORS) and inside FACTOR_BANDS.
 CALIBRATIONS: dict[str, Calibration] = {
-    "a100": Calibration("a100", matmul_factor=0.7863, attention_factor=0.4738, link_efficiency=0.6813,
-                        elementwise_passes=9.653, fragmentation=0.1428, fitted_runs=41),
-    "h100": Calibration("h100", matmul_factor=0.7064, attention_factor=0.643, link_efficiency=0.7736,
-                        elementwise_passes=9.653, fragmentation=0.1428, fitted_runs=20),
+    "a100": Calibration("a100", matmul_factor=0.7712, attention_factor=0.9999, link_efficiency=0.6908,
+                        elementwise_passes=9.616, fragmentation=0.1428, fitted_runs=41),
+    "h100": Calibration("h100", matmul_factor=0.7291, attention_factor=0.9999, link_efficiency=0.7615,
+                        elementwise_passes=9.616, fragmentation=0.1428, fitted_runs=20),
 }
 
 # GPUs no published run calibrates (L40S, RTX 4090, MI300X, a custom spec without a calibration
@@ -240,8 +244,11 @@ class Fabric:
 
     def attention_flops_per_s(self, calib: Calibration, kernel: str = "flash2") -> float:
         """The rate of the attention core on unhalved FLOPs: peak x the measured ceiling of ``kernel``
-        (memory.ATTENTION_KERNELS: "flash2" FlashAttention-2, "flash3" the GPU's best) x the fitted factor."""
+        (memory.ATTENTION_KERNELS: "flash1" FlashAttention-1's class, "flash2" FlashAttention-2, "flash3" the
+        GPU's best) x the fitted factor."""
         top = self.attention_ceiling if kernel == "flash3" else self.attention_flash2_ceiling
+        if kernel == "flash1":
+            top *= FLASH1_OF_FLASH2
         return self.peak_tflops * 1e12 * top * calib.attention_factor
 
 
@@ -280,8 +287,11 @@ def micro_batch_compute_s(spec: ModelSpec, prec: Precision, fabric: Fabric, *, s
     share = recompute_share(spec, checkpoint, every)
     attn = attention_flops_per_token(spec, seq) * (1 + share.attention / 3)
     matmul = hardware_flops_per_token(spec, seq, checkpoint, every) - attn
-    t = tokens * (matmul / fabric.matmul_flops_per_s(calib)
-                  + attn / fabric.attention_flops_per_s(calib, kernels.attention_kernel))
+    # Without a fused kernel ("math") the scores and the weighted sum are cuBLAS batched matmuls over
+    # the whole s x s (the causal mask applied after): the unhalved FLOPs, at the matmul rate.
+    attn_rate = (fabric.matmul_flops_per_s(calib) if attention == "math"
+                 else fabric.attention_flops_per_s(calib, kernels.attention_kernel))
+    t = tokens * (matmul / fabric.matmul_flops_per_s(calib) + attn / attn_rate)
     if spec.has_structure:
         # Memory-bound ops: proportional to what they save for backward (per block and the loss),
         # and repeated for the recomputed share of the forward.

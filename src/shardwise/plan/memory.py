@@ -70,7 +70,7 @@ STATE_KINDS = ("fp32-params", "master-copy")
 NORM_KINDS = ("eager", "fused")
 # How a gated MLP (SwiGLU, GeGLU) keeps its activation for backward (Kernels.glu).
 GLU_KINDS = ("eager", "fused")
-ATTENTION_KERNELS = ("flash2", "flash3")
+ATTENTION_KERNELS = ("flash1", "flash2", "flash3")
 # How a stack overlaps its tensor-parallel collectives with the matmuls (Kernels.tp_overlap).
 TP_OVERLAP_KINDS = ("none", "backward", "full")
 GRAD_BUFFER_KINDS = ("ddp", "contiguous", "deepspeed-bf16")
@@ -106,7 +106,11 @@ class Kernels:
       backend, first in SDPA's priority on every GPU: shardwise's and torchtitan's attention);
       "flash3" a Hopper kernel, FlashAttention-3 or cuDNN's fused attention (Transformer Engine
       prefers cuDNN's on Hopper: Megatron-Core, NeMo). On a GPU with no newer kernel (the A100)
-      both rate at FlashAttention-2's figure.
+      both rate at FlashAttention-2's figure. "flash1": FlashAttention-1's class (FlashAttention,
+      its Triton port that MPT runs as attn_impl "triton", xformers' memory-efficient kernel), half
+      FlashAttention-2's rate (presets.FLASH1_OF_FLASH2). With ``--attention math`` (no fused kernel)
+      the attention's two batched matmuls run at the matmul rate on the FLOPs they execute, the
+      whole s x s (cost.micro_batch_compute_s), and this property does not apply.
     * ``tp_overlap``: how the TP collectives overlap the matmuls. "none" (shardwise: torch's tensor
       parallel, every collective on the critical path); "backward" (Megatron-LM's linear layers
       without --tp-comm-overlap, nanotron's async linears): only the column-parallel linears'
@@ -1337,17 +1341,21 @@ def memory_breakdown(spec: ModelSpec, layout: Layout, prec: Precision, optimizer
         unwrapped = layers_here - checkpointed_blocks(layers_here, checkpoint, every)
         act = replace(act, saved=act.saved + unwrapped * per_layer)
     last_share = 0
-    if layout.pp > 1 and spec.has_structure and layout.external is None:
-        # torch's schedule keeps each stage's output in its forward cache until that micro-batch's
-        # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
-        # under TP), beside what the stage's modules saved. A rehearsed llama-3-405b first stage held
-        # 32 MiB a micro-batch more than its blocks' (its boundary), the last its 250 MiB of logits.
-        # (A fused loss's kept logits are that tensor: outer_activation_bytes counts them already.)
+    if layout.pp > 1 and spec.has_structure:
         last = layout.holds_last_stage(stage)
-        output = (0 if kernels.loss in ("fused", "compiled") else
-                  seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act) if last \
-            else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
-        act = replace(act, saved=act.saved + output, outer=act.outer + output)
+        output = 0
+        if layout.external is None:
+            # torch's schedule keeps each stage's output in its forward cache until that micro-batch's
+            # backward: the boundary tensor a stage sends on, or the last stage's logits (vocabulary-split
+            # under TP), beside what the stage's modules saved. A rehearsed llama-3-405b first stage held
+            # 32 MiB a micro-batch more than its blocks' (its boundary), the last its 250 MiB of logits.
+            # (A fused loss's kept logits are that tensor: outer_activation_bytes counts them already.)
+            output = (0 if kernels.loss in ("fused", "compiled") else
+                      seq // cp_degree(layout) * micro_batch * (spec.vocab or 0) // layout.tp * prec.act) if last \
+                else stage_boundary_bytes(spec, layout, seq, micro_batch, prec.act)
+            act = replace(act, saved=act.saved + output, outer=act.outer + output)
+        # Any interleaved schedule (torch's, Megatron's: its last rank runs each loss-chunk micro-batch's
+        # backward right after its forward) holds the last stage's tensors for one micro-batch at a time.
         if last and layout.pp_stages_per_rank > 1:
             # The last stage's share of one micro-batch (its blocks, final norm, head input, loss and
             # logits): a loss stage runs each micro-batch's backward right after its forward, so the

@@ -229,10 +229,28 @@ UNMEASURED_CEILINGS: dict[str, float] = {
 }
 
 
+# FlashAttention-1's class (FlashAttention, its Triton port -- MPT's attn_impl "triton" --, xformers'
+# memory-efficient kernel) against FlashAttention-2's on the same GPU: "about 2x speedup compared to
+# FlashAttention" (Dao 2023, arXiv:2307.08691, abstract; FlashAttention at "25-40 % of the
+# theoretical maximum FLOPs/s" of the A100 there, which half of FlashAttention-2's 1.124 lies in).
+FLASH1_OF_FLASH2 = 0.5
+
+
+def attention_ceiling(g: GPU, kernel: str, precision: str) -> tuple[float, str]:
+    """The ceiling of attention kernel class ``kernel`` (memory.ATTENTION_KERNELS) on ``g``: its
+    own row, or for "flash1" FlashAttention-2's times FLASH1_OF_FLASH2."""
+    if kernel == "flash1":
+        fraction, source = ceiling(g, "attention-flash2", precision)
+        return fraction * FLASH1_OF_FLASH2, (f"{source}; x {FLASH1_OF_FLASH2} for FlashAttention-1's class "
+                                             "(arXiv:2307.08691, abstract)" if source else "")
+    return ceiling(g, attention_op(kernel), precision)
+
+
 def attention_op(kernel: str) -> str:
     """The KERNEL_CEILINGS op key of an attention kernel class (memory.ATTENTION_KERNELS): "flash3"
     rates at each GPU's best published attention kernel ("attention": FlashAttention-3 / cuDNN on
-    Hopper, FlashAttention-2 where nothing newer runs), "flash2" at FlashAttention-2's own figure."""
+    Hopper, FlashAttention-2 where nothing newer runs), "flash2" at FlashAttention-2's own figure
+    ("flash1": FlashAttention-2's row too, scaled by attention_ceiling)."""
     return "attention" if kernel == "flash3" else "attention-flash2"
 
 
