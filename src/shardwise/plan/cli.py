@@ -504,10 +504,12 @@ def format_table(plan: Plan) -> str:
     cal = plan.calibration
     mm = presets.ceiling(c.gpu, "matmul", w.precision)[0]
     at = presets.attention_ceiling(c.gpu, w.kernels.attention_kernel, w.precision)[0]
+    # --attention math: no fused kernel, its batched matmuls run at the matmul rate (cost.micro_batch_compute_s).
+    attention = ("attention (math) as batched matmuls at the matmul rate" if w.attention == "math" else
+                 f"attention ({w.kernels.attention_kernel}) {at:.2f} x {cal.attention_factor:.2f} = "
+                 f"{at * cal.attention_factor:.2f} (unhalved causal FLOPs)")
     lines.append(f"(calibration {cal.name!r}: of peak, matmul {mm:.2f} ceiling x {cal.matmul_factor:.2f} "
-                 f"fitted = {mm * cal.matmul_factor:.2f}, attention ({w.kernels.attention_kernel}) {at:.2f} x "
-                 f"{cal.attention_factor:.2f} = "
-                 f"{at * cal.attention_factor:.2f} (unhalved causal FLOPs), links {cal.link_efficiency:.2f} of line "
+                 f"fitted = {mm * cal.matmul_factor:.2f}, {attention}, links {cal.link_efficiency:.2f} of line "
                  "rate; " + (f"fitted on {cal.fitted_runs} published runs)" if cal.fitted_runs else "not fitted)"))
     if w.optimizer == "muon" and plan.recommended:
         lines.append(muon_line(s, plan.recommended.layout))
