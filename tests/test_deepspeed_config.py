@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -186,18 +187,29 @@ def test_plan_recommends_offload_when_nothing_fits_and_its_command_passes_dry_ru
     assert "every check passed" in capsys.readouterr().out
 
 
-@pytest.mark.deepspeed_ops  # plants a lock in the real op cache: never beside scripts/test's background build
-def test_a_killed_build_leaves_no_lock_that_hangs_the_next_run():
+@pytest.mark.deepspeed_ops  # needs the ops scripts/test builds before the suite
+def test_a_killed_build_leaves_no_lock_that_hangs_the_next_run(tmp_path):
     """torch waits forever on the ``lock`` a killed JIT build leaves in the op's folder; the next
-    run's build_ops (under shardwise's flock, which dies with its holder) clears it and loads."""
+    run's build_ops (under shardwise's flock, which dies with its holder) clears it and loads.
+
+    The lock is planted in a private copy of the built ops, never in the per-user cache every other
+    DeepSpeed test loads from: planted there, a DeepSpeed test of the other shard that reached its
+    load in the meantime waited on it while holding the flock, this test's build_ops waited on that
+    flock, timed out, and left the lock behind -- every later DeepSpeed run on the machine hung
+    (2026-11-29, a fresh-clone ``scripts/test``)."""
     pytest.importorskip("deepspeed")
     from shardwise.parallel.deepspeed.setup import prepare_environment
 
     prepare_environment()
-    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root, shared = tmp_path / "torch_extensions", Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    # The built ops, timestamps kept (ninja then has nothing to rebuild), no lock of another run;
+    # where scripts/test has not built them (a test run alone), this run builds them here.
+    if shared.is_dir():
+        shutil.copytree(shared, root, ignore=shutil.ignore_patterns("lock"))
     (root / "cpu_adam").mkdir(parents=True, exist_ok=True)
     (root / "cpu_adam" / "lock").touch()  # what a build killed midway leaves
     code = "from shardwise.parallel.deepspeed.setup import build_ops; print(*build_ops())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)})
     assert done.returncode == 0 and "cpu_adam" in done.stdout.split(), done.stdout + done.stderr
     assert not (root / "cpu_adam" / "lock").exists()
