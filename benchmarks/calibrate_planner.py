@@ -61,7 +61,7 @@ from shardwise.plan.cost import (  # noqa: E402
     flops_per_token,  # noqa: E402
 )
 from shardwise.plan.memory import Kernels, Layout  # noqa: E402
-from shardwise.plan.pipeline import cost_balanced_stage_layers  # noqa: E402
+from shardwise.plan.pipeline import with_stack_split  # noqa: E402
 from shardwise.plan.presets import attention_op, ceiling, gpu, gpu_from_dict, model_preset  # noqa: E402
 from shardwise.plan.spec import ROOT_UNIT, ModelSpec, ParamInfo, from_gpt2_like, from_hf_config_dict  # noqa: E402
 from shardwise.plan.stacks import stack_settings  # noqa: E402
@@ -261,8 +261,7 @@ def load_cases(data: dict[str, Any]) -> list[Case]:
         refused = ""
         try:
             layout = run_layout(run["strategy"], dp, tp, pp, **extra)
-            if pp > 1 and kernels.pp_split == "cost":  # its cost-balanced stages (plan --stack-set pp_split=cost)
-                layout = dataclasses.replace(layout, stage_layers=cost_balanced_stage_layers(spec, layout.n_stages))
+            layout = with_stack_split(spec, layout, kernels.pp_split)  # plan --stack-set pp_split=cost
             if pp > 1 and spec.n_layers:  # the layout's stage split (a stage per rank and layer at most)
                 layout.with_blocks(spec.n_layers)
             if run.get("cp", 1) > 1 and spec.moe is not None and spec.family not in CP_FAMILIES:

@@ -206,11 +206,9 @@ class Layout:
         if isinstance(self.zero1_group, bool) or not isinstance(self.zero1_group, int) or self.zero1_group < 0:
             raise ConfigError(f"zero1_group must be an integer >= 0 (0: every data-parallel rank), got "
                               f"{self.zero1_group!r}.")
-        if not self.zero1_group:
-            pass
-        elif info.dp_kind != "zero1" or self.zero1_group >= self.dp:
+        if self.zero1_group and (info.dp_kind != "zero1" or self.zero1_group >= self.dp):
             set_(self, "zero1_group", 0)  # nothing to group: not ZeRO-1, or the group is every dp rank
-        elif self.dp % self.zero1_group:
+        elif self.zero1_group and self.dp % self.zero1_group:
             raise ConfigError(f"zero1_group={self.zero1_group} must divide the {self.dp} data-parallel ranks "
                               "(ZeRO-1 shards its optimizer state within groups of that many).")
         offload = bool(info.offload)

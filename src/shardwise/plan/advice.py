@@ -41,7 +41,7 @@ from shardwise.plan.memory import (
     precision,
     unplanned_caveat,
 )
-from shardwise.plan.pipeline import cost_balanced_stage_layers
+from shardwise.plan.pipeline import with_stack_split
 from shardwise.plan.predict import RUNTIME_PRECISIONS, compute_precision, loss_kernels, planner_batch
 from shardwise.plan.preference import OBJECTIVES, REFERENCES, dpo_breakdown, dpo_layout_refusal, dpo_step_time
 from shardwise.plan.presets import GPU, Link, ceiling, gpu, link
@@ -410,9 +410,7 @@ def candidate_layouts(spec: ModelSpec, cluster: Cluster, work: Workload, tp: int
                                             ep_groups=work.kernels.ep_groups,
                                             experts_tp=work.kernels.experts_tp,
                                             zero1_group=work.kernels.zero1_group)
-                    if p > 1 and work.kernels.pp_split == "cost":  # the stack's own stage split
-                        layout = dataclasses.replace(
-                            layout, stage_layers=cost_balanced_stage_layers(spec, layout.n_stages))
+                    layout = with_stack_split(spec, layout, work.kernels.pp_split)  # the stack's own stage split
                 except ConfigError as e:
                     errors.append(e)
                     continue

@@ -223,16 +223,17 @@ class Fabric:
         """
         if group * stride <= self.gpus_per_node:
             return self.intra_gbs
-        per_node = max(1, min(group, self.gpus_per_node // max(stride, 1)))
-        return min(self.intra_gbs, per_node * self.nic_gbs)
+        return min(self.intra_gbs, self._members_per_node(group, stride) * self.nic_gbs)
+
+    def _members_per_node(self, group: int, stride: int) -> int:
+        """Members of a group of ``group`` ranks ``stride`` apart that share a node (one at least)."""
+        return max(1, min(group, self.gpus_per_node // max(stride, 1)))
 
     def nodes_spanned(self, group: int, stride: int) -> int:
-        """Nodes a group of ``group`` ranks ``stride`` ranks apart spans (its members per node as
-        ``collective_gbs`` counts them)."""
+        """Nodes a group of ``group`` ranks ``stride`` ranks apart spans."""
         if group * stride <= self.gpus_per_node:
             return 1
-        per_node = max(1, min(group, self.gpus_per_node // max(stride, 1)))
-        return math.ceil(group / per_node)
+        return math.ceil(group / self._members_per_node(group, stride))
 
     def link_for(self, group: int, stride: int) -> float:
         """Alias of ``collective_gbs`` (older name)."""

@@ -25,15 +25,17 @@ torch's orders and prints both (equal for every schedule, p in 2..8, several m a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from shardwise.core.pp_schedules import schedule_info
 from shardwise.errors import ConfigError
 
 if TYPE_CHECKING:
+    from shardwise.core.layout import Layout
     from shardwise.plan.spec import ModelSpec
 
-__all__ = ["bubble_fraction", "cost_balanced_stage_layers", "idle_ratio", "pipeline_degrees"]
+__all__ = ["bubble_fraction", "cost_balanced_stage_layers", "idle_ratio", "pipeline_degrees", "with_stack_split"]
 
 
 def idle_ratio(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -97,3 +99,11 @@ def cost_balanced_stage_layers(spec: ModelSpec, n_stages: int) -> tuple[int, ...
                           f"{n_stages} stages leaves a stage without work ({list(sizes)} layers, the head on "
                           f"stage {stage}); use fewer stages or pp_split=layers.")
     return tuple(sizes)
+
+
+def with_stack_split(spec: ModelSpec, layout: Layout, pp_split: str) -> Layout:
+    """``layout`` with the stage split of the stack's ``pp_split`` (``Kernels.pp_split``): unchanged for
+    "layers" (the runtime's rule) or without a pipeline; nanotron's cost-balanced split for "cost"."""
+    if pp_split != "cost" or layout.pp == 1:
+        return layout
+    return dataclasses.replace(layout, stage_layers=cost_balanced_stage_layers(spec, layout.n_stages))

@@ -300,7 +300,7 @@ def make_plan(spec: ModelSpec, cluster: Cluster, work: Workload, *, tp: int | No
     rejected = [f"{c.name}: {reason(c, best, cluster, work)}" for c in cands if c is not best]
     commands = launch_commands(best, cluster, work, run_name=spec.name) if best else []
     if best is not None and (why := runtime_refusal(best.layout)):
-        # Planned under another stack's rules (Kernels.ep_groups, Kernels.pp_split): train would refuse it.
+        # Planned under another stack's rules (runtime_refusal): train would refuse it.
         warnings.append(f"{best.name} is planned under the --stack's rules, which shardwise's train does not "
                         f"run: {why} No command printed.")
         commands = []
